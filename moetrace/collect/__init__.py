@@ -1,0 +1,139 @@
+"""Collectors: one module per source format, each turning files into canonical tables.
+
+A collector module registers itself with :func:`register` at import time. It knows its
+format and nothing about metrics. :func:`ingest` detects the format of every input (or
+takes ``format``), runs the collectors, validates every resulting table against the
+contract and the run's shape, and only then writes to the store, one transaction per run.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import InputError
+
+
+@dataclass
+class RunData:
+    """What a collector returns for one run: the runs row and its tables."""
+
+    run: dict
+    tables: dict[str, object]
+    run_id_hint: str = "run"
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Collector:
+    name: str
+    description: str
+    #: sniff(path, head_bytes) -> True when the file is in this format (cheap: extension,
+    #: first bytes). Folders are expanded before sniffing.
+    sniff: Callable[[Path, bytes], bool]
+    #: collect(paths, options) -> list[RunData]; paths are all files routed to this collector.
+    collect: Callable[[list[Path], dict], list[RunData]]
+    #: sniff order: lower first (specific formats before generic ones)
+    priority: int = 50
+
+
+_REGISTRY: dict[str, Collector] = {}
+_LOADED = False
+
+
+def register(collector: Collector) -> Collector:
+    _REGISTRY[collector.name] = collector
+    return collector
+
+
+def registry() -> dict[str, Collector]:
+    global _LOADED
+    if not _LOADED:
+        for mod in pkgutil.iter_modules(__path__):
+            if not mod.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{mod.name}")
+        _LOADED = True
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].priority, kv[0])))
+
+
+def expand(paths: Sequence[str | Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise InputError(p, "no such file or folder")
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+            if not files:
+                raise InputError(p, "folder holds no files")
+            out.extend(files)
+        else:
+            out.append(p)
+    return out
+
+
+def head(path: Path, n: int = 4096) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError as e:
+        raise InputError(path, f"cannot read: {e.strerror}") from None
+
+
+def detect(path: Path) -> Collector:
+    h = head(path)
+    if not h:
+        raise InputError(path, "file is empty")
+    for c in registry().values():
+        try:
+            if c.sniff(path, h):
+                return c
+        except InputError:
+            raise
+        except Exception:  # a sniffer must never crash detection
+            continue
+    raise InputError(path, "unknown file type (use --format; known formats: " + ", ".join(registry()) + ")")
+
+
+def collect(paths: Sequence[str | Path], format: str | None = None, options: dict | None = None) -> list[RunData]:
+    """Detect and run collectors; returns validated RunData, writes nothing."""
+    from .checks import validate_run
+
+    options = dict(options or {})
+    files = expand(paths)
+    groups: dict[str, list[Path]] = {}
+    if format:
+        reg = registry()
+        if format not in reg:
+            raise InputError(None, f"unknown --format {format!r} (known: {', '.join(reg)})")
+        for f in files:
+            if not head(f, 1):
+                raise InputError(f, "file is empty")
+        groups[format] = files
+    else:
+        for f in files:
+            groups.setdefault(detect(f).name, []).append(f)
+    out: list[RunData] = []
+    for name, fs in groups.items():
+        for rd in registry()[name].collect(fs, options):
+            rd.run.setdefault("collector", name)
+            if not rd.files:
+                rd.files = [str(f) for f in fs]
+            out.append(validate_run(rd, options))
+    return out
+
+
+def ingest(store, paths: Sequence[str | Path], format: str | None = None, options: dict | None = None,
+           run_id: str | None = None) -> list:
+    """Collect ``paths`` and write each run to ``store``. Nothing is written unless every
+    input collected and validated. Returns the store's WriteResults."""
+    runs = collect(paths, format=format, options=options)
+    if run_id and len(runs) > 1:
+        raise InputError(None, f"--run-id given but the inputs make {len(runs)} runs")
+    results = []
+    for rd in runs:
+        hint = run_id or rd.run.get("run_id") or rd.run_id_hint
+        rd.run.pop("run_id", None)
+        results.append(store.write_run(rd.run, rd.tables, run_id=store.unique_run_id(hint) if not run_id else run_id))
+    return results

@@ -1,0 +1,84 @@
+"""Checks every ingested run passes before it is written: contract types (via
+schema.conform), non-negative counts, ids inside the run's shape, conservation."""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import schema
+from ..errors import InputError
+
+
+def _first_bad(mask: pa.ChunkedArray) -> int:
+    return pc.index(mask, True).as_py()
+
+
+def _check_range(rd, table: str, tbl: pa.Table, column: str, upper: int | None) -> None:
+    if column not in tbl.column_names or tbl.num_rows == 0:
+        return
+    arr = tbl.column(column)
+    mn = pc.min(arr).as_py()
+    if mn is not None and mn < 0:
+        i = _first_bad(pc.fill_null(pc.less(arr, 0), False))
+        raise InputError(_file(rd), f"{table}.{column} = {arr[i].as_py()} is negative", f"row {i}")
+    if upper is not None:
+        mx = pc.max(arr).as_py()
+        if mx is not None and mx >= upper:
+            i = _first_bad(pc.fill_null(pc.greater_equal(arr, upper), False))
+            raise InputError(_file(rd), f"{table}.{column} = {arr[i].as_py()} is outside the run's shape (0..{upper - 1})",
+                             f"row {i}")
+
+
+def _file(rd) -> str:
+    return ", ".join(rd.files) if rd.files else rd.run.get("source", "<input>")
+
+
+def validate_run(rd, options: dict):
+    """Conform every table of ``rd`` (non-streamed ones) and check ids and counts."""
+    run = rd.run
+    conformed = {}
+    for name, data in rd.tables.items():
+        if isinstance(data, (pa.Table, dict)) or hasattr(data, "to_arrow"):
+            try:
+                t = data if isinstance(data, pa.Table) else (pa.table(data) if isinstance(data, dict) else data.to_arrow())
+                if "run_id" not in t.column_names:
+                    t = t.append_column("run_id", pa.array(["_"] * t.num_rows, pa.string()))
+                t = schema.conform(name, t, file=_file(rd))
+                conformed[name] = t.drop_columns(["run_id"])
+            except InputError:
+                raise
+        else:
+            conformed[name] = data  # streamed: conformed chunk by chunk when written
+    rd.tables = conformed
+    L, E = run.get("num_layers"), run.get("num_experts")
+    slots = run.get("num_slots")
+    R = run.get("num_ranks")
+    for name in ("expert_load", "routing"):
+        t = rd.tables.get(name)
+        if isinstance(t, pa.Table):
+            _check_range(rd, name, t, "layer", L)
+            _check_range(rd, name, t, "expert", E)
+            _check_range(rd, name, t, "slot", slots)
+            _check_range(rd, name, t, "step", None)
+            _check_range(rd, name, t, "src_rank", R)
+    t = rd.tables.get("expert_load")
+    if isinstance(t, pa.Table):
+        _check_range(rd, "expert_load", t, "tokens", None)
+    t = rd.tables.get("placement")
+    if isinstance(t, pa.Table):
+        _check_range(rd, "placement", t, "expert", E)
+        _check_range(rd, "placement", t, "layer", L)
+    t = rd.tables.get("spans")
+    if isinstance(t, pa.Table) and t.num_rows:
+        bad = pc.less(t.column("end_ns"), t.column("start_ns"))
+        if pc.any(bad).as_py():
+            i = _first_bad(bad)
+            raise InputError(_file(rd), f"span ends before it starts (start_ns={t.column('start_ns')[i].as_py()}, "
+                                        f"end_ns={t.column('end_ns')[i].as_py()})", f"span row {i}")
+    try:
+        from . import conservation  # added by the hardening work, optional
+    except ImportError:
+        conservation = None
+    if conservation is not None:
+        conservation.check(rd, options)
+    return rd

@@ -1,0 +1,46 @@
+"""Errors moetrace reports to users.
+
+`InputError` is the one exception for bad input: it names the file and, where known, the
+position (row, column, event index, byte offset). The CLI turns it into a one-line message
+on stderr and exit code 2; the store is never touched when it is raised.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class MoetraceError(Exception):
+    """Base class of errors moetrace reports without a traceback."""
+
+    exit_code = 1
+
+
+class InputError(MoetraceError):
+    """A source file (or a table being written) is malformed."""
+
+    exit_code = 2
+
+    def __init__(self, file: str | Path | None, message: str, position: str | None = None):
+        self.file = str(file) if file is not None else None
+        self.message = message
+        self.position = position
+        where = self.file or "<input>"
+        if position:
+            where = f"{where} ({position})"
+        super().__init__(f"{where}: {message}")
+
+
+class SchemaError(InputError):
+    """A table does not match its contract in schemas/."""
+
+    def __init__(self, table: str, message: str, column: str | None = None, file: str | None = None):
+        self.table = table
+        self.column = column
+        loc = f"table {table!r}" + (f", column {column!r}" if column else "")
+        super().__init__(file, f"{loc}: {message}")
+
+
+class StoreError(MoetraceError):
+    """The store cannot be read or written (permissions, locked, missing)."""
+
+    exit_code = 2

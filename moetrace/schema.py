@@ -1,0 +1,176 @@
+"""The table contract: loads ``schemas/*.json`` into Arrow schemas and validates tables.
+
+Every writer goes through :func:`conform`, which checks that each contract column is
+present with a compatible type, casts to the contract's exact Arrow type, rejects nulls
+in non-nullable columns and drops nothing silently (extra columns are an error).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import SchemaError
+
+_TYPES: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "bool": pa.bool_(),
+    "int8": pa.int8(),
+    "int16": pa.int16(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+}
+
+META_VERSION = b"moetrace.schema_version"
+META_TABLE = b"moetrace.table"
+
+
+def schema_dir() -> Path:
+    """The folder holding the contract: the installed copy, else the repository's."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "_schemas", here.parent / "schemas"):
+        if cand.is_dir() and any(cand.glob("*.json")):
+            return cand
+    raise FileNotFoundError("moetrace schemas/ folder not found")
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+    nullable: bool
+    unit: str | None
+    description: str
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        return _TYPES[self.type]
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    name: str
+    version: str
+    description: str
+    partition_by: str | None
+    columns: tuple[Column, ...]
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def column(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def arrow(self, with_metadata: bool = True) -> pa.Schema:
+        fields = [pa.field(c.name, c.arrow_type, nullable=c.nullable) for c in self.columns]
+        meta = {META_VERSION: self.version.encode(), META_TABLE: self.name.encode()} if with_metadata else None
+        return pa.schema(fields, metadata=meta)
+
+
+@lru_cache(maxsize=None)
+def load_all() -> dict[str, TableSchema]:
+    out = {}
+    for path in sorted(schema_dir().glob("*.json")):
+        doc = json.loads(path.read_text())
+        cols = []
+        for c in doc["columns"]:
+            if c["type"] not in _TYPES:
+                raise ValueError(f"{path}: column {c['name']}: unknown type {c['type']!r}")
+            cols.append(Column(c["name"], c["type"], bool(c["nullable"]), c.get("unit"), c.get("description", "")))
+        out[doc["table"]] = TableSchema(doc["table"], doc["schema_version"], doc.get("description", ""),
+                                        doc.get("partition_by"), tuple(cols))
+    return out
+
+
+def get(table: str) -> TableSchema:
+    try:
+        return load_all()[table]
+    except KeyError:
+        raise SchemaError(table, f"no such table in the contract (known: {', '.join(sorted(load_all()))})") from None
+
+
+def arrow_schema(table: str) -> pa.Schema:
+    return get(table).arrow()
+
+
+def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
+    if src == dst or pa.types.is_null(src):
+        return True
+    if pa.types.is_integer(dst):
+        return pa.types.is_integer(src) or pa.types.is_boolean(src)
+    if pa.types.is_floating(dst):
+        return pa.types.is_integer(src) or pa.types.is_floating(src)
+    if pa.types.is_string(dst) or pa.types.is_large_string(dst):
+        return pa.types.is_string(src) or pa.types.is_large_string(src) or pa.types.is_dictionary(src)
+    if pa.types.is_boolean(dst):
+        return pa.types.is_boolean(src)
+    return False
+
+
+def conform(table: str, data, file: str | None = None) -> pa.Table:
+    """Validate ``data`` (pyarrow Table, polars DataFrame or dict of columns) against the
+    contract of ``table`` and return a pyarrow Table with exactly the contract's schema
+    (column order, types, schema-version metadata).
+
+    Raises SchemaError naming the table and column on a missing or extra column, a type
+    that cannot represent the contract type, nulls in a non-nullable column, or an integer
+    value that does not fit.
+    """
+    ts = get(table)
+    if isinstance(data, dict):
+        data = pa.table(data)
+    elif not isinstance(data, pa.Table):
+        to_arrow = getattr(data, "to_arrow", None)
+        if to_arrow is None:
+            raise TypeError(f"cannot write {type(data).__name__} as table {table}")
+        data = to_arrow()
+    present = set(data.column_names)
+    missing = [c for c in ts.column_names if c not in present]
+    if missing:
+        raise SchemaError(table, f"missing column(s): {', '.join(missing)}", missing[0], file)
+    extra = [c for c in data.column_names if c not in set(ts.column_names)]
+    if extra:
+        raise SchemaError(table, f"unexpected column(s): {', '.join(extra)}", extra[0], file)
+    arrays = []
+    for col in ts.columns:
+        arr = data.column(col.name)
+        if pa.types.is_dictionary(arr.type):
+            arr = arr.cast(arr.type.value_type)
+        if not _compatible(arr.type, col.arrow_type):
+            raise SchemaError(table, f"type {arr.type} cannot hold {col.type}", col.name, file)
+        if not col.nullable and arr.null_count:
+            raise SchemaError(table, f"{arr.null_count} null value(s) in a non-nullable column", col.name, file)
+        if arr.type != col.arrow_type:
+            try:
+                arr = arr.cast(col.arrow_type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise SchemaError(table, f"values do not fit {col.type}: {e}", col.name, file) from None
+        if pa.types.is_floating(col.arrow_type) and len(arr):
+            pass  # NaN checks are the collectors' business (they know what NaN means in their format)
+        arrays.append(arr)
+    return pa.Table.from_arrays(arrays, schema=ts.arrow())
+
+
+def empty(table: str) -> pa.Table:
+    return ts_empty(get(table))
+
+
+def ts_empty(ts: TableSchema) -> pa.Table:
+    return ts.arrow().empty_table()
+
+
+def check_nonnegative(table: str, tbl: pa.Table, column: str, file: str | None = None) -> None:
+    arr = tbl.column(column)
+    if len(arr) and pc.min(arr).as_py() is not None and pc.min(arr).as_py() < 0:
+        idx = pc.index(pc.less(arr, 0), True).as_py()
+        raise SchemaError(table, f"negative value {arr[idx].as_py()} at row {idx}", column, file)

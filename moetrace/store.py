@@ -1,0 +1,459 @@
+"""The trace store: a folder of hive-partitioned Parquet, one contract per table.
+
+Layout::
+
+    STORE/
+      moetrace-store.json            marker (store format version)
+      <table>/run_id=<id>/part-<txid>-<n>.parquet
+      catalog.duckdb                 optional: views with store-relative paths
+      .txn/ .staging/ .lock          transaction journal, staging area, write lock
+
+Writes are transactions: every table of a run is written to ``.staging`` first, a journal
+lists the final paths, files are renamed into place (``runs`` last), then the journal is
+removed. A crash leaves either a journal (rolled back, or forward when the ``runs`` row
+made it, on the next write) or nothing: never a half-written partition. Readers only see
+complete files because a rename is atomic. Validation happens before anything touches the
+disk, so bad input leaves the store byte-for-byte as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import __version__, schema
+from .errors import InputError, SchemaError, StoreError
+
+STORE_MARKER = "moetrace-store.json"
+STORE_FORMAT = 1
+_RUN_ID_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
+
+
+def sanitize_run_id(text: str) -> str:
+    rid = _RUN_ID_RE.sub("_", text).strip("._-")
+    return rid[:80] or "run"
+
+
+def sha256_files(paths: Iterable[str | os.PathLike]) -> str:
+    """sha256 over the bytes of the given files, in the order given (names excluded)."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.Table | None:
+    """Run ``query`` and return its rows as Arrow (None for statements without rows),
+    across DuckDB versions (fetch_arrow_table became to_arrow_table in 2.0)."""
+    rel = con.sql(query, params=params) if params is not None else con.sql(query)
+    if rel is None:
+        return None
+    fn = getattr(rel, "to_arrow_table", None) or getattr(rel, "arrow")
+    out = fn()
+    if isinstance(out, pa.RecordBatchReader):
+        out = out.read_all()
+    return out
+
+
+TableLike = "pa.Table | pl.DataFrame | dict | Iterable[pa.Table]"
+
+
+@dataclass
+class WriteResult:
+    run_id: str
+    skipped: bool = False
+    rows: dict[str, int] = field(default_factory=dict)
+    message: str = ""
+
+
+class Store:
+    """A moetrace store folder. ``Store(path)`` opens (``create=True`` makes it)."""
+
+    def __init__(self, path: str | os.PathLike, create: bool = False):
+        self.path = Path(path)
+        marker = self.path / STORE_MARKER
+        if not marker.exists():
+            if not create:
+                if self.path.exists() and any(self.path.iterdir()):
+                    raise StoreError(f"{self.path}: not a moetrace store (no {STORE_MARKER})")
+                if not self.path.exists():
+                    raise StoreError(f"{self.path}: no such store")
+            self._init()
+        self._con: duckdb.DuckDBPyConnection | None = None
+
+    # ------------------------------------------------------------------ creation, locking
+    def _init(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = self.path / f".{STORE_MARKER}.tmp"
+            tmp.write_text(json.dumps({"moetrace_store_format": STORE_FORMAT, "created_by": __version__}) + "\n")
+            os.replace(tmp, self.path / STORE_MARKER)
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot create store: {e.strerror}") from None
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        lock_path = self.path / ".lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"{self.path}: store is not writable ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _check_writable(self) -> None:
+        if not os.access(self.path, os.W_OK):
+            raise StoreError(f"{self.path}: store is read-only; nothing was written")
+
+    # ------------------------------------------------------------------ recovery
+    def recover(self) -> list[str]:
+        """Finish or roll back transactions a crash left behind. Returns what was done."""
+        done = []
+        txn_dir = self.path / ".txn"
+        if txn_dir.is_dir():
+            for j in sorted(txn_dir.glob("*.json")):
+                try:
+                    doc = json.loads(j.read_text())
+                except (OSError, ValueError):
+                    doc = {"files": [], "commit_file": None}
+                commit = doc.get("commit_file")
+                if commit and (self.path / commit).exists():
+                    done.append(f"rolled forward {j.stem}")
+                else:
+                    for rel in doc.get("files", []):
+                        with contextlib.suppress(FileNotFoundError):
+                            (self.path / rel).unlink()
+                    done.append(f"rolled back {j.stem}")
+                j.unlink()
+                shutil.rmtree(self.path / ".staging" / j.stem, ignore_errors=True)
+        staging = self.path / ".staging"
+        if staging.is_dir():
+            for d in staging.iterdir():
+                if not (txn_dir / f"{d.name}.json").exists():
+                    shutil.rmtree(d, ignore_errors=True)
+        for d in (staging, txn_dir):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        return done
+
+    # ------------------------------------------------------------------ reading
+    def table_glob(self, table: str, relative: bool = False) -> str:
+        base = Path(table) if relative else self.path / table
+        return str(base / "*" / "*.parquet")
+
+    def has_files(self, table: str) -> bool:
+        d = self.path / table
+        return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
+
+    def tables_present(self) -> list[str]:
+        return [t for t in schema.load_all() if self.has_files(t)]
+
+    def _view_sql(self, table: str, relative: bool) -> str:
+        ts = schema.get(table)
+        if self.has_files(table):
+            glob = self.table_glob(table, relative).replace("'", "''")
+            cols = ", ".join(f'"{c}"' for c in ts.column_names)
+            return (f"CREATE OR REPLACE VIEW \"{table}\" AS SELECT {cols} FROM read_parquet('{glob}', "
+                    f"hive_partitioning=true, hive_types={{'run_id': VARCHAR}}, union_by_name=true)")
+        duck = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT",
+                "int32": "INTEGER", "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE"}
+        cols = ", ".join(f"CAST(NULL AS {duck[c.type]}) AS \"{c.name}\"" for c in ts.columns)
+        return f"CREATE OR REPLACE VIEW \"{table}\" AS SELECT {cols} WHERE false"
+
+    def view_statements(self, relative: bool = False) -> list[str]:
+        """CREATE VIEW statements: one per contract table, then the analysis views."""
+        from .analyze import view_statements as analysis_views
+
+        stmts = [self._view_sql(t, relative) for t in schema.load_all()]
+        return stmts + analysis_views()
+
+    def connect(self, threads: int | None = None, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+        """A fresh in-memory DuckDB connection with every view defined."""
+        con = duckdb.connect(":memory:")
+        if threads:
+            con.execute(f"SET threads={int(threads)}")
+        if memory_limit:
+            con.execute(f"SET memory_limit='{memory_limit}'")
+        tmp = self.path / ".duckdb_tmp"
+        if os.access(self.path, os.W_OK):
+            con.execute(f"SET temp_directory='{str(tmp)}'")
+        for stmt in self.view_statements():
+            con.execute(stmt)
+        return con
+
+    @property
+    def con(self) -> duckdb.DuckDBPyConnection:
+        if self._con is None:
+            self._con = self.connect()
+        return self._con
+
+    def refresh(self) -> None:
+        """Re-create views (after a write added a table that was empty)."""
+        if self._con is not None:
+            for stmt in self.view_statements():
+                self._con.execute(stmt)
+
+    def sql(self, query: str, params=None) -> pl.DataFrame:
+        """Run SQL over the store's views and return a polars DataFrame."""
+        try:
+            tbl = query_arrow(self.con, query, params)
+        except duckdb.Error as e:
+            raise StoreError(f"SQL error: {e}") from None
+        return pl.from_arrow(tbl) if tbl is not None and tbl.num_columns else pl.DataFrame()
+
+    def arrow(self, query: str, params=None) -> pa.Table:
+        return query_arrow(self.con, query, params)
+
+    def runs(self) -> pl.DataFrame:
+        return self.sql("SELECT * FROM runs ORDER BY ingested_at_ns, run_id")
+
+    def run_ids(self) -> list[str]:
+        d = self.path / "runs"
+        if not d.is_dir():
+            return []
+        return sorted(p.name.split("=", 1)[1] for p in d.glob("run_id=*") if any(p.glob("*.parquet")))
+
+    def run(self, run_id: str) -> dict:
+        df = self.sql("SELECT * FROM runs WHERE run_id = ?", [run_id])
+        if df.height == 0:
+            raise StoreError(f"{self.path}: no run {run_id!r} (runs: {', '.join(self.run_ids()) or 'none'})")
+        return df.row(0, named=True)
+
+    def resolve_run(self, run_id: str | None) -> str:
+        """The given run, or the only run of the store."""
+        ids = self.run_ids()
+        if run_id is not None:
+            if run_id not in ids:
+                raise StoreError(f"{self.path}: no run {run_id!r} (runs: {', '.join(ids) or 'none'})")
+            return run_id
+        if len(ids) == 1:
+            return ids[0]
+        if not ids:
+            raise StoreError(f"{self.path}: the store holds no runs")
+        raise StoreError(f"{self.path}: the store holds {len(ids)} runs; choose one with --run ({', '.join(ids)})")
+
+    def find_by_sha(self, sha: str) -> str | None:
+        if not self.has_files("runs"):
+            return None
+        df = self.sql("SELECT run_id FROM runs WHERE source_sha256 = ?", [sha])
+        return df["run_id"][0] if df.height else None
+
+    def row_counts(self) -> pl.DataFrame:
+        """Rows per (run, table), read from Parquet footers (no data scan)."""
+        rows = []
+        for t in schema.load_all():
+            d = self.path / t
+            if not d.is_dir():
+                continue
+            for part in d.glob("run_id=*"):
+                n = sum(pq.ParquetFile(f).metadata.num_rows for f in part.glob("*.parquet"))
+                rows.append({"run_id": part.name.split("=", 1)[1], "table": t, "rows": n})
+        return pl.DataFrame(rows, schema={"run_id": pl.Utf8, "table": pl.Utf8, "rows": pl.Int64})
+
+    # ------------------------------------------------------------------ writing
+    def unique_run_id(self, hint: str) -> str:
+        base = sanitize_run_id(hint)
+        taken = set(self.run_ids())
+        if base not in taken:
+            return base
+        i = 2
+        while f"{base}-{i}" in taken:
+            i += 1
+        return f"{base}-{i}"
+
+    @staticmethod
+    def _chunks(data) -> Iterator:
+        if isinstance(data, (pa.Table, pl.DataFrame, dict)):
+            yield data
+        else:
+            yield from data
+
+    def write_run(self, run: dict, tables: dict[str, object], *, run_id: str | None = None,
+                  dedupe: bool = True) -> WriteResult:
+        """Write a new run: its ``runs`` row and its tables, as one transaction.
+
+        ``run`` holds the ``runs`` columns (run_id, ingested_at_ns and collector_version are
+        filled in when absent). Tables may be Arrow tables, polars frames, dicts of columns or
+        iterables of those (streamed chunk by chunk). Returns the run id, or the id of the
+        run already holding the same ``source_sha256`` (``skipped=True``).
+        """
+        run = dict(run)
+        sha = run.get("source_sha256")
+        if dedupe and sha:
+            existing = self.find_by_sha(sha)
+            if existing is not None:
+                return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
+        with self._lock():
+            self._check_writable()
+            self.recover()
+            if dedupe and sha:
+                existing = self.find_by_sha(sha)
+                if existing is not None:
+                    return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
+            rid = run_id or run.get("run_id") or self.unique_run_id(run.get("source", "run"))
+            rid = sanitize_run_id(rid)
+            if rid in self.run_ids():
+                raise StoreError(f"{self.path}: run {rid!r} already exists; pick another --run-id")
+            run["run_id"] = rid
+            run.setdefault("ingested_at_ns", time.time_ns())
+            run.setdefault("collector_version", __version__)
+            for col in schema.get("runs").columns:
+                run.setdefault(col.name, False if col.type == "bool" and not col.nullable else None)
+            runs_tbl = schema.conform("runs", pa.Table.from_pylist([run]))
+            rows = self._transaction(rid, {**tables, "runs": runs_tbl}, commit_table="runs")
+        self.refresh()
+        self._refresh_catalog()
+        return WriteResult(rid, rows=rows)
+
+    def append(self, run_id: str, tables: dict[str, object]) -> dict[str, int]:
+        """Add rows to an existing run (plans, replay results) as one transaction."""
+        if run_id not in self.run_ids():
+            raise StoreError(f"{self.path}: no run {run_id!r}")
+        with self._lock():
+            self._check_writable()
+            self.recover()
+            rows = self._transaction(run_id, tables, commit_table=None)
+        self.refresh()
+        self._refresh_catalog()
+        return rows
+
+    def _transaction(self, run_id: str, tables: dict[str, object], commit_table: str | None) -> dict[str, int]:
+        txid = uuid.uuid4().hex[:12]
+        staging = self.path / ".staging" / txid
+        moves: list[tuple[Path, str]] = []
+        rows: dict[str, int] = {}
+        try:
+            order = [t for t in tables if t != commit_table] + ([commit_table] if commit_table else [])
+            for table in order:
+                ts = schema.get(table)
+                n_written = 0
+                writer = None
+                tmp_file = staging / table / f"part-{txid}.parquet"
+                for chunk in self._chunks(tables[table]):
+                    if isinstance(chunk, pa.Table) and "run_id" not in chunk.column_names:
+                        chunk = chunk.append_column("run_id", pa.array([run_id] * chunk.num_rows, pa.string()))
+                    elif isinstance(chunk, pl.DataFrame) and "run_id" not in chunk.columns:
+                        chunk = chunk.with_columns(pl.lit(run_id).alias("run_id"))
+                    elif isinstance(chunk, dict) and "run_id" not in chunk:
+                        n = len(next(iter(chunk.values()))) if chunk else 0
+                        chunk = {**chunk, "run_id": [run_id] * n}
+                    tbl = schema.conform(table, chunk)
+                    if tbl.num_rows and (tbl.column("run_id").unique().to_pylist() != [run_id]):
+                        raise SchemaError(table, f"rows belong to another run than {run_id!r}", "run_id")
+                    body = tbl.drop_columns(["run_id"])
+                    if writer is None:
+                        tmp_file.parent.mkdir(parents=True, exist_ok=True)
+                        writer = pq.ParquetWriter(tmp_file, body.schema, compression="zstd")
+                    writer.write_table(body, row_group_size=1 << 20)
+                    n_written += tbl.num_rows
+                if writer is None:  # no chunks at all: keep the table empty, write nothing
+                    rows[table] = 0
+                    continue
+                writer.close()
+                rows[table] = n_written
+                final = f"{table}/run_id={run_id}/part-{txid}.parquet"
+                moves.append((tmp_file, final))
+            txn_dir = self.path / ".txn"
+            txn_dir.mkdir(exist_ok=True)
+            commit_file = next((f for _, f in moves if commit_table and f.startswith(commit_table + "/")), None)
+            journal = {"files": [f for _, f in moves], "commit_file": commit_file}
+            jtmp = txn_dir / f"{txid}.json.tmp"
+            jtmp.write_text(json.dumps(journal))
+            os.replace(jtmp, txn_dir / f"{txid}.json")
+            for tmp_file, final in moves:
+                dst = self.path / final
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp_file, dst)
+            (txn_dir / f"{txid}.json").unlink()
+        except BaseException:
+            # undo: remove anything renamed into place, then the staging area
+            for _, final in moves:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / final).unlink()
+                with contextlib.suppress(OSError):
+                    (self.path / final).parent.rmdir()
+                with contextlib.suppress(OSError):
+                    (self.path / final).parent.parent.rmdir()
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / ".txn" / f"{txid}.json").unlink()
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            for d in (self.path / ".staging", self.path / ".txn"):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+        return rows
+
+    # ------------------------------------------------------------------ catalog
+    def write_catalog(self) -> Path:
+        """Write STORE/catalog.duckdb: the same views, with paths relative to the store.
+
+        DuckDB resolves relative paths against ``file_search_path`` (or the working
+        directory), so open it with ``cd STORE && duckdb catalog.duckdb`` or
+        ``duckdb -cmd "SET file_search_path='STORE'" STORE/catalog.duckdb``.
+        """
+        target = self.path / "catalog.duckdb"
+        tmp = self.path / f".catalog-{uuid.uuid4().hex[:8]}.duckdb"
+        try:
+            con = duckdb.connect(":memory:")
+            quoted = str(tmp).replace("'", "''")
+            try:  # readable by older duckdb CLIs too
+                con.execute(f"ATTACH '{quoted}' AS cat (STORAGE_VERSION 'v1.0.0')")
+            except duckdb.Error:
+                con.execute(f"ATTACH '{quoted}' AS cat")
+            con.execute("USE cat")
+            con.execute(f"SET file_search_path='{str(self.path.resolve())}'".replace("'", "'", 1))
+            for stmt in self.view_statements(relative=True):
+                con.execute(stmt)
+            con.execute("USE memory")
+            con.execute("DETACH cat")
+            con.close()
+            os.replace(tmp, target)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+                raise StoreError(f"{self.path}: store is read-only; catalog not written") from None
+            raise
+        finally:
+            for f in (tmp, Path(str(tmp) + ".wal")):
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+        return target
+
+    def _refresh_catalog(self) -> None:
+        if (self.path / "catalog.duckdb").exists():
+            self.write_catalog()
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None
+
+
+def open_store(path: str | os.PathLike, create: bool = False) -> Store:
+    """Open the store at ``path``. ``.sql(query)`` returns a polars DataFrame."""
+    return Store(path, create=create)
