@@ -1,0 +1,53 @@
+"""The report section interface shared by every section module."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+
+@dataclass
+class Figure:
+    path: Path          # PNG written into ctx.outdir
+    caption: str
+
+
+@dataclass
+class Section:
+    key: str                      # short id, used for anchors ("skew", "replay", "exposure")
+    title: str
+    markdown: str                 # body in Markdown (tables as Markdown tables)
+    terminal: str = ""            # what to print in the terminal (plain text tables)
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # approximations, caveats: always shown
+
+
+@dataclass
+class ReportContext:
+    store: object                 # moetrace.store.Store
+    run_id: str
+    run: dict                     # the runs row
+    outdir: Path
+
+    def sql(self, query: str, params=None) -> pl.DataFrame:
+        return self.store.sql(query, params)
+
+
+def md_table(df: pl.DataFrame, float_fmt: str = "{:.3f}", max_rows: int = 40) -> str:
+    """A polars frame as a Markdown table (first max_rows rows)."""
+    if df.height == 0:
+        return "_(no rows)_"
+    cols = df.columns
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in df.head(max_rows).iter_rows():
+        cells = []
+        for v in row:
+            if isinstance(v, float):
+                cells.append(float_fmt.format(v))
+            else:
+                cells.append("" if v is None else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    if df.height > max_rows:
+        lines.append(f"\n_({df.height} rows, first {max_rows} shown)_")
+    return "\n".join(lines)
