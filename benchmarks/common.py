@@ -1,0 +1,55 @@
+"""Shared helpers for benchmark scripts.
+
+Every ``benchmarks/bench_*.py`` exposes ``run(size: str) -> list[dict]`` (size is
+"small" for CI or "full" for the figures quoted in the README) and can be run alone with
+``python benchmarks/bench_x.py --size full``. Each result dict has the keys of
+:func:`result`; ``benchmarks/run_all.py`` runs them all and writes the results table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from contextlib import contextmanager
+
+
+def result(benchmark: str, metric: str, value: float, unit: str, baseline: str | None = None,
+           baseline_value: float | None = None, ratio: float | None = None, notes: str = "") -> dict:
+    """One measured figure; ``ratio`` is how many times better than the baseline (>1 = faster/smaller)."""
+    return {"benchmark": benchmark, "metric": metric, "value": value, "unit": unit, "baseline": baseline,
+            "baseline_value": baseline_value, "ratio": ratio, "notes": notes}
+
+
+def peak_rss_mib(children: bool = False) -> float:
+    """Peak resident memory of this process (or of its finished children) in MiB."""
+    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+    return resource.getrusage(who).ru_maxrss / 1024.0
+
+
+@contextmanager
+def timer():
+    """``with timer() as t: ...`` then ``t()`` gives elapsed seconds."""
+    start = time.perf_counter()
+    end = [None]
+    yield lambda: (end[0] if end[0] is not None else time.perf_counter()) - start
+    end[0] = time.perf_counter()
+
+
+def main(run) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", choices=["small", "full"], default="small")
+    ap.add_argument("--json", action="store_true", help="print results as JSON")
+    args = ap.parse_args()
+    rows = run(args.size)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            extra = ""
+            if r.get("baseline"):
+                extra = f"   vs {r['baseline']}: {r['baseline_value']:.4g} {r['unit']} (ratio {r['ratio']:.2f}x)" \
+                    if r.get("baseline_value") is not None and r.get("ratio") is not None else f"   vs {r['baseline']}"
+            print(f"{r['benchmark']:<28} {r['metric']:<32} {r['value']:>14.4g} {r['unit']}{extra}  {r.get('notes', '')}")
+    sys.stdout.flush()
