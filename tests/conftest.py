@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
+
+
+def shared_data(*parts: str) -> Path:
+    """A file under ../shared/data; skips the test (with the reason) when it is absent."""
+    p = SHARED_DATA.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"real trace {p} not available (tests read ../shared/data next to the repository)")
+    return p
+
+
+def tree_hash(root: str | os.PathLike) -> str:
+    """sha256 over every path (files, folders, hidden ones) and file bytes under root."""
+    root = Path(root)
+    h = hashlib.sha256()
+    if not root.exists():
+        return "absent"
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, root)
+        h.update(f"D:{rel}\n".encode())
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            h.update(f"F:{os.path.relpath(p, root)}\n".encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture
+def cli():
+    from moetrace.cli import cli as group
+
+    return group
