@@ -76,6 +76,19 @@ def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.T
     return out
 
 
+def _narrow_hugeints(df: pl.DataFrame) -> pl.DataFrame:
+    """DuckDB sums BIGINTs into HUGEINT (Decimal(38,0) in polars); bring them back to Int64
+    when every value fits, so results behave like integers (numpy, arithmetic)."""
+    casts = []
+    for name, dtype in df.schema.items():
+        if isinstance(dtype, pl.Decimal) and (dtype.scale or 0) == 0:
+            col = df[name]
+            mx, mn = col.max(), col.min()
+            if mx is None or (abs(int(mx)) < 2**63 and abs(int(mn)) < 2**63):
+                casts.append(pl.col(name).cast(pl.Int64))
+    return df.with_columns(casts) if casts else df
+
+
 TableLike = "pa.Table | pl.DataFrame | dict | Iterable[pa.Table]"
 
 
@@ -224,7 +237,9 @@ class Store:
             tbl = query_arrow(self.con, query, params)
         except duckdb.Error as e:
             raise StoreError(f"SQL error: {e}") from None
-        return pl.from_arrow(tbl) if tbl is not None and tbl.num_columns else pl.DataFrame()
+        if tbl is None or not tbl.num_columns:
+            return pl.DataFrame()
+        return _narrow_hugeints(pl.from_arrow(tbl))
 
     def arrow(self, query: str, params=None) -> pa.Table:
         return query_arrow(self.con, query, params)

@@ -30,10 +30,9 @@ def _kind_of(path: Path, head: bytes) -> str | None:
     if name.endswith((".jsonl", ".ndjson")):
         return "jsonl"
     if name.endswith(".csv"):
-        first = head.split(b"\n", 1)[0].decode("utf-8", "replace").lower()
-        cols = {c.strip().strip('"') for c in first.split(",")}
-        if set(LOAD_REQ) <= cols or set(ROUTE_REQ) <= cols:
-            return "csv"
+        # the generic collector is tried last: any CSV other collectors did not claim is
+        # read here, so a CSV with missing columns gets the list of what is missing
+        return "csv"
     return None
 
 
