@@ -1,0 +1,122 @@
+-- Rank load: tokens each expert-parallel rank received per (step, layer).
+--
+-- run_shape: the shape every rank metric uses, per run. num_experts falls back to the
+-- highest expert id seen + 1, num_ranks to the recorded placement's highest rank + 1;
+-- when neither runs.num_ranks nor a recorded placement gives it, num_ranks is NULL and
+-- every rank metric is NULL with a note (an expert-per-rank guess would be wrong for
+-- most deployments). *_from columns say where each number came from.
+CREATE OR REPLACE VIEW run_shape AS
+WITH seen AS (
+    SELECT run_id, max(expert) + 1 AS max_expert, max(slot) + 1 AS max_slot
+    FROM expert_load GROUP BY run_id
+), rec AS (
+    SELECT run_id, max(rank) + 1 AS rec_ranks, max(slot) + 1 AS rec_slots
+    FROM placement WHERE plan_id = 'recorded' GROUP BY run_id
+)
+SELECT r.run_id,
+       CAST(coalesce(r.num_experts, s.max_expert) AS BIGINT) AS num_experts,
+       CASE WHEN r.num_experts IS NOT NULL THEN 'runs'
+            WHEN s.max_expert IS NOT NULL THEN 'max expert id + 1' END AS experts_from,
+       CAST(coalesce(r.num_ranks, rec.rec_ranks) AS BIGINT) AS num_ranks,
+       CASE WHEN r.num_ranks IS NOT NULL THEN 'runs'
+            WHEN rec.rec_ranks IS NOT NULL THEN 'recorded placement' END AS ranks_from,
+       CAST(coalesce(r.num_slots, rec.rec_slots, s.max_slot, r.num_experts, s.max_expert) AS BIGINT) AS num_slots,
+       CAST(r.top_k AS BIGINT) AS top_k
+FROM runs r
+LEFT JOIN seen s USING (run_id)
+LEFT JOIN rec USING (run_id);
+
+-- layer_placement: how rank load is derived for each (run, layer).
+--   slot        every row carries its physical slot: rank from the slot (exact)
+--   recorded    rows per logical expert, spread evenly over the replicas of the
+--               recorded placement (plan_id = 'recorded')
+--   contiguous  no placement recorded: expert e on rank e * num_ranks // num_experts
+--               (= e // experts_per_rank when they divide evenly)
+--   none        num_ranks unknown: no rank metrics
+-- Mixed layers say so ('slot+recorded', 'slot+contiguous'); experts missing from the
+-- recorded placement fall back to contiguous ('recorded+contiguous').
+CREATE OR REPLACE VIEW layer_placement AS
+WITH l AS (
+    SELECT run_id, layer, bool_or(slot IS NOT NULL) AS any_slot, bool_and(slot IS NOT NULL) AS all_slot
+    FROM expert_load GROUP BY run_id, layer
+), rec AS (
+    SELECT run_id, layer, count(*) AS recorded_slots, count(DISTINCT expert) AS recorded_experts
+    FROM placement WHERE plan_id = 'recorded' GROUP BY run_id, layer
+), unplaced AS (
+    SELECT e.run_id, e.layer, count(DISTINCT e.expert) AS unplaced_experts
+    FROM (SELECT DISTINCT run_id, layer, expert FROM expert_load WHERE slot IS NULL) e
+    JOIN rec USING (run_id, layer)
+    WHERE NOT EXISTS (SELECT 1 FROM placement p WHERE p.plan_id = 'recorded' AND p.run_id = e.run_id
+                      AND p.layer = e.layer AND p.expert = e.expert)
+    GROUP BY e.run_id, e.layer
+)
+SELECT l.run_id, l.layer,
+       CASE WHEN sh.num_ranks IS NULL THEN 'none'
+            WHEN l.all_slot THEN 'slot'
+            WHEN rec.layer IS NOT NULL THEN
+                (CASE WHEN l.any_slot THEN 'slot+' ELSE '' END) || 'recorded'
+                || (CASE WHEN coalesce(u.unplaced_experts, 0) > 0 THEN '+contiguous' ELSE '' END)
+            ELSE (CASE WHEN l.any_slot THEN 'slot+' ELSE '' END) || 'contiguous' END AS placement_source,
+       rec.layer IS NOT NULL AS has_recorded,
+       coalesce(rec.recorded_slots, 0) AS recorded_slots,
+       coalesce(u.unplaced_experts, 0) AS unplaced_experts,
+       sh.num_ranks, sh.ranks_from, sh.num_experts, sh.experts_from, sh.num_slots
+FROM l
+JOIN run_shape sh USING (run_id)
+LEFT JOIN rec USING (run_id, layer)
+LEFT JOIN unplaced u USING (run_id, layer);
+
+-- expert_tokens: tokens per logical expert per (step, layer), summed over slots and
+-- source ranks. Experts without rows received nothing.
+CREATE OR REPLACE VIEW expert_tokens AS
+SELECT run_id, step, layer, expert, sum(tokens) AS tokens
+FROM expert_load GROUP BY run_id, step, layer, expert;
+
+-- rank_load_sparse: ranks that received rows (no zero-fill); rank metrics use it.
+CREATE OR REPLACE VIEW rank_load_sparse AS
+WITH sh AS (
+    SELECT run_id, num_experts AS E, num_ranks AS R, num_slots AS S FROM run_shape WHERE num_ranks IS NOT NULL
+), reps AS (
+    SELECT run_id, layer, expert, rank, count(*) OVER (PARTITION BY run_id, layer, expert) AS copies
+    FROM placement WHERE plan_id = 'recorded'
+), rec_layers AS (
+    SELECT DISTINCT run_id, layer FROM placement WHERE plan_id = 'recorded'
+), per_row AS (
+    SELECT e.run_id, e.step, e.layer,
+           CAST(coalesce(p.rank, (CAST(e.slot AS BIGINT) * sh.R) // sh.S) AS BIGINT) AS rank,
+           CAST(e.tokens AS DOUBLE) AS tokens
+    FROM expert_load e
+    JOIN sh USING (run_id)
+    LEFT JOIN placement p ON p.plan_id = 'recorded' AND p.run_id = e.run_id AND p.layer = e.layer
+                         AND p.slot = e.slot
+    WHERE e.slot IS NOT NULL
+    UNION ALL
+    SELECT e.run_id, e.step, e.layer, CAST(r.rank AS BIGINT), CAST(e.tokens AS DOUBLE) / r.copies
+    FROM expert_load e
+    JOIN reps r ON r.run_id = e.run_id AND r.layer = e.layer AND r.expert = e.expert
+    WHERE e.slot IS NULL
+    UNION ALL
+    SELECT e.run_id, e.step, e.layer, (CAST(e.expert AS BIGINT) * sh.R) // sh.E, CAST(e.tokens AS DOUBLE)
+    FROM expert_load e
+    JOIN sh USING (run_id)
+    WHERE e.slot IS NULL
+      AND NOT EXISTS (SELECT 1 FROM reps r WHERE r.run_id = e.run_id AND r.layer = e.layer AND r.expert = e.expert)
+)
+SELECT run_id, step, layer, rank, sum(tokens) AS tokens
+FROM per_row GROUP BY run_id, step, layer, rank;
+
+-- rank_load: every rank of every (step, layer) that has expert_load rows, zero-filled,
+-- with placement_source saying how ranks were derived. Tokens are DOUBLE because
+-- replicas split an expert's tokens evenly.
+CREATE OR REPLACE VIEW rank_load AS
+WITH sl AS (
+    SELECT DISTINCT run_id, step, layer FROM expert_load
+), grid AS (
+    SELECT sl.run_id, sl.step, sl.layer, unnest(range(sh.num_ranks)) AS rank
+    FROM sl JOIN run_shape sh USING (run_id) WHERE sh.num_ranks IS NOT NULL
+)
+SELECT g.run_id, g.step, g.layer, CAST(g.rank AS INTEGER) AS rank, coalesce(s.tokens, 0.0) AS tokens,
+       lp.placement_source
+FROM grid g
+LEFT JOIN rank_load_sparse s ON s.run_id = g.run_id AND s.step = g.step AND s.layer = g.layer AND s.rank = g.rank
+JOIN layer_placement lp ON lp.run_id = g.run_id AND lp.layer = g.layer;

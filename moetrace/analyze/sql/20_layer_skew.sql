@@ -1,0 +1,80 @@
+-- Per (step, layer) statistics over logical experts and over ranks.
+--
+-- expert_step_stats: one row per (run, step, layer) with the expert-level sums and the
+-- present experts' tokens sorted descending (absent experts count as zero).
+CREATE OR REPLACE VIEW expert_step_stats AS
+SELECT et.run_id, et.step, et.layer,
+       sh.num_experts AS num_experts, sh.top_k AS top_k,
+       CAST(sum(et.tokens) AS BIGINT) AS assignments,
+       sum(CAST(et.tokens AS DOUBLE) * et.tokens) AS sumsq,
+       count(*) FILTER (WHERE et.tokens > 0) AS experts_hit,
+       count(*) AS experts_present,
+       min(et.tokens) AS min_present,
+       max(et.tokens) AS max_tokens,
+       arg_max(et.expert, struct_pack(t := et.tokens, neg_expert := -et.expert)) AS hottest_expert,
+       list_sort(list(et.tokens), 'DESC') AS tokens_desc
+FROM expert_tokens et
+JOIN run_shape sh USING (run_id)
+GROUP BY et.run_id, et.step, et.layer, sh.num_experts, sh.top_k;
+
+-- layer_skew: imbalance = max/mean of rank load (time lost at the combine barrier),
+-- efficiency = 1/imbalance; straggler_rank = the most loaded rank (lowest id on ties).
+-- Over all E logical experts (absent ones count as zero): gini, cv (population std /
+-- mean), top5pct_share (share of the ceil(5% of E) busiest experts), hottest expert and
+-- its share. A step with no tokens, or a run without num_ranks, gets NULLs and a note.
+CREATE OR REPLACE VIEW layer_skew AS
+WITH rk AS (
+    SELECT run_id, step, layer, max(tokens) AS max_rank_tokens, sum(tokens) AS rank_total,
+           arg_max(rank, struct_pack(t := tokens, neg_rank := -rank)) AS straggler_rank
+    FROM rank_load_sparse GROUP BY run_id, step, layer
+), es AS (
+    SELECT *, CAST(greatest(1, ceil(0.05 * num_experts)) AS BIGINT) AS n_top FROM expert_step_stats
+)
+SELECT es.run_id, es.step, es.layer,
+       rk.max_rank_tokens,
+       rk.rank_total / lp.num_ranks AS mean_rank_tokens,
+       CASE WHEN rk.rank_total > 0 THEN rk.max_rank_tokens / (rk.rank_total / lp.num_ranks) END AS imbalance,
+       CASE WHEN rk.rank_total > 0 THEN (rk.rank_total / lp.num_ranks) / rk.max_rank_tokens END AS efficiency,
+       CASE WHEN rk.rank_total > 0 THEN CAST(rk.straggler_rank AS INTEGER) END AS straggler_rank,
+       CASE WHEN es.assignments > 0 THEN
+           2.0 * list_inner_product(CAST(es.tokens_desc AS DOUBLE[]),
+                                    CAST(range(es.num_experts, es.num_experts - len(es.tokens_desc), -1) AS DOUBLE[]))
+               / (es.num_experts * CAST(es.assignments AS DOUBLE)) - (es.num_experts + 1.0) / es.num_experts
+       END AS gini,
+       CASE WHEN es.assignments > 0 THEN
+           sqrt(greatest(es.sumsq / es.num_experts - pow(es.assignments / es.num_experts, 2), 0.0))
+               / (es.assignments / es.num_experts)
+       END AS cv,
+       CASE WHEN es.assignments > 0 THEN
+           CAST(list_sum(list_slice(es.tokens_desc, 1, es.n_top)) AS DOUBLE) / es.assignments END AS top5pct_share,
+       CASE WHEN es.assignments > 0 THEN CAST(es.hottest_expert AS INTEGER) END AS hottest_expert,
+       CASE WHEN es.assignments > 0 THEN CAST(es.max_tokens AS DOUBLE) / es.assignments END AS hottest_share,
+       es.assignments,
+       lp.num_ranks,
+       lp.placement_source,
+       CASE WHEN lp.num_ranks IS NULL THEN 'num_ranks unknown (ingest with --ranks): rank metrics skipped'
+            WHEN es.assignments = 0 THEN 'no tokens routed in this step: ratios undefined'
+            WHEN lp.experts_from <> 'runs' THEN 'num_experts inferred from the highest expert id'
+       END AS note
+FROM es
+JOIN layer_placement lp ON lp.run_id = es.run_id AND lp.layer = es.layer
+LEFT JOIN rk ON rk.run_id = es.run_id AND rk.step = es.step AND rk.layer = es.layer;
+
+-- tokens_per_expert: the step's batch B = assignments / top_k tokens, experts touched vs
+-- the uniform-routing expectation E * (1 - (1 - k/E)^B), and per-expert tokens over all
+-- E experts (absent experts count as zero).
+CREATE OR REPLACE VIEW tokens_per_expert AS
+SELECT run_id, step, layer,
+       CAST(assignments AS DOUBLE) / top_k AS tokens,
+       assignments,
+       experts_hit,
+       num_experts * (1 - pow(1 - CAST(top_k AS DOUBLE) / num_experts, CAST(assignments AS DOUBLE) / top_k))
+           AS experts_hit_expected,
+       CAST(assignments AS DOUBLE) / num_experts AS per_expert_mean,
+       CASE WHEN experts_present < num_experts THEN 0 ELSE min_present END AS per_expert_min,
+       (coalesce(tokens_desc[CAST(ceil(num_experts / 2.0) AS BIGINT)], 0)
+        + coalesce(tokens_desc[num_experts // 2 + 1], 0)) / 2.0 AS per_expert_median,
+       max_tokens AS per_expert_max,
+       num_experts,
+       top_k
+FROM expert_step_stats;

@@ -1,0 +1,57 @@
+-- Imbalance against batch size. Consecutive steps are merged into batches of
+-- w = 1, 2, 4, ... steps (their rank loads summed: the load one step of w times the
+-- tokens would see under the same routing), full batches only. Imbalance is the mean
+-- max/mean over the merged batches with tokens. It falls with w while sampling noise
+-- averages out, and levels off at the structural skew of the layer's popularity under
+-- the placement.
+CREATE OR REPLACE VIEW skew_by_batch AS
+WITH st AS (
+    SELECT run_id, step, row_number() OVER (PARTITION BY run_id ORDER BY step) - 1 AS ord
+    FROM (SELECT DISTINCT run_id, step FROM expert_load)
+), nsteps AS (
+    SELECT run_id, count(*) AS n_steps FROM st GROUP BY run_id
+), ws AS (
+    SELECT n.run_id, n.n_steps, CAST(pow(2, t.e) AS BIGINT) AS w
+    FROM nsteps n CROSS JOIN range(0, 48) t(e)
+    WHERE pow(2, t.e) <= n.n_steps
+), merged AS (
+    SELECT r.run_id, r.layer, ws.w, st.ord // ws.w AS batch, r.rank, sum(r.tokens) AS tokens
+    FROM rank_load_sparse r
+    JOIN st ON st.run_id = r.run_id AND st.step = r.step
+    JOIN ws ON ws.run_id = r.run_id
+    WHERE st.ord // ws.w < ws.n_steps // ws.w
+    GROUP BY r.run_id, r.layer, ws.w, st.ord // ws.w, r.rank
+), per_batch AS (
+    SELECT run_id, layer, w, batch, max(tokens) AS mx, sum(tokens) AS total
+    FROM merged GROUP BY run_id, layer, w, batch
+)
+SELECT b.run_id, b.layer, b.w AS steps_per_batch,
+       avg(b.total / coalesce(sh.top_k, 1)) AS tokens_per_step,
+       avg(b.mx / (b.total / sh.num_ranks)) FILTER (WHERE b.total > 0) AS imbalance,
+       count(*) FILTER (WHERE b.total > 0) AS batches,
+       CASE WHEN sh.top_k IS NULL THEN 'top_k unknown: tokens_per_step counts token-expert assignments' END AS note
+FROM per_batch b JOIN run_shape sh USING (run_id)
+GROUP BY b.run_id, b.layer, b.w, sh.top_k, sh.num_ranks;
+
+-- skew_decomposition: a layer's mean step imbalance split into its structural part
+-- (max/mean of the rank loads summed over the whole run, i.e. the run's mean popularity
+-- under the placement) and the sampling part on top of it:
+--   imbalance_mean = 1 + structural_excess + sampling_excess
+CREATE OR REPLACE VIEW skew_decomposition AS
+WITH tot AS (
+    SELECT run_id, layer, rank, sum(tokens) AS tokens FROM rank_load_sparse GROUP BY run_id, layer, rank
+), structural AS (
+    SELECT t.run_id, t.layer, max(t.tokens) / (sum(t.tokens) / sh.num_ranks) AS structural_imbalance
+    FROM tot t JOIN run_shape sh USING (run_id)
+    GROUP BY t.run_id, t.layer, sh.num_ranks
+    HAVING sum(t.tokens) > 0
+), per_layer AS (
+    SELECT run_id, layer, avg(imbalance) AS imbalance_mean, count(imbalance) AS steps
+    FROM layer_skew GROUP BY run_id, layer
+)
+SELECT s.run_id, s.layer, s.steps, s.imbalance_mean, st.structural_imbalance,
+       st.structural_imbalance - 1 AS structural_excess,
+       s.imbalance_mean - st.structural_imbalance AS sampling_excess,
+       CASE WHEN s.imbalance_mean > 1 THEN (st.structural_imbalance - 1) / (s.imbalance_mean - 1) END
+           AS structural_fraction
+FROM per_layer s JOIN structural st USING (run_id, layer);
