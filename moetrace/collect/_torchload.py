@@ -1,0 +1,69 @@
+"""Safe loading of ``torch.save`` dumps (SGLang and vLLM expert-load files).
+
+Only ``torch.load(path, weights_only=True)`` is ever used: the restricted unpickler
+accepts tensors, numbers, strings and plain containers, nothing that runs code. A file
+that needs more is refused with an :class:`InputError` naming it. torch is imported
+lazily, so moetrace works without it until a ``.pt`` file shows up.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError
+
+INSTALL_HINT = ("reading .pt dumps needs PyTorch; install the CPU build with "
+                "`pip install 'moetrace[torch]'` (or `pip install torch --index-url "
+                "https://download.pytorch.org/whl/cpu`)")
+
+PT_MAGIC = b"PK\x03\x04"
+
+
+def import_torch(path: str | Path | None = None):
+    """Import torch or raise an InputError that says how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise InputError(path, INSTALL_HINT) from None
+    return torch
+
+
+def looks_like_pt(head: bytes) -> bool:
+    """True for a torch zip archive (``torch.save`` since 1.6)."""
+    return head[:4] == PT_MAGIC and b"data.pkl" in head[:512]
+
+
+def load_pt(path: str | Path):
+    """``torch.load(path, weights_only=True, map_location='cpu')`` with clear errors."""
+    path = Path(path)
+    torch = import_torch(path)
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # UnpicklingError, RuntimeError (truncated zip), EOFError, ...
+        text = str(e)
+        msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        if "weights_only" in text.lower() or "Unsupported global" in text or type(e).__name__ == "UnpicklingError":
+            g = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+            what = f" (it references {g.group(1)})" if g else ""
+            raise InputError(path, "refused: the pickle needs more than tensors and plain containers"
+                                   f"{what}; moetrace loads .pt files with torch.load(weights_only=True) only") from None
+        msg = msg.split(". ")[0]
+        raise InputError(path, f"cannot read torch file (truncated or not a torch.save archive): {msg}") from None
+
+
+def to_numpy(obj, path: str | Path, what: str, ndim: int | None = None) -> np.ndarray:
+    """A tensor / list / array as an integer-or-float numpy array, with a shape check."""
+    try:
+        if hasattr(obj, "detach"):
+            arr = obj.detach().cpu().numpy()
+        else:
+            arr = np.asarray(obj)
+    except Exception as e:
+        raise InputError(path, f"{what}: cannot read as an array ({e})") from None
+    if arr.dtype == object:
+        raise InputError(path, f"{what}: ragged or non-numeric data")
+    if ndim is not None and arr.ndim != ndim:
+        raise InputError(path, f"{what}: expected {ndim} dimensions, got shape {tuple(arr.shape)}")
+    return arr

@@ -1,0 +1,221 @@
+"""vLLM and SGLang server logs: EPLB balancedness and rebalance lines.
+
+Recognized lines (FORMATS.md; any prefix before the message is allowed):
+
+- vLLM ``EPLB step: avg_tokens=.., max_tokens=.., balancedness=..`` and the variants with
+  ``EPLB step: N for model M:`` and ``, steps until the next rearrangement: N``;
+  ``Rearranging experts (profile)...`` (start), ``Rearranged experts (profile) in X
+  seconds.`` / ``Rearranged experts in X s.`` (end). The vLLM prefix ``(proc pid=N) INFO
+  MM-DD HH:MM:SS [file.py:N]`` gives the time (no year).
+- SGLang ``[Expert Balancedness] forward_pass_id=.. current_pass_balancedness=..
+  last_10_average_balancedness=.. ... gpu_physical_count_sum=..``, ``[EPLBManager]
+  rebalance start``, ``[EPLBManager] rebalance end time=X s``, ``[EPLBManager] Skipped ep
+  rebalancing: current GPU utilization U > minimum rebalance threshold T``. The SGLang
+  prefix ``[YYYY-MM-DD HH:MM:SS DP0 TP0 EP0]`` gives the time.
+
+A line that carries one of the markers but does not parse is counted (and its line
+numbers kept) in ``runs.meta_json`` and stated in ``runs.approximations``; every other line
+is counted as unrelated. Nothing is dropped silently. One run per log file.
+"""
+from __future__ import annotations
+
+import calendar
+import datetime as dt
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+
+from ..errors import InputError
+from ..store import sha256_files
+from . import Collector, RunData, register
+
+MARKERS = (b"EPLB step", b"[Expert Balancedness]", b"[EPLBManager]", b"Rearranged experts", b"Rearranging experts")
+_TEXT_EXT = (".log", ".txt", ".out", ".err", ".stdout", ".stderr")
+_SCAN_BYTES = 64 << 20
+
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf"
+VLLM_BAL = re.compile(
+    r"EPLB step(?::\s*(?P<step>\d+)\s+for model\s+(?P<model>.+?))?:\s*avg_tokens=(?P<avg>" + _NUM + r"),\s*"
+    r"max_tokens=(?P<max>" + _NUM + r"),\s*balancedness=(?P<bal>" + _NUM + r")"
+    r"(?:,\s*steps until the next rearrangement:\s*(?P<until>\d+))?\s*$")
+VLLM_START = re.compile(r"Rearranging experts\s*(?P<profile>\(profile\))?\s*\.\.\.\s*$")
+VLLM_END = re.compile(r"Rearranged experts\s*(?P<profile>\(profile\))?\s*in\s+(?P<dur>" + _NUM + r")\s*(?:s|seconds)\.?\s*$")
+SGL_BAL = re.compile(
+    r"\[Expert Balancedness\]\s+forward_pass_id=(?P<fpid>\d+)\s+current_pass_balancedness=(?P<bal>" + _NUM + r")"
+    r"\s+last_10_average_balancedness=(?P<b10>" + _NUM + r")\s+last_100_average_balancedness=(?P<b100>" + _NUM + r")"
+    r"\s+last_1000_average_balancedness=(?P<b1000>" + _NUM + r")\s+gpu_physical_count_sum=(?P<sum>\d+)\s*$")
+SGL_START = re.compile(r"\[EPLBManager\]\s+rebalance start\s*$")
+SGL_END = re.compile(r"\[EPLBManager\]\s+rebalance end(?:\s+time=(?P<dur>" + _NUM + r")\s*s?)?\s*$")
+SGL_SKIP = re.compile(r"\[EPLBManager\]\s+Skipped ep rebalancing: current GPU utilization (?P<util>" + _NUM + r")"
+                      r"\s*(?:>|<|<=|>=)\s*minimum rebalance threshold (?P<thr>" + _NUM + r")\s*$")
+# prefixes (timestamps)
+VLLM_PREFIX = re.compile(r"(?:\((?P<proc>[^()]*?pid=\d+)\)\s+)?(?:INFO|DEBUG|WARNING|ERROR)\s+"
+                         r"(?P<mon>\d{2})-(?P<day>\d{2})\s+(?P<hms>\d{2}:\d{2}:\d{2})(?:\.\d+)?\s+\[[^\]]*\]\s")
+SGL_PREFIX = re.compile(r"\[(?P<date>\d{4}-\d{2}-\d{2})\s+(?P<hms>\d{2}:\d{2}:\d{2})(?:[.,]\d+)?(?P<proc>(?:\s+[A-Z]+\d+)*)\]\s")
+
+
+def _sniff(path: Path, head: bytes) -> bool:
+    name = path.name.lower()
+    if not (name.endswith(_TEXT_EXT) or "." not in name):
+        return False
+    if b"\x00" in head[:4096]:
+        return False
+    if any(m in head for m in MARKERS):
+        return True
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_SCAN_BYTES)
+    except OSError:
+        return False
+    return any(m in data for m in MARKERS)
+
+
+def _epoch(year: int, mon: int, day: int, hms: str) -> int | None:
+    try:
+        h, m, s = (int(x) for x in hms.split(":"))
+        return calendar.timegm(dt.datetime(year, mon, day, h, m, s).timetuple()) * 1_000_000_000
+    except ValueError:
+        return None
+
+
+def _f(x: str | None) -> float | None:
+    return None if x is None else float(x)
+
+
+def parse_line(text: str) -> dict | None:
+    """Parse one log line; a dict of balancedness columns, or None when nothing matched.
+
+    Raises ValueError for a line that carries a marker but does not parse."""
+    row: dict = {}
+    m = VLLM_PREFIX.search(text)
+    if m:
+        row["_vllm_md"] = (int(m["mon"]), int(m["day"]), m["hms"])
+        row["process"] = m["proc"]
+    else:
+        m2 = SGL_PREFIX.search(text)
+        if m2:
+            y, mo, d = (int(x) for x in m2["date"].split("-"))
+            row["ts_ns"] = _epoch(y, mo, d, m2["hms"])
+            row["process"] = m2["proc"].strip() or None
+    msg = text.rstrip("\r\n")
+    if "EPLB step" in msg and "avg_tokens" in msg:
+        g = VLLM_BAL.search(msg)
+        if not g:
+            raise ValueError("vLLM balancedness line")
+        row.update(engine="vllm", event="balancedness", step=int(g["step"]) if g["step"] else None,
+                   model=g["model"], avg_tokens=float(g["avg"]), max_tokens=float(g["max"]),
+                   balancedness=float(g["bal"]),
+                   steps_until_rearrangement=int(g["until"]) if g["until"] else None)
+        return row
+    if "Rearranging experts" in msg:
+        g = VLLM_START.search(msg)
+        if not g:
+            raise ValueError("vLLM rearrange start line")
+        row.update(engine="vllm", event="rebalance_start", is_profile=bool(g["profile"]))
+        return row
+    if "Rearranged experts" in msg:
+        g = VLLM_END.search(msg)
+        if not g:
+            raise ValueError("vLLM rearrange end line")
+        row.update(engine="vllm", event="rebalance_end", is_profile=bool(g["profile"]), duration_s=float(g["dur"]))
+        return row
+    if "[Expert Balancedness]" in msg:
+        g = SGL_BAL.search(msg)
+        if not g:
+            raise ValueError("SGLang balancedness line")
+        row.update(engine="sglang", event="balancedness", step=int(g["fpid"]), balancedness=float(g["bal"]),
+                   balancedness_last_10=float(g["b10"]), balancedness_last_100=float(g["b100"]),
+                   balancedness_last_1000=float(g["b1000"]), gpu_physical_count_sum=int(g["sum"]))
+        return row
+    if "[EPLBManager]" in msg:
+        for rx, ev in ((SGL_START, "rebalance_start"), (SGL_END, "rebalance_end"), (SGL_SKIP, "rebalance_skip")):
+            g = rx.search(msg)
+            if g:
+                row.update(engine="sglang", event=ev)
+                if ev == "rebalance_end":
+                    row["duration_s"] = _f(g["dur"])
+                if ev == "rebalance_skip":
+                    row.update(utilization=float(g["util"]), threshold=float(g["thr"]))
+                return row
+        if re.search(r"\[EPLBManager\]\s+(rebalance|Skipped)", msg):
+            raise ValueError("SGLang EPLBManager line")
+        return None  # other EPLBManager chatter: unrelated
+    return None
+
+
+COLUMNS = ["file", "line", "engine", "event", "step", "ts_ns", "model", "process", "avg_tokens", "max_tokens",
+           "balancedness", "balancedness_last_10", "balancedness_last_100", "balancedness_last_1000",
+           "gpu_physical_count_sum", "steps_until_rearrangement", "duration_s", "utilization", "threshold",
+           "is_profile"]
+_TYPES = {"file": pa.string(), "line": pa.int64(), "engine": pa.string(), "event": pa.string(), "step": pa.int64(),
+          "ts_ns": pa.int64(), "model": pa.string(), "process": pa.string(), "gpu_physical_count_sum": pa.int64(),
+          "steps_until_rearrangement": pa.int64(), "is_profile": pa.bool_()}
+
+
+def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
+    """Rows and counts (lines, matched, malformed, unrelated) of one log file."""
+    rows, malformed, n = [], [], 0
+    if year is None:
+        year = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).year
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise InputError(path, f"cannot read: {e.strerror}") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            text = raw.decode("utf-8", "replace")
+            try:
+                row = parse_line(text)
+            except ValueError as e:
+                malformed.append((n, str(e)))
+                continue
+            if row is None:
+                continue
+            md = row.pop("_vllm_md", None)
+            if md is not None:
+                row["ts_ns"] = _epoch(year, md[0], md[1], md[2])
+            row["file"], row["line"] = path.name, n
+            rows.append(row)
+    counts = {"lines": n, "matched": len(rows), "malformed": len(malformed),
+              "unrelated": n - len(rows) - len(malformed),
+              "malformed_lines": [m[0] for m in malformed[:50]],
+              "malformed_kinds": sorted({m[1] for m in malformed})}
+    return rows, counts
+
+
+def _collect(paths: list[Path], options: dict) -> list[RunData]:
+    out = []
+    year = options.get("year")
+    for path in sorted(paths):
+        rows, counts = parse_file(path, int(year) if year else None)
+        if not rows:
+            raise InputError(path, f"no EPLB balancedness or rebalance line parsed ({counts['lines']} lines, "
+                                   f"{counts['malformed']} malformed)")
+        table = pa.table({c: pa.array([r.get(c) for r in rows], _TYPES.get(c, pa.float64())) for c in COLUMNS})
+        engines = sorted({r["engine"] for r in rows})
+        approx = []
+        if counts["malformed"]:
+            approx.append(f"{counts['malformed']} log lines carry an EPLB marker but did not parse and were skipped "
+                          f"({', '.join(counts['malformed_kinds'])}; first at line {counts['malformed_lines'][0]})")
+        if "vllm" in engines and any(r.get("ts_ns") is not None and r["engine"] == "vllm" for r in rows):
+            approx.append("vLLM log timestamps carry no year or time zone: year from --set year=YYYY or the file's "
+                          "modification time, clock taken as UTC")
+        if "sglang" in engines:
+            approx.append("SGLang log timestamps are local time of the server, taken as UTC")
+        if counts["unrelated"]:
+            approx.append(f"{counts['unrelated']} unrelated log lines counted and ignored")
+        run = {"source": path.name, "source_sha256": sha256_files([path]), "collector": "logs",
+               "time_base": "epoch" if any(r.get("ts_ns") is not None for r in rows) else "none",
+               "num_layers": options.get("num_layers"), "num_experts": options.get("num_experts"),
+               "top_k": options.get("top_k"), "num_ranks": options.get("num_ranks"),
+               "ranks_per_node": options.get("ranks_per_node"),
+               "approximations": json.dumps(approx) if approx else None,
+               "meta_json": json.dumps({"format": "engine_log", "engines": engines, "line_counts": counts})}
+        out.append(RunData(run=run, tables={"balancedness": table}, run_id_hint=path.stem, files=[str(path)]))
+    return out
+
+
+register(Collector("logs", "vLLM / SGLang server logs: EPLB balancedness and rebalance lines",
+                   _sniff, _collect, priority=60))
