@@ -68,6 +68,9 @@ def _read_jsonl(path: Path) -> pl.DataFrame:
                 raise InputError(path, f"invalid JSON: {e.msg}", f"line {i}") from None
             if not isinstance(obj, dict):
                 raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
+            for k in _INT_COLS.intersection(obj):
+                if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
+                    raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
             rows.append(obj)
     if not rows:
         raise InputError(path, "file holds no rows")
@@ -93,7 +96,10 @@ def _ints(df: pl.DataFrame, path: Path) -> pl.DataFrame:
                 continue
             except Exception:
                 raise InputError(path, f"column {c!r} must be integer, got {s.dtype}") from None
-        df = df.with_columns(pl.col(c).cast(pl.Int64))
+        try:
+            df = df.with_columns(pl.col(c).cast(pl.Int64))
+        except Exception:  # e.g. a 128-bit integer polars read from a huge literal
+            raise InputError(path, f"column {c!r} holds a value outside the 64-bit integer range") from None
     return df
 
 

@@ -1,0 +1,519 @@
+"""Bad input, fed to every collector through ``moetrace ingest``.
+
+For each malformed input: exit code 2, a one-line error that names the file (and the
+position where the format has one), and the store byte-for-byte as it was (``tree_hash``
+covers every path and byte, hidden journal/staging/lock files included). Corruptions the
+format cannot detect (a CSV cut exactly at a row boundary is still a valid CSV) must
+either ingest cleanly or fail that way: never a traceback, never a half-written store.
+
+Collectors other engineers add land here as they appear: every test that is about a
+format a collector does not exist for yet skips and says which.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moetrace.collect import Collector, RunData, register, registry
+from moetrace.store import Store
+
+from .conftest import tree_hash
+
+HYP = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+# ----------------------------------------------------------------------------- helpers
+def _load_csv_text(steps=3, layers=2, experts=4) -> str:
+    lines = ["step,layer,expert,tokens"]
+    for s in range(steps):
+        for l in range(layers):
+            for e in range(experts):
+                lines.append(f"{s},{l},{e},{(s + 1) * (e + 2) + l}")
+    return "\n".join(lines) + "\n"
+
+
+def _seed_store(path: Path) -> Path:
+    """A store that already holds one run, so 'unchanged' means something."""
+    src = path.parent / f"seed-{path.name}.csv"
+    src.write_text(_load_csv_text(steps=2))
+    from moetrace.collect import ingest
+
+    ingest(Store(path, create=True), [src])
+    return path
+
+
+@pytest.fixture
+def store(tmp_path):
+    return _seed_store(tmp_path / "store")
+
+
+def _ingest(runner, cli, *args):
+    return runner.invoke(cli, ["ingest", *map(str, args)], catch_exceptions=True)
+
+
+def assert_refused(res, store_path: Path, before: str, file: Path | str | None, position: str | None = None):
+    """Exit 2, a clean message naming the file (and position), store unchanged."""
+    msg = res.output + (res.stderr if hasattr(res, "stderr") and res.stderr_bytes is not None else "")
+    assert res.exit_code == 2, f"exit {res.exit_code}, output: {msg!r}, exception: {res.exception!r}"
+    assert "Traceback" not in msg
+    assert "moetrace: error:" in msg
+    if file is not None:
+        assert str(file) in msg, f"{file} not named in {msg!r}"
+    if position is not None:
+        assert position in msg, f"{position!r} not in {msg!r}"
+    assert tree_hash(store_path) == before, "store changed after refused input"
+    return msg
+
+
+# ----------------------------------------------------------------------------- generic CSV / JSONL / Parquet
+CASES = [
+    # (name, file name, bytes, position expected in the message or None, words expected)
+    ("empty csv", "load.csv", b"", None, "empty"),
+    ("empty jsonl", "load.jsonl", b"", None, "empty"),
+    ("header only", "load.csv", b"step,layer,expert,tokens\n", None, "no rows"),
+    ("blank jsonl lines only", "load.jsonl", b"\n\n  \n", None, "no rows"),
+    ("invalid json line", "load.jsonl",
+     b'{"step":0,"layer":0,"expert":0,"tokens":3}\n{"step":0,"layer":0,"expert":1,"tok\n', "line 2", "invalid JSON"),
+    ("json array per line", "load.jsonl", b'[0,0,0,3]\n', "line 1", "JSON object"),
+    ("json string count", "load.jsonl", b'{"step":0,"layer":0,"expert":0,"tokens":"many"}\n', None, "tokens"),
+    ("json list count", "load.jsonl", b'{"step":0,"layer":0,"expert":0,"tokens":[3]}\n', None, "tokens"),
+    ("json null count", "load.jsonl", b'{"step":0,"layer":0,"expert":0,"tokens":null}\n', "row 1", "empty"),
+    ("json boolean count", "load.jsonl",
+     b'{"step":0,"layer":0,"expert":0,"tokens":5}\n{"step":0,"layer":0,"expert":1,"tokens":true}\n', "line 2", "integer"),
+    ("json mixed types", "load.jsonl",
+     b'{"step":0,"layer":0,"expert":0,"tokens":3}\n{"step":"x","layer":0,"expert":1,"tokens":4}\n', None, "step"),
+    ("NaN count csv", "load.csv", b"step,layer,expert,tokens\n0,0,0,3\n0,0,1,NaN\n", "row 2", "non-integer"),
+    ("NaN count json", "load.jsonl",
+     b'{"step":0,"layer":0,"expert":0,"tokens":3}\n{"step":0,"layer":0,"expert":1,"tokens":NaN}\n', "row 2", "non-integer"),
+    ("fractional count", "load.csv", b"step,layer,expert,tokens\n0,0,0,2.5\n", "row 1", "non-integer"),
+    ("negative count", "load.csv", b"step,layer,expert,tokens\n0,0,0,3\n0,0,1,-4\n", "row 1", "negative"),
+    ("negative expert", "load.csv", b"step,layer,expert,tokens\n0,0,-1,3\n", "row 0", "negative"),
+    ("negative layer", "load.csv", b"step,layer,expert,tokens\n0,-2,0,3\n", "row 0", "negative"),
+    ("negative step", "load.csv", b"step,layer,expert,tokens\n-5,0,0,3\n", "row 0", "negative"),
+    ("step beyond int64", "load.csv", b"step,layer,expert,tokens\n99999999999999999999999,0,0,3\n", None, "step"),
+    ("layer beyond int32", "load.csv", b"step,layer,expert,tokens\n0,4294967296,0,3\n", None, "layer"),
+    ("duplicate row", "load.csv", b"step,layer,expert,tokens\n0,0,0,3\n0,0,1,1\n0,0,0,3\n", None, "duplicate"),
+    ("missing column", "load.csv", b"step,layer,expert,tokenz\n0,0,0,3\n", None, None),
+    ("missing value", "load.csv", b"step,layer,expert,tokens\n0,0,0,3\n0,,1,4\n", "row 2", "empty"),
+    ("parquet magic, garbage body", "load.parquet", b"PAR1" + b"\x00garbage" * 10, None, "cannot parse"),
+    ("parquet without magic", "load.parquet", b"step,layer,expert,tokens\n0,0,0,1\n", None, "unknown file type"),
+    ("binary junk", "load.csv", bytes(range(256)) * 4, None, None),
+    ("not utf-8 jsonl", "load.jsonl", b'{"step":0,"layer":0,"expert":0,"tokens":3}\n\xff\xfe\xfa\n', None, None),
+    ("routing negative expert", "route.csv", b"step,layer,token,expert\n0,0,0,1\n0,0,0,-3\n", None, "negative"),
+]
+
+
+@pytest.mark.parametrize("name,fname,data,position,words", CASES, ids=[c[0] for c in CASES])
+def test_generic_bad_file_is_refused_and_store_unchanged(runner, cli, store, tmp_path, name, fname, data,
+                                                         position, words):
+    f = tmp_path / fname
+    f.write_bytes(data)
+    before = tree_hash(store)
+    res = _ingest(runner, cli, f, "--store", store)
+    msg = assert_refused(res, store, before, f, position)
+    if words:
+        assert words.lower() in msg.lower()
+
+
+def test_ids_outside_the_declared_shape_are_refused(runner, cli, store, tmp_path):
+    f = tmp_path / "load.csv"
+    f.write_text(_load_csv_text(steps=2, layers=3, experts=4))  # layer 2 exists
+    before = tree_hash(store)
+    res = _ingest(runner, cli, f, "--store", store, "--layers", 2)
+    msg = assert_refused(res, store, before, f)
+    # first row with layer 2: rows are ordered step, layer, expert -> row index 2*4 = 8
+    assert "layer = 2" in msg and "0..1" in msg and "row 8" in msg
+    res = _ingest(runner, cli, f, "--store", store, "--experts", 3)
+    msg = assert_refused(res, store, before, f)
+    assert "expert = 3" in msg and "row 3" in msg
+
+
+def test_one_bad_file_among_good_ones_writes_nothing(runner, cli, store, tmp_path):
+    good = tmp_path / "good.csv"
+    good.write_text(_load_csv_text())
+    bad = tmp_path / "bad.csv"
+    bad.write_text("step,layer,expert,tokens\n0,0,0,-1\n")
+    before = tree_hash(store)
+    res = _ingest(runner, cli, good, bad, "--store", store)
+    assert_refused(res, store, before, bad)
+
+
+def test_missing_input_and_empty_folder(runner, cli, store, tmp_path):
+    before = tree_hash(store)
+    assert_refused(_ingest(runner, cli, tmp_path / "nope.csv", "--store", store), store, before,
+                   tmp_path / "nope.csv")
+    (tmp_path / "empty dir").mkdir()
+    assert_refused(_ingest(runner, cli, tmp_path / "empty dir", "--store", store), store, before,
+                   tmp_path / "empty dir")
+
+
+def test_bad_input_into_a_new_store_creates_nothing(runner, cli, tmp_path):
+    f = tmp_path / "load.csv"
+    f.write_text("step,layer,expert,tokens\n0,0,0,-1\n")
+    res = _ingest(runner, cli, f, "--store", tmp_path / "fresh")
+    assert res.exit_code == 2
+    assert not (tmp_path / "fresh").exists()
+
+
+# ----------------------------------------------------------------------------- paths with spaces and unicode
+def test_spaces_and_unicode_in_paths(runner, cli, tmp_path):
+    d = tmp_path / "incident 42 — ранги" / "trace ë 負荷"
+    d.mkdir(parents=True)
+    good = d / "expert load ü.csv"
+    good.write_text(_load_csv_text(steps=2, layers=2, experts=3))
+    st = tmp_path / "store with space ñ"
+    res = _ingest(runner, cli, good, "--store", st)
+    assert res.exit_code == 0, res.output
+    tot = Store(st).sql("SELECT sum(tokens) AS t, count(*) AS n FROM expert_load")
+    want = sum((s + 1) * (e + 2) + l for s in range(2) for l in range(2) for e in range(3))
+    assert (tot["t"][0], tot["n"][0]) == (want, 12)
+    assert Store(st).sql("SELECT source FROM runs")["source"][0] == good.name
+    bad = d / "ßad ✗.csv"
+    bad.write_text("step,layer,expert,tokens\n0,0,0,NaN\n")
+    before = tree_hash(st)
+    assert_refused(_ingest(runner, cli, bad, "--store", st), st, before, bad, "row 1")
+
+
+# ----------------------------------------------------------------------------- truncation and corruption (property)
+def _valid_payload(kind: str) -> bytes:
+    text = _load_csv_text(steps=4, layers=2, experts=4)
+    if kind == "csv":
+        return text.encode()
+    rows = [dict(zip(["step", "layer", "expert", "tokens"], map(int, ln.split(","))))
+            for ln in text.strip().splitlines()[1:]]
+    if kind == "jsonl":
+        return "".join(json.dumps(r) + "\n" for r in rows).encode()
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+def _check_clean_or_refused(runner, cli, store_path, f):
+    before = tree_hash(store_path)
+    res = _ingest(runner, cli, f, "--store", store_path)
+    if res.exit_code == 0:
+        return "ingested"
+    assert_refused(res, store_path, before, f)
+    return "refused"
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet"])
+@HYP
+@given(frac=st.floats(0.0, 1.0, exclude_max=True))
+def test_truncated_at_any_offset(runner, cli, tmp_path_factory, kind, frac):
+    tmp = tmp_path_factory.mktemp("trunc")
+    store_path = _seed_store(tmp / "store")
+    data = _valid_payload(kind)
+    cut = int(frac * len(data))
+    f = tmp / f"load.{kind}"
+    f.write_bytes(data[:cut])
+    outcome = _check_clean_or_refused(runner, cli, store_path, f)
+    if kind == "parquet" or cut == 0:
+        assert outcome == "refused"  # no footer (or no bytes): always detectable
+    if outcome == "ingested":
+        # what landed is exactly the complete rows of the cut text, nothing invented
+        text = data[:cut].decode()
+        complete = text.splitlines()[1:] if kind == "csv" else text.splitlines()
+        if not text.endswith("\n"):
+            complete = complete[:-1]  # the partial last line may parse as a shorter number
+        got = Store(store_path).sql("SELECT count(*) AS n FROM expert_load WHERE run_id LIKE 'load%'")["n"][0]
+        assert got in (len(complete), len(complete) + 1)
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet"])
+@HYP
+@given(data=st.data())
+def test_random_byte_corruption(runner, cli, tmp_path_factory, kind, data):
+    tmp = tmp_path_factory.mktemp("flip")
+    store_path = _seed_store(tmp / "store")
+    payload = bytearray(_valid_payload(kind))
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(payload) - 1))
+        payload[i] = data.draw(st.integers(0, 255))
+    f = tmp / f"load.{kind}"
+    f.write_bytes(bytes(payload))
+    _check_clean_or_refused(runner, cli, store_path, f)
+
+
+@HYP
+@given(value=st.one_of(st.text(max_size=5), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                       st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(),
+                                                                            max_size=1), st.none(),
+                       st.integers(min_value=-(2 ** 70), max_value=2 ** 70)),
+       column=st.sampled_from(["step", "layer", "expert", "tokens"]))
+def test_any_json_value_in_any_column(runner, cli, tmp_path_factory, value, column):
+    tmp = tmp_path_factory.mktemp("types")
+    store_path = _seed_store(tmp / "store")
+    rows = [{"step": 0, "layer": 0, "expert": e, "tokens": 5} for e in range(3)]
+    rows[1][column] = value
+    f = tmp / "load.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outcome = _check_clean_or_refused(runner, cli, store_path, f)
+    bound = 2 ** 63 if column in ("step", "tokens") else 2 ** 31  # int64 / int32 columns
+    ok_int = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < bound
+    ok_float = isinstance(value, float) and math.isfinite(value) and value.is_integer() and 0 <= value < bound
+    if outcome == "ingested":
+        assert ok_int or ok_float, f"{column}={value!r} was accepted"
+        if column == "tokens":
+            got = Store(store_path).sql("SELECT tokens FROM expert_load WHERE run_id LIKE 'load%' AND expert = 1")
+            assert got["tokens"][0] == int(value)
+    if isinstance(value, (str, list, dict, bool)) or value is None or (
+            isinstance(value, float) and not math.isfinite(value)):
+        assert outcome == "refused"
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        assert outcome == "refused"
+
+
+# ----------------------------------------------------------------------------- corrupt gzip (collectors reading .gz)
+def _collectors_for(path: Path) -> list[str]:
+    head = path.read_bytes()[:4096]
+    out = []
+    for name, c in registry().items():
+        try:
+            if c.sniff(path, head):
+                out.append(name)
+        except Exception:
+            pass
+    return out
+
+
+def test_corrupt_gzip_trace(runner, cli, store, tmp_path):
+    body = json.dumps({"schemaVersion": 1, "traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1.0, "dur": 2.0}] * 50}).encode()
+    gz = gzip.compress(body)
+    before = tree_hash(store)
+    cases = {
+        "truncated.pt.trace.json.gz": gz[: len(gz) // 2],
+        "flipped.pt.trace.json.gz": gz[:20] + bytes(b ^ 0x5A for b in gz[20:40]) + gz[40:],
+        "not gzip.pt.trace.json.gz": b"\x1f\x8b" + b"nonsense" * 20,
+    }
+    for fname, data in cases.items():
+        f = tmp_path / fname
+        f.write_bytes(data)
+        res = _ingest(runner, cli, f, "--store", store)
+        assert_refused(res, store, before, f)
+        if "kineto" in registry():
+            res = _ingest(runner, cli, f, "--store", store, "--format", "kineto")
+            assert_refused(res, store, before, f)
+
+
+# ----------------------------------------------------------------------------- malicious pickle
+class _Exploit:
+    """Unpickling this object calls exec(), which creates the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
+
+
+def _malicious_pt(path: Path, marker: Path) -> None:
+    torch = pytest.importorskip("torch", reason="torch is needed to write a .pt in torch.save's zip format")
+    torch.save({"logical_count": _Exploit(marker), "rank": 0}, path)
+
+
+def test_malicious_pickle_is_refused_and_does_not_run(runner, cli, store, tmp_path):
+    # the payload is live: plain unpickling runs it (proves the test can fail)
+    probe = tmp_path / "probe-marker"
+    pickle.loads(pickle.dumps(_Exploit(probe)))
+    assert probe.read_text() == "pwned"
+
+    marker = tmp_path / "PWNED-marker"
+    names = ["expert_distribution_recorder_1700000000.pt", "expert_distribution_recorder_1700000000_0.pt",
+             "expert_load_window.pt", "dump.pt"]
+    before = tree_hash(store)
+    tried = []
+    for n in names:
+        f = tmp_path / n
+        _malicious_pt(f, marker)
+        res = _ingest(runner, cli, f, "--store", store)
+        assert_refused(res, store, before, f)
+        tried.append("auto")
+        for fmt in [k for k in registry() if any(w in k for w in ("sglang", "vllm"))]:
+            res = _ingest(runner, cli, f, "--store", store, "--format", fmt)
+            assert_refused(res, store, before, f)
+            tried.append(fmt)
+        assert not marker.exists(), f"unpickling ran code while ingesting {n} ({tried})"
+
+
+# ----------------------------------------------------------------------------- conservation (through the CLI)
+_FIXTURE_TABLES: dict = {}
+
+
+def _fixture_collect(paths, options):
+    run, tables = _FIXTURE_TABLES["run"], _FIXTURE_TABLES["tables"]
+    return [RunData(run=dict(run), tables=dict(tables), run_id_hint="fx", files=[str(p) for p in paths])]
+
+
+register(Collector("test_fixture", "test-only: returns the tables the test set", lambda p, h: p.suffix == ".tfx",
+                   _fixture_collect, priority=99))
+
+
+def _consistent_run(rng, steps=3, layers=2, experts=6, top_k=2, ranks=2):
+    """Routing drawn by hand with numpy; expert_load and steps derived from it by hand."""
+    rows, load, srows = [], {}, []
+    for s in range(steps):
+        per_rank = rng.integers(0, 5, size=ranks)
+        n = int(per_rank.sum())
+        for r in range(ranks):
+            srows.append({"step": s, "rank": r, "phase": "decode", "num_tokens": int(per_rank[r]),
+                          "is_dummy": bool(per_rank[r] == 0), "start_ns": 1000 * s, "end_ns": 1000 * s + 900,
+                          "inferred": False})
+        for l in range(layers):
+            for t in range(n):
+                for c, e in enumerate(rng.choice(experts, size=top_k, replace=False)):
+                    rows.append({"step": s, "layer": l, "token": t, "src_rank": None, "choice": c, "expert": int(e),
+                                 "slot": None, "gate": 0.5})
+                    load[(s, l, int(e))] = load.get((s, l, int(e)), 0) + 1
+    el = [{"step": s, "layer": l, "expert": e, "slot": None, "src_rank": None, "tokens": v}
+          for (s, l, e), v in sorted(load.items())]
+    run = {"source": "fixture", "source_sha256": f"fx-{rng.integers(1 << 60)}", "time_base": "capture_start",
+           "num_layers": layers, "num_experts": experts, "top_k": top_k, "num_ranks": ranks}
+    return run, {"routing": pa.Table.from_pylist(rows), "expert_load": pa.Table.from_pylist(el),
+                 "steps": pa.Table.from_pylist(srows)}
+
+
+def test_conservation_consistent_run_is_ingested_unflagged(runner, cli, store, tmp_path):
+    run, tables = _consistent_run(np.random.default_rng(1))
+    _FIXTURE_TABLES.update(run=run, tables=tables)
+    (tmp_path / "a.tfx").write_text("x")
+    res = _ingest(runner, cli, tmp_path / "a.tfx", "--store", store)
+    assert res.exit_code == 0, res.output
+    r = Store(store).sql("SELECT inconsistent FROM runs WHERE collector = 'test_fixture'")
+    assert r["inconsistent"].to_list() == [False]
+
+
+def test_conservation_token_sum_refused_with_numbers_or_flagged(runner, cli, store, tmp_path):
+    run, tables = _consistent_run(np.random.default_rng(2))
+    el = tables["expert_load"].to_pylist()
+    # one extra token at the first row of step 1: by hand, that (step, layer) sums to n1*k + 1
+    i = next(j for j, r in enumerate(el) if r["step"] == 1)
+    s, l = el[i]["step"], el[i]["layer"]
+    n1 = sum(r["num_tokens"] for r in tables["steps"].to_pylist() if r["step"] == 1)
+    el[i]["tokens"] += 1
+    tables = {"expert_load": pa.Table.from_pylist(el), "steps": tables["steps"]}
+    _FIXTURE_TABLES.update(run=run, tables=tables)
+    f = tmp_path / "b.tfx"
+    f.write_text("x")
+    before = tree_hash(store)
+    msg = assert_refused(_ingest(runner, cli, f, "--store", store), store, before, f, f"step {s}, layer {l}")
+    assert f"sum to {n1 * 2 + 1}" in msg and f"= {n1 * 2}" in msg and "1 of 6 (step, layer) pairs" in msg
+    assert "--allow-inconsistent" in msg
+    res = _ingest(runner, cli, f, "--store", store, "--allow-inconsistent")
+    assert res.exit_code == 0, res.output
+    r = Store(store).sql("SELECT inconsistent, approximations FROM runs WHERE collector = 'test_fixture'")
+    assert r["inconsistent"].to_list() == [True]
+    notes = json.loads(r["approximations"][0])
+    assert any("token conservation" in n and f"sum to {n1 * 2 + 1}" in n for n in notes)
+
+
+def test_conservation_routing_must_aggregate_to_load(runner, cli, store, tmp_path):
+    run, tables = _consistent_run(np.random.default_rng(3))
+    rt = tables["routing"].to_pylist()
+    dropped = rt.pop()  # one routing row lost: its (step, layer, expert) count is one short
+    _FIXTURE_TABLES.update(run=run, tables={**tables, "routing": pa.Table.from_pylist(rt)})
+    f = tmp_path / "c.tfx"
+    f.write_text("x")
+    before = tree_hash(store)
+    msg = assert_refused(_ingest(runner, cli, f, "--store", store), store, before, f,
+                         f"step {dropped['step']}, layer {dropped['layer']}, expert {dropped['expert']}")
+    want = sum(1 for r in rt if (r["step"], r["layer"], r["expert"]) ==
+               (dropped["step"], dropped["layer"], dropped["expert"]))
+    assert f"routing has {want} rows" in msg and f"records {want + 1} tokens" in msg
+
+
+def test_conservation_backwards_span_refused_or_flagged(runner, cli, store, tmp_path):
+    run, tables = _consistent_run(np.random.default_rng(4))
+    spans = pa.table({"rank": [0, 0, 1], "device": [0, 0, 1], "stream": [7, 7, 7], "kind": ["dispatch"] * 3,
+                      "name_id": [0, 0, 0], "start_ns": [100, 500, 900], "end_ns": [200, 450, 950],
+                      "step": [0, 0, 0], "layer": [None, None, None], "micro_batch": [None] * 3,
+                      "inferred": [False] * 3, "correlation": [None] * 3, "collective": [None] * 3})
+    _FIXTURE_TABLES.update(run=run, tables={**tables, "spans": spans})
+    f = tmp_path / "d.tfx"
+    f.write_text("x")
+    before = tree_hash(store)
+    msg = assert_refused(_ingest(runner, cli, f, "--store", store), store, before, f, "row 1")
+    assert "500" in msg and "450" in msg
+    res = _ingest(runner, cli, f, "--store", store, "--allow-inconsistent")
+    assert res.exit_code == 0, res.output
+    r = Store(store).sql("SELECT inconsistent, approximations FROM runs WHERE collector = 'test_fixture'")
+    assert r["inconsistent"].to_list() == [True]
+    assert "-50 ns" in r["approximations"][0]
+
+
+def test_conservation_skips_dense_layers_and_unknown_tokens(runner, cli, store, tmp_path):
+    run, tables = _consistent_run(np.random.default_rng(5), layers=2)
+    el = tables["expert_load"].to_pylist()
+    el += [{"step": s, "layer": 2, "expert": 0, "slot": None, "src_rank": None, "tokens": 0} for s in range(3)]
+    run = {**run, "num_layers": 3}
+    st_rows = tables["steps"].to_pylist()
+    st_rows[0]["num_tokens"] = None  # step 0 unknown: not checked; the others still are
+    _FIXTURE_TABLES.update(run=run, tables={"expert_load": pa.Table.from_pylist(el),
+                                            "steps": pa.Table.from_pylist(st_rows)})
+    f = tmp_path / "e.tfx"
+    f.write_text("x")
+    res = _ingest(runner, cli, f, "--store", store)
+    assert res.exit_code == 0, res.output
+
+
+# ----------------------------------------------------------------------------- read-only store
+def _as_unprivileged(cmd: list[str], **kw):
+    if os.geteuid() != 0:
+        return subprocess.run(cmd, capture_output=True, text=True, **kw)
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: a read-only folder does not stop root, "
+                    "and there is no unprivileged user to run the ingest as")
+    return subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *cmd],
+                          capture_output=True, text=True, **kw)
+
+
+def test_read_only_store_refuses_cleanly_and_stays_unchanged():
+    """As root, chmod does not stop writes: the ingest runs as uid 65534 (nobody) via
+    setpriv, for whom the 0555 store is genuinely read-only at the kernel level."""
+    base = Path(tempfile.mkdtemp(prefix="moetrace-ro-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)
+        store_path = _seed_store(base / "store")
+        src = base / "load.csv"
+        src.write_text(_load_csv_text(steps=5))
+        for dirpath, dirnames, filenames in os.walk(store_path):
+            os.chmod(dirpath, 0o555)
+            for n in filenames:
+                os.chmod(os.path.join(dirpath, n), 0o444)
+        os.chmod(src, 0o644)
+        before = tree_hash(store_path)
+        env = {**os.environ, "HOME": str(base), "PYTHONDONTWRITEBYTECODE": "1"}
+        res = _as_unprivileged([sys.executable, "-m", "moetrace", "ingest", str(src), "--store", str(store_path)],
+                               env=env, cwd=str(base), timeout=120)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "Traceback" not in res.stderr
+        assert str(store_path) in res.stderr and ("read-only" in res.stderr or "not writable" in res.stderr)
+        assert tree_hash(store_path) == before
+        # the same user can still read it
+        res = _as_unprivileged([sys.executable, "-m", "moetrace", "sql", str(store_path),
+                                "SELECT count(*) AS n FROM expert_load", "--format", "csv"], env=env, cwd=str(base), timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip().splitlines()[-1] == str(2 * 2 * 4)
+        assert tree_hash(store_path) == before
+    finally:
+        for dirpath, dirnames, filenames in os.walk(base):
+            os.chmod(dirpath, 0o755)
+        shutil.rmtree(base, ignore_errors=True)
