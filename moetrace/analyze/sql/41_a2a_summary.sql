@@ -1,0 +1,94 @@
+-- Per-rank and per-step summaries of all-to-all exposure, the straggler per step, the
+-- all-to-all mode per stream (DeepEP low-latency hook mode) and whether a run has any
+-- all-to-all at all (so a report can say "none found" instead of printing 0 or NaN).
+
+CREATE OR REPLACE VIEW a2a_presence AS
+SELECT r.run_id,
+       count(s.kind) FILTER (WHERE s.kind IN ('dispatch', 'combine', 'a2a_other')) AS a2a_spans,
+       count(s.kind) AS spans,
+       count(s.kind) FILTER (WHERE s.kind = 'comm_other') AS other_comm_spans,
+       count(s.kind) FILTER (WHERE s.kind IN ('dispatch', 'combine', 'a2a_other')) > 0 AS has_a2a
+FROM runs r
+LEFT JOIN spans s ON s.run_id = r.run_id
+GROUP BY r.run_id;
+
+CREATE OR REPLACE VIEW a2a_step_rank AS
+WITH e AS (
+    SELECT run_id, rank, step,
+           sum(comm_ns) AS comm_ns, sum(exposed_ns) AS exposed_ns,
+           sum(exposed_ns) FILTER (WHERE kind = 'dispatch') AS dispatch_exposed_ns,
+           sum(exposed_ns) FILTER (WHERE kind = 'combine') AS combine_exposed_ns,
+           sum(comm_ns) FILTER (WHERE kind = 'combine') AS combine_ns
+    FROM a2a_exposure
+    GROUP BY run_id, rank, step
+)
+SELECT e.run_id, e.step, e.rank,
+       (st.end_ns - st.start_ns)::BIGINT AS step_ns,
+       e.comm_ns::BIGINT AS comm_ns, e.exposed_ns::BIGINT AS exposed_ns,
+       coalesce(e.dispatch_exposed_ns, 0)::BIGINT AS dispatch_exposed_ns,
+       coalesce(e.combine_exposed_ns, 0)::BIGINT AS combine_exposed_ns,
+       coalesce(e.combine_ns, 0)::BIGINT AS combine_ns,
+       e.exposed_ns / nullif(e.comm_ns, 0) AS exposed_share_of_comm,
+       e.exposed_ns / nullif(st.end_ns - st.start_ns, 0) AS exposed_share_of_step
+FROM e
+LEFT JOIN steps st ON st.run_id = e.run_id AND st.rank = e.rank AND st.step IS NOT DISTINCT FROM e.step;
+
+CREATE OR REPLACE VIEW a2a_rank_summary AS
+SELECT run_id, rank,
+       count(DISTINCT step) AS steps,
+       sum(comm_ns)::BIGINT AS comm_ns,
+       sum(exposed_ns)::BIGINT AS exposed_ns,
+       sum(dispatch_exposed_ns)::BIGINT AS dispatch_exposed_ns,
+       sum(combine_exposed_ns)::BIGINT AS combine_exposed_ns,
+       sum(step_ns)::BIGINT AS step_ns,
+       sum(exposed_ns) / nullif(sum(comm_ns), 0) AS exposed_share_of_comm,
+       sum(exposed_ns) / nullif(sum(step_ns), 0) AS exposed_share_of_step
+FROM a2a_step_rank
+GROUP BY run_id, rank;
+
+-- The straggler of a step is the rank the others waited for at the combine: it arrives
+-- last, so its own combine waits least (smallest exposed combine time). wait_ns is how
+-- much longer the median rank's exposed combine was. slowest_rank has the longest step.
+CREATE OR REPLACE VIEW a2a_stragglers AS
+WITH r AS (
+    SELECT *,
+           row_number() OVER (PARTITION BY run_id, step ORDER BY combine_exposed_ns, rank) AS by_wait,
+           row_number() OVER (PARTITION BY run_id, step ORDER BY step_ns DESC NULLS LAST, rank) AS by_len,
+           count(*) OVER (PARTITION BY run_id, step) AS ranks,
+           median(combine_exposed_ns) OVER (PARTITION BY run_id, step) AS median_combine_exposed_ns
+    FROM a2a_step_rank
+    WHERE combine_ns > 0
+)
+SELECT run_id, step, max(ranks) AS ranks,
+       max(rank) FILTER (WHERE by_wait = 1) AS straggler_rank,
+       max(combine_exposed_ns) FILTER (WHERE by_wait = 1) AS straggler_combine_exposed_ns,
+       max(median_combine_exposed_ns)::BIGINT AS median_combine_exposed_ns,
+       (max(median_combine_exposed_ns) - max(combine_exposed_ns) FILTER (WHERE by_wait = 1))::BIGINT AS wait_ns,
+       max(rank) FILTER (WHERE by_len = 1) AS slowest_rank,
+       max(step_ns) FILTER (WHERE by_len = 1) AS slowest_step_ns
+FROM r
+GROUP BY run_id, step
+HAVING count(*) > 1;
+
+-- How the all-to-all ran, per (rank, device, stream) holding all-to-all spans:
+-- 'deepep_ll_hook' when DeepEP low-latency kernels run on a stream that also runs compute
+-- (send and receive kernels on the compute stream, the transfer between them with no
+-- kernel running: interval overlap cannot see it); 'compute_stream' when another
+-- all-to-all shares a compute stream; 'own_stream' otherwise.
+CREATE OR REPLACE VIEW a2a_modes AS
+WITH s AS (
+    SELECT sp.run_id, sp.rank, sp.device, sp.stream,
+           count(*) FILTER (WHERE sp.kind IN ('dispatch', 'combine', 'a2a_other')) AS a2a_spans,
+           count(*) FILTER (WHERE sp.kind IN ('dispatch', 'combine', 'a2a_other')
+                            AND (kn.name LIKE '%internode_ll%' OR kn.name LIKE '%low_latency%')) AS ll_spans,
+           count(*) FILTER (WHERE sp.kind IN ('expert_gemm', 'attention', 'compute_other')) AS compute_spans
+    FROM spans sp
+    LEFT JOIN kernel_names kn ON kn.run_id = sp.run_id AND kn.name_id = sp.name_id
+    GROUP BY sp.run_id, sp.rank, sp.device, sp.stream
+)
+SELECT run_id, rank, device, stream, a2a_spans, ll_spans, compute_spans,
+       CASE WHEN ll_spans > 0 AND compute_spans > 0 THEN 'deepep_ll_hook'
+            WHEN compute_spans > 0 THEN 'compute_stream'
+            ELSE 'own_stream' END AS mode
+FROM s
+WHERE a2a_spans > 0;

@@ -1,0 +1,292 @@
+"""Shared by the profiler collectors (Kineto, Nsight): from per-rank device intervals,
+kernel launches and CPU-side ranges to the canonical ``spans``, ``kernel_names`` and
+``steps`` tables.
+
+A collector hands one :class:`RankEvents` per rank (polars frames in ns) and this module
+does the rest, the same way for every profiler:
+
+* links each kernel to its launch (correlation id) and so to the CPU ranges around the
+  launch: ``ProfilerStep#N`` (step), a collective op such as ``nccl:all_to_all`` (which
+  collective a SendRecv kernel belongs to), a ``dispatch``/``combine`` annotation (the
+  direction of a plain all-to-all), a layer annotation (``layer 3``, ``layers.3``) and a
+  micro-batch annotation (``micro_batch 1``, DualPipe's ``(F)``/``(B)``/``(W)`` suffix);
+* classifies each kernel with the one classifier (:mod:`moetrace.collect.classify`);
+* fills in what no annotation gave, and says so (``spans.inferred``): the layer from the
+  order of dispatches within (rank, step, micro-batch); the direction of an all-to-all
+  from its order (dispatch, combine, dispatch, ...);
+* on a trace with no device activity at all (a CPU-only run, e.g. gloo all-to-all),
+  turns the host collective ops into spans on device -1 (``host``) and the top-level CPU
+  ops into compute spans there, and says so in ``runs.approximations``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from .classify import Classifier, normalize_collective, normalize_name
+
+STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
+#: backend-level collective ops (innermost CPU op of a collective call)
+COLL_OP_RE = re.compile(r"^(?:nccl|gloo|mpi|ucc|xccl|hccl|rccl|c10d):+\w", re.I)
+PHASE_RE = re.compile(r"(?i)(?:^|[^a-z])(dispatch|combine)(?:[^a-z]|$)")
+LAYER_RE = re.compile(r"(?i)(?:^|[^a-z])(?:layers?|moe_layer|decoder_layer|block)[._\s#:\-\[]*(\d+)")
+MB_RE = re.compile(r"(?i)(?:^|[^a-z])(?:micro_?batch|ubatch|mb|chunk)[._\s#:\-\[]*(\d+)")
+DUALPIPE_RE = re.compile(r"\(([FBW])\)\s*$")
+DUALPIPE_MB = {"F": 0, "B": 1, "W": 2}
+
+GPU_SCHEMA = {"name": pl.Utf8, "cat": pl.Utf8, "device": pl.Int32, "stream": pl.Int32, "start_ns": pl.Int64,
+              "end_ns": pl.Int64, "correlation": pl.Int64, "coll_arg": pl.Utf8}
+LAUNCH_SCHEMA = {"correlation": pl.Int64, "pid": pl.Int64, "tid": pl.Int64, "ts_ns": pl.Int64}
+CPU_SCHEMA = {"name": pl.Utf8, "cat": pl.Utf8, "pid": pl.Int64, "tid": pl.Int64, "start_ns": pl.Int64,
+              "end_ns": pl.Int64}
+
+
+@dataclass
+class RankEvents:
+    rank: int
+    gpu: pl.DataFrame          # GPU_SCHEMA: kernels, memcpy, memset
+    launch: pl.DataFrame       # LAUNCH_SCHEMA: CPU launch of each correlation id
+    cpu: pl.DataFrame          # CPU_SCHEMA: annotations and collective / top-level CPU ops
+    source: str = ""
+    rank_inferred: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def frame(rows: dict, schema: dict) -> pl.DataFrame:
+    return pl.DataFrame({k: rows.get(k, []) for k in schema}, schema=schema)
+
+
+def _families(cpu: pl.DataFrame) -> dict[str, pl.DataFrame]:
+    """Split CPU ranges into the families used for labels (each keyed by process)."""
+    if cpu.height == 0:
+        empty = cpu.with_columns(pl.lit(None, pl.Int64).alias("val"))
+        return {k: empty for k in ("step", "coll", "phase", "layer", "mb")}
+    names = cpu["name"].unique().to_list()
+    step_v, coll_v, phase_v, layer_v, mb_v = {}, {}, {}, {}, {}
+    for n in names:
+        m = STEP_RE.match(n)
+        if m:
+            step_v[n] = int(m.group(1))
+            continue
+        if COLL_OP_RE.match(n):
+            coll_v[n] = 1
+            continue
+        m = PHASE_RE.search(n)
+        if m:
+            phase_v[n] = 0 if m.group(1).lower() == "dispatch" else 1
+        m = LAYER_RE.search(n)
+        if m:
+            layer_v[n] = int(m.group(1))
+        m = MB_RE.search(n)
+        if m:
+            mb_v[n] = int(m.group(1))
+        else:
+            m = DUALPIPE_RE.search(n)
+            if m:
+                mb_v[n] = DUALPIPE_MB[m.group(1)]
+
+    def fam(d: dict) -> pl.DataFrame:
+        if not d:
+            return cpu.clear().with_columns(pl.lit(None, pl.Int64).alias("val"))
+        m = pl.DataFrame({"name": list(d), "val": list(d.values())}, schema={"name": pl.Utf8, "val": pl.Int64})
+        return cpu.join(m, on="name", how="inner").sort("start_ns")
+
+    return {"step": fam(step_v), "coll": fam(coll_v), "phase": fam(phase_v), "layer": fam(layer_v), "mb": fam(mb_v)}
+
+
+def _enclosing(points: pl.DataFrame, ivals: pl.DataFrame, by: list[str], out: str, take: str = "val") -> pl.DataFrame:
+    """For each point (column ``t``) the value of the latest-starting interval of the same
+    ``by`` key that contains it (null when none)."""
+    if ivals.height == 0:
+        return points.with_columns(pl.lit(None, ivals.schema.get(take, pl.Int64)).alias(out))
+    right = ivals.select([*by, pl.col("start_ns").alias("t"), pl.col("end_ns").alias("_end"),
+                          pl.col(take).alias(out)]).sort("t")
+    j = points.sort("t").join_asof(right, on="t", by=by, strategy="backward", check_sortedness=False)
+    return j.with_columns(pl.when(pl.col("t") <= pl.col("_end")).then(pl.col(out)).otherwise(None).alias(out)
+                          ).drop("_end")
+
+
+def _host_events(ev: RankEvents) -> pl.DataFrame:
+    """CPU-only trace: collective ops and top-level CPU ops as host spans (device -1)."""
+    cpu = ev.cpu.filter(pl.col("end_ns") >= pl.col("start_ns"))
+    ops = cpu.filter(pl.col("cat").str.to_lowercase().is_in(["cpu_op", "operator"]))
+    # top level per thread: starts after every earlier op of the thread has ended
+    ops = ops.sort(["pid", "tid", "start_ns", pl.col("end_ns")], descending=[False, False, False, True])
+    ops = ops.with_columns(pl.col("end_ns").cum_max().shift(1).over(["pid", "tid"]).alias("_prev_end"))
+    top = ops.filter(pl.col("_prev_end").is_null() | (pl.col("start_ns") >= pl.col("_prev_end")))
+    top = top.filter(~pl.col("name").str.contains(r"(?i)^(?:c10d::|record_param_comms|ProfilerStep)"))
+    coll = cpu.filter(pl.col("name").str.contains(COLL_OP_RE.pattern))
+    # innermost backend op of each collective call: prefer gloo:/nccl:/mpi: over c10d::
+    backend = coll.filter(~pl.col("name").str.to_lowercase().str.starts_with("c10d"))
+    coll = backend if backend.height else coll
+    out = pl.concat([
+        coll.with_columns(pl.col("name").alias("coll_arg")),
+        top.drop("_prev_end").with_columns(pl.lit(None, pl.Utf8).alias("coll_arg")),
+    ])
+    return out.select(
+        "name", pl.lit("host_op").alias("cat"), pl.lit(-1, pl.Int32).alias("device"),
+        pl.col("tid").cast(pl.Int32, strict=False).fill_null(-1).alias("stream"), "start_ns", "end_ns",
+        pl.lit(None, pl.Int64).alias("correlation"), "coll_arg",
+        pl.col("pid").alias("pid"), pl.col("tid").alias("tid"), pl.col("start_ns").alias("t"))
+
+
+def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl.DataFrame], list[str], dict]:
+    """The canonical tables of one run from its ranks. Returns (tables, approximations, meta)."""
+    approx: list[str] = []
+    meta: dict = {"ranks": {}}
+    parts, step_rows = [], []
+    host_mode = all(r.gpu.height == 0 for r in ranks)
+    if host_mode:
+        approx.append("no GPU activity in the trace: host collective ops (e.g. gloo all_to_all) are the "
+                      "all-to-all spans on device -1 (host), top-level CPU ops are the compute")
+    any_step_annot = False
+    for ev in ranks:
+        fams = _families(ev.cpu)
+        if host_mode:
+            pts = _host_events(ev)
+        else:
+            g = ev.gpu.filter(pl.col("end_ns") >= pl.col("start_ns"))
+            pts = g.join(ev.launch.unique("correlation", keep="first"), on="correlation", how="left")
+            main_pid = None
+            if fams["step"].height:
+                main_pid = int(fams["step"]["pid"][0])
+            elif ev.cpu.height:
+                main_pid = int(ev.cpu["pid"].mode()[0])
+            pts = pts.with_columns(
+                pl.col("pid").fill_null(main_pid if main_pid is not None else -1),
+                pl.col("tid").fill_null(-1),
+                pl.coalesce("ts_ns", "start_ns").alias("t")).drop("ts_ns")
+        pts = pts.with_row_index("_i")
+        pts = _enclosing(pts, fams["step"], ["pid"], "step")
+        coll_names = fams["coll"].with_columns(pl.col("name").alias("cname"))
+        pts = _enclosing(pts, coll_names, ["pid", "tid"], "coll_op", take="cname")
+        pts = _enclosing(pts, fams["phase"], ["pid"], "phase")
+        pts = _enclosing(pts, fams["layer"], ["pid"], "layer_a")
+        pts = _enclosing(pts, fams["mb"], ["pid"], "mb")
+        pts = pts.sort("_i").with_columns(pl.coalesce("coll_arg", "coll_op").alias("coll"))
+        # classify each distinct (name, category, collective) once
+        keys = pts.select("name", "cat", "coll").unique()
+        kinds = [classifier.classify(n, c, k) for n, k, c in keys.iter_rows()]
+        norm = [normalize_name(n) for n in keys["name"].to_list()]
+        keys = keys.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("norm", norm, pl.Utf8),
+                                 pl.col("coll").map_elements(normalize_collective, return_dtype=pl.Utf8)
+                                 .alias("collective"))
+        pts = pts.join(keys, on=["name", "cat", "coll"], how="left", nulls_equal=True)
+        has_steps = fams["step"].height > 0
+        any_step_annot |= has_steps
+        if not has_steps:
+            pts = pts.with_columns(pl.lit(0, pl.Int64).alias("step"))
+        pts = _resolve_a2a(pts)
+        pts = pts.with_columns(
+            pl.lit(ev.rank, pl.Int32).alias("rank"),
+            (pl.col("_inf") | pl.lit(not has_steps)).alias("inferred"))
+        parts.append(pts)
+        # steps of this rank
+        if has_steps:
+            st = fams["step"].group_by("val").agg(pl.col("start_ns").min(), pl.col("end_ns").max())
+            gpu_end = pts.group_by("step").agg(pl.col("end_ns").max().alias("gend"))
+            st = st.join(gpu_end, left_on="val", right_on="step", how="left")
+            for s, a, b, ge in st.sort("val").iter_rows():
+                step_rows.append({"step": s, "rank": ev.rank, "start_ns": a, "end_ns": max(b, ge or b),
+                                  "inferred": False})
+        elif pts.height:
+            step_rows.append({"step": 0, "rank": ev.rank, "start_ns": int(pts["start_ns"].min()),
+                              "end_ns": int(pts["end_ns"].max()), "inferred": True})
+        meta["ranks"][str(ev.rank)] = {"source": ev.source, "rank_inferred": ev.rank_inferred,
+                                       "spans": pts.height}
+        if ev.rank_inferred:
+            approx.append(f"rank {ev.rank} of {ev.source} taken from the file name or order (no distributedInfo.rank)")
+        approx.extend(ev.notes)
+    if not any_step_annot and ranks:
+        approx.append("no ProfilerStep#N annotations: the whole capture is step 0")
+    allp = pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame()
+    if allp.height == 0:
+        names = pl.DataFrame(schema={"name_id": pl.Int32, "name": pl.Utf8, "kind": pl.Utf8})
+        spans = pl.DataFrame(schema={"rank": pl.Int32})
+    else:
+        uniq = allp.select("norm").unique().sort("norm").with_row_index("name_id").with_columns(
+            pl.col("name_id").cast(pl.Int32))
+        allp = allp.join(uniq, on="norm", how="left")
+        # a name's kind: the kind most of its spans got (SendRecv may be all-to-all or not)
+        names = (allp.group_by(["name_id", "norm", "kind"]).len()
+                 .sort(["name_id", "len", "kind"], descending=[False, True, False])
+                 .group_by("name_id", maintain_order=True).first()
+                 .select("name_id", pl.col("norm").alias("name"), "kind"))
+        spans = allp.select(
+            "rank", pl.col("device").cast(pl.Int32), pl.col("stream").cast(pl.Int32), "kind", "name_id",
+            "start_ns", "end_ns", pl.col("step").cast(pl.Int64), pl.col("layer").cast(pl.Int32),
+            pl.col("mb").cast(pl.Int32).alias("micro_batch"), "inferred", "correlation", "collective",
+        ).sort(["rank", "start_ns", "device", "stream"])
+    steps = pl.DataFrame(step_rows, schema={"step": pl.Int64, "rank": pl.Int32, "start_ns": pl.Int64,
+                                            "end_ns": pl.Int64, "inferred": pl.Boolean})
+    steps = steps.with_columns(pl.lit("unknown").alias("phase"), pl.lit(None, pl.Int64).alias("num_tokens"),
+                               pl.lit(False).alias("is_dummy"))
+    if spans.height and spans.filter(pl.col("kind").is_in(["dispatch", "combine"])).height:
+        if spans.filter(pl.col("kind").is_in(["dispatch", "combine"]) & pl.col("inferred")).height:
+            approx.append("all-to-all layer (and, for plain all-to-alls, direction) inferred from the order of "
+                          "dispatches within each (rank, step, micro-batch) where no annotation gave it")
+    return {"spans": spans, "kernel_names": names, "steps": steps}, approx, meta
+
+
+def _resolve_a2a(pts: pl.DataFrame) -> pl.DataFrame:
+    """Direction of plain all-to-alls, and layers of all-to-all spans, from annotations
+    or from order. Adds ``layer`` and ``_inf``; rewrites ``kind`` 'a2a'."""
+    pts = pts.with_columns(pl.lit(False).alias("_inf"))
+    is_a2a = pl.col("kind").is_in(["a2a", "dispatch", "combine", "a2a_other"])
+    a2a = pts.filter(is_a2a)
+    rest = pts.filter(~is_a2a).with_columns(pl.col("layer_a").alias("layer"))
+    if a2a.height == 0:
+        return rest.drop("layer_a")
+    a2a = a2a.sort(["step", "mb", "start_ns"], nulls_last=True)
+    kinds, layers, infs = [], [], []
+    key_prev = object()
+    layer = -1
+    last_main = None
+    toggle = 0
+    pending: list[int] = []  # a2a_other rows waiting for the next main span's layer
+    rows = a2a.select("step", "mb", "kind", "phase", "layer_a").iter_rows()
+    for i, (step, mb, kind, phase, layer_a) in enumerate(rows):
+        key = (step, mb)
+        if key != key_prev:
+            for p in pending:
+                layers[p] = max(layer, 0)
+            pending = []
+            key_prev, layer, last_main, toggle = key, -1, None, 0
+        inf = False
+        if kind == "a2a":
+            if phase is not None:
+                kind = "dispatch" if phase == 0 else "combine"
+            else:
+                kind = "dispatch" if toggle % 2 == 0 else "combine"
+                inf = True
+            toggle += 1
+        if kind == "dispatch":
+            if last_main != "dispatch":
+                layer += 1
+            last_main = "dispatch"
+        elif kind == "combine":
+            if layer < 0:
+                layer = 0
+            last_main = "combine"
+        kinds.append(kind)
+        if layer_a is not None:
+            layers.append(layer_a)
+        elif kind == "a2a_other":
+            layers.append(None)
+            pending.append(i)
+            inf = True
+        else:
+            layers.append(layer)
+            inf = True
+        if kind in ("dispatch", "combine") and layer_a is None:
+            for p in pending:
+                layers[p] = layer
+            pending = []
+        infs.append(inf)
+    for p in pending:
+        layers[p] = max(layer, 0)
+    a2a = a2a.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("layer", layers, pl.Int64),
+                           pl.Series("_inf", infs, pl.Boolean))
+    return pl.concat([rest, a2a.select(rest.columns)], how="vertical_relaxed").drop("layer_a")
