@@ -1,0 +1,144 @@
+"""The per-layer cost model of a MoE layer under expert parallelism.
+
+For one (step, layer) and rank r::
+
+    compute_r  = a_ns · tokens_r + b_ns · slots_touched_r        (GEMM work + weight reads)
+    dispatch_r = bytes_intra_r / nvlink_Bps + bytes_inter_r / internode_Bps
+    combine_r  = dispatch_r                                       (the same rows travel back)
+    rank_r     = dispatch_r + compute_r + combine_r
+    layer      = max_r rank_r                                     (the combine is a barrier)
+
+Parameters come from a named hardware preset (datasheet peaks times an achieved
+efficiency; the figures and their sources are in docs/replay.md) scaled to the run's model
+shape, or are fitted from the run's ``expert_gemm`` spans (least squares of span duration
+against the rank's tokens and slots touched). Every prediction records which parameters it
+used (:meth:`CostModel.describe`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# Datasheet peaks (NVIDIA product pages / whitepapers): dense FP8 tensor TFLOPS, HBM TB/s,
+# NVLink GB/s per direction, scale-out NIC GB/s per GPU (400 Gb/s ConnectX-7 = 50 GB/s;
+# B200 systems ship 800 Gb/s ConnectX-8 = 100 GB/s on GB200/B300, HGX B200 uses 400 Gb/s).
+PRESETS: dict[str, dict] = {
+    "H100": {"fp8_tflops": 1979.0, "hbm_tbps": 3.35, "nvlink_gbps": 450.0, "nic_gbps": 50.0,
+             "source": "NVIDIA H100 SXM datasheet (FP8 dense 1,979 TFLOPS; HBM3 3.35 TB/s; NVLink 900 GB/s bidirectional); ConnectX-7 400 Gb/s"},
+    "H200": {"fp8_tflops": 1979.0, "hbm_tbps": 4.8, "nvlink_gbps": 450.0, "nic_gbps": 50.0,
+             "source": "NVIDIA H200 SXM datasheet (FP8 dense 1,979 TFLOPS; HBM3e 4.8 TB/s; NVLink 900 GB/s bidirectional); ConnectX-7 400 Gb/s"},
+    "H800": {"fp8_tflops": 1979.0, "hbm_tbps": 3.35, "nvlink_gbps": 200.0, "nic_gbps": 50.0,
+             "source": "H800 SXM: H100 compute and memory, NVLink cut to 400 GB/s bidirectional (DeepSeek-V3 report, DeepEP README: ~160 GB/s achieved); 400 Gb/s InfiniBand"},
+    "B200": {"fp8_tflops": 4500.0, "hbm_tbps": 8.0, "nvlink_gbps": 900.0, "nic_gbps": 50.0,
+             "source": "NVIDIA HGX B200 datasheet (FP8 dense 4.5 PFLOPS per GPU; HBM3e 8 TB/s; NVLink 5 1.8 TB/s bidirectional); ConnectX-7 400 Gb/s"},
+}
+# achieved fraction of the peak figures (GEMMs on few tokens and all-to-all never reach peak)
+EFFICIENCY = {"flops": 0.6, "hbm": 0.8, "nvlink": 0.8, "nic": 0.8}
+
+
+@dataclass
+class CostModel:
+    a_ns: float            # ns per token-expert assignment on a rank
+    b_ns: float            # ns per physical slot touched (reading its weights)
+    nvlink_Bps: float      # bytes per second inside a node
+    internode_Bps: float   # bytes per second between nodes
+    source: str            # "preset H200 (...)" or "fitted from N expert_gemm spans ..."
+    fit: dict | None = None
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.describe(), sort_keys=True)
+
+    def rank_ns(self, tokens, touched, bytes_intra, bytes_inter):
+        """Per-rank (dispatch, compute, combine) in ns, broadcasting over any shape."""
+        comm = np.asarray(bytes_intra) * (1e9 / self.nvlink_Bps) + np.asarray(bytes_inter) * (1e9 / self.internode_Bps)
+        compute = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        return comm, compute, comm
+
+
+def preset(name: str, hidden: int | None = None, expert_bytes: int | None = None,
+           moe_intermediate: int | None = None) -> CostModel:
+    """Cost parameters of hardware ``name`` for a model with ``hidden`` and ``expert_bytes``.
+
+    a = FLOPs of one token through one expert (3 matrices hidden × intermediate, 2 FLOPs
+    per multiply-add) / (FP8 peak × efficiency); b = expert_bytes / (HBM × efficiency).
+    """
+    key = name.upper()
+    if key not in PRESETS:
+        raise KeyError(f"unknown hardware preset {name!r} (choose from {', '.join(PRESETS)})")
+    p = PRESETS[key]
+    hidden = hidden or 7168
+    expert_bytes = expert_bytes or 3 * hidden * 2048
+    inter = moe_intermediate or max(1, expert_bytes // (3 * hidden))   # FP8: 1 byte per weight
+    flops = 2.0 * 3 * hidden * inter
+    a_ns = flops / (p["fp8_tflops"] * 1e12 * EFFICIENCY["flops"]) * 1e9
+    b_ns = expert_bytes / (p["hbm_tbps"] * 1e12 * EFFICIENCY["hbm"]) * 1e9
+    return CostModel(a_ns=a_ns, b_ns=b_ns, nvlink_Bps=p["nvlink_gbps"] * 1e9 * EFFICIENCY["nvlink"],
+                     internode_Bps=p["nic_gbps"] * 1e9 * EFFICIENCY["nic"],
+                     source=f"preset {key}: {p['source']}; efficiency {EFFICIENCY}; hidden {hidden}, "
+                            f"expert_bytes {expert_bytes}")
+
+
+def fit_expert_time(tokens, touched, duration_ns, base: CostModel) -> CostModel | None:
+    """Least-squares fit of duration ≈ a·tokens + b·touched (both ≥ 0). None when the data
+    cannot determine the two parameters (fewer than 8 points, or no spread in tokens)."""
+    x1 = np.asarray(tokens, np.float64)
+    x2 = np.asarray(touched, np.float64)
+    y = np.asarray(duration_ns, np.float64)
+    if y.size < 8 or np.ptp(x1) == 0:
+        return None
+    A = np.stack([x1, x2], axis=1)
+    coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+    a, b = (float(c) for c in coef)
+    if a < 0 or b < 0:  # fall back to a one-parameter fit on the dominant term
+        if a < 0:
+            a, b = 0.0, float((x2 @ y) / max(x2 @ x2, 1e-12))
+        else:
+            a, b = float((x1 @ y) / max(x1 @ x1, 1e-12)), 0.0
+    pred = a * x1 + b * x2
+    ss = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None
+    return CostModel(a_ns=a, b_ns=b, nvlink_Bps=base.nvlink_Bps, internode_Bps=base.internode_Bps,
+                     source=f"fitted from {y.size} expert_gemm spans (a, b); bandwidths from {base.source.split(':')[0]}",
+                     fit={"points": int(y.size), "r2": r2})
+
+
+def fit_from_store(store, run_id: str, base: CostModel) -> CostModel | None:
+    """Fit a and b from the run's expert_gemm spans that carry step, layer and rank,
+    against the recorded per-rank tokens and slots touched (contiguous placement unless
+    the run recorded one). None when the run has too few such spans."""
+    if not store.has_files("spans"):
+        return None
+    from .engine import RunShape, recorded_plan  # late: engine imports cost
+    df = store.sql("""SELECT step, layer, rank, sum(end_ns - start_ns) AS dur FROM spans
+                      WHERE run_id = ? AND kind = 'expert_gemm' AND step IS NOT NULL AND layer IS NOT NULL
+                      GROUP BY ALL""", [run_id])
+    if df.height < 8:
+        return None
+    shape = RunShape.from_store(store, run_id)
+    plan = recorded_plan(store, run_id, shape)
+    load = store.sql("""SELECT e.step, e.layer, e.expert, sum(e.tokens) AS tokens FROM expert_load e
+                        WHERE e.run_id = ? GROUP BY ALL""", [run_id])
+    if load.height == 0:
+        return None
+    share = plan.share()
+    tok, touch, dur = [], [], []
+    idx = {(int(s), int(l)): None for s, l in zip(df["step"], df["layer"])}
+    sub = load.filter(load["step"].is_in([k[0] for k in idx]))
+    per = {}
+    for s, l, e, t in sub.iter_rows():
+        per.setdefault((s, l), np.zeros(plan.num_experts))[e] += t
+    C = plan.copies()
+    for s, l, r, d in df.iter_rows():
+        if (s, l) not in per or l not in set(plan.layers.tolist()) or r >= plan.num_ranks:
+            continue
+        li = plan.layer_row(l)
+        vec = per[(s, l)]
+        tok.append(float(vec @ share[li, :, r]))
+        touch.append(float((vec > 0) @ C[li, :, r]))
+        dur.append(float(d))
+    return fit_expert_time(tok, touch, dur, base)

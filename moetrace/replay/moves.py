@@ -1,0 +1,143 @@
+"""Moves between plans and the move-aware re-planner.
+
+Moving an expert copies its weights to another rank, so the cost of switching from plan A
+to plan B is the number of expert copies that rank r holds in B but not in A (reordering
+slots inside a rank is free): :func:`moves_between`. :func:`replan` starts from the
+previous plan and spends a budget of moves where they buy the most: each step takes, over
+all layers, the candidate with the largest drop of a layer's hottest-rank load per move
+(no rank whose load grows may end above what the hottest rank keeps):
+
+- swap a slot of the hottest rank with a slot of another rank (2 moves), or
+- overwrite a redundant copy (an expert with more than one copy) anywhere with one more
+  copy of an expert of the hottest rank (1 move).
+
+It stops when the budget is spent, every layer is at or below ``target_imbalance``, or no
+move helps.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import replace
+
+import numpy as np
+
+from .planners import Plan
+
+
+def moves_between(old: Plan, new: Plan) -> np.ndarray:
+    """Expert copies each layer of ``new`` needs that its rank did not hold in ``old``. [L]"""
+    if old.num_layers != new.num_layers or old.num_experts != new.num_experts:
+        raise ValueError("plans cover different layers or experts")
+    cn = new.copies()
+    co = old.copies()
+    if co.shape[2] < cn.shape[2]:
+        co = np.concatenate([co, np.zeros(co.shape[:2] + (cn.shape[2] - co.shape[2],))], axis=2)
+    co = co[:, :, :cn.shape[2]]
+    return np.maximum(cn - co, 0).sum(axis=(1, 2)).astype(np.int64)
+
+
+def _rank_loads(row: np.ndarray, w: np.ndarray, slot_rank: np.ndarray, R: int):
+    cnt = np.bincount(row, minlength=w.size)
+    per_copy = w[row] / cnt[row]
+    return np.bincount(slot_rank, weights=per_copy, minlength=R), cnt, per_copy
+
+
+def _best_move(row, w, slot_rank, R, max_cost):
+    """(gain_per_move, cost, kind, a, b, new_max) of the best single candidate for a layer."""
+    rl, cnt, pc = _rank_loads(row, w, slot_rank, R)
+    h = int(np.argmax(rl))
+    cur = rl[h]
+    best = (0.0, 0, None, -1, -1, cur)
+    hot_slots = np.flatnonzero(slot_rank == h)
+    if max_cost >= 2:
+        # swaps: hot slot s with slot t elsewhere
+        others = np.flatnonzero(slot_rank != h)
+        s_idx, t_idx = np.meshgrid(hot_slots, others, indexing="ij")
+        delta = pc[s_idx] - pc[t_idx]
+        c = slot_rank[t_idx]
+        # the hot rank sheds delta; the partner may not end above what the hot rank keeps
+        new_max = np.maximum(cur - delta, rl[c] + delta)
+        diff_expert = row[s_idx] != row[t_idx]
+        new_max = np.where(diff_expert & (delta > 0), new_max, np.inf)
+        k = np.unravel_index(np.argmin(new_max), new_max.shape)
+        g = (cur - new_max[k]) / 2.0
+        if g > best[0] + 1e-12:
+            best = (g, 2, "swap", int(s_idx[k]), int(t_idx[k]), float(new_max[k]))
+    if max_cost >= 1:
+        # overwrite a redundant copy (slot t, expert x with cnt>1) with a copy of hot expert e
+        red = np.flatnonzero(cnt[row] > 1)
+        if red.size:
+            E = w.size
+            C = np.zeros((E, R))
+            np.add.at(C, (row, slot_rank), 1.0)
+            for e in np.unique(row[hot_slots]):
+                t = red[row[red] != e]
+                if not t.size:
+                    continue
+                x = row[t]
+                ct = slot_rank[t]
+                # new loads: remove e and x contributions, add them back with new counts
+                base = rl[None, :] - C[e][None, :] * (w[e] / cnt[e]) - C[x] * (w[x] / cnt[x])[:, None]
+                ce = np.tile(C[e], (t.size, 1))
+                ce[np.arange(t.size), ct] += 1
+                cx = C[x].copy()
+                cx[np.arange(t.size), ct] -= 1
+                new = base + ce * (w[e] / (cnt[e] + 1)) + cx * (w[x] / (cnt[x] - 1))[:, None]
+                grew = new > rl[None, :] + 1e-12
+                nm = np.maximum(new[:, h], np.where(grew, new, -np.inf).max(axis=1))
+                k = int(np.argmin(nm))
+                g = cur - nm[k]
+                if g > best[0] + 1e-12:
+                    best = (float(g), 1, "overwrite", int(t[k]), int(e), float(nm[k]))
+    return best
+
+
+def replan(prev: Plan, load, max_moves: int | None = None, target_imbalance: float | None = None,
+           policy_name: str = "moves") -> tuple[Plan, dict]:
+    """Improve ``prev`` for ``load [L, E]`` with at most ``max_moves`` expert copies
+    (all layers together). Returns the new plan and ``{"moves", "per_layer_moves",
+    "steps"}``. With neither limit the search runs until no move helps."""
+    w_all = np.asarray(load, np.float64)
+    if w_all.shape != (prev.num_layers, prev.num_experts):
+        raise ValueError(f"load shape {w_all.shape} does not match the plan {(prev.num_layers, prev.num_experts)}")
+    rows = prev.phy2log.copy()
+    sr, R = prev.slot_rank, prev.num_ranks
+    budget = np.inf if max_moves is None else int(max_moves)
+    used = np.zeros(prev.num_layers, np.int64)
+
+    def done(li):
+        if target_imbalance is None:
+            return False
+        rl, _, _ = _rank_loads(rows[li], w_all[li], sr, R)
+        return rl.mean() <= 0 or rl.max() / rl.mean() <= target_imbalance
+
+    heap = []
+    for li in range(prev.num_layers):
+        if not done(li) and w_all[li].sum() > 0:
+            b = _best_move(rows[li], w_all[li], sr, R, min(2, budget))
+            if b[2] is not None:
+                heapq.heappush(heap, (-b[0], li, b))
+    steps = 0
+    while heap and budget > 0:
+        _, li, b = heapq.heappop(heap)
+        g, cost, kind, a, c, _ = b
+        if cost > budget:
+            b = _best_move(rows[li], w_all[li], sr, R, budget)
+            if b[2] is not None:
+                heapq.heappush(heap, (-b[0], li, b))
+            continue
+        if kind == "swap":
+            rows[li, a], rows[li, c] = rows[li, c], rows[li, a]
+        else:
+            rows[li, a] = c
+        budget -= cost
+        used[li] += cost
+        steps += 1
+        if not done(li):
+            b = _best_move(rows[li], w_all[li], sr, R, min(2, budget))
+            if b[2] is not None:
+                heapq.heappush(heap, (-b[0], li, b))
+    new = replace(prev, phy2log=rows, policy=policy_name, plan_id=None,
+                  params={**prev.params, "max_moves": max_moves, "target_imbalance": target_imbalance})
+    real = moves_between(prev, new)
+    return new, {"moves": int(real.sum()), "per_layer_moves": real.tolist(), "steps": steps}

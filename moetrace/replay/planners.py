@@ -1,0 +1,236 @@
+"""Expert placement plans and the planner registry.
+
+A :class:`Plan` is ``phy2log [layers, slots]`` (the logical expert on every physical
+slot) plus the cluster shape: slot ``s`` lives on rank ``s // slots_per_rank``, rank
+``r`` on node ``r // ranks_per_node``. Planners are registered by name in
+:data:`PLANNERS` (``contiguous``, ``greedy``, ``eplb``, ``eplb-global``,
+``one-per-rank``); each takes a load matrix ``[layers, experts]`` and a
+:class:`PlanShape` and returns a Plan. ``make_plan(name, load, shape)`` is the entry
+point.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+from ..errors import InputError
+from .eplb import rebalance_experts
+
+
+@dataclass
+class Plan:
+    phy2log: np.ndarray            # int64 [L, S]
+    num_experts: int
+    num_ranks: int
+    ranks_per_node: int
+    layers: np.ndarray | None = None   # layer ids of the rows (default 0..L-1)
+    policy: str = "contiguous"
+    plan_id: str | None = None
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.phy2log = np.asarray(self.phy2log, dtype=np.int64)
+        if self.phy2log.ndim != 2:
+            raise ValueError(f"phy2log must be [layers, slots], got {self.phy2log.shape}")
+        if self.layers is None:
+            self.layers = np.arange(self.phy2log.shape[0], dtype=np.int64)
+        self.layers = np.asarray(self.layers, dtype=np.int64)
+        S = self.phy2log.shape[1]
+        if self.num_ranks < 1 or S % self.num_ranks:
+            raise ValueError(f"{S} slots do not divide evenly over {self.num_ranks} ranks")
+        if self.ranks_per_node < 1 or self.num_ranks % self.ranks_per_node:
+            self.ranks_per_node = self.num_ranks if self.ranks_per_node < 1 else self.ranks_per_node
+        if self.phy2log.size and (self.phy2log.min() < 0 or self.phy2log.max() >= self.num_experts):
+            raise ValueError("phy2log holds expert ids outside [0, num_experts)")
+        missing = [int(li) for li, row in zip(self.layers, self.phy2log)
+                   if np.unique(row).size < self.num_experts]
+        if missing:
+            raise ValueError(f"layers {missing[:5]} leave some logical experts without a slot")
+
+    # shape
+    @property
+    def num_layers(self) -> int:
+        return self.phy2log.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log.shape[1]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_ranks
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.num_ranks // self.ranks_per_node))
+
+    @property
+    def slot_rank(self) -> np.ndarray:
+        return np.arange(self.num_slots) // self.slots_per_rank
+
+    @property
+    def slot_node(self) -> np.ndarray:
+        return self.slot_rank // self.ranks_per_node
+
+    @property
+    def replicas(self) -> int:
+        return self.num_slots - self.num_experts
+
+    def logcnt(self) -> np.ndarray:
+        """Copies of each logical expert, [L, E]."""
+        L, E = self.num_layers, self.num_experts
+        idx = (np.arange(L)[:, None] * E + self.phy2log).ravel()
+        return np.bincount(idx, minlength=L * E).reshape(L, E)
+
+    def copies(self) -> np.ndarray:
+        """Copies of expert e on rank r, float64 [L, E, R]."""
+        L, E, R = self.num_layers, self.num_experts, self.num_ranks
+        idx = ((np.arange(L)[:, None] * E + self.phy2log) * R + self.slot_rank[None, :]).ravel()
+        return np.bincount(idx, minlength=L * E * R).reshape(L, E, R).astype(np.float64)
+
+    def share(self) -> np.ndarray:
+        """Fraction of expert e's tokens that rank r gets under an even split, [L, E, R]."""
+        c = self.copies()
+        return c / c.sum(axis=2, keepdims=True)
+
+    def layer_row(self, layer_id: int) -> int:
+        hit = np.flatnonzero(self.layers == layer_id)
+        if not hit.size:
+            raise KeyError(layer_id)
+        return int(hit[0])
+
+    def describe(self) -> str:
+        return (f"{self.policy}: {self.num_layers} layers, {self.num_experts} experts on {self.num_slots} slots "
+                f"({self.replicas} redundant), {self.num_ranks} ranks x {self.slots_per_rank} slots, "
+                f"{self.num_nodes} nodes")
+
+
+@dataclass
+class PlanShape:
+    num_ranks: int
+    ranks_per_node: int
+    num_slots: int
+    num_groups: int = 1
+    num_nodes: int | None = None
+
+    def nodes(self) -> int:
+        return self.num_nodes or max(1, self.num_ranks // self.ranks_per_node)
+
+
+def _contiguous_rows(L: int, E: int, S: int) -> np.ndarray:
+    """vLLM's initial map: range(E), then slot i holds expert i % E."""
+    return np.tile(np.arange(S, dtype=np.int64) % E, (L, 1))
+
+
+def contiguous(load: np.ndarray, shape: PlanShape) -> Plan:
+    L, E = load.shape
+    return Plan(_contiguous_rows(L, E, shape.num_slots), E, shape.num_ranks, shape.ranks_per_node,
+                policy="contiguous")
+
+
+def _replicate_rule(w: np.ndarray, extra: int) -> np.ndarray:
+    """Copies per expert after giving each extra slot to the highest load per copy. [L, E]"""
+    L, E = w.shape
+    cnt = np.ones((L, E), np.int64)
+    rows = np.arange(L)
+    w = w.astype(np.float64)
+    for _ in range(extra):
+        r = np.argmax(w / cnt, axis=1)
+        cnt[rows, r] += 1
+    return cnt
+
+
+def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
+    """Longest-processing-time packing: replicate hot experts (load per copy), then place
+    copies heaviest first onto the least loaded rank with a free slot, preferring a rank
+    that does not already hold a copy of the same expert."""
+    L, E = load.shape
+    S, R = shape.num_slots, shape.num_ranks
+    spr = S // R
+    w = np.asarray(load, np.float64)
+    cnt = _replicate_rule(w, S - E)
+    out = np.empty((L, S), np.int64)
+    for li in range(L):
+        items = np.repeat(np.arange(E), cnt[li])
+        per_copy = w[li, items] / cnt[li, items]
+        order = np.argsort(-per_copy, kind="stable")
+        rank_load = np.zeros(R)
+        rank_n = np.zeros(R, np.int64)
+        holds = np.zeros((R, E), bool)
+        rows = [[] for _ in range(R)]
+        for j in order:
+            e = items[j]
+            free = rank_n < spr
+            ok = free & ~holds[:, e]
+            cand = ok if ok.any() else free
+            r = int(np.flatnonzero(cand)[np.argmin(rank_load[cand])])
+            rows[r].append(e)
+            rank_load[r] += per_copy[j]
+            rank_n[r] += 1
+            holds[r, e] = True
+        out[li] = np.concatenate([np.array(sorted(x), np.int64) for x in rows])
+    return Plan(out, E, R, shape.ranks_per_node, policy="greedy")
+
+
+def eplb(load: np.ndarray, shape: PlanShape) -> Plan:
+    phy2log, _, _ = rebalance_experts(load, shape.num_slots, shape.num_groups, shape.nodes(), shape.num_ranks)
+    hier = shape.num_groups % shape.nodes() == 0
+    return Plan(phy2log, load.shape[1], shape.num_ranks, shape.ranks_per_node, policy="eplb",
+                params={"hierarchical": bool(hier), "num_groups": shape.num_groups, "num_nodes": shape.nodes()})
+
+
+def eplb_global(load: np.ndarray, shape: PlanShape) -> Plan:
+    phy2log, _, _ = rebalance_experts(load, shape.num_slots, 1, 1, shape.num_ranks)
+    return Plan(phy2log, load.shape[1], shape.num_ranks, shape.ranks_per_node, policy="eplb-global",
+                params={"hierarchical": False})
+
+
+def one_per_rank(load: np.ndarray, shape: PlanShape) -> Plan:
+    """Expert e on rank e; the redundant slots (one per spare rank) hold copies of the
+    experts with the highest load per copy. num_ranks becomes num_slots."""
+    L, E = load.shape
+    S = shape.num_slots
+    cnt = _replicate_rule(np.asarray(load, np.float64), S - E)
+    out = np.empty((L, S), np.int64)
+    out[:, :E] = np.arange(E)
+    for li in range(L):
+        extra = np.repeat(np.arange(E), cnt[li] - 1)
+        per_copy = load[li, extra] / cnt[li, extra]
+        out[li, E:] = extra[np.argsort(-per_copy, kind="stable")]
+    rpn = shape.ranks_per_node if S % shape.ranks_per_node == 0 else 1
+    return Plan(out, E, S, rpn, policy="one-per-rank")
+
+
+PLANNERS: dict[str, Callable[[np.ndarray, PlanShape], Plan]] = {
+    "contiguous": contiguous,
+    "greedy": greedy,
+    "eplb": eplb,
+    "eplb-global": eplb_global,
+    "one-per-rank": one_per_rank,
+}
+
+
+def make_plan(policy: str, load, shape: PlanShape, layers=None, plan_id: str | None = None) -> Plan:
+    """Run planner ``policy`` on ``load [layers, experts]`` for ``shape``."""
+    if policy not in PLANNERS:
+        raise InputError(None, f"unknown policy {policy!r} (choose from {', '.join(PLANNERS)})")
+    load = np.asarray(load, dtype=np.float64)
+    if load.ndim != 2:
+        raise InputError(None, f"load must be [layers, experts], got shape {load.shape}")
+    E = load.shape[1]
+    S = shape.num_slots
+    if S < E:
+        raise InputError(None, f"{S} slots cannot hold {E} experts")
+    if policy != "one-per-rank" and S % shape.num_ranks:
+        raise InputError(None, f"{S} slots ({S - E} redundant) do not divide evenly over {shape.num_ranks} ranks")
+    try:
+        plan = PLANNERS[policy](load, shape)
+    except ValueError as e:
+        raise InputError(None, f"policy {policy}: {e}") from None
+    plan = replace(plan, layers=np.arange(load.shape[0]) if layers is None else np.asarray(layers),
+                   plan_id=plan_id)
+    plan.params = {**plan.params, "num_slots": plan.num_slots, "num_ranks": plan.num_ranks,
+                   "ranks_per_node": plan.ranks_per_node}
+    return plan
