@@ -1,0 +1,342 @@
+"""A real expert-parallel MoE run on CPU: the reference trace moetrace can produce anywhere.
+
+``run(RefRunConfig(...), outdir)`` launches ``ranks`` processes with torch.distributed
+(gloo, localhost). Every rank holds the physical expert slots ``[r*S/R, (r+1)*S/R)`` of
+each MoE layer; the logical expert on each slot comes from the placement. Per step and
+layer every rank routes its tokens with a real softmax top-k router, dispatches the
+(token, choice) rows to the ranks holding the chosen slots with ``all_to_all_single``,
+runs its local experts (gated MLPs), combines the results back with ``all_to_all_single``
+and adds the gate-weighted sum to the residual stream. The PyTorch profiler records every
+rank (``rank{r}_trace.json.gz``, Kineto Chrome trace); the routing, the tokens each rank
+received per slot and the step boundaries are written as Parquet.
+
+``skew`` makes the router favour experts: a Zipf(skew) log-prior is added to the router
+logits, the favourite first in ``hot`` order. An ``idle`` (step, rank) pair gives that
+rank no tokens in that step: it still joins every collective (a dummy step). The same
+seed gives the same tokens and weights under any placement, so a replay of one run's
+routing against another placement can be checked against a second real run.
+
+The output folder is one run for ``moetrace ingest`` (collector ``refrun``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+
+MANIFEST = "moetrace-refrun.json"
+
+
+@dataclass
+class RefRunConfig:
+    ranks: int = 2
+    experts: int = 8
+    top_k: int = 2
+    layers: int = 2
+    hidden: int = 64
+    ffn: int = 128
+    steps: int = 6
+    tokens_per_rank: int = 32
+    prefill_tokens: int = 0           # >0: step 0 is a prefill of this many tokens per rank
+    skew: float = 1.0                 # Zipf exponent of the router prior (0: no preference)
+    hot: list[int] | None = None      # favoured experts, most favoured first (default 0..E-1)
+    placement: str | list = "contiguous"
+    idle: list[tuple[int, int]] = field(default_factory=list)   # (step, rank) with no tokens
+    seed: int = 0
+    profile: bool = True
+    threads_per_rank: int = 1
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise InputError(None, f"refrun: {msg}")
+        if self.ranks < 1:
+            bad("--ranks must be >= 1")
+        for k in ("experts", "top_k", "layers", "hidden", "ffn", "steps"):
+            if getattr(self, k) < 1:
+                bad(f"--{k.replace('_', '-')} must be >= 1")
+        if self.top_k > self.experts:
+            bad("--top-k exceeds --experts")
+        if self.tokens_per_rank < 0 or self.prefill_tokens < 0:
+            bad("token counts must be >= 0")
+        if self.hot is not None and sorted(set(self.hot)) != sorted(self.hot):
+            bad("--hot lists an expert twice")
+        if self.hot is not None and any(e < 0 or e >= self.experts for e in self.hot):
+            bad("--hot expert outside 0..experts-1")
+        for s, r in self.idle:
+            if not (0 <= s < self.steps and 0 <= r < self.ranks):
+                bad(f"--idle {s}:{r} outside steps x ranks")
+
+
+# ----------------------------------------------------------------------------- plan
+def parse_placement(spec, layers: int, experts: int, ranks: int) -> np.ndarray:
+    """phy2log [layers, slots] from a name or a JSON file / list.
+
+    Names: ``contiguous`` (slot s holds expert s), ``round_robin`` (expert e on rank
+    e % R), ``reverse`` (slot s holds E-1-s), ``random:SEED`` (a per-layer permutation).
+    Otherwise a JSON file holding ``[[...]]`` (layers x slots, or one row for every layer)
+    or a dict with ``phy2log`` / ``physical_to_logical_map``; more slots than experts
+    means replicas.
+    """
+    E, L, R = experts, layers, ranks
+    if isinstance(spec, str) and spec in ("contiguous", "round_robin", "reverse") or (
+            isinstance(spec, str) and spec.startswith("random:")):
+        if E % R:
+            raise InputError(None, f"placement {spec!r}: {E} experts do not split over {R} ranks")
+        if spec == "contiguous":
+            row = np.arange(E)
+        elif spec == "reverse":
+            row = np.arange(E)[::-1].copy()
+        elif spec == "round_robin":
+            spr = E // R
+            row = np.array([j * R + r for r in range(R) for j in range(spr)])
+        else:
+            rng = np.random.default_rng(int(spec.split(":", 1)[1]))
+            return np.stack([rng.permutation(E) for _ in range(L)])
+        return np.tile(row, (L, 1))
+    src = None
+    if isinstance(spec, (str, os.PathLike)):
+        src = Path(spec)
+        if not src.exists():
+            raise InputError(src, "placement is neither contiguous, round_robin, reverse, random:SEED nor a file")
+        try:
+            spec = json.loads(src.read_text())
+        except ValueError as e:
+            raise InputError(src, f"invalid JSON: {e}") from None
+    if isinstance(spec, dict):
+        spec = spec.get("phy2log", spec.get("physical_to_logical_map"))
+    try:
+        arr = np.asarray(spec, dtype=np.int64)
+    except (TypeError, ValueError):
+        raise InputError(src, "placement must be a [layers][slots] integer array") from None
+    if arr.ndim == 1:
+        arr = np.tile(arr, (L, 1))
+    if arr.ndim != 2 or arr.shape[0] != L:
+        raise InputError(src, f"placement shape {list(arr.shape)} is not [{L} layers, slots]")
+    P = arr.shape[1]
+    if P % R:
+        raise InputError(src, f"{P} slots do not split evenly over {R} ranks")
+    for layer in range(L):
+        if arr[layer].min() < 0 or arr[layer].max() >= E or len(set(arr[layer].tolist())) != E:
+            raise InputError(src, f"placement layer {layer}: every expert 0..{E - 1} needs at least one slot")
+    return arr
+
+
+def replica_tables(phy2log: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """log2phy [L, E, maxcnt] (-1 padded, slot order) and logcnt [L, E]."""
+    L, P = phy2log.shape
+    cnt = np.zeros((L, experts), np.int64)
+    for layer in range(L):
+        cnt[layer] = np.bincount(phy2log[layer], minlength=experts)
+    m = int(cnt.max())
+    l2p = np.full((L, experts, m), -1, np.int64)
+    for layer in range(L):
+        fill = np.zeros(experts, np.int64)
+        for s in range(P):
+            e = phy2log[layer, s]
+            l2p[layer, e, fill[e]] = s
+            fill[e] += 1
+    return l2p, cnt
+
+
+def choose_slots(experts_chosen: np.ndarray, token_ids: np.ndarray, l2p_layer: np.ndarray,
+                 cnt_layer: np.ndarray) -> np.ndarray:
+    """Replica choice of the reference run: copy ``token_id % copies`` of each chosen expert."""
+    copies = cnt_layer[experts_chosen]
+    which = token_ids[:, None] % copies
+    return l2p_layer[experts_chosen, which]
+
+
+def router_prior(cfg: RefRunConfig) -> np.ndarray:
+    """Log-prior added to the router logits: Zipf(skew) over the experts in ``hot`` order."""
+    order = list(cfg.hot or []) + [e for e in range(cfg.experts) if e not in (cfg.hot or [])]
+    prior = np.zeros(cfg.experts)
+    for i, e in enumerate(order):
+        prior[e] = -cfg.skew * np.log(i + 1.0)
+    return prior
+
+
+def tokens_of(cfg: RefRunConfig, step: int, rank: int) -> int:
+    if (step, rank) in {tuple(x) for x in cfg.idle}:
+        return 0
+    if step == 0 and cfg.prefill_tokens:
+        return cfg.prefill_tokens
+    return cfg.tokens_per_rank
+
+
+# ----------------------------------------------------------------------------- worker
+def _seeded(torch, *key):
+    g = torch.Generator()
+    g.manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1)[0]))
+    return g
+
+
+def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int) -> None:
+    """One rank of the reference run (run by torch.multiprocessing)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    cfg = RefRunConfig(**{**cfg_dict, "idle": [tuple(x) for x in cfg_dict["idle"]]})
+    torch.set_num_threads(cfg.threads_per_rank)
+    R, E, K, L, H, FF = cfg.ranks, cfg.experts, cfg.top_k, cfg.layers, cfg.hidden, cfg.ffn
+    phy2log = np.asarray(phy2log_list, np.int64)
+    P = phy2log.shape[1]
+    spr = P // R
+    l2p, cnt = replica_tables(phy2log, E)
+    slot_rank = np.arange(P) // spr
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
+    try:
+        prior = torch.tensor(router_prior(cfg), dtype=torch.float32)
+        w_router = [torch.randn(E, H, generator=_seeded(torch, cfg.seed, 1, layer)) / H ** 0.5 for layer in range(L)]
+        w_attn = [torch.randn(H, H, generator=_seeded(torch, cfg.seed, 2, layer)) / H ** 0.5 for layer in range(L)]
+        local = {}  # slot -> (w_gate_up [2F, H], w_down [H, F]), weights of its logical expert
+        for layer in range(L):
+            for s in range(rank * spr, (rank + 1) * spr):
+                e = int(phy2log[layer, s])
+                g = _seeded(torch, cfg.seed, 3, layer, e)
+                local[(layer, s)] = (torch.randn(2 * FF, H, generator=g) / H ** 0.5,
+                                     torch.randn(H, FF, generator=g) / FF ** 0.5)
+        routing, received, steps = [], [], []
+
+        def a2a(t, out_rows, in_splits, out_splits):
+            out = t.new_empty((out_rows,) + tuple(t.shape[1:]))
+            dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits)
+            return out
+
+        prof = None
+        if cfg.profile:
+            from torch.profiler import ProfilerActivity, profile
+            prof = profile(activities=[ProfilerActivity.CPU])
+            prof.__enter__()
+        dist.barrier()
+        for step in range(cfg.steps):
+            n_all = [tokens_of(cfg, step, r) for r in range(R)]
+            T = n_all[rank]
+            base = sum(n_all[:rank])
+            tok_ids = np.arange(base, base + T, dtype=np.int64)
+            t0 = time.time_ns()
+            step_rf = torch.profiler.record_function(f"ProfilerStep#{step}")
+            step_rf.__enter__()
+            x = torch.randn(T, H, generator=_seeded(torch, cfg.seed, 4, step, rank))
+            for layer in range(L):
+                with torch.profiler.record_function(f"attention layer {layer}"):
+                    x = x + torch.tanh(x @ w_attn[layer]) * 0.5
+                with torch.profiler.record_function(f"router layer {layer}"):
+                    logits = x @ w_router[layer].T + prior
+                    probs = F.softmax(logits, dim=-1)
+                    gate, chosen = torch.topk(probs, K, dim=-1)
+                    gate = gate / gate.sum(dim=-1, keepdim=True)
+                ch = chosen.numpy().astype(np.int64)
+                slots = choose_slots(ch, tok_ids, l2p[layer], cnt[layer]) if T else np.zeros((0, K), np.int64)
+                dest = slot_rank[slots.ravel()]
+                order = np.argsort(dest, kind="stable")
+                send = np.bincount(dest, minlength=R).astype(np.int64)
+                with torch.profiler.record_function(f"dispatch layer {layer}"):
+                    recv = torch.empty(R, dtype=torch.int64)
+                    dist.all_to_all_single(recv, torch.from_numpy(send))
+                    recv_l = recv.tolist()
+                    rows = x.repeat_interleave(K, dim=0)[torch.from_numpy(order)] if T else x.new_zeros((0, H))
+                    rx = a2a(rows, sum(recv_l), send.tolist(), recv_l)
+                    rslot = a2a(torch.from_numpy(slots.ravel()[order]), sum(recv_l), send.tolist(), recv_l)
+                with torch.profiler.record_function(f"experts layer {layer}"):
+                    y = torch.zeros_like(rx)
+                    rs = rslot.numpy()
+                    for s in np.unique(rs):
+                        m = torch.from_numpy(rs == s)
+                        wg, wd = local[(layer, int(s))]
+                        a, b = (rx[m] @ wg.T).chunk(2, dim=-1)
+                        y[m] = (F.silu(a) * b) @ wd.T
+                    # tokens received per (source rank, slot): the measured load of this rank
+                    src = np.repeat(np.arange(R), recv_l)
+                    if len(rs):
+                        key = src * P + rs
+                        c = np.bincount(key, minlength=R * P).reshape(R, P)
+                        sr, ss = np.nonzero(c)
+                        received.append((np.full(len(sr), step), np.full(len(sr), layer), sr, ss, c[sr, ss]))
+                with torch.profiler.record_function(f"combine layer {layer}"):
+                    back = a2a(y, T * K, recv_l, send.tolist())
+                if T:
+                    out = torch.empty_like(back)
+                    out[torch.from_numpy(order)] = back
+                    x = x + (gate.unsqueeze(-1) * out.view(T, K, H)).sum(dim=1)
+                    routing.append((np.full(T * K, step), np.full(T * K, layer), np.repeat(tok_ids, K),
+                                    np.tile(np.arange(K), T), ch.ravel(), slots.ravel(),
+                                    gate.detach().numpy().ravel()))
+            step_rf.__exit__(None, None, None)
+            t1 = time.time_ns()
+            steps.append((step, T, t0, t1))
+        dist.barrier()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(os.path.join(outdir, f"rank{rank}_trace.json.gz"))
+        cat = (lambda parts, i, dt: np.concatenate([p[i] for p in parts]).astype(dt) if parts else np.zeros(0, dt))
+        pq.write_table(pa.table({
+            "step": cat(routing, 0, np.int64), "layer": cat(routing, 1, np.int32), "token": cat(routing, 2, np.int64),
+            "src_rank": np.full(sum(len(p[0]) for p in routing), rank, np.int32),
+            "choice": cat(routing, 3, np.int8), "expert": cat(routing, 4, np.int32), "slot": cat(routing, 5, np.int32),
+            "gate": cat(routing, 6, np.float32)}), os.path.join(outdir, f"routing_rank{rank}.parquet"))
+        pq.write_table(pa.table({
+            "step": cat(received, 0, np.int64), "layer": cat(received, 1, np.int32),
+            "rank": np.full(sum(len(p[0]) for p in received), rank, np.int32),
+            "src_rank": cat(received, 2, np.int32), "slot": cat(received, 3, np.int32),
+            "tokens": cat(received, 4, np.int64)}), os.path.join(outdir, f"received_rank{rank}.parquet"))
+        pq.write_table(pa.table({
+            "step": np.array([s[0] for s in steps], np.int64), "rank": np.full(len(steps), rank, np.int32),
+            "num_tokens": np.array([s[1] for s in steps], np.int64),
+            "start_ns": np.array([s[2] for s in steps], np.int64),
+            "end_ns": np.array([s[3] for s in steps], np.int64)}), os.path.join(outdir, f"steps_rank{rank}.parquet"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
+    """Run the reference run into ``outdir`` (created; must be empty). Returns the manifest."""
+    from .collect._torchload import import_torch
+
+    cfg.validate()
+    torch = import_torch(None)
+    import torch.multiprocessing as mp
+
+    out = Path(outdir)
+    if out.exists() and any(out.iterdir()):
+        raise InputError(out, "output folder is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    phy2log = parse_placement(cfg.placement, cfg.layers, cfg.experts, cfg.ranks)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    t0 = time.time()
+    cfg_dict = asdict(cfg)
+    cfg_dict["placement"] = cfg.placement if isinstance(cfg.placement, str) else "custom"
+    ctx = mp.start_processes(worker, args=(cfg_dict, phy2log.tolist(), str(out), _free_port()), nprocs=cfg.ranks,
+                             join=False, start_method="spawn")
+    deadline = time.time() + cfg.timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise RuntimeError(f"reference run did not finish within {cfg.timeout_s:.0f} s")
+    manifest = {
+        "moetrace_refrun": 1, "config": cfg_dict, "phy2log": phy2log.tolist(),
+        "num_slots": int(phy2log.shape[1]), "slots_per_rank": int(phy2log.shape[1] // cfg.ranks),
+        "replica_choice": "token_id % copies (slot order)", "router_prior": router_prior(cfg).tolist(),
+        "torch": torch.__version__, "wall_s": round(time.time() - t0, 3),
+        "files": sorted(p.name for p in out.iterdir()),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
