@@ -1,0 +1,314 @@
+"""Assemble a report from every section module in ``report/sections/``.
+
+``build_report(store, run_id, outdir)`` imports each ``sections/*.py`` (skipping names
+starting with ``_``), sorts them by ``ORDER`` (then name), calls ``build(ctx)`` and writes
+
+* ``report.md``   Markdown with the PNGs linked by relative path,
+* ``report.html`` one self-contained file: styles inline, PNGs inline as base64, no
+  external links, so it opens offline and can be mailed as is,
+* the PNGs the sections drew (in ``outdir``),
+
+and returns a :class:`Report` whose ``terminal()`` is the text the CLI prints. A section
+that raises does not sink the report: it is replaced by a visible "section failed" entry.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import importlib
+import json
+import pkgutil
+import re
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .base import ReportContext, Section
+
+
+@dataclass
+class Report:
+    run_id: str
+    run: dict
+    outdir: Path
+    sections: list[Section] = field(default_factory=list)
+    run_notes: list[str] = field(default_factory=list)
+    md_path: Path | None = None
+    html_path: Path | None = None
+
+    @property
+    def figures(self):
+        return [f for s in self.sections for f in s.figures]
+
+    def terminal(self) -> str:
+        out = [header_lines(self.run, self.run_notes, plain=True)]
+        for s in self.sections:
+            out.append("")
+            out.append(s.title)
+            out.append("=" * len(s.title))
+            out.append((s.terminal or s.markdown).rstrip())
+            for n in s.notes:
+                out.append(f"note: {n}")
+        return "\n".join(out).rstrip() + "\n"
+
+
+def discover_sections():
+    """Section modules in report/sections/, sorted by (ORDER, module name)."""
+    from . import sections
+
+    mods = []
+    for info in pkgutil.iter_modules(sections.__path__):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{sections.__name__}.{info.name}")
+        if hasattr(mod, "build"):
+            mods.append(mod)
+    return sorted(mods, key=lambda m: (getattr(m, "ORDER", 1000), m.__name__))
+
+
+def run_notes(run: dict) -> list[str]:
+    """Statements every report shows first: approximations recorded with the run."""
+    notes = []
+    raw = run.get("approximations")
+    if raw:
+        try:
+            items = json.loads(raw)
+        except ValueError:
+            items = [raw]
+        if isinstance(items, str):
+            items = [items]
+        notes.extend(str(i) for i in items)
+    if run.get("inconsistent"):
+        notes.append("this run failed a conservation check and was ingested with --allow-inconsistent")
+    return notes
+
+
+def header_lines(run: dict, notes: list[str], plain: bool) -> str:
+    shape = ", ".join(f"{k} {run[c]}" for k, c in (("layers", "num_layers"), ("experts", "num_experts"),
+                                                    ("top-k", "top_k"), ("ranks", "num_ranks"),
+                                                    ("ranks/node", "ranks_per_node"), ("slots", "num_slots"))
+                      if run.get(c) is not None)
+    lines = [f"moetrace report: run {run['run_id']}" if plain else f"# moetrace report: run `{run['run_id']}`", ""]
+    lines.append(f"source: {run.get('source')} (collector {run.get('collector')}, moetrace "
+                 f"{run.get('collector_version')})")
+    lines.append(f"shape: {shape or 'unknown'}")
+    if notes:
+        lines.append("")
+        lines.append("Approximations and caveats of this run:")
+        lines.extend(f"- {n}" for n in notes)
+    if not plain:
+        lines = [lines[0], ""] + [ln if ln.startswith(("-", "Approx")) or not ln else ln + "  " for ln in lines[2:]]
+    return "\n".join(lines)
+
+
+def _failed(mod, exc: BaseException) -> Section:
+    name = mod.__name__.rsplit(".", 1)[-1]
+    tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return Section(key=name, title=f"{name} (section failed)",
+                   markdown=f"This section could not be built: `{tb}`",
+                   terminal=f"This section could not be built: {tb}",
+                   notes=[f"section {name} failed: {tb}"])
+
+
+def build_report(store, run_id: str | None = None, outdir: str | Path | None = None, *, html_out: bool = True,
+                 md_out: bool = True) -> Report:
+    """Build every section for ``run_id`` (the store's only run when None) into ``outdir``."""
+    rid = store.resolve_run(run_id)
+    run = store.run(rid)
+    out = Path(outdir) if outdir is not None else Path(f"moetrace-report-{rid}")
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
+    report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run))
+    for mod in discover_sections():
+        try:
+            sec = mod.build(ctx)
+        except Exception as exc:  # one broken section must not hide the others
+            sec = _failed(mod, exc)
+        if sec is not None:
+            report.sections.append(sec)
+    if md_out:
+        report.md_path = out / "report.md"
+        report.md_path.write_text(render_markdown(report))
+    if html_out:
+        report.html_path = out / "report.html"
+        report.html_path.write_text(render_html(report))
+    return report
+
+
+# ----------------------------------------------------------------------------- markdown
+def render_markdown(report: Report) -> str:
+    parts = [header_lines(report.run, report.run_notes, plain=False), ""]
+    if len(report.sections) > 1:
+        parts.append("Contents: " + " · ".join(f"[{s.title}](#{s.key})" for s in report.sections))
+        parts.append("")
+    for s in report.sections:
+        parts.append(f'<a id="{s.key}"></a>')
+        parts.append(f"## {s.title}")
+        parts.append("")
+        parts.append(s.markdown.rstrip())
+        parts.append("")
+        for f in s.figures:
+            rel = Path(f.path).name
+            parts.append(f"![{f.caption}]({rel})")
+            parts.append("")
+            parts.append(f"_{f.caption}_")
+            parts.append("")
+        if s.notes:
+            parts.append("**Notes**")
+            parts.append("")
+            parts.extend(f"- {n}" for n in s.notes)
+            parts.append("")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------- html
+CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;
+padding:0 1em;color:#222;line-height:1.45}
+h1{font-size:1.6em;border-bottom:2px solid #ddd;padding-bottom:.3em}
+h2{font-size:1.3em;margin-top:2em;border-bottom:1px solid #eee;padding-bottom:.2em}
+table{border-collapse:collapse;margin:.8em 0;font-size:.88em}
+th,td{border:1px solid #ddd;padding:3px 8px;text-align:right}
+th{background:#f4f4f4}
+td:first-child,th:first-child{text-align:left}
+code{background:#f4f4f4;padding:0 3px;border-radius:3px;font-size:.92em}
+pre{background:#f6f6f6;padding:.6em;overflow-x:auto}
+figure{margin:1em 0}
+figure img{max-width:100%;border:1px solid #eee}
+figcaption{font-size:.88em;color:#555}
+.notes{background:#fff8e1;border-left:4px solid #f0b400;padding:.4em 1em;margin:.8em 0}
+.run-notes{background:#eef5ff;border-left:4px solid #4c72b0;padding:.4em 1em}
+nav a{margin-right:1em}
+"""
+
+_INLINE = [
+    (re.compile(r"`([^`]+)`"), r"<code>\1</code>"),
+    (re.compile(r"\*\*([^*]+)\*\*"), r"<strong>\1</strong>"),
+    (re.compile(r"(?<![\w])_([^_\n]+)_(?![\w])"), r"<em>\1</em>"),
+]
+
+
+def _inline(text: str) -> str:
+    """Escape and apply inline code/bold/italic. Code spans are protected from the rest."""
+    pieces = re.split(r"(`[^`]+`)", text)
+    out = []
+    for p in pieces:
+        if p.startswith("`") and p.endswith("`") and len(p) > 1:
+            out.append(f"<code>{html.escape(p[1:-1])}</code>")
+        else:
+            e = html.escape(p)
+            for pat, rep in _INLINE[1:]:
+                e = pat.sub(rep, e)
+            out.append(e)
+    return "".join(out)
+
+
+def md_to_html(md: str) -> str:
+    """The Markdown subset sections write: headings, paragraphs, lists, pipe tables,
+    fenced code, inline code/bold/italic. Links are kept as text (the file stays offline)."""
+    lines = md.splitlines()
+    out: list[str] = []
+    i = 0
+    para: list[str] = []
+
+    def flush():
+        if para:
+            out.append("<p>" + " ".join(_inline(p) for p in para) + "</p>")
+            para.clear()
+
+    while i < len(lines):
+        ln = lines[i]
+        s = ln.strip()
+        if s.startswith("```"):
+            flush()
+            j = i + 1
+            code = []
+            while j < len(lines) and not lines[j].strip().startswith("```"):
+                code.append(lines[j])
+                j += 1
+            out.append("<pre>" + html.escape("\n".join(code)) + "</pre>")
+            i = j + 1
+            continue
+        if s.startswith("|"):
+            flush()
+            rows = []
+            while i < len(lines) and lines[i].strip().startswith("|"):
+                rows.append(lines[i].strip())
+                i += 1
+            out.append(_table(rows))
+            continue
+        if s.startswith(("- ", "* ")):
+            flush()
+            items = []
+            while i < len(lines) and lines[i].strip().startswith(("- ", "* ")):
+                items.append(lines[i].strip()[2:])
+                i += 1
+            out.append("<ul>" + "".join(f"<li>{_inline(t)}</li>" for t in items) + "</ul>")
+            continue
+        m = re.match(r"^(#{1,6})\s+(.*)$", s)
+        if m:
+            flush()
+            lvl = min(6, len(m.group(1)) + 1)
+            out.append(f"<h{lvl}>{_inline(m.group(2))}</h{lvl}>")
+            i += 1
+            continue
+        if not s:
+            flush()
+        else:
+            para.append(s)
+        i += 1
+    flush()
+    return "\n".join(out)
+
+
+def _cells(row: str) -> list[str]:
+    row = row.strip()
+    if row.startswith("|"):
+        row = row[1:]
+    if row.endswith("|"):
+        row = row[:-1]
+    return [c.strip() for c in row.split("|")]
+
+
+def _table(rows: list[str]) -> str:
+    if not rows:
+        return ""
+    head = _cells(rows[0])
+    body = rows[1:]
+    if body and re.fullmatch(r"\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?", body[0]):
+        body = body[1:]
+    h = "<tr>" + "".join(f"<th>{_inline(c)}</th>" for c in head) + "</tr>"
+    b = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in _cells(r)) + "</tr>" for r in body)
+    return f"<table><thead>{h}</thead><tbody>{b}</tbody></table>"
+
+
+def _img(path: Path, caption: str) -> str:
+    data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    alt = html.escape(caption, quote=True)
+    return (f'<figure><img alt="{alt}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{_inline(caption)}</figcaption></figure>")
+
+
+def render_html(report: Report) -> str:
+    run = report.run
+    title = f"moetrace report: run {run['run_id']}"
+    shape_md = header_lines(run, [], plain=True).splitlines()[2:]
+    parts = [f"<h1>{html.escape(title)}</h1>", "<p>" + "<br>".join(_inline(x) for x in shape_md if x) + "</p>"]
+    if report.run_notes:
+        parts.append('<div class="run-notes"><strong>Approximations and caveats of this run</strong><ul>'
+                     + "".join(f"<li>{_inline(n)}</li>" for n in report.run_notes) + "</ul></div>")
+    if len(report.sections) > 1:
+        parts.append("<nav>" + "".join(f'<a href="#{html.escape(s.key)}">{html.escape(s.title)}</a>'
+                                       for s in report.sections) + "</nav>")
+    for s in report.sections:
+        parts.append(f'<section id="{html.escape(s.key)}"><h2>{html.escape(s.title)}</h2>')
+        parts.append(md_to_html(s.markdown))
+        for f in s.figures:
+            parts.append(_img(f.path, f.caption))
+        if s.notes:
+            parts.append('<div class="notes"><strong>Notes</strong><ul>'
+                         + "".join(f"<li>{_inline(n)}</li>" for n in s.notes) + "</ul></div>")
+        parts.append("</section>")
+    body = "\n".join(parts)
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{CSS}</style></head><body>\n{body}\n</body></html>\n")

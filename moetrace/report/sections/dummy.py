@@ -1,0 +1,49 @@
+"""Dummy steps: ranks that ran a step with no tokens (to keep collectives aligned)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..base import Figure, ReportContext, Section, md_table
+from .. import plots
+
+ORDER = 40
+
+
+def build(ctx: ReportContext) -> Section | None:
+    rid = ctx.run_id
+    df = ctx.sql("SELECT * FROM dummy_steps WHERE run_id = ? ORDER BY rank", [rid])
+    if df.height == 0:
+        return None
+    total_steps = int(df["steps"].sum())
+    total_dummy = int(df["dummy_steps"].sum())
+    notes = []
+    if df["inferred"].any():
+        notes.append("Some step boundaries were inferred rather than annotated (steps.inferred).")
+    share = total_dummy / total_steps if total_steps else 0.0
+    text = (f"{total_dummy} of {total_steps} (step, rank) pairs were dummy steps: **{100 * share:.1f}%** of rank "
+            "time by step count went to ranks that had no tokens but still ran the forward pass so the "
+            "all-to-alls stay aligned.")
+    timed = df["timed_ns"].drop_nulls()
+    if timed.len() and timed.sum() > 0:
+        dt = int(df["dummy_time_ns"].fill_null(0).sum())
+        text += f" By recorded step time: {dt / 1e6:.1f} ms of {timed.sum() / 1e6:.1f} ms ({100 * dt / timed.sum():.1f}%)."
+    else:
+        notes.append("No step times were recorded: dummy share is by step count, not by time.")
+    md = [text]
+    term = [text.replace("**", "")]
+    figs = []
+    if total_dummy:
+        worst = df.sort("dummy_share", descending=True).head(10)
+        md += ["", "Ranks with the most dummy steps:", "",
+               md_table(worst.select("rank", "steps", "dummy_steps", "dummy_share", "dummy_time_ns",
+                                     "dummy_time_share"))]
+        vals = 100 * df["dummy_share"].to_numpy()
+        figs.append(Figure(plots.bars(
+            ctx.outdir / "dummy_share_per_rank.png", df["rank"].to_list(), vals,
+            title="Dummy steps per rank (ran the forward with no tokens)", xlabel="rank",
+            ylabel="dummy steps (% of the rank's steps)", ref_line=100 * share,
+            ref_label=f"all ranks {100 * share:.1f}%", highlight=int(np.argmax(vals))),
+            "Share of each rank's steps that were dummy steps (no tokens, forward run only to keep the "
+            "collectives aligned); dashed: the average over ranks."))
+    return Section(key="dummy", title="Dummy steps", markdown="\n".join(md), terminal="\n".join(term),
+                   figures=figs, notes=notes)

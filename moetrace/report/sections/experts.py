@@ -1,0 +1,88 @@
+"""Tokens per expert: how many tokens each expert's GEMM saw per step, and how many
+experts a step touched against the uniform-routing expectation."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..base import Figure, ReportContext, Section, md_table
+from .. import plots
+
+ORDER = 20
+# below a few hundred tokens per expert the expert GEMM reads weights rather than computes
+WEIGHT_BOUND_TOKENS = 256
+
+
+def build(ctx: ReportContext) -> Section | None:
+    rid = ctx.run_id
+    per_layer = ctx.sql(
+        "SELECT layer, count(*) AS steps, avg(tokens) AS tokens_per_step, avg(experts_hit) AS experts_hit, "
+        "avg(experts_hit_expected) AS experts_hit_expected, avg(per_expert_mean) AS per_expert_mean, "
+        "avg(per_expert_median) AS per_expert_median, avg(per_expert_max) AS per_expert_max, "
+        "min(per_expert_min) AS per_expert_min FROM tokens_per_expert WHERE run_id = ? GROUP BY layer "
+        "ORDER BY layer", [rid])
+    if per_layer.height == 0:
+        return None
+    shape = ctx.sql("SELECT num_experts, top_k FROM run_shape WHERE run_id = ?", [rid]).row(0, named=True)
+    E, k = shape["num_experts"], shape["top_k"]
+    notes = []
+    md, term = [], []
+    overall = ctx.sql("SELECT avg(tokens) AS b, avg(per_expert_mean) AS m, avg(per_expert_median) AS med, "
+                      "avg(per_expert_max) AS mx, avg(experts_hit) AS hit, avg(experts_hit_expected) AS hit_exp "
+                      "FROM tokens_per_expert WHERE run_id = ? AND assignments > 0", [rid]).row(0, named=True)
+    if k is None:
+        notes.append("top_k is unknown for this run: tokens per step and the expected experts touched cannot be "
+                     "derived (only token-expert assignments are known).")
+    if overall["m"] is not None:
+        b = f"{overall['b']:.0f} tokens per step, " if overall["b"] is not None else ""
+        text = (f"{b}so each of the {E} experts got **{overall['m']:.1f}** tokens per step on average "
+                f"(median expert {overall['med']:.1f}, busiest {overall['mx']:.1f}). ")
+        if overall["hit_exp"] is not None:
+            text += (f"A step touched {overall['hit']:.1f} experts per layer; uniform routing would touch "
+                     f"{overall['hit_exp']:.1f} (E·(1−(1−k/E)^B)).")
+        md.append(text)
+        term.append(text.replace("**", ""))
+        if overall["med"] < WEIGHT_BOUND_TOKENS:
+            line = (f"The median expert saw fewer than {WEIGHT_BOUND_TOKENS} tokens per step: its GEMM is bound by "
+                    "reading the expert's weights, not by arithmetic, so extra tokens on a cold expert are nearly "
+                    "free and the hottest expert's count sets the time.")
+            md.append("")
+            md.append(line)
+            term.append(line)
+    md.append("")
+    md.append("Per layer (means over steps; per-expert figures count experts that received nothing as 0):")
+    md.append("")
+    md.append(md_table(per_layer, float_fmt="{:.1f}", max_rows=64))
+
+    figs = []
+    # distribution of tokens per (expert, step) over the whole run, binned in SQL
+    hi = ctx.sql("SELECT quantile_cont(tokens, 0.999) AS q, max(tokens) AS mx FROM expert_tokens WHERE run_id = ?",
+                 [rid]).row(0, named=True)
+    if hi["mx"]:
+        top = max(float(hi["q"] or hi["mx"]), 1.0)
+        nb = 60
+        width = top / nb
+        h = ctx.sql("SELECT least(CAST(floor(tokens / ?) AS BIGINT), ?) AS b, count(*) AS n FROM expert_tokens "
+                    "WHERE run_id = ? GROUP BY 1 ORDER BY 1", [width, nb, rid])
+        n_layers_steps = ctx.sql("SELECT count(*) AS n FROM tokens_per_expert WHERE run_id = ?", [rid])["n"][0]
+        counts = np.zeros(nb + 1)
+        counts[h["b"].to_numpy()] = h["n"].to_numpy()
+        missing = int(n_layers_steps) * int(E) - int(counts.sum())
+        counts[0] += max(missing, 0)  # experts without rows received 0 tokens
+        centers = (np.arange(nb + 1) + 0.5) * width
+        fig, ax = plots.figure(8, 4)
+        ax.bar(centers[:nb], counts[:nb], width=width * 0.95, color="#4C72B0")
+        if counts[nb]:
+            ax.bar(centers[nb], counts[nb], width=width * 0.95, color="#C44E52", label=f"> {top:.0f} (top 0.1%)")
+            ax.legend(frameon=False)
+        ax.axvline(WEIGHT_BOUND_TOKENS, color="black", linestyle="--", linewidth=1)
+        ax.text(WEIGHT_BOUND_TOKENS, ax.get_ylim()[1] * 0.95, f" {WEIGHT_BOUND_TOKENS} tokens", va="top", fontsize=8)
+        ax.set_title("Tokens per expert per step (all layers)")
+        ax.set_xlabel("tokens an expert received in one step (token-expert assignments)")
+        ax.set_ylabel("(expert, step, layer) count")
+        ax.grid(True, alpha=0.3)
+        figs.append(Figure(plots.save(fig, ctx.outdir / "experts_tokens_hist.png"),
+                           "How many tokens an expert's GEMM saw per step, over every expert, step and layer. "
+                           f"Left of the dashed line ({WEIGHT_BOUND_TOKENS} tokens) expert GEMMs are weight-read "
+                           "bound."))
+    return Section(key="experts", title="Tokens per expert", markdown="\n".join(md), terminal="\n".join(term),
+                   figures=figs, notes=notes)

@@ -1,0 +1,162 @@
+"""Per-layer skew: how unbalanced each MoE layer was across ranks, and where.
+
+Reads the analysis views (run_skew_summary, skew_summary, rank_load, expert_tokens);
+draws per-layer imbalance bars, per-rank load bars for the worst layer and per-expert
+load heatmaps over steps for the most skewed layers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from ..base import Figure, ReportContext, Section, md_table
+from .. import plots
+
+ORDER = 10
+HEATMAP_LAYERS = 2
+MAX_HEATMAP_ROWS = 300
+
+
+def placement_notes(sources: set[str], run: dict) -> list[str]:
+    notes = []
+    if any("contiguous" in s for s in sources):
+        notes.append("No placement was recorded for some or all layers: rank loads assume contiguous placement "
+                     "(expert e on rank e·ranks/experts, one slot per expert). A real deployment with "
+                     "replicas or a planned placement may differ.")
+    if any("recorded" in s for s in sources):
+        notes.append("Rank loads use the run's recorded placement; replicas of an expert split its tokens "
+                     "evenly (the engine's own replica choice was not recorded).")
+    if "none" in sources:
+        notes.append("The number of ranks is unknown (runs.num_ranks is empty and no placement was recorded): "
+                     "rank imbalance is not computed. Re-ingest with --ranks N.")
+    return notes
+
+
+def build(ctx: ReportContext) -> Section | None:
+    rid = ctx.run_id
+    summ = ctx.sql("SELECT * FROM run_skew_summary WHERE run_id = ?", [rid])
+    if summ.height == 0:
+        return None
+    s = summ.row(0, named=True)
+    layers = ctx.sql("SELECT * FROM skew_summary WHERE run_id = ? ORDER BY layer", [rid])
+    sources = set(layers["placement_source"].drop_nulls().to_list())
+    notes = placement_notes(sources, ctx.run)
+    figs: list[Figure] = []
+    md: list[str] = []
+    term: list[str] = []
+
+    if s["imbalance_mean"] is not None:
+        head = (f"Across {s['layers']} layers × {s['steps']} steps on {s['num_ranks']} ranks, the busiest rank "
+                f"carried **{s['imbalance_mean']:.2f}×** the mean rank load on average (p50 "
+                f"{s['imbalance_p50']:.2f}×, p99 {s['imbalance_p99']:.2f}×, worst {s['imbalance_max']:.2f}×). "
+                f"Balancedness (Σ mean / Σ max over all steps and layers) is **{s['balancedness']:.3f}**: "
+                f"about {100 * (1 - s['balancedness']):.0f}% of expert-GPU time waits at the combine barrier. "
+                f"Worst layer: **{s['worst_layer']}** (mean {s['worst_layer_imbalance']:.2f}×).")
+    else:
+        head = (f"{s['layers']} layers × {s['steps']} steps. Rank imbalance is not available for this run "
+                "(see notes); expert-level skew (Gini, top-5% share) is shown below.")
+    md.append(head)
+    term.append(head.replace("**", ""))
+    if s["step_layers_undefined"]:
+        notes.append(f"{s['step_layers_undefined']} (step, layer) pairs routed no tokens: their imbalance is "
+                     "undefined (NULL), and they are left out of every mean and percentile.")
+
+    show = layers.select(
+        "layer", "steps", "imbalance_mean", "imbalance_p50", "imbalance_p99", "imbalance_max", "efficiency_mean",
+        "gini_mean", "top5pct_share_mean", "hottest_share_mean", "hottest_expert_mode", "straggler_rank_mode",
+        "placement_source")
+    ranked = show.sort("imbalance_mean", descending=True, nulls_last=True)
+    md.append("")
+    md.append("Per layer, most skewed first (imbalance = max/mean rank tokens per step; efficiency = 1/imbalance; "
+              "Gini, top-5% and hottest-expert shares are over logical experts):")
+    md.append("")
+    md.append(md_table(ranked, max_rows=64))
+    term.append("")
+    term.append("most skewed layers (imbalance = max/mean rank tokens per step):")
+    term.append(_term_table(ranked.select("layer", "imbalance_mean", "imbalance_p99", "efficiency_mean",
+                                          "gini_mean", "hottest_expert_mode", "straggler_rank_mode").head(8)))
+
+    out = ctx.outdir
+    if layers["imbalance_mean"].drop_nulls().len():
+        means = layers["imbalance_mean"].fill_null(float("nan")).to_numpy()
+        p99 = layers["imbalance_p99"].fill_null(float("nan")).to_numpy()
+        worst_i = int(np.nanargmax(means))
+        err = np.vstack([np.zeros_like(means), np.nan_to_num(p99 - means)])
+        figs.append(Figure(plots.bars(
+            out / "skew_layer_imbalance.png", layers["layer"].to_list(), np.nan_to_num(means, nan=0.0),
+            title="Rank imbalance per layer (bar: mean over steps, whisker: p99)", xlabel="MoE layer",
+            ylabel="max / mean rank tokens (×)", ref_line=1.0, ref_label="perfect balance (1.0×)",
+            highlight=worst_i, errors=err),
+            "Per-layer imbalance: the busiest rank's tokens over the mean rank's, mean over steps (bar) and "
+            "p99 (whisker). 1.0 is perfect balance; the worst layer is in red."))
+        wl = int(layers["layer"][worst_i])
+        rl = ctx.sql("SELECT rank, avg(tokens) AS mean_tokens, max(tokens) AS max_tokens FROM rank_load "
+                     "WHERE run_id = ? AND layer = ? GROUP BY rank ORDER BY rank", [rid, wl])
+        strag = ctx.sql("SELECT straggler_rank, count(*) AS steps FROM layer_skew WHERE run_id = ? AND layer = ? "
+                        "AND straggler_rank IS NOT NULL GROUP BY 1 ORDER BY steps DESC LIMIT 3", [rid, wl])
+        if rl.height:
+            vals = rl["mean_tokens"].to_numpy()
+            figs.append(Figure(plots.bars(
+                out / "skew_worst_layer_ranks.png", rl["rank"].to_list(), vals,
+                title=f"Layer {wl}: mean tokens per rank per step", xlabel="rank",
+                ylabel="tokens per step (token-expert assignments)", ref_line=float(vals.mean()),
+                ref_label=f"mean rank {vals.mean():.0f}", highlight=int(np.argmax(vals))),
+                f"Worst layer {wl}: tokens each rank received per step, averaged over steps (the most loaded "
+                "rank in red, dashed line: the mean rank). The busiest rank sets the layer's time."))
+            if strag.height:
+                total = int(layers.filter(pl.col("layer") == wl)["steps"][0])
+                txt = ", ".join(f"rank {r} ({n} of {total} steps)" for r, n in strag.iter_rows())
+                md.append("")
+                md.append(f"Straggler of layer {wl} (the rank with most tokens): {txt}.")
+                term.append(f"straggler of layer {wl}: {txt}")
+
+    # heatmaps of per-expert load over steps for the most skewed layers
+    order = ranked.filter(pl.col("imbalance_mean").is_not_null()) if ranked["imbalance_mean"].drop_nulls().len() \
+        else layers.sort("gini_mean", descending=True, nulls_last=True)
+    for lyr in order["layer"].head(HEATMAP_LAYERS).to_list():
+        f = _heatmap(ctx, int(lyr))
+        if f is not None:
+            figs.append(f)
+    return Section(key="skew", title="Per-layer skew", markdown="\n".join(md), terminal="\n".join(term),
+                   figures=figs, notes=notes)
+
+
+def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
+    rid = ctx.run_id
+    n = ctx.sql("SELECT count(DISTINCT step) AS n, max(expert) AS emax FROM expert_tokens WHERE run_id = ? "
+                "AND layer = ?", [rid, layer])
+    n_steps, emax = n["n"][0], n["emax"][0]
+    if not n_steps or emax is None:
+        return None
+    E = int(ctx.sql("SELECT num_experts FROM run_shape WHERE run_id = ?", [rid])["num_experts"][0] or emax + 1)
+    bins = min(int(n_steps), MAX_HEATMAP_ROWS)
+    df = ctx.sql(
+        "WITH o AS (SELECT step, row_number() OVER (ORDER BY step) - 1 AS ord FROM "
+        "(SELECT DISTINCT step FROM expert_tokens WHERE run_id = ? AND layer = ?)) "
+        "SELECT (o.ord * ? // ?) AS bin, e.expert, sum(e.tokens) AS tokens "
+        "FROM expert_tokens e JOIN o USING (step) WHERE e.run_id = ? AND e.layer = ? GROUP BY ALL",
+        [rid, layer, bins, int(n_steps), rid, layer])
+    m = np.zeros((bins, E))
+    counts = np.bincount((np.arange(n_steps) * bins) // n_steps, minlength=bins).astype(float)
+    m[df["bin"].to_numpy(), df["expert"].to_numpy()] = df["tokens"].to_numpy()
+    m /= counts[:, None]
+    binned = bins < n_steps
+    title = f"Layer {layer}: tokens per expert per step"
+    ylabel = "step" if not binned else f"step bin ({n_steps // bins}–{-(-n_steps // bins)} steps each)"
+    steps = ctx.sql("SELECT min(step) AS a, max(step) AS b FROM expert_tokens WHERE run_id = ? AND layer = ?",
+                    [rid, layer]).row(0)
+    yt = np.linspace(0, bins - 1, min(6, bins)).astype(int)
+    ylab = [str(int(steps[0] + (steps[1] - steps[0]) * t / max(bins - 1, 1))) for t in yt]
+    path = plots.heatmap(ctx.outdir / f"skew_heatmap_layer{layer}.png", m, title=title,
+                         xlabel="logical expert id", ylabel=ylabel if not binned else "step",
+                         cbar_label="tokens per step (token-expert assignments)", y_ticks=(yt, ylab))
+    cap = (f"Layer {layer}: tokens each logical expert received per step (columns: experts, rows: steps"
+           + (f", averaged over bins of about {n_steps / bins:.0f} steps" if binned else "") +
+           "). Bright vertical stripes are persistently hot experts; colour scale clipped at the 99.5th percentile.")
+    return Figure(path, cap)
+
+
+def _term_table(df: pl.DataFrame) -> str:
+    from ...output import render_table
+
+    return render_table(df, max_rows=20, float_precision=3)
