@@ -301,23 +301,51 @@ def _is_kineto(path: Path, head: bytes) -> bool:
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
-    groups: dict[Path, list[Path]] = {}
-    for p in paths:
-        groups.setdefault(p.parent, []).append(p)
-    return [_collect_run(sorted(g), options) for _, g in sorted(groups.items())]
-
-
-def _collect_run(paths: list[Path], options: dict) -> RunData:
+    """Files of one folder are the ranks of one run when their ranks differ (from
+    ``distributedInfo.rank`` or the file name); otherwise every file is its own run."""
     total = sum(p.stat().st_size for p in paths)
     progress = bool(options.get("progress")) or total > 64 * 2**20
+    parsed = []
+    for p in sorted(paths):
+        info, gpu, launch, cpu = parse_file(p, progress=progress)
+        parsed.append((p, info, RankEvents(rank=-1, gpu=frame(gpu, GPU_SCHEMA), launch=frame(launch, LAUNCH_SCHEMA),
+                                           cpu=frame(cpu, CPU_SCHEMA), source=p.name)))
+        del gpu, launch, cpu
+    groups: dict[Path, list] = {}
+    for item in parsed:
+        groups.setdefault(item[0].parent, []).append(item)
+    runs = []
+    for _, items in sorted(groups.items()):
+        if len(items) > 1 and not _one_run(items):
+            runs.extend([it] for it in items)
+        else:
+            runs.append(items)
+    return [_collect_run(items, options) for items in runs]
+
+
+def _rank_of(p: Path, info: dict) -> int | None:
+    return info["rank"] if info["rank"] is not None else rank_from_name(p.name)
+
+
+def _one_run(items: list) -> bool:
+    ranks = [_rank_of(p, info) for p, info, _ in items]
+    worlds = {info["world_size"] for _, info, _ in items if info["world_size"]}
+    if any(w == 1 for w in worlds) or len(worlds) > 1:
+        return False
+    if all(r is None for r in ranks):
+        return True  # no rank anywhere: a folder of per-rank files, numbered by order
+    return None not in ranks and len(set(ranks)) == len(ranks)
+
+
+def _collect_run(items: list, options: dict) -> RunData:
+    paths = [p for p, _, _ in items]
     classifier = Classifier(options.get("kernel_rules"))
     ranks: list[RankEvents] = []
     bases, time_bases, world = set(), set(), set()
     seen: dict[int, str] = {}
-    for i, p in enumerate(paths):
-        info, gpu, launch, cpu = parse_file(p, progress=progress)
+    for i, (p, info, ev) in enumerate(items):
         rank, inferred = info["rank"], False
-        if rank is None or (len(paths) > 1 and rank in seen):
+        if rank is None:
             fr = rank_from_name(p.name)
             rank, inferred = (fr, True) if fr is not None else (i, True)
         if rank in seen:
@@ -327,8 +355,8 @@ def _collect_run(paths: list[Path], options: dict) -> RunData:
         bases.add(info["base_ns"])
         if info["world_size"]:
             world.add(info["world_size"])
-        ranks.append(RankEvents(rank=rank, gpu=frame(gpu, GPU_SCHEMA), launch=frame(launch, LAUNCH_SCHEMA),
-                                cpu=frame(cpu, CPU_SCHEMA), source=p.name, rank_inferred=inferred))
+        ev.rank, ev.rank_inferred = rank, inferred
+        ranks.append(ev)
     if len(time_bases) > 1:
         raise InputError(paths[0], "files mix absolute (epoch) and relative timestamps; they cannot form one run")
     tables, approx, meta = build(ranks, classifier)

@@ -1,0 +1,230 @@
+"""Nsight Systems SQLite export (``nsys export --type sqlite``), plain or ``.gz``.
+
+Kernels come from ``CUPTI_ACTIVITY_KIND_KERNEL`` (name through ``StringIds``:
+``demangledName``, else ``shortName``), copies and memsets from
+``CUPTI_ACTIVITY_KIND_MEMCPY`` / ``_MEMSET``, launches from ``CUPTI_ACTIVITY_KIND_RUNTIME``
+(correlation id -> CPU thread and time) and ranges from ``NVTX_EVENTS`` (push/pop and
+start/end ranges; text inline or through ``textId``). Times are ns from capture start;
+with ``TARGET_INFO_SESSION_START_TIME.utcEpochNs`` they become Unix-epoch ns.
+
+Ranks: one file per rank (rank from the file name, else the file's order); a file holding
+several processes with GPU work makes one rank per process (ordered by pid), a single
+process driving several devices one rank per device. NVTX ranges named
+``ProfilerStep#N`` give steps; ``dispatch``/``combine``/``layer N`` ranges label the
+all-to-all, as for Kineto traces.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import sqlite3
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+import polars as pl
+
+from ..errors import InputError
+from ..store import sha256_files
+from . import Collector, RunData, register
+from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build
+from .classify import Classifier
+from .kineto import MAX_DUR_NS, rank_from_name
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+NVTX_RANGE_TYPES = (59, 60, 70, 71)  # push/pop and start/end ranges (incl. domain variants)
+
+
+def _sniff(path: Path, head: bytes) -> bool:
+    name = path.name.lower()
+    if head.startswith(SQLITE_MAGIC):
+        return name.endswith((".sqlite", ".db", ".nsys.sqlite")) or "nsys" in name
+    if head[:2] == b"\x1f\x8b" and name.endswith((".sqlite.gz", ".db.gz")):
+        try:
+            return zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, 64).startswith(SQLITE_MAGIC)
+        except zlib.error:
+            return False
+    return False
+
+
+def _open(path: Path, tmpdir: Path) -> sqlite3.Connection:
+    src = path
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        src = tmpdir / (path.name[:-3] if path.name.endswith(".gz") else path.name + ".sqlite")
+        try:
+            with gzip.open(path, "rb") as fi, open(src, "wb") as fo:
+                shutil.copyfileobj(fi, fo, 1 << 20)
+        except (OSError, EOFError, zlib.error) as e:
+            raise InputError(path, f"corrupt or truncated gzip: {e}") from None
+    try:
+        con = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+        con.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+    except sqlite3.DatabaseError as e:
+        raise InputError(path, f"not a readable SQLite database: {e}") from None
+    return con
+
+
+def _tables(con: sqlite3.Connection) -> dict[str, set[str]]:
+    out = {}
+    for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"):
+        out[t] = {r[1] for r in con.execute(f'PRAGMA table_info("{t}")')}
+    return out
+
+
+def _df(con, sql: str, schema: dict, path: Path) -> pl.DataFrame:
+    try:
+        rows = con.execute(sql).fetchall()
+    except sqlite3.DatabaseError as e:
+        raise InputError(path, f"cannot read the nsys export: {e}") from None
+    return pl.DataFrame(rows, schema=schema, orient="row")
+
+
+def read_export(path: Path, tmpdir: Path) -> tuple[list[dict], int | None]:
+    """Per-rank frames of one export: list of {gpu, launch, cpu, key}, and the epoch offset."""
+    con = _open(path, tmpdir)
+    try:
+        tabs = _tables(con)
+        if "StringIds" not in tabs or not any(t.startswith("CUPTI_ACTIVITY_KIND_") or t == "NVTX_EVENTS" for t in tabs):
+            raise InputError(path, "SQLite file is not an Nsight Systems export (no StringIds / CUPTI_ACTIVITY_KIND_* "
+                                   "tables)")
+        epoch = None
+        if "TARGET_INFO_SESSION_START_TIME" in tabs and "utcEpochNs" in tabs["TARGET_INFO_SESSION_START_TIME"]:
+            r = con.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME LIMIT 1").fetchone()
+            epoch = int(r[0]) if r and r[0] is not None else None
+        gschema = {"name": pl.Utf8, "cat": pl.Utf8, "device": pl.Int32, "stream": pl.Int32, "start_ns": pl.Int64,
+                   "end_ns": pl.Int64, "correlation": pl.Int64, "gpid": pl.Int64}
+        parts = []
+        k = tabs.get("CUPTI_ACTIVITY_KIND_KERNEL")
+        if k:
+            name_col = "demangledName" if "demangledName" in k else "shortName"
+            parts.append(_df(con, f"""
+                SELECT coalesce(s.value, s2.value, '<unknown kernel>'), 'kernel', k.deviceId, k.streamId, k.start, k.end,
+                       k.correlationId, k.globalPid
+                FROM CUPTI_ACTIVITY_KIND_KERNEL k
+                LEFT JOIN StringIds s ON s.id = k.{name_col}
+                LEFT JOIN StringIds s2 ON s2.id = k.shortName""", gschema, path))
+        for tab, cat, label in (("CUPTI_ACTIVITY_KIND_MEMCPY", "gpu_memcpy", "Memcpy"),
+                                ("CUPTI_ACTIVITY_KIND_MEMSET", "gpu_memset", "Memset")):
+            if tab in tabs:
+                nm = f"'{label}'"
+                if "copyKind" in tabs[tab]:
+                    nm = ("CASE copyKind WHEN 1 THEN 'Memcpy HtoD' WHEN 2 THEN 'Memcpy DtoH' WHEN 8 THEN 'Memcpy DtoD' "
+                          "WHEN 10 THEN 'Memcpy PtoP' ELSE 'Memcpy' END")
+                parts.append(_df(con, f"""SELECT {nm}, '{cat}', deviceId, streamId, start, end, correlationId,
+                                          globalPid FROM {tab}""", gschema, path))
+        gpu = pl.concat(parts) if parts else pl.DataFrame(schema=gschema)
+        bad = gpu.filter((pl.col("end_ns") < pl.col("start_ns")) | ((pl.col("end_ns") - pl.col("start_ns")) > MAX_DUR_NS))
+        if bad.height:
+            r = bad.row(0, named=True)
+            raise InputError(path, f"{r['cat']} {r['name'][:60]!r} has an absurd duration "
+                                   f"({(r['end_ns'] - r['start_ns']) / 1e9:.3f} s)", f"start={r['start_ns']}")
+        lschema = {"correlation": pl.Int64, "gtid": pl.Int64, "ts_ns": pl.Int64}
+        launch = (_df(con, "SELECT correlationId, globalTid, start FROM CUPTI_ACTIVITY_KIND_RUNTIME", lschema, path)
+                  if "CUPTI_ACTIVITY_KIND_RUNTIME" in tabs else pl.DataFrame(schema=lschema))
+        cschema = {"name": pl.Utf8, "gtid": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64}
+        nv = tabs.get("NVTX_EVENTS")
+        if nv:
+            text = "coalesce(n.text, s.value)" if "textId" in nv else "n.text"
+            join = "LEFT JOIN StringIds s ON s.id = n.textId" if "textId" in nv else ""
+            types = ",".join(map(str, NVTX_RANGE_TYPES))
+            cpu = _df(con, f"""SELECT {text}, n.globalTid, n.start, n.end FROM NVTX_EVENTS n {join}
+                               WHERE n.eventType IN ({types}) AND n.end IS NOT NULL""", cschema, path)
+            cpu = cpu.filter(pl.col("name").is_not_null())
+        else:
+            cpu = pl.DataFrame(schema=cschema)
+    finally:
+        con.close()
+    # globalTid / globalPid: pid in bits 24..47, tid in the low 24 bits
+    launch = launch.with_columns((pl.col("gtid") // (1 << 24) % (1 << 24)).alias("pid"),
+                                 (pl.col("gtid") % (1 << 24)).alias("tid"))
+    cpu = cpu.with_columns((pl.col("gtid") // (1 << 24) % (1 << 24)).alias("pid"),
+                           (pl.col("gtid") % (1 << 24)).alias("tid"), pl.lit("user_annotation").alias("cat"))
+    gpu = gpu.with_columns((pl.col("gpid") // (1 << 24) % (1 << 24)).alias("pid"))
+    off = epoch or 0
+    if off:
+        gpu = gpu.with_columns(pl.col("start_ns") + off, pl.col("end_ns") + off)
+        launch = launch.with_columns(pl.col("ts_ns") + off)
+        cpu = cpu.with_columns(pl.col("start_ns") + off, pl.col("end_ns") + off)
+    # split into ranks: one per process with GPU work, else one per device
+    pids = sorted(gpu["pid"].unique().drop_nulls().to_list())
+    devices = sorted(gpu["device"].unique().drop_nulls().to_list())
+    out = []
+    if len(pids) > 1:
+        for p in pids:
+            out.append({"key": ("pid", p), "gpu": gpu.filter(pl.col("pid") == p),
+                        "launch": launch.filter(pl.col("pid") == p), "cpu": cpu.filter(pl.col("pid") == p)})
+    elif len(devices) > 1:
+        for d in devices:
+            out.append({"key": ("device", d), "gpu": gpu.filter(pl.col("device") == d), "launch": launch, "cpu": cpu})
+    else:
+        out.append({"key": None, "gpu": gpu, "launch": launch, "cpu": cpu})
+    for o in out:
+        o["gpu"] = o["gpu"].select(*[pl.col(c) for c in ("name", "cat", "device", "stream", "start_ns", "end_ns",
+                                                          "correlation")],
+                                   pl.lit(None, pl.Utf8).alias("coll_arg")).cast(GPU_SCHEMA)
+        o["launch"] = o["launch"].select(list(LAUNCH_SCHEMA)).cast(LAUNCH_SCHEMA)
+        o["cpu"] = o["cpu"].select(list(CPU_SCHEMA)).cast(CPU_SCHEMA)
+    return out, epoch
+
+
+def _collect(paths: list[Path], options: dict) -> list[RunData]:
+    groups: dict[Path, list[Path]] = {}
+    for p in paths:
+        groups.setdefault(p.parent, []).append(p)
+    return [_collect_run(sorted(g), options) for _, g in sorted(groups.items())]
+
+
+def _collect_run(paths: list[Path], options: dict) -> RunData:
+    classifier = Classifier(options.get("kernel_rules"))
+    ranks: list[RankEvents] = []
+    epochs = set()
+    with tempfile.TemporaryDirectory(prefix="moetrace-nsys-") as td:
+        next_rank = 0
+        for i, p in enumerate(paths):
+            if len(paths) > 1 or p.stat().st_size > 64 * 2**20:
+                print(f"nsys: reading {p.name}", file=sys.stderr, flush=True)
+            per, epoch = read_export(p, Path(td))
+            epochs.add(epoch is not None)
+            file_rank = rank_from_name(p.name)
+            for j, part in enumerate(per):
+                if len(per) == 1 and file_rank is not None:
+                    rank, inferred = file_rank, False
+                else:
+                    rank, inferred = next_rank, True
+                next_rank = max(next_rank, rank) + 1
+                note = []
+                if part["key"] is not None:
+                    note.append(f"{p.name}: rank {rank} is {part['key'][0]} {part['key'][1]} (ranks of one export "
+                                f"numbered by {part['key'][0]} order)")
+                ranks.append(RankEvents(rank=rank, gpu=part["gpu"], launch=part["launch"], cpu=part["cpu"],
+                                        source=p.name, rank_inferred=inferred and len(paths) > 1 and not note,
+                                        notes=note))
+    if len({r.rank for r in ranks}) != len(ranks):
+        raise InputError(paths[0], "two exports claim the same rank (name files rank-N.sqlite)")
+    tables, approx, meta = build(ranks, classifier)
+    meta.update({"format": "nsys-sqlite", "files": [p.name for p in paths]})
+    time_base = "epoch" if all(epochs) else "capture_start"
+    if len(epochs) > 1:
+        approx.append("some exports lack TARGET_INFO_SESSION_START_TIME: times are from each capture's start")
+    run = {
+        "source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+        "source_sha256": sha256_files(paths),
+        "time_base": time_base,
+        "num_ranks": options.get("num_ranks") or len(ranks),
+        "ranks_per_node": options.get("ranks_per_node"),
+        "num_layers": options.get("num_layers"),
+        "num_experts": options.get("num_experts"),
+        "top_k": options.get("top_k"),
+        "approximations": json.dumps(approx) if approx else None,
+        "meta_json": json.dumps(meta),
+    }
+    hint = paths[0].parent.name if len(paths) > 1 else paths[0].name.split(".")[0]
+    return RunData(run=run, tables=tables, run_id_hint=hint, files=[str(p) for p in paths])
+
+
+register(Collector("nsys", "Nsight Systems SQLite export (nsys export --type sqlite), plain or .gz", _sniff, _collect,
+                   priority=20))
