@@ -101,8 +101,9 @@ def _runs_row(replay_id, kind, policy, plan_id, split, summary, plan: Plan, cost
 
 
 def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOptions, *, kind="replay",
-                policy=None, params=None, write=True, replay_id=None, extra_notes=(), keep=False):
-    """Replay every recorded step against ``plan``; returns (summary, kept arrays or None)."""
+                policy=None, params=None, write=True, replay_id=None, extra_notes=(), trace_steps=None):
+    """Replay every recorded step against ``plan``. Returns (summary, trace): trace holds
+    the arrays of ``trace_steps`` (for :func:`moetrace.replay.trace.chrome_trace`)."""
     replay_id = replay_id or new_replay_id()
     cost = cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
     use_slots = plan.plan_id == "recorded" and shape.has_slot
@@ -128,8 +129,11 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
             layer_tbls.append(_layer_table(ids, plan.layers, m, replay_id, [plan.plan_id] * ids.size))
             if opts.rank_rows:
                 rank_tbls.append(_rank_table(ids, plan.layers, block, m, replay_id))
-        if keep:
-            kept.append((ids, block, m))
+        if trace_steps is not None:
+            sel = np.isin(ids, trace_steps)
+            if sel.any():
+                kept.append((ids[sel], block.tokens[sel], block.touched[sel], m.dispatch_ns[sel],
+                             m.compute_ns[sel], m.layer_ns[sel]))
     imb, lns_all = np.concatenate(imbs), np.concatenate(lns)
     summary = {"replay_id": replay_id, "run_id": run_id, "kind": kind, "policy": policy or plan.policy,
                "plan_id": plan.plan_id, "split": "recorded" if use_slots else opts.split,
@@ -148,7 +152,13 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
                               "replay_runs": _runs_row(replay_id, kind, summary["policy"], plan.plan_id,
                                                        summary["split"], summary, plan, cost, params or {}, notes,
                                                        bool(use_routing))})
-    return summary, kept
+    trace = None
+    if kept:
+        trace = {"steps": np.concatenate([k[0] for k in kept]),
+                 **{name: np.concatenate([k[i] for k in kept])
+                    for i, name in enumerate(("tokens", "touched", "dispatch_ns", "compute_ns", "layer_ns"), 1)},
+                 "layers": plan.layers, "cost_source": cost.source}
+    return summary, trace
 
 
 def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape, fit_window=None, plan_id=None) -> tuple[Plan, list[str]]:
