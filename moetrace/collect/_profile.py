@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from .classify import Classifier, normalize_collective, normalize_name
+from .classify import Classifier, demangle_all, normalize_collective, normalize_name
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 #: backend-level collective ops (innermost CPU op of a collective call)
@@ -168,8 +168,9 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         pts = pts.sort("_i").with_columns(pl.coalesce("coll_arg", "coll_op").alias("coll"))
         # classify each distinct (name, category, collective) once
         keys = pts.select("name", "cat", "coll").unique()
-        kinds = [classifier.classify(n, c, k) for n, k, c in keys.iter_rows()]
-        norm = [normalize_name(n) for n in keys["name"].to_list()]
+        dem = demangle_all(keys["name"].to_list())
+        kinds = [classifier.classify(dem.get(n, n), c, k) for n, k, c in keys.iter_rows()]
+        norm = [normalize_name(dem.get(n, n)) for n in keys["name"].to_list()]
         keys = keys.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("norm", norm, pl.Utf8),
                                  pl.col("coll").map_elements(normalize_collective, return_dtype=pl.Utf8)
                                  .alias("collective"))

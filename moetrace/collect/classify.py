@@ -70,6 +70,25 @@ def normalize_name(name: str) -> str:
     return s
 
 
+def demangle_all(names) -> dict[str, str]:
+    """Itanium-mangled names (``_Z...``, as ROCm traces write them) demangled in one
+    ``c++filt`` call when that tool exists; names it cannot demangle stay as they are."""
+    import shutil
+    import subprocess
+
+    todo = sorted({n for n in names if n and n.startswith("_Z") and "\n" not in n})
+    exe = shutil.which("c++filt")
+    if not todo or exe is None:
+        return {}
+    try:
+        res = subprocess.run([exe], input="\n".join(todo) + "\n", capture_output=True, text=True, timeout=60,
+                             check=True)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    outs = res.stdout.split("\n")
+    return {m: d for m, d in zip(todo, outs) if d and d != m}
+
+
 _COLL_ALIASES = [
     (re.compile(r"all_?to_?allv?|alltoall", re.I), "all_to_all"),
     (re.compile(r"all_?reduce", re.I), "all_reduce"),

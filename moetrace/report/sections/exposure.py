@@ -1,0 +1,152 @@
+"""All-to-all exposure: how much dispatch and combine time no compute kernel hid.
+
+Reads the views a2a_presence, a2a_exposure, a2a_rank_summary, a2a_stragglers and
+a2a_modes (analyze/sql/40_*, 41_*); draws a per-rank timeline of one step (compute,
+dispatch, combine and helper lanes) and exposed-vs-hidden bars per layer. Says plainly
+when a run has no all-to-all at all.
+"""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from ...commands.profile_cmds import exposure_tables, hook_mode_message, no_a2a_message
+from ..base import Figure, ReportContext, Section, md_table
+
+ORDER = 40
+LANES = [("compute", ("expert_gemm", "attention", "compute_other"), "#8C8C8C"),
+         ("dispatch", ("dispatch",), "#4C72B0"),
+         ("combine", ("combine",), "#DD8452"),
+         ("a2a other", ("a2a_other",), "#55A868")]
+MAX_TIMELINE_RANKS = 8
+
+
+def _ms(ns) -> str:
+    return "–" if ns is None else f"{ns / 1e6:.2f} ms"
+
+
+def build(ctx: ReportContext) -> Section | None:
+    rid = ctx.run_id
+    has_spans = ctx.sql("SELECT count(*) AS n FROM spans WHERE run_id = ?", [rid])["n"][0]
+    if not has_spans:
+        return None  # not a profiler run: nothing to say
+    t = exposure_tables(ctx.store, rid)
+    notes = []  # the run's approximations are printed by the report header already
+    if not t["presence"]["has_a2a"]:
+        msg = no_a2a_message(rid, t["presence"])
+        return Section("exposure", "All-to-all exposure", markdown=msg, terminal=msg, notes=notes)
+    by_kind, ranks = t["by_kind"], t["ranks"]
+    tot_comm = int(by_kind["comm_ns"].sum())
+    tot_exp = int(by_kind["exposed_ns"].sum())
+    head = (f"All-to-all kernels ran for {_ms(tot_comm)} (union per rank, step, layer, micro-batch and kind); "
+            f"**{_ms(tot_exp)} ({100 * tot_exp / max(tot_comm, 1):.1f}%) was exposed** — no compute kernel ran on "
+            f"the same device meanwhile.")
+    if ranks.height and ranks["exposed_share_of_step"].drop_nulls().len():
+        worst = ranks.sort("exposed_share_of_step", descending=True, nulls_last=True).row(0, named=True)
+        head += (f" Worst rank: {worst['rank']}, exposed all-to-all is "
+                 f"{100 * (worst['exposed_share_of_step'] or 0):.1f}% of its step time.")
+    md = [head, "", "Per kind:", "", md_table(_ms_cols(by_kind))]
+    term = [head.replace("**", ""), "", _plain(_ms_cols(by_kind))]
+    md += ["", "Per rank (share of comm = exposed / comm; share of step = exposed / step time):", "",
+           md_table(_ms_cols(ranks))]
+    term += ["", _plain(_ms_cols(ranks).head(16))]
+    if t["stragglers"].height:
+        md += ["", "Straggler per step (the rank whose own combine waited least: the others waited for it):", "",
+               md_table(_ms_cols(t["stragglers"]))]
+    hook = hook_mode_message(t["modes"])
+    if hook:
+        notes.append(hook)
+    if t["groups"]["inferred"].any():
+        notes.append("Layer (and, for plain all-to-alls, direction) of some groups was inferred from the order of "
+                     "dispatches within the step; 'inferred' marks them in a2a_exposure.")
+    figs = []
+    p = _timeline(ctx)
+    if p is not None:
+        figs.append(p)
+    p = _layer_bars(ctx, t["groups"])
+    if p is not None:
+        figs.append(p)
+    return Section("exposure", "All-to-all exposure", markdown="\n".join(md), terminal="\n".join(term),
+                   figures=figs, notes=notes)
+
+
+def _ms_cols(df: pl.DataFrame) -> pl.DataFrame:
+    return df.with_columns([(pl.col(c) / 1e6).round(3).alias(c.replace("_ns", "_ms"))
+                            for c in df.columns if c.endswith("_ns")]).drop([c for c in df.columns if c.endswith("_ns")])
+
+
+def _plain(df: pl.DataFrame) -> str:
+    from ...output import render_table
+
+    return render_table(df, max_rows=20)
+
+
+def _timeline(ctx: ReportContext) -> Figure | None:
+    """Lanes per rank for the step with the most all-to-all time."""
+    from .. import plots
+
+    rid = ctx.run_id
+    pick = ctx.sql("""SELECT step FROM a2a_exposure WHERE run_id = ? GROUP BY step
+                      ORDER BY sum(comm_ns) DESC, step NULLS LAST LIMIT 1""", [rid])
+    if pick.height == 0:
+        return None
+    step = pick["step"][0]
+    spans = ctx.sql("""SELECT rank, kind, start_ns, end_ns FROM spans
+                       WHERE run_id = ? AND step IS NOT DISTINCT FROM ? AND kind IN
+                       ('expert_gemm','attention','compute_other','dispatch','combine','a2a_other')
+                       AND rank IN (SELECT DISTINCT rank FROM spans WHERE run_id = ? ORDER BY rank LIMIT ?)""",
+                    [rid, step, rid, MAX_TIMELINE_RANKS])
+    if spans.height == 0:
+        return None
+    t0 = spans["start_ns"].min()
+    ranks = sorted(spans["rank"].unique().to_list())
+    fig, ax = plots.figure(11.0, 1.0 + 0.9 * len(ranks))
+    yt, yl = [], []
+    for ri, r in enumerate(ranks):
+        for li, (label, kinds, color) in enumerate(LANES):
+            y = ri * (len(LANES) + 1) + li
+            d = spans.filter((pl.col("rank") == r) & pl.col("kind").is_in(list(kinds)))
+            if d.height:
+                s = (d["start_ns"].to_numpy() - t0) / 1e6
+                w = (d["end_ns"].to_numpy() - d["start_ns"].to_numpy()) / 1e6
+                ax.broken_barh(list(zip(s, np.maximum(w, 1e-4))), (y - 0.4, 0.8), facecolors=color)
+            yt.append(y)
+            yl.append(f"rank {r} {label}")
+    ax.set_yticks(yt)
+    ax.set_yticklabels(yl, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the first span of the step")
+    ax.set_title(f"Step {step}: compute vs dispatch vs combine per rank")
+    path = plots.save(fig, ctx.outdir / f"exposure_timeline_{rid}.png")
+    return Figure(path, f"Timeline of step {step} (first {MAX_TIMELINE_RANKS} ranks): grey = compute kernels on any "
+                        "stream, blue = dispatch, orange = combine, green = notify/barrier kernels.")
+
+
+def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
+    from .. import plots
+
+    g = groups.filter(pl.col("layer").is_not_null())
+    if g.height == 0:
+        return None
+    per = (g.group_by("layer").agg(pl.col("overlapped_ns").sum(), pl.col("exposed_ns").sum(),
+                                   pl.col("inferred").any()).sort("layer"))
+    fig, ax = plots.figure(max(6.0, 0.35 * per.height + 3), 4.0)
+    x = np.arange(per.height)
+    hid = per["overlapped_ns"].to_numpy() / 1e6
+    exp = per["exposed_ns"].to_numpy() / 1e6
+    ax.bar(x, exp, color="#C44E52", label="exposed")
+    ax.bar(x, hid, bottom=exp, color="#8C8C8C", alpha=0.6, label="hidden behind compute")
+    ax.set_xticks(x)
+    ax.set_xticklabels([str(v) for v in per["layer"].to_list()], fontsize=8)
+    inferred = bool(per["inferred"].any())
+    ax.set_xlabel("layer" + (" (order of dispatch within the step: inferred)" if inferred else ""))
+    ax.set_ylabel("all-to-all time, ms (all ranks, steps)")
+    ax.set_title("All-to-all time per layer: exposed vs hidden")
+    ax.legend(fontsize=8)
+    path = plots.save(fig, ctx.outdir / f"exposure_layers_{rid_safe(ctx.run_id)}.png")
+    return Figure(path, "Exposed (red) and hidden (grey) all-to-all time per layer, summed over ranks, steps, "
+                        "micro-batches and kinds.")
+
+
+def rid_safe(rid: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in rid)
