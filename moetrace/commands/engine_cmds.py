@@ -1,0 +1,152 @@
+"""Engine commands: live capture from a transformers model, the CPU reference run."""
+from __future__ import annotations
+
+import click
+
+from ..errors import InputError
+
+
+def _idle(ctx, param, values):
+    out = []
+    for v in values:
+        try:
+            s, r = v.split(":")
+            out.append((int(s), int(r)))
+        except ValueError:
+            raise click.BadParameter(f"{v!r} is not STEP:RANK") from None
+    return out
+
+
+def _ints(ctx, param, value):
+    if value in (None, ""):
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+
+
+@click.command()
+@click.argument("outdir", type=click.Path(file_okay=False))
+@click.option("--ranks", default=2, show_default=True, help="Expert-parallel ranks (processes).")
+@click.option("--experts", default=8, show_default=True, help="Logical experts per layer.")
+@click.option("--top-k", default=2, show_default=True, help="Experts per token.")
+@click.option("--layers", default=2, show_default=True, help="MoE layers.")
+@click.option("--hidden", default=64, show_default=True, help="Hidden size.")
+@click.option("--ffn", default=128, show_default=True, help="Expert intermediate size.")
+@click.option("--steps", default=6, show_default=True, help="Steps (forward passes).")
+@click.option("--tokens-per-rank", default=32, show_default=True, help="Tokens per rank per step.")
+@click.option("--prefill-tokens", default=0, show_default=True, help="Step 0 is a prefill of this many tokens per rank.")
+@click.option("--skew", default=1.0, show_default=True, help="Zipf exponent of the router's preference (0: none).")
+@click.option("--hot", callback=_ints, default=None, help="Favoured experts, most favoured first (e.g. 5,2).")
+@click.option("--placement", default="contiguous", show_default=True,
+              help="contiguous, round_robin, reverse, random:SEED, or a JSON file [[layer][slot]] (more slots than "
+                   "experts = replicas).")
+@click.option("--idle", multiple=True, callback=_idle, help="STEP:RANK with no tokens (a dummy step); repeatable.")
+@click.option("--seed", default=0, show_default=True, help="Seed of tokens and weights (same seed: same routing "
+                                                           "under any placement).")
+@click.option("--no-profile", is_flag=True, help="Do not run the PyTorch profiler.")
+@click.option("--store", "store_path", type=click.Path(file_okay=False), default=None,
+              help="Also ingest the output into this store.")
+@click.option("--run-id", default=None, help="Run id when ingesting.")
+def refrun(outdir, store_path, run_id, no_profile, **kw):
+    """Run a real expert-parallel MoE on CPU (torch.distributed gloo, one process per
+    rank, all_to_all_single dispatch and combine) with the PyTorch profiler on; write
+    per-rank Kineto traces, the routing, the measured per-slot load and the steps.
+
+    Example:
+
+        moetrace refrun rr --ranks 4 --experts 16 --skew 1.2 --idle 3:2 --store st
+    """
+    from ..refrun import RefRunConfig, run
+
+    cfg = RefRunConfig(profile=not no_profile, **kw)
+    man = run(cfg, outdir)
+    click.echo(f"{outdir}: {cfg.ranks} ranks x {cfg.steps} steps in {man['wall_s']:.1f} s "
+               f"({len(man['files'])} files)")
+    if store_path:
+        from ..collect import collect
+        from ..store import Store
+
+        runs = collect([outdir])
+        st = Store(store_path, create=True)
+        for rd in runs:
+            res = st.write_run(rd.run, rd.tables, run_id=run_id or st.unique_run_id(rd.run_id_hint))
+            click.echo(f"run {res.run_id}: " + (res.message if res.skipped else
+                                                 ", ".join(f"{t} {n} rows" for t, n in res.rows.items())))
+
+
+@click.command()
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Prompt file: one prompt per line, or JSONL with 'prompt'.")
+@click.option("--model", "model_path", default=None, help="transformers model folder (or hub id with --download).")
+@click.option("--tiny", type=click.Choice(["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]), default=None,
+              help="A tiny randomly initialized model of this architecture instead (no download).")
+@click.option("--max-new-tokens", default=8, show_default=True, help="Decode steps after the prefill (0: prefill only).")
+@click.option("--batch-size", default=8, show_default=True, help="Prompts per batch.")
+@click.option("--download", is_flag=True, help="Allow downloading --model from the Hugging Face hub.")
+@click.option("--seed", default=0, show_default=True, help="Seed (tiny models).")
+@click.option("--run-id", default=None, help="Run id.")
+def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, download, seed, run_id):
+    """Capture per-token router decisions and gate weights of a transformers MoE model
+    (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...) over a prompt file, greedy decoding;
+    each forward pass is a step.
+
+    Example:
+
+        moetrace capture st --tiny qwen3_moe --prompts prompts.txt --max-new-tokens 4
+    """
+    import torch
+
+    from ..capture import byte_tokens, capture as cap_ctx, read_prompts, tiny_model
+    from ..store import Store
+
+    if bool(model_path) == bool(tiny):
+        raise click.UsageError("give exactly one of --model and --tiny")
+    texts = read_prompts(prompts)
+    tok = None
+    if tiny:
+        model = tiny_model(tiny, seed=seed)
+        source = f"capture:tiny-{tiny}"
+    else:
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError:
+            raise InputError(None, "capture needs transformers: pip install 'moetrace[capture]'") from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=not download)
+            tok = AutoTokenizer.from_pretrained(model_path, local_files_only=not download)
+        except (OSError, ValueError) as e:
+            raise InputError(model_path, f"cannot load model: {str(e).splitlines()[0]}") from None
+        model.eval()
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
+        source = f"capture:{model_path}"
+    vocab = model.config.vocab_size
+    with cap_ctx(model) as cap, torch.no_grad():
+        for i in range(0, len(texts), batch_size):
+            chunk = texts[i:i + batch_size]
+            if tok is not None:
+                enc = tok(chunk, return_tensors="pt", padding=True)
+                ids, mask = enc["input_ids"], enc["attention_mask"]
+            else:
+                seqs = byte_tokens(chunk, vocab)
+                n = max(len(s) for s in seqs)
+                ids = torch.tensor([[0] * (n - len(s)) + s for s in seqs])
+                mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
+            if max_new_tokens > 0:
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=model.config.pad_token_id or 0)
+            else:
+                model(input_ids=ids, attention_mask=mask)
+    st = Store(store, create=True)
+    res = cap.write(st, run_id=run_id, source=source)
+    click.echo(f"run {res.run_id} ({type(model).__name__}, {len(cap.routers)} MoE layers, {cap.step + 1} steps): "
+               + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+
+
+def register(cli):
+    cli.add_command(refrun)
+    cli.add_command(capture)
