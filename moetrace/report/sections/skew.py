@@ -50,7 +50,8 @@ def build(ctx: ReportContext) -> Section | None:
                 f"carried **{s['imbalance_mean']:.2f}×** the mean rank load on average (p50 "
                 f"{s['imbalance_p50']:.2f}×, p99 {s['imbalance_p99']:.2f}×, worst {s['imbalance_max']:.2f}×). "
                 f"Balancedness (Σ mean / Σ max over all steps and layers) is **{s['balancedness']:.3f}**: "
-                f"about {100 * (1 - s['balancedness']):.0f}% of expert-GPU time waits at the combine barrier. "
+                f"if expert time grows with tokens, about {100 * (1 - s['balancedness']):.0f}% of expert-GPU time is spent "
+                f"waiting for the busiest rank at the combine barrier. "
                 f"Worst layer: **{s['worst_layer']}** (mean {s['worst_layer_imbalance']:.2f}×).")
     else:
         head = (f"{s['layers']} layers × {s['steps']} steps. Rank imbalance is not available for this run "

@@ -1,0 +1,201 @@
+"""The report: assembler (section discovery, md/html/terminal), sections, CLI."""
+from __future__ import annotations
+
+import re
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetrace.report import build as rbuild
+from moetrace.store import Store
+from moetrace.synth import SynthConfig, synth
+
+
+@pytest.fixture(scope="module")
+def synth_store(tmp_path_factory):
+    st = Store(tmp_path_factory.mktemp("rep") / "st", create=True)
+    cfg = SynthConfig(layers=3, experts=32, top_k=4, ranks=8, ranks_per_node=4, steps=16, tokens_per_step=128,
+                      sigma=0.7, seed=5, dummy_share=0.2)
+    rid = synth(st, cfg).run_id
+    return st, rid, cfg
+
+
+def _numpy_mean_imbalance(st, rid, E, R):
+    df = st.sql("SELECT step, layer, expert, tokens FROM expert_load WHERE run_id = ?", [rid])
+    loads = {}
+    for s, l, e, t in df.iter_rows():
+        loads.setdefault((s, l), np.zeros(E))[e] += t
+    per_layer = {}
+    for (s, l), x in loads.items():
+        r = x.reshape(R, -1).sum(axis=1)
+        per_layer.setdefault(l, []).append(r.max() / r.mean())
+    return {l: float(np.mean(v)) for l, v in per_layer.items()}
+
+
+def test_report_cli_writes_self_contained_html_md_and_pngs(synth_store, runner, cli, tmp_path):
+    st, rid, cfg = synth_store
+    out = tmp_path / "rep"
+    res = runner.invoke(cli, ["report", str(st.path), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    pngs = sorted(out.glob("*.png"))
+    names = {p.name for p in pngs}
+    assert {"skew_layer_imbalance.png", "skew_worst_layer_ranks.png", "batch_plateau.png",
+            "dummy_share_per_rank.png", "experts_tokens_hist.png"} <= names
+    assert sum(n.startswith("skew_heatmap_layer") for n in names) == 2
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    html = (out / "report.html").read_text()
+    # self-contained: every image inline, nothing fetched from elsewhere
+    srcs = re.findall(r'src="([^"]*)"', html)
+    assert len(srcs) == len(pngs) and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert not re.search(r"(href|src)=\"(https?:|//|file:)", html)
+    assert "<link" not in html and "<script" not in html
+    md = (out / "report.md").read_text()
+    for ref in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
+        assert (out / ref).exists()
+    assert len(re.findall(r"!\[", md)) == len(pngs)
+    # the worst layer and its mean imbalance, computed independently
+    imb = _numpy_mean_imbalance(st, rid, cfg.experts, cfg.ranks)
+    worst = max(imb, key=imb.get)
+    assert f"Worst layer: {worst} (mean {imb[worst]:.2f}×)" in res.output
+    assert f"Worst layer: **{worst}** (mean {imb[worst]:.2f}×)" in md
+    # approximations of the run are shown first, in every output
+    assert "contiguous placement assumed" in res.output and "contiguous placement assumed" in html
+    assert "wrote" in res.output and "report.html" in res.output
+
+
+def test_dummy_and_expert_sections_report_numpy_figures(synth_store, tmp_path):
+    st, rid, cfg = synth_store
+    rep = rbuild.build_report(st, rid, tmp_path / "r")
+    steps = st.sql("SELECT is_dummy FROM steps WHERE run_id = ?", [rid])["is_dummy"].to_numpy()
+    dummy = {s.key: s for s in rep.sections}["dummy"]
+    assert f"{int(steps.sum())} of {len(steps)} (step, rank) pairs" in dummy.markdown
+    assert f"{100 * steps.mean():.1f}%" in dummy.markdown
+    assert any("No step times" in n for n in dummy.notes)
+    experts = {s.key: s for s in rep.sections}["experts"]
+    assert f"each of the {cfg.experts} experts got **{cfg.tokens_per_step * cfg.top_k / cfg.experts:.1f}**" \
+        in experts.markdown
+    E, k, B = cfg.experts, cfg.top_k, cfg.tokens_per_step
+    assert f"would touch {E * (1 - (1 - k / E) ** B):.1f}" in experts.markdown
+    assert [s.key for s in rep.sections][:4] == ["skew", "experts", "batch", "dummy"]
+
+
+def test_assembler_includes_any_section_module_and_survives_a_broken_one(synth_store, tmp_path, monkeypatch):
+    """Other areas drop modules into report/sections/: they must show up, in ORDER."""
+    from moetrace.report import sections
+
+    extra = tmp_path / "extra_sections"
+    extra.mkdir()
+    tag = uuid.uuid4().hex[:6]
+    (extra / f"zz_fake_{tag}.py").write_text(textwrap.dedent("""
+        from moetrace.report.base import Section
+        ORDER = 15
+        def build(ctx):
+            n = ctx.sql("SELECT count(*) AS n FROM steps WHERE run_id = ?", [ctx.run_id])["n"][0]
+            return Section(key="fake", title="Fake section", markdown=f"steps rows: {n} <b>&",
+                           notes=["a fake note"])
+    """))
+    (extra / f"zz_broken_{tag}.py").write_text("ORDER = 99\ndef build(ctx):\n    raise RuntimeError('boom')\n")
+    (extra / f"zz_none_{tag}.py").write_text("ORDER = 5\ndef build(ctx):\n    return None\n")
+    monkeypatch.setattr(sections, "__path__", list(sections.__path__) + [str(extra)])
+    st, rid, cfg = synth_store
+    rep = rbuild.build_report(st, rid, tmp_path / "r")
+    keys = [s.key for s in rep.sections]
+    assert keys.index("skew") < keys.index("fake") < keys.index("experts")   # ORDER 10 < 15 < 20
+    assert keys[-1] == f"zz_broken_{tag}" and "boom" in rep.sections[-1].markdown
+    html = rep.html_path.read_text()
+    assert f"steps rows: {cfg.steps * cfg.ranks} &lt;b&gt;&amp;" in html     # escaped, not injected
+    assert "a fake note" in html and "a fake note" in rep.terminal()
+    assert "section failed" in rep.terminal()
+
+
+def test_unknown_ranks_and_zero_steps_are_visible_in_report(tmp_path):
+    st = Store(tmp_path / "st", create=True)
+    rows = {"step": [], "layer": [], "expert": [], "tokens": [], "slot": [], "src_rank": []}
+    for s in range(3):
+        for e in range(8):
+            rows["step"].append(s)
+            rows["layer"].append(0)
+            rows["expert"].append(e)
+            rows["tokens"].append(0 if s == 2 else e + 1)
+            rows["slot"].append(None)
+            rows["src_rank"].append(None)
+    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "x1",
+                  "num_experts": 8, "top_k": 2}, {"expert_load": rows}, run_id="noranks")
+    rep = rbuild.build_report(st, None, tmp_path / "r")
+    text = rep.terminal()
+    assert "number of ranks is unknown" in text and "--ranks" in text
+    assert "routed no tokens" in text
+    assert "nan" not in text.lower().replace("nanoseconds", "")
+    assert {s.key for s in rep.sections} >= {"skew", "experts"}
+    assert "dummy" not in {s.key for s in rep.sections}   # no steps table: nothing to say
+
+
+def test_report_needs_run_when_store_has_several(synth_store, runner, cli, tmp_path):
+    st = Store(tmp_path / "st", create=True)
+    for seed in (1, 2):
+        synth(st, SynthConfig(layers=1, experts=8, top_k=2, ranks=2, ranks_per_node=2, steps=2,
+                              tokens_per_step=16, seed=seed))
+    res = runner.invoke(cli, ["report", str(st.path), "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0 and "--run" in res.output
+    res = runner.invoke(cli, ["report", str(st.path), "--run", "synth-s2", "--out", str(tmp_path / "o"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "run `synth-s2`" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_skew_command_tables(synth_store, runner, cli):
+    st, rid, cfg = synth_store
+    imb = _numpy_mean_imbalance(st, rid, cfg.experts, cfg.ranks)
+    res = runner.invoke(cli, ["skew", str(st.path), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    rows = json.loads(res.output)
+    assert len(rows) == cfg.layers
+    assert [r["layer"] for r in rows] == sorted(imb, key=imb.get, reverse=True)   # most skewed first
+    for r in rows:
+        assert r["imbalance_mean"] == pytest.approx(imb[r["layer"]])
+    res = runner.invoke(cli, ["skew", str(st.path), "--by", "step", "--format", "csv"])
+    assert res.exit_code == 0 and len(res.output.strip().splitlines()) == 1 + cfg.layers * cfg.steps
+
+
+def test_md_to_html_subset():
+    h = rbuild.md_to_html("# T\n\nsome `code<x>` and **bold** run_id_x _it_\n\n| a | b |\n|---|---|\n| 1 | <2> |\n\n"
+                          "- one\n- two\n")
+    assert "<h2>T</h2>" in h and "<code>code&lt;x&gt;</code>" in h and "<strong>bold</strong>" in h
+    assert "run_id_x" in h and "<em>it</em>" in h
+    assert "<table><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>1</td><td>&lt;2&gt;</td>" in h
+    assert "<ul><li>one</li><li>two</li></ul>" in h
+
+
+def test_every_analysis_command_has_an_example(cli):
+    for name in ("report", "skew"):
+        assert "Example:" in cli.commands[name].help
+
+
+@pytest.mark.parametrize("png", ["skew_layer_imbalance.png", "batch_plateau.png"])
+def test_plots_have_labelled_axes(png, synth_store, tmp_path, monkeypatch):
+    """The figures carry axis labels with units (checked on the matplotlib objects)."""
+    import matplotlib.pyplot as plt
+
+    from moetrace.report import plots
+
+    seen = []
+    orig = plots.save
+
+    def spy(fig, path):
+        ax = fig.axes[0]
+        seen.append((Path(path).name, ax.get_xlabel(), ax.get_ylabel(), ax.get_title()))
+        return orig(fig, path)
+
+    monkeypatch.setattr(plots, "save", spy)
+    st, rid, _ = synth_store
+    rbuild.build_report(st, rid, tmp_path / "r")
+    labels = {n: (x, y, t) for n, x, y, t in seen}
+    x, y, t = labels[png]
+    assert x and y and t and "×" in y
+    assert all(x and y and t for x, y, t in labels.values())
+    plt.close("all")
