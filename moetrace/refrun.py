@@ -146,11 +146,16 @@ def replica_tables(phy2log: np.ndarray, experts: int) -> tuple[np.ndarray, np.nd
     return l2p, cnt
 
 
+HASH_MUL = 2654435761  # Knuth's multiplicative hash: replica = (token * HASH_MUL mod 2^32) mod copies
+
+
 def choose_slots(experts_chosen: np.ndarray, token_ids: np.ndarray, l2p_layer: np.ndarray,
                  cnt_layer: np.ndarray) -> np.ndarray:
-    """Replica choice of the reference run: copy ``token_id % copies`` of each chosen expert."""
+    """Replica choice of the reference run (a per-token hash, as vLLM does): copy
+    ``(token_id * 2654435761 mod 2^32) mod copies`` of each chosen expert, copies in slot order."""
     copies = cnt_layer[experts_chosen]
-    which = token_ids[:, None] % copies
+    h = (token_ids.astype(np.uint64) * np.uint64(HASH_MUL)) % np.uint64(1 << 32)
+    which = (h[:, None] % copies.astype(np.uint64)).astype(np.int64)
     return l2p_layer[experts_chosen, which]
 
 
@@ -334,7 +339,7 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
     manifest = {
         "moetrace_refrun": 1, "config": cfg_dict, "phy2log": phy2log.tolist(),
         "num_slots": int(phy2log.shape[1]), "slots_per_rank": int(phy2log.shape[1] // cfg.ranks),
-        "replica_choice": "token_id % copies (slot order)", "router_prior": router_prior(cfg).tolist(),
+        "replica_choice": "(token_id * 2654435761 mod 2^32) mod copies, copies in slot order", "router_prior": router_prior(cfg).tolist(),
         "torch": torch.__version__, "wall_s": round(time.time() - t0, 3),
         "files": sorted(p.name for p in out.iterdir()),
     }
