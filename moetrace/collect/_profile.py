@@ -116,8 +116,9 @@ def _host_events(ev: RankEvents) -> pl.DataFrame:
     ops = ops.sort(["pid", "tid", "start_ns", pl.col("end_ns")], descending=[False, False, False, True])
     ops = ops.with_columns(pl.col("end_ns").cum_max().shift(1).over(["pid", "tid"]).alias("_prev_end"))
     top = ops.filter(pl.col("_prev_end").is_null() | (pl.col("start_ns") >= pl.col("_prev_end")))
-    top = top.filter(~pl.col("name").str.contains(r"(?i)^(?:c10d::|record_param_comms|ProfilerStep)"))
-    coll = cpu.filter(pl.col("name").str.contains(COLL_OP_RE.pattern))
+    top = top.filter(~pl.col("name").str.contains(r"(?i)^(?:record_param_comms|ProfilerStep)")
+                     & ~pl.col("name").str.contains("(?i)" + COLL_OP_RE.pattern))
+    coll = cpu.filter(pl.col("name").str.contains("(?i)" + COLL_OP_RE.pattern))
     # innermost backend op of each collective call: prefer gloo:/nccl:/mpi: over c10d::
     backend = coll.filter(~pl.col("name").str.to_lowercase().str.starts_with("c10d"))
     coll = backend if backend.height else coll

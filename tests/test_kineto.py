@@ -1,0 +1,325 @@
+"""Kineto (PyTorch profiler) collector: timestamps to exact ns, steps/layers/collectives
+from CPU ranges, ranks of a folder, bad input, and the real traces in ../shared/data."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from moetrace.collect import collect
+from moetrace.collect.kineto import rank_from_name, ts_to_ns
+from moetrace.store import Store
+
+from .conftest import shared_data, tree_hash
+
+BASE = 1767189312000000000
+
+
+# ---------------------------------------------------------------- crafted traces
+def ev_x(cat, name, ts, dur, pid=100, tid=1, **args) -> str:
+    """One complete event as JSON text; ``ts``/``dur`` are written verbatim (decimal text)."""
+    a = json.dumps(args) if args else "{}"
+    return (f'{{"ph": "X", "cat": "{cat}", "name": {json.dumps(name)}, "pid": {json.dumps(pid)}, '
+            f'"tid": {json.dumps(tid)}, "ts": {ts}, "dur": {dur}, "args": {a}}}')
+
+
+def kernel(name, ts, dur, corr, stream=7, device=0, **extra) -> str:
+    return ev_x("kernel", name, ts, dur, pid=device, tid=stream, device=device, stream=stream, correlation=corr,
+                **extra)
+
+
+def launch(ts, corr, pid=100, tid=1) -> str:
+    return ev_x("cuda_runtime", "cudaLaunchKernel", ts, 1, pid=pid, tid=tid, correlation=corr)
+
+
+def write_trace(path: Path, events: list[str], rank: int | None = None, base: int | None = None,
+                world: int | None = None, gz: bool = False) -> Path:
+    head = ['"schemaVersion": 1']
+    if rank is not None:
+        head.append(f'"distributedInfo": {{"backend": "nccl", "rank": {rank}, "world_size": {world or 2}}}')
+    if base is not None:
+        head.append(f'"baseTimeNanoseconds": {base}')
+    text = "{" + ", ".join(head) + ', "traceEvents": [\n' + ",\n".join(events) + "\n]}"
+    if gz:
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+SENDRECV = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
+
+
+def annotated_events() -> list[str]:
+    """Step 3: annotated dispatch/combine of layer 5 + an all-reduce; step 4: two plain a2a."""
+    return [
+        ev_x("user_annotation", "ProfilerStep#3", 1000, 1000),
+        ev_x("user_annotation", "moe dispatch layer 5", 1010, 100),
+        ev_x("cpu_op", "c10d::alltoall_base_", 1020, 50),
+        ev_x("cpu_op", "nccl:all_to_all", 1030, 30),
+        launch(1040, 1),
+        ev_x("user_annotation", "experts layer 5", 1120, 50),
+        launch(1130, 2),
+        ev_x("user_annotation", "combine layer 5", 1200, 100),
+        ev_x("cpu_op", "nccl:all_to_all", 1210, 30),
+        launch(1220, 3),
+        ev_x("cpu_op", "nccl:all_reduce", 1400, 30),
+        launch(1410, 4),
+        kernel(SENDRECV, 1100, 50, 1, stream=20),
+        kernel(GEMM, 1160, 100, 2, stream=7),
+        kernel(SENDRECV, 1300, 40, 3, stream=20),
+        kernel(SENDRECV, 1500, 70, 4, stream=20),
+        ev_x("user_annotation", "ProfilerStep#4", 2000, 1000),
+        ev_x("cpu_op", "nccl:all_to_all", 2010, 30),
+        launch(2020, 5),
+        ev_x("cpu_op", "nccl:all_to_all", 2110, 30),
+        launch(2120, 6),
+        kernel(SENDRECV, 2100, 50, 5, stream=20),
+        kernel(SENDRECV, 2200, 60, 6, stream=20),
+    ]
+
+
+def spans_of(run) -> list[dict]:
+    t = run.tables["spans"]
+    names = dict(zip(run.tables["kernel_names"].column("name_id").to_pylist(),
+                     run.tables["kernel_names"].column("name").to_pylist()))
+    rows = t.to_pylist()
+    for r in rows:
+        r["name"] = names[r["name_id"]]
+    return sorted(rows, key=lambda r: (r["rank"], r["start_ns"]))
+
+
+# ---------------------------------------------------------------- timestamps
+def test_fractional_relative_ts_is_exact_where_float64_is_not():
+    text = b"9714995100553.779"
+    exact = 9714995100553779
+    assert round(float(text) * 1000) != exact  # the test value defeats float64 µs * 1000
+    assert ts_to_ns([text], BASE, Path("x"), 0) == [BASE + exact]
+
+
+@pytest.mark.parametrize("text,ns", [
+    (b"1740461679471346", 1740461679471346000),   # integer absolute µs
+    (b"12.5", 12500), (b"12.0004", 12000), (b"12.0005", 12001), (b"-3.25", -3250),
+    (b"1.5e3", 1500000), (b"7", 7000),
+])
+def test_ts_text_to_ns(text, ns):
+    assert ts_to_ns([text], 0, Path("x"), 0) == [ns]
+
+
+def test_relative_convention_end_to_end(tmp_path):
+    f = write_trace(tmp_path / "t.json", [kernel(GEMM, "9714995100553.779", "1.5", 1)], base=BASE)
+    (run,) = collect([f])
+    (s,) = spans_of(run)
+    assert s["start_ns"] == BASE + 9714995100553779
+    assert s["end_ns"] == BASE + 9714995100553779 + 1500
+    assert run.run["time_base"] == "epoch"
+
+
+def test_integer_absolute_convention(tmp_path):
+    f = write_trace(tmp_path / "t.json.gz", [kernel(GEMM, 1740461679471346, 52, 1)], gz=True)
+    (run,) = collect([f])
+    (s,) = spans_of(run)
+    assert (s["start_ns"], s["end_ns"]) == (1740461679471346000, 1740461679471398000)
+    assert run.run["time_base"] == "epoch"
+
+
+# ---------------------------------------------------------------- labels from CPU ranges
+def test_steps_layers_collectives_from_annotations(tmp_path):
+    f = write_trace(tmp_path / "t.json", annotated_events(), rank=3, world=8)
+    (run,) = collect([f])
+    s = spans_of(run)
+    got = [(r["kind"], r["step"], r["layer"], r["collective"], r["inferred"], r["stream"]) for r in s]
+    assert got == [
+        ("dispatch", 3, 5, "all_to_all", False, 20),
+        ("expert_gemm", 3, 5, None, False, 7),
+        ("combine", 3, 5, "all_to_all", False, 20),
+        ("comm_other", 3, None, "all_reduce", False, 20),
+        ("dispatch", 4, 0, "all_to_all", True, 20),     # no annotation: order gives dispatch, combine
+        ("combine", 4, 0, "all_to_all", True, 20),
+    ]
+    assert {r["rank"] for r in s} == {3}
+    steps = sorted(run.tables["steps"].to_pylist(), key=lambda r: r["step"])
+    assert [(r["step"], r["rank"], r["start_ns"]) for r in steps] == [(3, 3, 1_000_000), (4, 3, 2_000_000)]
+    # step end: the later of the CPU range and the last GPU span launched in it
+    assert steps[0]["end_ns"] == 2_000_000 and steps[1]["end_ns"] == 3_000_000
+    approx = json.loads(run.run["approximations"])
+    assert any("inferred from the order" in a for a in approx)
+
+
+def test_dualpipe_suffix_gives_micro_batch(tmp_path):
+    ev = [ev_x("user_annotation", "ProfilerStep#1", 0, 10000),
+          ev_x("user_annotation", "dispatch(F)", 10, 50), launch(20, 1),
+          ev_x("user_annotation", "combine(B)", 100, 50), launch(110, 2),
+          kernel("void deep_ep::internode::dispatch<false, 8>(int4*)", 200, 100, 1, stream=27),
+          kernel("void deep_ep::internode::dispatch<true, 8>(int4*)", 400, 100, 2, stream=27)]
+    (run,) = collect([write_trace(tmp_path / "t.json", ev, rank=0, world=1)])
+    s = spans_of(run)
+    assert [(r["kind"], r["micro_batch"], r["layer"]) for r in s] == [("dispatch", 0, 0), ("dispatch", 1, 0)]
+
+
+def test_rank_from_file_names():
+    assert rank_from_name("job-rank-3.json.gz") == 3
+    assert rank_from_name("rank12_trace.json.gz") == 12
+    assert rank_from_name("x-TP-1-DP-0-PP-0-EP-5.trace.json.gz") == 5
+    assert rank_from_name("worker-TP-2.trace.json.gz") == 2
+    assert rank_from_name("host_123.1700000000.pt.trace.json") is None
+
+
+def test_folder_of_ranks_is_one_run(tmp_path):
+    d = tmp_path / "job"
+    d.mkdir()
+    for r in (0, 1):
+        write_trace(d / f"job-rank-{r}.json", [kernel(GEMM, 1000 + r, 10, 1)])
+    (run,) = collect([d])
+    assert run.run["num_ranks"] == 2
+    assert sorted({r["rank"] for r in spans_of(run)}) == [0, 1]
+    assert any("file name" in a for a in json.loads(run.run["approximations"]))
+
+
+def test_unrelated_single_rank_files_are_separate_runs(tmp_path):
+    for n in ("a", "b"):
+        write_trace(tmp_path / f"{n}.json", [kernel(GEMM, 1000, 10, 1)], rank=0, world=1)
+    runs = collect([tmp_path / "a.json", tmp_path / "b.json"])
+    assert len(runs) == 2
+
+
+def test_cpu_only_gloo_trace_makes_host_spans(tmp_path):
+    ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000),
+          ev_x("user_annotation", "dispatch layer 2", 10, 100),
+          ev_x("cpu_op", "c10d::alltoall_base_", 20, 80),
+          ev_x("cpu_op", "record_param_comms", 25, 70),
+          ev_x("cpu_op", "gloo:all_to_all", 30, 60),
+          ev_x("user_annotation", "experts layer 2", 200, 100),
+          ev_x("cpu_op", "aten::mm", 210, 50),
+          ev_x("cpu_op", "aten::empty", 215, 5),   # nested: not a top-level op
+          ev_x("user_annotation", "combine layer 2", 300, 100),
+          ev_x("cpu_op", "gloo:all_to_all", 310, 40)]
+    (run,) = collect([write_trace(tmp_path / "rank0_trace.json", ev, rank=0, world=2)])
+    s = spans_of(run)
+    got = [(r["kind"], r["device"], r["layer"], r["name"], r["start_ns"], r["end_ns"]) for r in s]
+    assert got == [("dispatch", -1, 2, "gloo:all_to_all", 30_000, 90_000),
+                   ("compute_other", -1, 2, "aten::mm", 210_000, 260_000),
+                   ("combine", -1, 2, "gloo:all_to_all", 310_000, 350_000)]
+    assert any("host" in a for a in json.loads(run.run["approximations"]))
+
+
+# ---------------------------------------------------------------- bad input
+def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    good = write_trace(tmp_path / "good.json", [kernel(GEMM, 1000, 10, 1)]).read_bytes()
+    out = {}
+    p = tmp_path / "trunc.json.gz"
+    p.write_bytes(gzip.compress(good)[:-20])
+    out["truncated gzip"] = (p, "gzip")
+    p = tmp_path / "trunc.json"
+    p.write_bytes(good[: len(good) // 2])
+    out["truncated json"] = (p, "JSON")
+    p = tmp_path / "notrace.json"
+    p.write_text('{"schemaVersion": 1, "deviceProperties": []}')
+    out["no traceEvents"] = (p, "traceEvents")
+    out["negative dur"] = (write_trace(tmp_path / "neg.json", [kernel(GEMM, 1000, 10, 1), kernel(GEMM, 1000, -5, 2)]),
+                           "event 1")
+    out["absurd dur"] = (write_trace(tmp_path / "long.json", [kernel(GEMM, 1000, 4e9, 1)]), "event 0")
+    p = tmp_path / "badts.json"
+    p.write_text('{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": "soon", '
+                 '"dur": 1}]}')
+    out["bad ts"] = (p, "event 0")
+    return out
+
+
+def test_bad_input_exit_2_store_unchanged(tmp_path, runner, cli):
+    st = tmp_path / "st"
+    ok = write_trace(tmp_path / "ok.json", [kernel(GEMM, 1000, 10, 1)])
+    assert runner.invoke(cli, ["ingest", str(ok), "--store", str(st)]).exit_code == 0
+    before = tree_hash(st)
+    for what, (path, needle) in _bad_files(tmp_path).items():
+        res = runner.invoke(cli, ["ingest", str(path), "--store", str(st), "--format", "kineto"])
+        assert res.exit_code == 2, (what, res.output)
+        assert path.name in res.output and needle in res.output, (what, res.output)
+        assert tree_hash(st) == before, what
+
+
+# ---------------------------------------------------------------- real traces
+def _raw_events(path: Path) -> dict:
+    return json.loads(gzip.open(path).read())
+
+
+def _expected_collectives(doc: dict) -> dict[int, str]:
+    """Independent: correlation -> innermost 'nccl:' CPU op around the kernel's launch."""
+    ev = doc["traceEvents"]
+    ops = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+           and e["name"].startswith("nccl:")]
+    out = {}
+    for r in ev:
+        if r.get("cat") != "cuda_runtime" or "correlation" not in r.get("args", {}):
+            continue
+        inner = [o for o in ops if o["tid"] == r["tid"] and o["ts"] <= r["ts"] <= o["ts"] + o["dur"]]
+        if inner:
+            out[r["args"]["correlation"]] = max(inner, key=lambda o: o["ts"])["name"]
+    return out
+
+
+def test_nccl_two_ranks_tell_all_to_all_from_all_reduce_and_all_gather():
+    d = shared_data("nccl_a2a_2rank")
+    (run,) = collect([d])
+    spans = spans_of(run)
+    assert sorted({s["rank"] for s in spans}) == [0, 1]
+    for rank in (0, 1):
+        doc = _raw_events(d / f"rank-{rank}.json.gz")
+        assert doc["distributedInfo"]["rank"] == rank
+        coll = _expected_collectives(doc)
+        want = {}
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "kernel" and e["name"].startswith("ncclKernel_SendRecv"):
+                op = coll.get(e["args"]["correlation"], "")
+                key = "a2a" if op in ("nccl:all_to_all", "nccl:all_to_allv") else "other"
+                n, t = want.get(key, (0, 0))
+                want[key] = (n + 1, t + round(e["dur"] * 1000))
+        got = {}
+        for s in spans:
+            if s["rank"] == rank and s["name"].startswith("ncclKernel_SendRecv"):
+                key = "a2a" if s["kind"] in ("dispatch", "combine") else "other"
+                assert key == "a2a" or s["kind"] == "comm_other"
+                n, t = got.get(key, (0, 0))
+                got[key] = (n + 1, t + s["end_ns"] - s["start_ns"])
+        assert got == want
+        assert want["a2a"][0] == 4 and want["other"][0] == 6
+
+
+@pytest.mark.parametrize("fname", ["vllm_moe_piecewise_prefill_decode.json.gz", "sglang_dense_decode.json.gz"])
+def test_traces_without_all_to_all(fname, tmp_path, runner, cli):
+    p = shared_data(fname)
+    doc = _raw_events(p)
+    n_dev = sum(1 for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                                        "gpu_memset"))
+    st = tmp_path / "st"
+    res = runner.invoke(cli, ["ingest", str(p), "--store", str(st)])
+    assert res.exit_code == 0, res.output
+    store = Store(st)
+    assert store.sql("SELECT count(*) AS n FROM spans")["n"][0] == n_dev
+    assert store.sql("SELECT has_a2a FROM a2a_presence")["has_a2a"][0] is False
+    assert store.sql("SELECT count(*) AS n FROM a2a_exposure")["n"][0] == 0
+    res = runner.invoke(cli, ["exposure", str(st)])
+    assert res.exit_code == 0 and "no all-to-all found" in res.output
+    assert "nan" not in res.output.lower()
+
+
+def test_deepseek_trace_spans_and_step():
+    p = shared_data("deepseek_ep64_train_rank0.json.gz")
+    doc = _raw_events(p)
+    dev = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                                   "gpu_memset")]
+    (run,) = collect([p])
+    spans = spans_of(run)
+    assert len(spans) == len(dev)
+    assert sum(s["end_ns"] - s["start_ns"] for s in spans) == sum(e["dur"] for e in dev) * 1000
+    kinds = {}
+    for s in spans:
+        kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+    want_disp = sum(1 for e in dev if "dpsk::ep::internode::dispatch" in e["name"])
+    want_comb = sum(1 for e in dev if "dpsk::ep::internode::combine" in e["name"])
+    assert (kinds["dispatch"], kinds["combine"]) == (want_disp, want_comb) == (8, 8)
+    assert [r["step"] for r in run.tables["steps"].to_pylist()] == [1]
+    assert run.run["time_base"] == "epoch"
