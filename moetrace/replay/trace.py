@@ -39,7 +39,7 @@ def chrome_trace(path, steps, layers, tokens, touched, dispatch_ns, compute_ns, 
                                "dur": dur / 1e3, "args": args})
                     t += dur
                 wait = t0 + float(layer_ns[ti, li]) - t
-                if wait > 0:
+                if wait > 0.5:   # ns; float rounding leaves the straggler a few attoseconds
                     ev.append({"ph": "X", "name": "wait (barrier)", "cat": "idle", "pid": pid, "tid": r,
                                "ts": t / 1e3, "dur": wait / 1e3, "args": {"layer": int(layers[li]), "straggler_rank": strag}})
             t0 += float(layer_ns[ti, li])
