@@ -119,7 +119,7 @@ class Store:
     def _init(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            tmp = self.path / f".{STORE_MARKER}.tmp"
+            tmp = self.path / f".{STORE_MARKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # unique: racing creators
             tmp.write_text(json.dumps({"moetrace_store_format": STORE_FORMAT, "created_by": __version__}) + "\n")
             os.replace(tmp, self.path / STORE_MARKER)
         except OSError as e:
@@ -144,6 +144,28 @@ class Store:
             raise StoreError(f"{self.path}: store is read-only; nothing was written")
 
     # ------------------------------------------------------------------ recovery
+    def _recover_if_abandoned(self) -> None:
+        """On open: a journal whose writer no longer holds the lock was left by a crash;
+        finish or roll it back now so readers never see part of a run. A journal of a
+        live writer (lock held) is left alone; a store we cannot write is left as is."""
+        if not os.access(self.path, os.W_OK):
+            return
+        try:
+            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            try:
+                self.recover()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     def recover(self) -> list[str]:
         """Finish or roll back transactions a crash left behind. Returns what was done."""
         done = []
@@ -161,9 +183,15 @@ class Store:
                     for rel in doc.get("files", []):
                         with contextlib.suppress(FileNotFoundError):
                             (self.path / rel).unlink()
+                        for parent in ((self.path / rel).parent, (self.path / rel).parent.parent):
+                            with contextlib.suppress(OSError):
+                                parent.rmdir()  # only when empty: partition, then table folder
                     done.append(f"rolled back {j.stem}")
                 j.unlink()
                 shutil.rmtree(self.path / ".staging" / j.stem, ignore_errors=True)
+            for t in txn_dir.glob("*.json.tmp"):  # a journal that was never renamed into place
+                t.unlink()
+                done.append(f"dropped unfinished journal {t.name.split('.')[0]}")
         staging = self.path / ".staging"
         if staging.is_dir():
             for d in staging.iterdir():
@@ -207,6 +235,8 @@ class Store:
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory DuckDB connection with every view defined."""
+        if (self.path / ".txn").is_dir():
+            self._recover_if_abandoned()  # never show readers part of a crashed write
         con = duckdb.connect(":memory:")
         if threads:
             con.execute(f"SET threads={int(threads)}")
@@ -309,11 +339,12 @@ class Store:
             yield from data
 
     def write_run(self, run: dict, tables: dict[str, object], *, run_id: str | None = None,
-                  dedupe: bool = True) -> WriteResult:
+                  dedupe: bool = True, run_id_hint: str | None = None) -> WriteResult:
         """Write a new run: its ``runs`` row and its tables, as one transaction.
 
         ``run`` holds the ``runs`` columns (run_id, ingested_at_ns and collector_version are
-        filled in when absent). Tables may be Arrow tables, polars frames, dicts of columns or
+        filled in when absent). ``run_id`` is taken as is (an existing one is an error);
+        ``run_id_hint`` is made unique while the write lock is held. Tables may be Arrow tables, polars frames, dicts of columns or
         iterables of those (streamed chunk by chunk). Returns the run id, or the id of the
         run already holding the same ``source_sha256`` (``skipped=True``).
         """
@@ -330,7 +361,8 @@ class Store:
                 existing = self.find_by_sha(sha)
                 if existing is not None:
                     return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
-            rid = run_id or run.get("run_id") or self.unique_run_id(run.get("source", "run"))
+            # a hint becomes a free id under the lock (two writers with one hint get hint, hint-2)
+            rid = run_id or run.get("run_id") or self.unique_run_id(run_id_hint or run.get("source", "run"))
             rid = sanitize_run_id(rid)
             if rid in self.run_ids():
                 raise StoreError(f"{self.path}: run {rid!r} already exists; pick another --run-id")

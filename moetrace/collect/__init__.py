@@ -135,5 +135,5 @@ def ingest(store, paths: Sequence[str | Path], format: str | None = None, option
     for rd in runs:
         hint = run_id or rd.run.get("run_id") or rd.run_id_hint
         rd.run.pop("run_id", None)
-        results.append(store.write_run(rd.run, rd.tables, run_id=store.unique_run_id(hint) if not run_id else run_id))
+        results.append(store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint))
     return results

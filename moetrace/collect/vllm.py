@@ -76,7 +76,7 @@ def _counts(arr, path: Path, what: str, ndim: int) -> np.ndarray:
         raise InputError(path, f"{what} has dtype {a.dtype}, expected integer counts")
     a = a.astype(np.int64)
     if a.size and a.min() < 0:
-        raise InputError(path, f"{what} holds a negative count", f"index {list(np.argwhere(a < 0)[0])}")
+        raise InputError(path, f"{what} holds a negative count", f"index {[int(i) for i in np.argwhere(a < 0)[0]]}")
     return a
 
 

@@ -95,7 +95,7 @@ def ingest(files, store_path, fmt, run_id, extra, **opts):
         raise click.UsageError(f"--run-id given but the inputs make {len(runs)} runs")
     for rd in runs:
         hint = run_id or rd.run.pop("run_id", None) or rd.run_id_hint
-        res = store.write_run(rd.run, rd.tables, run_id=run_id or store.unique_run_id(hint))
+        res = store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint)
         if res.skipped:
             click.echo(f"{', '.join(rd.files)}: {res.message}; nothing written")
         else:

@@ -1,0 +1,243 @@
+"""Store atomicity under real crashes and real concurrency (separate processes).
+
+- A writer process is SIGKILLed at every rename of a transaction (and while it is still
+  streaming chunks into staging): afterwards the store holds either exactly what it held
+  before (byte for byte) or the whole new run, never part of one, for readers opening it
+  and after ``recover()``.
+- Two processes ingesting into one store at the same moment: both land, or one fails
+  cleanly (exit 2, nothing half-written); so do processes creating the same new store.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from moetrace.store import Store
+
+from .conftest import REPO, tree_hash
+
+N_CHUNKS = 4
+CHUNK_ROWS = 250
+
+
+def _chunk(i: int) -> pa.Table:
+    n = CHUNK_ROWS
+    return pa.table({"step": [i] * n, "layer": [r % 5 for r in range(n)], "expert": [r // 5 for r in range(n)],
+                     "slot": pa.nulls(n, pa.int32()), "src_rank": pa.nulls(n, pa.int32()),
+                     "tokens": [i * 1000 + r for r in range(n)]})
+
+
+def _run(sha: str) -> dict:
+    return {"source": "unit", "source_sha256": sha, "collector": "test", "time_base": "none", "num_layers": 5,
+            "num_experts": 50, "top_k": 2}
+
+
+# a writer: kills itself with SIGKILL at the N-th os.replace, or after chunk K of expert_load
+WRITER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    import pyarrow as pa
+    from moetrace.store import Store
+    from tests.test_store_atomic import _chunk, _run, N_CHUNKS
+    kill_at_replace, kill_after_chunk = int(sys.argv[2]), int(sys.argv[3])
+    real = os.replace
+    n = [0]
+    def replace(a, b):
+        n[0] += 1
+        if n[0] == kill_at_replace:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(a, b)
+    os.replace = replace
+    def chunks():
+        for i in range(N_CHUNKS):
+            if i == kill_after_chunk:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield _chunk(i)
+    st = Store(sys.argv[1])
+    placement = pa.table({{"plan_id": ["recorded"] * 2, "layer": [0, 0], "slot": [0, 1], "rank": [0, 1],
+                          "node": [0, 0], "expert": [0, 1]}})
+    st.write_run(_run("new"), {{"expert_load": chunks(), "placement": placement}}, run_id="new")
+    print("REPLACES", n[0])
+""")
+
+
+def _writer(store: Path, kill_at_replace: int, kill_after_chunk: int) -> subprocess.CompletedProcess:
+    code = WRITER.format(repo=str(REPO))
+    return subprocess.run([sys.executable, "-c", code, str(store), str(kill_at_replace), str(kill_after_chunk)],
+                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
+
+
+def _seeded(path: Path) -> Path:
+    st = Store(path, create=True)
+    st.write_run(_run("old"), {"expert_load": [_chunk(0)]}, run_id="old")
+    st.write_catalog()  # so a write also replaces catalog.duckdb: one more crash point
+    return path
+
+
+def _new_run_is_whole(store: Path) -> bool:
+    st = Store(store)
+    got = st.sql("SELECT count(*) AS n, sum(tokens) AS t FROM expert_load WHERE run_id = 'new'")
+    want_t = sum(i * 1000 * CHUNK_ROWS + CHUNK_ROWS * (CHUNK_ROWS - 1) // 2 for i in range(N_CHUNKS))
+    pl_rows = st.sql("SELECT count(*) AS n FROM placement WHERE run_id = 'new'")["n"][0]
+    return (got["n"][0], got["t"][0], pl_rows) == (N_CHUNKS * CHUNK_ROWS, want_t, 2)
+
+
+def _visible_new_rows(store: Path) -> int:
+    return Store(store).sql("SELECT count(*) AS n FROM expert_load WHERE run_id = 'new'")["n"][0]
+
+
+def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path):
+    # how many renames a full write does: run it once without a kill
+    ref = _seeded(tmp_path / "ref")
+    res = _writer(ref, 0, -1)
+    assert res.returncode == 0, res.stderr
+    n_replaces = int(res.stdout.split("REPLACES")[1])
+    assert n_replaces >= 4  # journal, placement, expert_load, runs (+ catalog)
+    outcomes = []
+    for k in range(1, n_replaces + 1):
+        store = _seeded(tmp_path / f"s{k}")
+        before = tree_hash(store)
+        res = _writer(store, k, -1)
+        assert res.returncode == -signal.SIGKILL, (k, res.returncode, res.stderr)
+        # a reader opening the store right after the crash sees all of the run or none of it
+        visible = _visible_new_rows(store)
+        assert visible in (0, N_CHUNKS * CHUNK_ROWS), (k, visible)
+        done = Store(store).recover()
+        assert not (store / ".txn").exists() and not (store / ".staging").exists()
+        if tree_hash(store) == before:
+            outcomes.append("rolled back")
+            assert Store(store).run_ids() == ["old"]
+        else:
+            outcomes.append("whole")
+            assert Store(store).run_ids() == ["new", "old"], (k, done)
+            assert _new_run_is_whole(store), k
+        # the store still takes writes afterwards
+        Store(store).write_run(_run(f"after{k}"), {"expert_load": _chunk(9)}, run_id="after")
+        assert Store(store).sql("SELECT count(*) AS n FROM expert_load WHERE run_id = 'after'")["n"][0] == CHUNK_ROWS
+    # the kill before the runs row is renamed rolls back; a kill after it keeps the run
+    assert outcomes[0] == "rolled back" and "whole" in outcomes, outcomes
+
+
+@pytest.mark.parametrize("kill_after_chunk", [0, 2])
+def test_sigkill_while_streaming_chunks_leaves_store_unchanged(tmp_path, kill_after_chunk):
+    store = _seeded(tmp_path / "st")
+    before = tree_hash(store)
+    res = _writer(store, 0, kill_after_chunk)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    assert _visible_new_rows(store) == 0
+    Store(store).recover()
+    assert tree_hash(store) == before
+
+
+# ----------------------------------------------------------------------------- concurrency
+INGESTER = textwrap.dedent("""
+    import os, sys, time
+    from moetrace.cli import main  # import everything first, then wait for the start signal
+    go = sys.argv[1]
+    while not os.path.exists(go):
+        time.sleep(0.002)
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
+def _race(tmp_path: Path, argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    go = tmp_path / f"go-{time.monotonic_ns()}"
+    procs = [subprocess.Popen([sys.executable, "-c", INGESTER, str(go), *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for argv in argvs]
+    time.sleep(2.5)  # let every process finish importing
+    go.write_text("go")
+    out = []
+    for p in procs:
+        so, se = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    return out
+
+
+def _csv(path: Path, scale: int, steps: int = 30) -> tuple[Path, int]:
+    lines = ["step,layer,expert,tokens"]
+    total = 0
+    for s in range(steps):
+        for l in range(3):
+            for e in range(16):
+                v = scale * (s + 1) + l * e
+                total += v
+                lines.append(f"{s},{l},{e},{v}")
+    path.write_text("\n".join(lines) + "\n")
+    return path, total
+
+
+def _assert_clean(store: Path) -> None:
+    assert not (store / ".txn").exists() and not (store / ".staging").exists()
+    runs = Store(store).run_ids()
+    for t in ("expert_load", "runs"):
+        parts = sorted(p.name.split("=", 1)[1] for p in (store / t).glob("run_id=*"))
+        assert parts == runs, (t, parts, runs)  # no partition without its runs row and vice versa
+
+
+def test_two_processes_ingesting_different_files_both_land(tmp_path):
+    a, ta = _csv(tmp_path / "a.csv", 7)
+    b, tb = _csv(tmp_path / "b.csv", 11)
+    store = tmp_path / "store"
+    res = _race(tmp_path, [["ingest", str(a), "--store", str(store)], ["ingest", str(b), "--store", str(store)]])
+    assert [r.returncode for r in res] == [0, 0], [r.stderr for r in res]
+    got = Store(store).sql("SELECT run_id, sum(tokens) AS t FROM expert_load GROUP BY run_id ORDER BY run_id")
+    assert got.rows() == [("a", ta), ("b", tb)]
+    _assert_clean(store)
+
+
+def test_same_file_twice_at_once_lands_once(tmp_path):
+    a, ta = _csv(tmp_path / "a.csv", 5)
+    store = tmp_path / "store"
+    res = _race(tmp_path, [["ingest", str(a), "--store", str(store)]] * 2)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr for r in res]
+    assert sum("already ingested" in r.stdout for r in res) == 1, [r.stdout for r in res]
+    assert Store(store).sql("SELECT sum(tokens) AS t FROM expert_load").rows() == [(ta,)]
+    _assert_clean(store)
+
+
+def test_same_run_id_at_once_one_fails_cleanly(tmp_path):
+    a, ta = _csv(tmp_path / "a.csv", 3)
+    b, tb = _csv(tmp_path / "b.csv", 13)
+    store = tmp_path / "store"
+    res = _race(tmp_path, [["ingest", str(a), "--store", str(store), "--run-id", "incident"],
+                           ["ingest", str(b), "--store", str(store), "--run-id", "incident"]])
+    codes = sorted(r.returncode for r in res)
+    assert codes == [0, 2], [(r.returncode, r.stderr) for r in res]
+    loser = next(r for r in res if r.returncode == 2)
+    assert "already exists" in loser.stderr and "Traceback" not in loser.stderr
+    winner = next(i for i, r in enumerate(res) if r.returncode == 0)
+    assert Store(store).sql("SELECT sum(tokens) AS t FROM expert_load").rows() == [([ta, tb][winner],)]
+    _assert_clean(store)
+
+
+def test_two_files_with_the_same_name_from_two_folders_both_land(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    a, ta = _csv(tmp_path / "x" / "load.csv", 2)
+    b, tb = _csv(tmp_path / "y" / "load.csv", 9)
+    store = tmp_path / "store"
+    res = _race(tmp_path, [["ingest", str(a), "--store", str(store)], ["ingest", str(b), "--store", str(store)]])
+    assert [r.returncode for r in res] == [0, 0], [r.stderr for r in res]
+    got = sorted(Store(store).sql("SELECT sum(tokens) AS t FROM expert_load GROUP BY run_id")["t"].to_list())
+    assert got == sorted([ta, tb])
+    _assert_clean(store)
+
+
+def test_processes_creating_the_same_new_store(tmp_path):
+    files = [_csv(tmp_path / f"f{i}.csv", i + 1)[0] for i in range(3)]
+    store = tmp_path / "fresh"
+    res = _race(tmp_path, [["ingest", str(f), "--store", str(store)] for f in files])
+    assert [r.returncode for r in res] == [0, 0, 0], [r.stderr for r in res]
+    assert json.loads((store / "moetrace-store.json").read_text())["moetrace_store_format"] == 1
+    assert Store(store).run_ids() == ["f0", "f1", "f2"]
+    assert [p.name for p in store.iterdir() if p.name.startswith(".moetrace-store")] == []
+    _assert_clean(store)
