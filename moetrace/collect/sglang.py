@@ -420,7 +420,12 @@ def _detail_run(paths: list[Path], options: dict) -> RunData:
         fm = modes.get(key)
         n = tok_of.get(key)
         if n is None and c is not None and top_k:
-            n = int(c.sum(axis=1).max()) // int(top_k)
+            # every MoE layer sees every token k times: exact when the nonzero layers agree
+            sums = {int(x) for x in c.sum(axis=1) if x}
+            if len(sums) == 1 and next(iter(sums)) % int(top_k) == 0:
+                n = next(iter(sums)) // int(top_k)
+            elif not sums:
+                n = 0
         total = int(c.sum()) if c is not None else (n or 0)
         if fm is not None:
             phase = FORWARD_PHASE.get(fm, "unknown")
