@@ -1,0 +1,166 @@
+"""All-to-all exposure views against independent interval arithmetic: closed-form crafted
+traces, a straggler pair, the DeepSeek trace against a plain Python sweep, and the views
+in the plain duckdb CLI (catalog.duckdb)."""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrace.store import Store
+
+from .conftest import shared_data
+from .test_kineto import ev_x, kernel, launch, write_trace
+
+DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
+COMBINE = "void deep_ep::intranode::combine<8>(int4*)"
+GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
+OTHER = "void at::native::elementwise_kernel<128>(int)"
+
+
+def union(iv):
+    """Independent sweep: merged disjoint intervals of a list of (start, end)."""
+    out = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def overlap(a, b):
+    """Length of the intersection of two unions of intervals."""
+    tot = 0
+    for s1, e1 in union(a):
+        for s2, e2 in union(b):
+            tot += max(0, min(e1, e2) - max(s1, s2))
+    return tot
+
+
+def ingest(runner, cli, st, *paths):
+    res = runner.invoke(cli, ["ingest", *map(str, paths), "--store", str(st)])
+    assert res.exit_code == 0, res.output
+    return Store(st)
+
+
+def test_closed_form_exposure(tmp_path, runner, cli):
+    ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 10000),
+          ev_x("user_annotation", "dispatch layer 0", 1, 5), launch(2, 1), launch(3, 2),
+          ev_x("user_annotation", "combine layer 0", 10, 5), launch(11, 3),
+          launch(20, 10), launch(21, 11), launch(22, 12), launch(23, 13), launch(24, 14), launch(25, 15),
+          # dispatch: two kernels of one group on two streams, union 0..120
+          kernel(DISPATCH, 100, 100, 1, stream=20), kernel(DISPATCH, 150, 70, 2, stream=21),
+          # compute on the same device: 50..80 and 90..150 µs after 100, plus one nested in them
+          kernel(GEMM, 150, 30, 10, stream=7), kernel(OTHER, 190, 60, 11, stream=7),
+          kernel(OTHER, 160, 10, 12, stream=8),
+          # combine 300..360 µs: only a memcpy and a kernel on another device run meanwhile
+          kernel(COMBINE, 300, 60, 3, stream=20),
+          ev_x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 310, 10, pid=0, tid=7, device=0, stream=7,
+               correlation=13),
+          kernel(GEMM, 300, 60, 14, stream=7, device=1),
+          kernel(GEMM, 350, 40, 15, stream=7)]  # overlaps the combine's last 10 µs
+    st = ingest(runner, cli, tmp_path / "st", write_trace(tmp_path / "t.json", ev, rank=0, world=1))
+    rows = {r["kind"]: r for r in st.sql("SELECT * FROM a2a_exposure").to_dicts()}
+    assert set(rows) == {"dispatch", "combine"}
+    d, c = rows["dispatch"], rows["combine"]
+    # dispatch union [100, 220) µs; compute union [150, 180) + [190, 250) µs -> 30 + 30 overlap
+    assert (d["comm_ns"], d["overlapped_ns"], d["exposed_ns"]) == (120_000, 60_000, 60_000)
+    assert (c["comm_ns"], c["overlapped_ns"], c["exposed_ns"]) == (60_000, 10_000, 50_000)
+    assert (d["layer"], d["step"], d["inferred"]) == (0, 0, False)
+    summ = st.sql("SELECT * FROM a2a_rank_summary").row(0, named=True)
+    assert summ["exposed_ns"] == 110_000 and summ["comm_ns"] == 180_000
+    assert summ["exposed_share_of_comm"] == pytest.approx(110 / 180)
+
+
+def test_straggler_is_the_rank_others_waited_for(tmp_path, runner, cli):
+    d = tmp_path / "job"
+    d.mkdir()
+    # rank 1 computes longer, so it reaches the combine last; rank 0 waits in its combine
+    for rank, gemm_dur, comb_start, comb_dur in ((0, 100, 120, 200), (1, 280, 300, 20)):
+        ev = [ev_x("user_annotation", "ProfilerStep#7", 0, 10000), launch(1, 1), launch(2, 2), launch(3, 3),
+              kernel(DISPATCH, 10, 10, 1, stream=20),
+              kernel(GEMM, 20, gemm_dur, 2, stream=7),
+              kernel(COMBINE, comb_start, comb_dur, 3, stream=20)]
+        write_trace(d / f"rank-{rank}.json", ev, rank=rank, world=2)
+    st = ingest(runner, cli, tmp_path / "st", d)
+    s = st.sql("SELECT * FROM a2a_stragglers").row(0, named=True)
+    assert s["step"] == 7 and s["ranks"] == 2
+    assert s["straggler_rank"] == 1
+    assert s["straggler_combine_exposed_ns"] == 20_000
+    assert s["wait_ns"] == (200_000 + 20_000) // 2 - 20_000
+    res = runner.invoke(cli, ["exposure", str(tmp_path / "st"), "--by", "straggler", "--format", "json"])
+    assert json.loads(res.output)[0]["straggler_rank"] == 1
+
+
+def test_deepseek_exposure_matches_an_independent_sweep(tmp_path, runner, cli):
+    p = shared_data("deepseek_ep64_train_rank0.json.gz")
+    doc = json.loads(gzip.open(p).read())
+    kernels = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+    def kind(name):
+        if "dpsk::ep::internode::dispatch" in name:
+            return "dispatch"
+        if "dpsk::ep::internode::combine" in name:
+            return "combine"
+        if "dpsk::ep::internode::" in name:  # notify_dispatch, cached_notify
+            return "a2a_other"
+        return "compute"
+
+    iv = {}
+    for e in kernels:
+        iv.setdefault(kind(e["name"]), []).append((e["ts"] * 1000, (e["ts"] + e["dur"]) * 1000))
+    a2a = iv["dispatch"] + iv["combine"] + iv["a2a_other"]
+    # precondition of comparing per-kind totals: all-to-all kernels never overlap each other
+    assert sum(e - s for s, e in union(a2a)) == sum(e - s for s, e in a2a)
+    want = {}
+    for k in ("dispatch", "combine", "a2a_other"):
+        comm = sum(e - s for s, e in iv[k])
+        ov = sum(overlap([x], iv["compute"]) for x in iv[k])
+        want[k] = (comm, ov, comm - ov)
+    st = ingest(runner, cli, tmp_path / "st", p)
+    got = {r["kind"]: (r["c"], r["o"], r["e"]) for r in st.sql(
+        "SELECT kind, sum(comm_ns) c, sum(overlapped_ns) o, sum(exposed_ns) e FROM a2a_exposure GROUP BY kind"
+    ).to_dicts()}
+    assert got == want
+    # the capture hides most of the all-to-all: exposed well under a tenth of comm, and not zero
+    assert 0 < sum(w[2] for w in want.values()) < 0.1 * sum(w[0] for w in want.values())
+    # exposed share of the step: the step spans the ProfilerStep range and the last kernel
+    step = [e for e in doc["traceEvents"] if e.get("name") == "ProfilerStep#1"][0]
+    end = max(step["ts"] + step["dur"], max(e["ts"] + e["dur"] for e in kernels))
+    summ = st.sql("SELECT * FROM a2a_rank_summary").row(0, named=True)
+    assert summ["step_ns"] == (end - step["ts"]) * 1000
+    assert summ["exposed_share_of_step"] == pytest.approx(sum(w[2] for w in want.values()) / summ["step_ns"])
+    # per layer: 4 layers in each of the two DualPipe directions, layer inferred from order
+    g = st.sql("SELECT count(DISTINCT layer) AS l, count(DISTINCT micro_batch) AS m, bool_and(inferred) AS i "
+               "FROM a2a_exposure").row(0, named=True)
+    assert g == {"l": 4, "m": 2, "i": True}
+    res = runner.invoke(cli, ["exposure", str(tmp_path / "st"), "--by", "kind", "--format", "json"])
+    rows = {r["kind"]: r for r in json.loads(res.output)}
+    assert rows["combine"]["exposed_ns"] == want["combine"][2]
+
+
+def test_views_run_in_the_plain_duckdb_cli(tmp_path, runner, cli):
+    cand = Path(sys.executable).parent / "duckdb"
+    exe = str(cand) if cand.exists() else shutil.which("duckdb")
+    if exe is None:
+        pytest.skip("duckdb CLI not installed (pip install duckdb-cli, in the test extra)")
+    ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000), launch(1, 1), launch(2, 2),
+          kernel(DISPATCH, 10, 100, 1, stream=20), kernel(GEMM, 50, 100, 2, stream=7)]
+    st_path = tmp_path / "st"
+    st = ingest(runner, cli, st_path, write_trace(tmp_path / "t.json", ev, rank=0, world=1))
+    assert runner.invoke(cli, ["catalog", str(st_path)]).exit_code == 0
+    q = ("SELECT kind, comm_ns, overlapped_ns, exposed_ns FROM a2a_exposure; "
+         "SELECT count(*) FROM a2a_rank_summary; SELECT count(*) FROM a2a_modes; SELECT has_a2a FROM a2a_presence;")
+    out = subprocess.run([exe, "-csv", "-noheader", "catalog.duckdb", "-c", q], cwd=st_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[0] == "dispatch,100000,60000,40000"
+    assert lines[1:] == ["1", "1", "true"]
+    assert st.sql("SELECT exposed_ns FROM a2a_exposure")["exposed_ns"][0] == 40_000
