@@ -113,7 +113,11 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
     kept = []
     nodes_max, nodes_mean = [], []
     block = None
-    for ids, load, slot_load in iter_load(store, run_id, shape, opts.chunk_steps, with_slots=use_slots):
+    chunk = opts.chunk_steps
+    if use_routing:   # per-token rows are k x tokens per (step, layer): keep chunks near 4 M rows
+        n = store.sql("SELECT count(*) AS n FROM routing WHERE run_id = ?", [run_id])["n"][0]
+        chunk = max(1, min(chunk, int(4_000_000 * shape.steps.size // max(int(n), 1))))
+    for ids, load, slot_load in iter_load(store, run_id, shape, chunk, with_slots=use_slots):
         if use_routing:
             block = _routing_block(store, run_id, shape, plan, opts.split, ids)
             nodes_max.append(block.nodes_per_token_max)

@@ -216,19 +216,28 @@ def _slot_replica_index(plan: Plan) -> np.ndarray:
     return out
 
 
+def _per_layer_matmul(a: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """out[t, l, :] = a[t, l, :] @ m[l] for a [T, L, E] and m [L, E, R] (BLAS per layer)."""
+    T, L, _ = a.shape
+    out = np.empty((T, L, m.shape[2]), np.result_type(a, m))
+    for li in range(L):
+        np.matmul(a[:, li, :], m[li], out=out[:, li, :])
+    return out
+
+
 def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int, bytes_per_token: int) -> tuple[np.ndarray, np.ndarray]:
     """Bytes each rank receives in the dispatch, without per-token data: a token reaches
     rank r unless it misses every copy there, each copy taking load/copies of the step's
     B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks (the
     token's own rank costs nothing, its node's other ranks are intra-node)."""
     T, L, E = load.shape
-    B = load.sum(axis=2, keepdims=True) / max(top_k, 1)
-    cnt = plan.logcnt().astype(np.float32)[None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        x = np.where(B > 0, load / (cnt * np.maximum(B, 1e-30)), 0.0)
-    logq = np.log1p(-np.clip(x, 0.0, 1.0 - 1e-7)).astype(np.float32)
-    C = plan.copies().astype(np.float32)
-    s = np.matmul(logq.transpose(1, 0, 2), C).transpose(1, 0, 2)
+    B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
+    inv = np.float32(1.0) / (plan.logcnt().astype(np.float32)[None] * np.maximum(B, np.float32(1e-30)))
+    x = np.multiply(load, inv, dtype=np.float32)
+    np.clip(x, 0.0, 1.0 - 1e-7, out=x)
+    np.negative(x, out=x)
+    np.log1p(x, out=x)                 # log(1 - x), x = copy load / tokens per step
+    s = _per_layer_matmul(x, plan.copies().astype(np.float32))
     recv = B * (1.0 - np.exp(s))
     R, rpn = plan.num_ranks, plan.ranks_per_node
     intra = recv * ((rpn - 1) / R) * bytes_per_token
@@ -257,10 +266,8 @@ def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np
         tokens = st.sum(axis=3, dtype=np.float64)
         touched = (st > 0).sum(axis=3)
     else:
-        share = plan.share().astype(np.float32)
-        tokens = np.matmul(load.transpose(1, 0, 2), share).transpose(1, 0, 2).astype(np.float64)
-        C = plan.copies().astype(np.float32)
-        touched = np.matmul((load > 0).astype(np.float32).transpose(1, 0, 2), C).transpose(1, 0, 2)
+        tokens = _per_layer_matmul(load.astype(np.float32, copy=False), plan.share().astype(np.float32))
+        touched = _per_layer_matmul((load > 0).astype(np.float32), plan.copies().astype(np.float32))
     intra, inter = estimate_dispatch(load, plan, top_k, bytes_per_token)
     return Block(tokens, touched, intra, inter, exact_bytes=False)
 
@@ -299,25 +306,34 @@ def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: P
         slot = np.where(a >= 0, a, np.where(b >= 0, b, slot))
     dst = slot // spr
     tl = ti * L + li
-    tokens = np.bincount(tl * R + dst, minlength=T * L * R).reshape(T, L, R).astype(np.float64)
-    us = np.unique(tl * plan.num_slots + slot)
-    touched = np.bincount((us // plan.num_slots) * R + (us % plan.num_slots) // spr,
-                          minlength=T * L * R).reshape(T, L, R)
+    cells = T * L
+    tokens = np.bincount(tl * R + dst, minlength=cells * R).reshape(T, L, R).astype(np.float64)
+    hit = np.zeros((cells, plan.num_slots), bool)
+    hit[tl, slot] = True
+    touched = hit.reshape(T, L, R, spr).sum(axis=3)
+    # dense (cell, token) x destination-rank marks: a token goes once to each distinct rank
     maxtok = int(tok.max()) + 1 if tok.size else 1
-    key = (tl * maxtok + tok) * R + dst
-    uk, first = np.unique(key, return_index=True)
-    d = uk % R
-    s = src[first]
-    cell = (uk // R) // maxtok
+    row = tl * maxtok + tok
+    marks = np.zeros((cells * maxtok, R), bool)
+    marks[row, dst] = True
+    src_of = np.full(cells * maxtok, -1, np.int64)
+    src_of[row] = src
+    nz_row, d = np.nonzero(marks)
+    s = src_of[nz_row]
+    cell = nz_row // maxtok
     remote = s != d
     same_node = (s // rpn) == (d // rpn)
     w_intra = (remote & same_node).astype(np.float64) * bytes_per_token
     w_inter = (remote & ~same_node).astype(np.float64) * bytes_per_token
-    intra = np.bincount(cell * R + d, weights=w_intra, minlength=T * L * R).reshape(T, L, R)
-    inter = np.bincount(cell * R + d, weights=w_inter, minlength=T * L * R).reshape(T, L, R)
+    intra = np.bincount(cell * R + d, weights=w_intra, minlength=cells * R).reshape(T, L, R)
+    inter = np.bincount(cell * R + d, weights=w_inter, minlength=cells * R).reshape(T, L, R)
     # nodes per token (node-limited routing shows as a small maximum)
-    nkey = np.unique((uk // R) * plan.num_nodes + d // rpn)
-    per_tok = np.bincount(np.unique(nkey // plan.num_nodes, return_inverse=True)[1])
+    nn = plan.num_nodes
+    used = src_of >= 0
+    if R % rpn == 0:
+        per_tok = marks[used].reshape(-1, nn, rpn).any(axis=2).sum(axis=1)
+    else:
+        per_tok = np.array([len(set((np.flatnonzero(m) // rpn).tolist())) for m in marks[used]])
     return Block(tokens, touched, intra, inter, exact_bytes=True,
                  nodes_per_token_max=int(per_tok.max()) if per_tok.size else 0,
                  nodes_per_token_mean=float(per_tok.mean()) if per_tok.size else 0.0)
