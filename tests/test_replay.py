@@ -289,3 +289,25 @@ def test_sweep_table(slot_store):
     assert [x["what"] for x in rows] == ["replicas 0", "replicas 4", "replicas 8", "replan every 2"]
     assert rows[2]["extra_mem_per_rank_bytes"] == 8 * 1000 * 2 // 4
     assert rows[2]["mean_imbalance"] <= rows[0]["mean_imbalance"] + 1e-9
+
+
+def test_report_section_whatif_and_stored(tmp_path):
+    from moetrace.report.base import ReportContext
+    from moetrace.report.sections import replay as section
+
+    cfg = SynthConfig(layers=2, experts=32, top_k=4, ranks=4, ranks_per_node=2, steps=8, tokens_per_step=512, seed=4)
+    st = Store(tmp_path / "r", create=True)
+    synth(st, cfg, run_id="r")
+    ctx = ReportContext(st, "r", st.run("r"), tmp_path / "out")
+    sec = section.build(ctx)
+    assert sec is not None and sec.key == "replay" and any("in memory" in n for n in sec.notes)
+    # the recorded (contiguous) row, by hand over the judged half (steps 4..7)
+    load = st.sql("SELECT step, layer, expert, tokens FROM expert_load ORDER BY step, layer, expert")
+    arr = load["tokens"].to_numpy().reshape(8, 2, 32)[4:].reshape(4, 2, 4, 8).sum(axis=3)
+    expect = (arr.max(axis=2) / arr.mean(axis=2)).mean()
+    assert f"{expect:.3f}" in sec.markdown.split("| recorded |")[1].split("\n")[0]
+    assert run_cli("replay", tmp_path / "r", "--policy", "greedy", "--replan-every", 2, "--window", 2).exit_code == 0
+    st = Store(tmp_path / "r")
+    sec = section.build(ReportContext(st, "r", st.run("r"), tmp_path / "out"))
+    assert "3 stored replay(s)" in sec.markdown
+    assert sec.figures and sec.figures[0].path.exists()
