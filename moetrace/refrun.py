@@ -283,7 +283,9 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
         dist.barrier()
         if prof is not None:
             prof.__exit__(None, None, None)
-            prof.export_chrome_trace(os.path.join(outdir, f"rank{rank}_trace.json.gz"))
+            raw = os.path.join(outdir, f".rank{rank}_trace.json")
+            prof.export_chrome_trace(raw)
+            _finish_trace(raw, os.path.join(outdir, f"rank{rank}_trace.json.gz"))
         cat = (lambda parts, i, dt: np.concatenate([p[i] for p in parts]).astype(dt) if parts else np.zeros(0, dt))
         pq.write_table(pa.table({
             "step": cat(routing, 0, np.int64), "layer": cat(routing, 1, np.int32), "token": cat(routing, 2, np.int64),
@@ -302,6 +304,18 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             "end_ns": np.array([s[3] for s in steps], np.int64)}), os.path.join(outdir, f"steps_rank{rank}.parquet"))
     finally:
         dist.destroy_process_group()
+
+
+def _finish_trace(raw: str, dest: str) -> None:
+    """gzip the exported trace and name it by its file (Kineto writes its temp path into traceName)."""
+    import gzip
+
+    with open(raw, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["traceName"] = os.path.basename(dest)
+    with gzip.open(dest, "wt", encoding="utf-8", compresslevel=6) as f:
+        json.dump(doc, f, separators=(",", ":"))
+    os.unlink(raw)
 
 
 def _free_port() -> int:
@@ -343,5 +357,5 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
         "torch": torch.__version__, "wall_s": round(time.time() - t0, 3),
         "files": sorted(p.name for p in out.iterdir()),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (out / MANIFEST).write_text(json.dumps(manifest) + "\n")
     return manifest

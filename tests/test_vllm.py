@@ -51,9 +51,9 @@ def test_pt_window_with_map_ring_order_and_placement(tmp_path):
     win = rng.integers(0, 20, size=(W, L, P)).astype(np.int32)
     p2l = np.stack([rng.permutation(np.r_[np.arange(E), [0, 1]]) for _ in range(L)])
     p = tmp_path / "eplb_state.pt"
-    # 6 passes recorded into a ring of 4: the next write goes to row 6 % 4 = 2, the oldest
+    # a wrapped ring of 4 whose next write goes to row 2: row 2 is the oldest
     torch.save({"expert_load_window": torch.from_numpy(win), "physical_to_logical_map": torch.from_numpy(p2l),
-                "expert_load_window_step": 6}, p)
+                "expert_load_window_step": 2}, p)
     st = Store(tmp_path / "st", create=True)
     rid = ingest(st, [p], options={"num_ranks": 2})[0].run_id
     got = st.sql("SELECT step, layer, expert, tokens FROM expert_load WHERE run_id = ?", [rid])
@@ -113,3 +113,15 @@ def test_meta_records_format(tmp_path):
     meta = json.loads(rd.run["meta_json"])
     assert meta["table"] == "window" and rd.run["collector"] == "vllm"
     assert "ring order unknown" in rd.run["approximations"]
+
+
+def test_unwrapped_window_drops_unfilled_rows(tmp_path):
+    win = np.zeros((5, L, P), np.int32)
+    win[0], win[1] = 3, 4  # two passes written, next write at row 2; rows 2-4 unfilled
+    p = tmp_path / "w.npz"
+    np.savez(p, expert_load_window=win, expert_load_window_step=np.array(2))
+    rd = collect([p], options={"num_experts": E})[0]
+    t = rd.tables["expert_load"].to_pydict()
+    assert sorted(set(t["step"])) == [0, 1]
+    assert sum(tok for s, tok in zip(t["step"], t["tokens"]) if s == 1) == 4 * L * P
+    assert "3 leading all-zero window rows" in rd.run["approximations"]

@@ -44,8 +44,8 @@ VLLM_START = re.compile(r"Rearranging experts\s*(?P<profile>\(profile\))?\s*\.\.
 VLLM_END = re.compile(r"Rearranged experts\s*(?P<profile>\(profile\))?\s*in\s+(?P<dur>" + _NUM + r")\s*(?:s|seconds)\.?\s*$")
 SGL_BAL = re.compile(
     r"\[Expert Balancedness\]\s+forward_pass_id=(?P<fpid>\d+)\s+current_pass_balancedness=(?P<bal>" + _NUM + r")"
-    r"\s+last_10_average_balancedness=(?P<b10>" + _NUM + r")\s+last_100_average_balancedness=(?P<b100>" + _NUM + r")"
-    r"\s+last_1000_average_balancedness=(?P<b1000>" + _NUM + r")\s+gpu_physical_count_sum=(?P<sum>\d+)\s*$")
+    r"(?P<hist>(?:\s+last_\d+_average_balancedness=(?:" + _NUM + r"))*)\s+gpu_physical_count_sum=(?P<sum>\d+)\s*$")
+SGL_HIST = re.compile(r"last_(\d+)_average_balancedness=(" + _NUM + r")")
 SGL_START = re.compile(r"\[EPLBManager\]\s+rebalance start\s*$")
 SGL_END = re.compile(r"\[EPLBManager\]\s+rebalance end(?:\s+time=(?P<dur>" + _NUM + r")\s*s?)?\s*$")
 SGL_SKIP = re.compile(r"\[EPLBManager\]\s+Skipped ep rebalancing: current GPU utilization (?P<util>" + _NUM + r")"
@@ -126,8 +126,10 @@ def parse_line(text: str) -> dict | None:
         if not g:
             raise ValueError("SGLang balancedness line")
         row.update(engine="sglang", event="balancedness", step=int(g["fpid"]), balancedness=float(g["bal"]),
-                   balancedness_last_10=float(g["b10"]), balancedness_last_100=float(g["b100"]),
-                   balancedness_last_1000=float(g["b1000"]), gpu_physical_count_sum=int(g["sum"]))
+                   gpu_physical_count_sum=int(g["sum"]))
+        for size, val in SGL_HIST.findall(g["hist"] or ""):
+            if size in ("10", "100", "1000"):  # the window sizes SGLang logs; others are not columns
+                row[f"balancedness_last_{size}"] = float(val)
         return row
     if "[EPLBManager]" in msg:
         for rx, ev in ((SGL_START, "rebalance_start"), (SGL_END, "rebalance_end"), (SGL_SKIP, "rebalance_skip")):

@@ -7,7 +7,8 @@ EPLB state (see docs/engines.md) as:
 
 - a ``.pt`` (``torch.save``) or ``.npz`` dict with any of ``expert_load_pass``,
   ``expert_load_window``, optional ``physical_to_logical_map [layers, physical]`` and
-  ``expert_load_window_step`` (passes recorded so far: restores the ring order);
+  ``expert_load_window_step`` (the ring's next write position, as in ``EplbState``:
+  restores the ring order; leading all-zero rows are then unfilled and dropped);
 - a bare ``.npy`` array whose name contains ``expert_load`` (2-D: one pass, 3-D: window).
 
 Without a map, vLLM's initial map is assumed: ``range(E)`` then ``i % E`` for the
@@ -91,14 +92,18 @@ def _one(path: Path, options: dict) -> RunData:
         W = win.shape[0]
         step_done = d.get("expert_load_window_step")
         if step_done is not None:
-            n = int(to_numpy(step_done, path, "expert_load_window_step").reshape(-1)[0])
-            if n < W:
-                win = win[:n]
-                meta["window_filled"] = n
-            else:  # the next write goes to n % W: that row is the oldest
-                start = n % W
-                win = np.concatenate([win[start:], win[:start]])
-                meta["window_rotated_by"] = start
+            # EplbState.expert_load_window_step is the next write position in the ring: the
+            # oldest row once it has wrapped; rows before it are unfilled (zero) until then
+            start = int(to_numpy(step_done, path, "expert_load_window_step").reshape(-1)[0]) % W
+            win = np.concatenate([win[start:], win[:start]])
+            meta["window_rotated_by"] = start
+            filled = win.reshape(W, -1).sum(axis=1) > 0
+            lead = int(np.argmax(filled)) if filled.any() else W
+            if lead:
+                win = win[lead:]
+                approx.append(f"{lead} leading all-zero window rows taken as unfilled and dropped")
+            if not len(win):
+                raise InputError(path, "expert_load_window holds only zeros (nothing recorded)")
         else:
             approx.append("expert_load_window without expert_load_window_step: ring order unknown, rows taken in "
                           "array order (step = row); zero rows kept")
