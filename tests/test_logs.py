@@ -106,3 +106,20 @@ def test_ingest_and_query(log, tmp_path):
                "event = 'balancedness' GROUP BY engine ORDER BY engine", [rid])
     assert q["n"].to_list() == [1, 3]
     assert q["b"][1] == pytest.approx((0.5 + 0.7504 + 0.25) / 3)
+
+
+def test_report_section(log, tmp_path):
+    from moetrace.report.base import ReportContext
+    from moetrace.report.sections import balancedness
+
+    st = Store(tmp_path / "st", create=True)
+    rid = ingest(st, [log])[0].run_id
+    out = tmp_path / "rep"
+    out.mkdir()
+    sec = balancedness.build(ReportContext(st, rid, st.run(rid), out))
+    mean = (0.5 + 0.7504 + 0.25 + 0.4) / 4
+    assert f"4 passes: mean **{mean:.3f}**" in sec.markdown
+    assert "3 finished (2 started), 1 skipped" in sec.markdown
+    assert "total 5.48 s" in sec.markdown
+    assert any("2 carried an EPLB marker but did not parse" in n for n in sec.notes)
+    assert (out / "balancedness_log.png").stat().st_size > 0

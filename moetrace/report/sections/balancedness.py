@@ -1,0 +1,61 @@
+"""Engine-reported balancedness (vLLM / SGLang EPLB log lines) and rebalance events."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from .. import plots
+from ..base import Figure, ReportContext, Section, md_table
+
+ORDER = 45
+
+
+def build(ctx: ReportContext) -> Section | None:
+    if not ctx.store.has_files("balancedness"):
+        return None
+    rid = ctx.run_id
+    b = ctx.sql("SELECT engine, event, step, ts_ns, line, balancedness, avg_tokens, max_tokens, duration_s, "
+                "utilization, threshold, is_profile FROM balancedness WHERE run_id = ? ORDER BY line", [rid])
+    if b.height == 0:
+        return None
+    bal = b.filter(b["event"] == "balancedness").drop_nulls("balancedness")
+    ev = b.filter(b["event"] != "balancedness")
+    engines = ", ".join(sorted(set(b["engine"].to_list())))
+    md, notes, figs = [], [], []
+    if bal.height:
+        v = bal["balancedness"].to_numpy()
+        text = (f"The engine ({engines}) logged balancedness for {bal.height} passes: mean **{v.mean():.3f}**, "
+                f"p10 {np.percentile(v, 10):.3f}, worst {v.min():.3f} (1.0 = every rank equally loaded; the "
+                f"busiest rank carried on average {1 / max(v.mean(), 1e-9):.2f}× the mean).")
+        md.append(text)
+        x = bal["step"].to_numpy() if bal["step"].null_count() == 0 else np.arange(bal.height)
+        figs.append(Figure(plots.lines(ctx.outdir / "balancedness_log.png", [("balancedness", x, v)],
+                                       title="Engine-reported balancedness per pass",
+                                       xlabel="step / forward_pass_id" if bal["step"].null_count() == 0
+                                       else "balancedness line (order in the log)",
+                                       ylabel="mean/max tokens per rank", markers=bal.height <= 200),
+                           "Balancedness as the engine logged it (vLLM: avg/max tokens per rank; SGLang: per-layer "
+                           "(mean+1e-5)/(max+1e-5) over GPUs, averaged over layers)."))
+    else:
+        md.append(f"No balancedness lines in the log ({engines}); only rebalance events.")
+    if ev.height:
+        counts = {k: int((ev["event"] == k).sum()) for k in ("rebalance_start", "rebalance_end", "rebalance_skip")}
+        dur = ev.filter(ev["event"] == "rebalance_end")["duration_s"].drop_nulls()
+        line = (f"Rebalances: {counts['rebalance_end']} finished ({counts['rebalance_start']} started), "
+                f"{counts['rebalance_skip']} skipped")
+        if dur.len():
+            line += f"; rebalance time total {dur.sum():.2f} s, longest {dur.max():.2f} s"
+        md.append(line + ".")
+        md += ["", md_table(ev.select("line", "engine", "event", "step", "duration_s", "utilization", "threshold",
+                                      "is_profile"), max_rows=20)]
+        if ev["is_profile"].fill_null(False).any():
+            notes.append("vLLM's '(profile)' rearrangement is the startup pass, not a load-driven rebalance.")
+    meta = json.loads(ctx.run.get("meta_json") or "{}")
+    lc = meta.get("line_counts")
+    if lc:
+        notes.append(f"Log lines: {lc['lines']} read, {lc['matched']} matched, {lc['malformed']} carried an EPLB "
+                     f"marker but did not parse (skipped), {lc['unrelated']} unrelated.")
+    text = "\n".join(md)
+    return Section(key="balancedness", title="Engine-reported balancedness", markdown=text,
+                   terminal=text.replace("**", ""), figures=figs, notes=notes)
