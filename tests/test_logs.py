@@ -120,6 +120,6 @@ def test_report_section(log, tmp_path):
     mean = (0.5 + 0.7504 + 0.25 + 0.4) / 4
     assert f"4 passes: mean **{mean:.3f}**" in sec.markdown
     assert "3 finished (2 started), 1 skipped" in sec.markdown
-    assert "total 5.48 s" in sec.markdown
+    assert "total 4.48 s, longest 2.50 s" in sec.markdown  # 2.5 + 0.75 + 1.234
     assert any("2 carried an EPLB marker but did not parse" in n for n in sec.notes)
     assert (out / "balancedness_log.png").stat().st_size > 0
