@@ -102,10 +102,10 @@ CASES = [
     ("NaN count json", "load.jsonl",
      b'{"step":0,"layer":0,"expert":0,"tokens":3}\n{"step":0,"layer":0,"expert":1,"tokens":NaN}\n', "row 2", "non-integer"),
     ("fractional count", "load.csv", b"step,layer,expert,tokens\n0,0,0,2.5\n", "row 1", "non-integer"),
-    ("negative count", "load.csv", b"step,layer,expert,tokens\n0,0,0,3\n0,0,1,-4\n", "row 1", "negative"),
-    ("negative expert", "load.csv", b"step,layer,expert,tokens\n0,0,-1,3\n", "row 0", "negative"),
-    ("negative layer", "load.csv", b"step,layer,expert,tokens\n0,-2,0,3\n", "row 0", "negative"),
-    ("negative step", "load.csv", b"step,layer,expert,tokens\n-5,0,0,3\n", "row 0", "negative"),
+    ("negative count", "load.csv", b"step,layer,expert,tokens\n0,0,0,3\n0,0,1,-4\n", "row 2", "negative"),
+    ("negative expert", "load.csv", b"step,layer,expert,tokens\n0,0,-1,3\n", "row 1", "negative"),
+    ("negative layer", "load.csv", b"step,layer,expert,tokens\n0,-2,0,3\n", "row 1", "negative"),
+    ("negative step", "load.csv", b"step,layer,expert,tokens\n-5,0,0,3\n", "row 1", "negative"),
     ("step beyond int64", "load.csv", b"step,layer,expert,tokens\n99999999999999999999999,0,0,3\n", None, "step"),
     ("layer beyond int32", "load.csv", b"step,layer,expert,tokens\n0,4294967296,0,3\n", None, "layer"),
     ("duplicate row", "load.csv", b"step,layer,expert,tokens\n0,0,0,3\n0,0,1,1\n0,0,0,3\n", None, "duplicate"),
@@ -137,11 +137,11 @@ def test_ids_outside_the_declared_shape_are_refused(runner, cli, store, tmp_path
     before = tree_hash(store)
     res = _ingest(runner, cli, f, "--store", store, "--layers", 2)
     msg = assert_refused(res, store, before, f)
-    # first row with layer 2: rows are ordered step, layer, expert -> row index 2*4 = 8
-    assert "layer = 2" in msg and "0..1" in msg and "row 8" in msg
+    # first row with layer 2: rows are ordered step, layer, expert -> data row 2*4 + 1 = 9
+    assert "layer = 2" in msg and "0..1" in msg and "row 9" in msg
     res = _ingest(runner, cli, f, "--store", store, "--experts", 3)
     msg = assert_refused(res, store, before, f)
-    assert "expert = 3" in msg and "row 3" in msg
+    assert "expert = 3" in msg and "row 4" in msg
 
 
 def test_one_bad_file_among_good_ones_writes_nothing(runner, cli, store, tmp_path):
@@ -453,7 +453,7 @@ def test_conservation_backwards_span_refused_or_flagged(runner, cli, store, tmp_
     f = tmp_path / "d.tfx"
     f.write_text("x")
     before = tree_hash(store)
-    msg = assert_refused(_ingest(runner, cli, f, "--store", store), store, before, f, "row 1")
+    msg = assert_refused(_ingest(runner, cli, f, "--store", store), store, before, f, "row 2")
     assert "500" in msg and "450" in msg
     res = _ingest(runner, cli, f, "--store", store, "--allow-inconsistent")
     assert res.exit_code == 0, res.output

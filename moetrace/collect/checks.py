@@ -20,13 +20,13 @@ def _check_range(rd, table: str, tbl: pa.Table, column: str, upper: int | None) 
     mn = pc.min(arr).as_py()
     if mn is not None and mn < 0:
         i = _first_bad(pc.fill_null(pc.less(arr, 0), False))
-        raise InputError(_file(rd), f"{table}.{column} = {arr[i].as_py()} is negative", f"row {i}")
+        raise InputError(_file(rd), f"{table}.{column} = {arr[i].as_py()} is negative", f"row {i + 1}")
     if upper is not None:
         mx = pc.max(arr).as_py()
         if mx is not None and mx >= upper:
             i = _first_bad(pc.fill_null(pc.greater_equal(arr, upper), False))
             raise InputError(_file(rd), f"{table}.{column} = {arr[i].as_py()} is outside the run's shape (0..{upper - 1})",
-                             f"row {i}")
+                             f"row {i + 1}")
 
 
 def _file(rd) -> str:
@@ -75,7 +75,7 @@ def validate_run(rd, options: dict):
         if pc.any(bad).as_py():
             i = _first_bad(bad)
             raise InputError(_file(rd), f"span ends before it starts (start_ns={t.column('start_ns')[i].as_py()}, "
-                                        f"end_ns={t.column('end_ns')[i].as_py()})", f"span row {i}")
+                                        f"end_ns={t.column('end_ns')[i].as_py()})", f"span row {i + 1}")
     try:
         from . import conservation  # added by the hardening work, optional
     except ImportError:

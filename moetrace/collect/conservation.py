@@ -193,9 +193,10 @@ def _check_time(rd, table: str) -> str | None:
             if n_bad:
                 i = pc.index(bad, True).as_py()
                 s, e = start[i].as_py(), end[i].as_py()
+                row = offset + i + 1  # 1-based, like every other position moetrace reports
                 raise _Violation(f"{table} time order",
-                                 f"conservation: {table} row {offset + i} ends before it starts (start_ns={s}, "
-                                 f"end_ns={e}, {e - s} ns; {n_bad} such rows)", f"{table} row {offset + i}")
+                                 f"conservation: {table} row {row} ends before it starts (start_ns={s}, "
+                                 f"end_ns={e}, {e - s} ns; {n_bad} such rows)", f"{table} row {row}")
         offset += c.num_rows
     return None
 

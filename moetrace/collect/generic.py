@@ -50,7 +50,10 @@ def _read(path: Path) -> pl.DataFrame:
         return pl.read_csv(path, infer_schema_length=10000)
     except InputError:
         raise
-    except Exception as e:  # polars/arrow parse errors
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # polars/arrow parse errors; polars panics on some corrupt Parquet
+        # (pyo3 PanicException derives from BaseException, not Exception)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(path, f"cannot parse: {msg}") from None
 

@@ -1,0 +1,278 @@
+"""Benchmark: a fleet-size run in bounded memory.
+
+full: 320 expert-parallel ranks, 58 MoE layers, 256 experts (+64 redundant slots: one
+slot per rank, DeepSeek-V3 on 320 GPUs), one hour at 20 steps per second = 72,000 steps:
+58 × 256 × 72,000 = 1,069,056,000 expert_load rows. Run it under the heavy-job lock
+(it takes the lock itself when run alone):
+
+    /work/venv/bin/python benchmarks/bench_fleet.py --size full
+    /work/venv/bin/python benchmarks/bench_fleet.py --size full --fraction 0.1   # 7,200 steps, extrapolated
+
+Stages, each in a fresh process so its peak RSS is its own:
+
+1. **generate + ingest**: expert_load is generated chunk by chunk (``chunk_steps`` steps at
+   a time: Poisson counts around B·k·p, log-normal popularity per layer, B = 128 tokens
+   per rank per step) and streamed through ``Store.write_run`` as an iterator of Arrow
+   tables: one transaction, never the whole table in memory. Rows arrive ordered by
+   step, so every Parquet row group (1M rows) covers a narrow step range and its min/max
+   statistics let step-range reads skip the rest. A recorded placement (the 64 hottest
+   experts of each layer replicated on slots 256..319) goes in the same transaction.
+2. **layer_skew**: every column of the view over the whole run, written to Parquet with
+   DuckDB capped at ``memory_limit`` and spilling to a temp folder under /tmp.
+3. **replay**: ``moetrace replay --policy eplb`` fitted on the first steps and replayed
+   over every step (the engine reads the store in step chunks), ``--no-rank-rows``.
+
+With ``--fraction f`` (or ``MOETRACE_FLEET_FRACTION``) only ``f × 72,000`` steps are
+generated; every time is then also given extrapolated linearly to the full run, and the
+result notes say so. All data lives in a temporary folder under /tmp, deleted at the end.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import peak_rss_mib, result  # noqa: E402
+
+SIZES = {
+    "small": dict(ranks=32, ranks_per_node=8, layers=4, experts=256, redundant=32, steps=240, chunk_steps=80,
+                  fit_steps=80, duck_memory="1GB"),
+    "full": dict(ranks=320, ranks_per_node=8, layers=58, experts=256, redundant=64, steps=72_000, chunk_steps=200,
+                 fit_steps=1000, duck_memory="6GB"),
+}
+TOP_K = 8
+TOKENS_PER_RANK = 128
+SIGMA = 0.6
+THREADS = 2
+HEAVY_LOCK = "/tmp/moetrace-heavy.lock"
+
+
+# ----------------------------------------------------------------------------- data
+def _popularity(cfg: dict) -> np.ndarray:
+    rng = np.random.default_rng(12345)
+    w = np.exp(SIGMA * rng.standard_normal((cfg["layers"], cfg["experts"])))
+    return w / w.sum(axis=1, keepdims=True)
+
+
+def _placement(cfg: dict, p: np.ndarray):
+    """Recorded plan: expert e on slot e, the `redundant` hottest experts once more."""
+    import pyarrow as pa
+
+    L, E, R = cfg["layers"], cfg["experts"], cfg["ranks"]
+    S = E + cfg["redundant"]
+    spr = S // R
+    slots = np.arange(S)
+    rows = {k: [] for k in ("plan_id", "layer", "slot", "rank", "node", "expert")}
+    for layer in range(L):
+        hot = np.argsort(-p[layer], kind="stable")[: cfg["redundant"]]
+        expert = np.concatenate([np.arange(E), hot])
+        rank = slots // spr
+        rows["plan_id"] += ["recorded"] * S
+        rows["layer"] += [layer] * S
+        rows["slot"] += slots.tolist()
+        rows["rank"] += rank.tolist()
+        rows["node"] += (rank // cfg["ranks_per_node"]).tolist()
+        rows["expert"] += expert.tolist()
+    return pa.table(rows)
+
+
+def _chunks(cfg: dict, steps: int, p: np.ndarray, timing: dict):
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    L, E, n_step = cfg["layers"], cfg["experts"], cfg["chunk_steps"]
+    lam = (cfg["ranks"] * TOKENS_PER_RANK * TOP_K) * p          # [L, E] mean tokens per expert
+    layer_col = np.repeat(np.arange(L, dtype=np.int32), E)
+    expert_col = np.tile(np.arange(E, dtype=np.int32), L)
+    for s0 in range(0, steps, n_step):
+        t0 = time.perf_counter()
+        n = min(n_step, steps - s0)
+        m = n * L * E
+        tbl = pa.table({
+            "step": np.repeat(np.arange(s0, s0 + n, dtype=np.int64), L * E),
+            "layer": np.tile(layer_col, n), "expert": np.tile(expert_col, n),
+            "slot": pa.nulls(m, pa.int32()), "src_rank": pa.nulls(m, pa.int32()),
+            "tokens": rng.poisson(lam[None], size=(n, L, E)).astype(np.int64).ravel()})
+        timing["generate_s"] += time.perf_counter() - t0
+        yield tbl
+
+
+# ----------------------------------------------------------------------------- stages
+def _stage_ingest(store: str, cfg: dict, steps: int, q) -> None:
+    from moetrace.store import Store
+
+    p = _popularity(cfg)
+    timing = {"generate_s": 0.0}
+    t0 = time.perf_counter()
+    st = Store(store, create=True)
+    run = {"source": "bench_fleet", "collector": "bench", "time_base": "none", "source_sha256": f"fleet-{steps}",
+           "num_layers": cfg["layers"], "num_experts": cfg["experts"], "top_k": TOP_K, "num_ranks": cfg["ranks"],
+           "ranks_per_node": cfg["ranks_per_node"], "num_slots": cfg["experts"] + cfg["redundant"],
+           "num_groups": 8, "hidden": 7168, "dtype_bytes": 2, "expert_bytes": 3 * 7168 * 2048,
+           "approximations": json.dumps(["benchmark data: Poisson counts around a fixed log-normal popularity"])}
+    res = st.write_run(run, {"expert_load": _chunks(cfg, steps, p, timing), "placement": _placement(cfg, p)},
+                       run_id="fleet")
+    secs = time.perf_counter() - t0
+    disk = sum(f.stat().st_size for f in (Path(store) / "expert_load").rglob("*.parquet"))
+    q.put({"rows": res.rows["expert_load"], "seconds": secs, "generate_s": timing["generate_s"],
+           "peak_mib": peak_rss_mib(), "disk_bytes": disk})
+
+
+LAYER_SKEW_COLUMNS = ("step, layer, max_rank_tokens, mean_rank_tokens, imbalance, efficiency, straggler_rank, gini, cv, "
+                      "top5pct_share, hottest_expert, hottest_share, assignments, num_ranks, placement_source")
+
+
+def _stage_layer_skew(store: str, cfg: dict, spill: str, q) -> None:
+    from moetrace.store import Store
+
+    st = Store(store)
+    con = st.connect(threads=THREADS, memory_limit=cfg["duck_memory"])
+    con.execute(f"SET temp_directory='{spill}'")
+    con.execute("SET preserve_insertion_order=false")
+    out = str(Path(spill).parent / "layer_skew.parquet")
+    t0 = time.perf_counter()
+    con.execute(f"COPY (SELECT {LAYER_SKEW_COLUMNS} FROM layer_skew) TO '{out}' (FORMAT parquet)")
+    secs = time.perf_counter() - t0
+    s = con.execute(f"SELECT count(*), avg(imbalance), max(imbalance), avg(gini), count(DISTINCT placement_source) "
+                    f"FROM read_parquet('{out}')").fetchone()
+    q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "out_rows": s[0], "mean_imbalance": s[1],
+           "max_imbalance": s[2], "mean_gini": s[3], "placement_sources": s[4]})
+
+
+def _stage_replay(store: str, cfg: dict, q) -> None:
+    from moetrace.cli import cli
+
+    args = ["replay", store, "--policy", "eplb", "--fit-window", f"0:{cfg['fit_steps']}", "--no-rank-rows", "--json"]
+    buf = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(buf):
+        cli.main(args=args, standalone_mode=False)
+    secs = time.perf_counter() - t0
+    text = buf.getvalue()
+    summary = json.loads(text[text.index("{"):])
+    q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "summary": summary, "args": " ".join(args[2:])})
+
+
+def _in_process(fn, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=fn, args=(*args, q))
+    p.start()
+    while True:
+        try:
+            out = q.get(timeout=5)
+            break
+        except Exception:
+            if not p.is_alive():
+                raise RuntimeError(f"{fn.__name__} died with exit code {p.exitcode}") from None
+    p.join()
+    return out
+
+
+@contextlib.contextmanager
+def _heavy_lock(size: str):
+    """Serialize heavy jobs on the shared machine (flock, like `flock /tmp/moetrace-heavy.lock`)."""
+    if size != "full" or os.environ.get("MOETRACE_HEAVY_LOCK_HELD"):
+        yield
+        return
+    fd = os.open(HEAVY_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- entry point
+def run(size: str = "small", fraction: float | None = None) -> list[dict]:
+    cfg = SIZES[size]
+    if fraction is None:
+        fraction = float(os.environ.get("MOETRACE_FLEET_FRACTION", "1"))
+    if not 0 < fraction <= 1:
+        raise ValueError("fraction must be in (0, 1]")
+    steps = max(cfg["chunk_steps"], int(round(cfg["steps"] * fraction)))
+    f = steps / cfg["steps"]
+    full_rows = cfg["layers"] * cfg["experts"] * cfg["steps"]
+    with _heavy_lock(size):
+        tmp = Path(tempfile.mkdtemp(prefix="moetrace-bench-fleet-", dir="/tmp"))
+        try:
+            store = str(tmp / "st")
+            (tmp / "spill").mkdir()
+            t_all = time.perf_counter()
+            ing = _in_process(_stage_ingest, store, cfg, steps)
+            skew = _in_process(_stage_layer_skew, store, cfg, str(tmp / "spill"))
+            rep = _in_process(_stage_replay, store, cfg)
+            total = time.perf_counter() - t_all
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rows = ing["rows"]
+    shape = (f"{cfg['ranks']} ranks, {cfg['layers']} layers x {cfg['experts']} experts (+{cfg['redundant']} "
+             f"redundant), {steps} steps")
+    part = "" if f == 1 else f" (measured on {f:.3g} of the {cfg['steps']}-step run)"
+
+    def extra(secs):
+        return "" if f == 1 else f"; extrapolated to the full {full_rows:,} rows: {secs / f:,.0f} s"
+
+    b = "fleet"
+    peak = max(ing["peak_mib"], skew["peak_mib"], rep["peak_mib"])
+    s = rep["summary"]
+    out = [
+        result(b, "expert_load rows", rows, "rows", notes=f"{shape}{part}; full run = {full_rows:,} rows"),
+        result(b, "ingest: wall time", ing["seconds"], "s",
+               notes=f"generate + stream through Store.write_run; generation alone {ing['generate_s']:.1f} s"
+                     f"{extra(ing['seconds'])}"),
+        result(b, "ingest: rows/s", rows / ing["seconds"], "rows/s",
+               notes=f"store only (minus generation): {rows / max(ing['seconds'] - ing['generate_s'], 1e-9):,.0f} rows/s"),
+        result(b, "ingest: peak RSS", ing["peak_mib"], "MiB", notes="process generating and writing"),
+        result(b, "store size on disk", ing["disk_bytes"] / 2 ** 20, "MiB",
+               notes=f"{ing['disk_bytes'] / rows:.2f} bytes/row (zstd Parquet)"),
+        result(b, "layer_skew: wall time", skew["seconds"], "s",
+               notes=f"{skew['out_rows']:,} (step, layer) rows, every column; DuckDB {THREADS} threads, memory_limit "
+                     f"{cfg['duck_memory']}, spilling under /tmp{extra(skew['seconds'])}"),
+        result(b, "layer_skew: rows/s", rows / skew["seconds"], "rows/s",
+               notes=f"mean imbalance {skew['mean_imbalance']:.3f}, max {skew['max_imbalance']:.3f}"),
+        result(b, "layer_skew: peak RSS", skew["peak_mib"], "MiB"),
+        result(b, "replay: wall time", rep["seconds"], "s",
+               notes=f"moetrace replay {rep['args']}{extra(rep['seconds'])}"),
+        result(b, "replay: steps/s", steps / rep["seconds"], "steps/s",
+               notes=f"{s.get('num_steps')} steps x {s.get('num_layers')} layers; predicted mean imbalance "
+                     f"{s.get('mean_imbalance', float('nan')):.3f}" if isinstance(s.get('mean_imbalance'), (int, float))
+               else f"{s.get('num_steps')} steps x {s.get('num_layers')} layers"),
+        result(b, "replay: peak RSS", rep["peak_mib"], "MiB"),
+        result(b, "all stages: wall time", total, "s", notes=f"peak RSS of any stage {peak:,.0f} MiB{extra(total)}"),
+    ]
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=list(SIZES), default="small")
+    ap.add_argument("--fraction", type=float, default=None, help="run this share of the steps and extrapolate")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = run(args.size, args.fraction)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        print(f"{r['metric']:<26} {r['value']:>16,.1f} {r['unit']:<7} {r['notes']}")
+
+
+if __name__ == "__main__":
+    main()
