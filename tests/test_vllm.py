@@ -125,3 +125,16 @@ def test_unwrapped_window_drops_unfilled_rows(tmp_path):
     assert sorted(set(t["step"])) == [0, 1]
     assert sum(tok for s, tok in zip(t["step"], t["tokens"]) if s == 1) == 4 * L * P
     assert "3 leading all-zero window rows" in rd.run["approximations"]
+
+
+def test_sum_ranks(tmp_path):
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(0, 9, size=(L, P)), rng.integers(0, 9, size=(L, P))
+    pa_, pb = tmp_path / "r0.npz", tmp_path / "r1.npz"
+    np.savez(pa_, expert_load_pass=a)
+    np.savez(pb, expert_load_pass=b)
+    rds = collect([pa_, pb], options={"num_experts": E, "sum_ranks": True})
+    assert len(rds) == 1
+    dense = _dense(rds[0].tables["expert_load"], 1)[0]
+    np.testing.assert_array_equal(dense, _logical(a + b, np.array([[s % E for s in range(P)]] * L)))
+    assert len(collect([pa_, pb], options={"num_experts": E})) == 2

@@ -14,6 +14,8 @@ EPLB state (see docs/engines.md) as:
 Without a map, vLLM's initial map is assumed: ``range(E)`` then ``i % E`` for the
 redundant slots (``--experts`` gives E; default: no redundant slots). ``--dp-size N``
 divides the counts by N: under the naive all-to-all every DP rank sees every token.
+Per-rank files of one dump (each rank counts the tokens it dispatched) become one run,
+summed, with ``--set sum_ranks=true``; otherwise each file is a run.
 """
 from __future__ import annotations
 
@@ -178,7 +180,36 @@ def _one(path: Path, options: dict) -> RunData:
     return RunData(run=run, tables=tables, run_id_hint=path.stem, files=[str(path)])
 
 
+def _sum_ranks(paths: list[Path], options: dict) -> RunData:
+    """One run from per-rank files (each rank counts the tokens it dispatched): summed."""
+    import polars as pl
+
+    parts = [_one(p, options) for p in paths]
+    shapes = {(rd.run["num_layers"], rd.run["num_slots"]) for rd in parts}
+    if len(shapes) > 1:
+        raise InputError(paths[0], f"per-rank files disagree on [layers, slots]: {sorted(shapes)}")
+    loads = [pl.from_arrow(rd.tables["expert_load"]) for rd in parts]
+    maps = [pl.from_arrow(rd.tables["expert_load"]).select("layer", "slot", "expert").unique() for rd in parts]
+    joined = pl.concat(maps).unique()
+    if joined.select("layer", "slot").is_duplicated().any():
+        raise InputError(paths[0], "per-rank files hold different physical_to_logical_map (a rearrangement between "
+                                   "the dumps?): ingest them separately")
+    load = (pl.concat(loads).group_by(["step", "layer", "expert", "slot"]).agg(pl.col("tokens").sum())
+            .with_columns(pl.lit(None, pl.Int32).alias("src_rank"))
+            .select(["step", "layer", "expert", "slot", "src_rank", "tokens"]).sort(["step", "layer", "slot"]))
+    rd = parts[0]
+    rd.tables["expert_load"] = load
+    approx = json.loads(rd.run["approximations"] or "[]")
+    approx.append(f"{len(paths)} per-rank files summed (each rank counted the tokens it dispatched)")
+    rd.run.update(source=",".join(p.name for p in paths), source_sha256=sha256_files(paths),
+                  approximations=json.dumps(approx))
+    rd.files = [str(p) for p in paths]
+    return rd
+
+
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
+    if options.get("sum_ranks") and len(paths) > 1:
+        return [_sum_ranks(sorted(paths), options)]
     return [_one(p, options) for p in sorted(paths)]
 
 
