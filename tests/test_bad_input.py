@@ -673,3 +673,100 @@ def test_vllm_bad_dumps(runner, cli, store, tmp_path):
     f2 = tmp_path / "cut.npz"
     f2.write_bytes(data[: len(data) // 2])
     assert_refused(_ingest(runner, cli, f2, "--store", store, "--format", "vllm"), store, before, f2)
+
+
+# ----------------------------------------------------------------------------- profiler traces (Kineto, Nsight)
+def _kineto_payload(gz: bool) -> bytes:
+    try:
+        from .test_kineto import annotated_events, write_trace
+    except ImportError as e:
+        pytest.skip(f"Kineto trace builders not available: {e}")
+    if "kineto" not in registry():
+        pytest.skip("the kineto collector is not in this tree yet")
+    d = Path(tempfile.mkdtemp(prefix="moetrace-kin-"))
+    try:
+        return write_trace(d / "t.json", annotated_events(), rank=0, base=1767189312000000000, gz=gz).read_bytes()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["json", "json.gz"])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_kineto_truncated_or_corrupted(runner, cli, tmp_path_factory, gz, data):
+    payload = bytearray(_kineto_payload(gz))
+    tmp = tmp_path_factory.mktemp("kin")
+    store_path = _seed_store(tmp / "store")
+    if data.draw(st.booleans()):
+        cut = data.draw(st.integers(0, len(payload) - 1))
+        payload = payload[:cut]
+        truncated = True
+    else:
+        for _ in range(data.draw(st.integers(1, 6))):
+            payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+        truncated = False
+    f = tmp / ("rank0.pt.trace.json.gz" if gz else "rank0.pt.trace.json")
+    f.write_bytes(bytes(payload))
+    before = tree_hash(store_path)
+    res = _ingest(runner, cli, f, "--store", store_path, "--format", "kineto")
+    if res.exit_code != 0 or truncated:  # a cut JSON document (or gzip stream) is never complete
+        assert_refused(res, store_path, before, f)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_nsys_export_truncated_or_corrupted(runner, cli, tmp_path_factory, data):
+    try:
+        from .test_nsys import make_export
+    except ImportError as e:
+        pytest.skip(f"Nsight export builder not available: {e}")
+    if "nsys" not in registry():
+        pytest.skip("the nsys collector is not in this tree yet")
+    tmp = tmp_path_factory.mktemp("nsys")
+    payload = bytearray(make_export(tmp / "ok.sqlite").read_bytes())
+    store_path = _seed_store(tmp / "store")
+    if data.draw(st.booleans()):
+        payload = payload[: data.draw(st.integers(0, len(payload) - 1))]
+    else:
+        for _ in range(data.draw(st.integers(1, 16))):
+            payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+    f = tmp / "report 1.nsys.sqlite"
+    f.write_bytes(bytes(payload))
+    before = tree_hash(store_path)
+    res = _ingest(runner, cli, f, "--store", store_path, "--format", "nsys")
+    if res.exit_code != 0:
+        assert_refused(res, store_path, before, f)
+
+
+@pytest.mark.parametrize("what,text,needle", [
+    ("timestamp beyond int64 ns", '{"ph":"X","cat":"kernel","name":"k","pid":0,"tid":7,"ts":1e25,"dur":1,'
+                                  '"args":{"device":0,"stream":7,"correlation":1}}', None),
+    ("timestamp that wraps int64 ns", '{"ph":"X","cat":"kernel","name":"k","pid":0,"tid":7,"ts":99999999999999999,'
+                                      '"dur":1,"args":{"device":0,"stream":7,"correlation":1}}', None),
+    ("duration of a day", '{"ph":"X","cat":"kernel","name":"k","pid":0,"tid":7,"ts":1000,"dur":86400000000,'
+                          '"args":{"device":0,"stream":7,"correlation":1}}', None),
+    ("negative duration", '{"ph":"X","cat":"kernel","name":"k","pid":0,"tid":7,"ts":1000,"dur":-3,'
+                          '"args":{"device":0,"stream":7,"correlation":1}}', None),
+    ("timestamp as a word", '{"ph":"X","cat":"kernel","name":"k","pid":0,"tid":7,"ts":"soon","dur":1,'
+                            '"args":{"device":0,"stream":7,"correlation":1}}', None),
+    ("event is a list", '[1, 2, 3]', None),
+])
+def test_kineto_absurd_times_and_wrong_types(runner, cli, store, tmp_path, what, text, needle):
+    if "kineto" not in registry():
+        pytest.skip("the kineto collector is not in this tree yet")
+    f = tmp_path / "rank0.pt.trace.json"
+    f.write_text('{"schemaVersion": 1, "traceEvents": [' + text + ']}')
+    before = tree_hash(store)
+    msg = assert_refused(_ingest(runner, cli, f, "--store", store, "--format", "kineto"), store, before, f)
+    if what != "event is a list":
+        assert "event 0" in msg, msg  # the position: index in traceEvents
+
+
+def test_kineto_trace_events_of_the_wrong_type(runner, cli, store, tmp_path):
+    if "kineto" not in registry():
+        pytest.skip("the kineto collector is not in this tree yet")
+    before = tree_hash(store)
+    for i, body in enumerate(['{"traceEvents": {"a": 1}}', '{"schemaVersion": 1}', '[]', '"trace"', '{"traceEvents": []}']):
+        f = tmp_path / f"r{i}.pt.trace.json"
+        f.write_text(body)
+        assert_refused(_ingest(runner, cli, f, "--store", store, "--format", "kineto"), store, before, f)

@@ -14,8 +14,10 @@ Rank: ``distributedInfo.rank``, else the file name (``rank-3``, ``rank3_trace``,
 """
 from __future__ import annotations
 
+import gc
 import gzip
 import json
+import os
 import re
 import sys
 import time
@@ -33,20 +35,17 @@ from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, 
 from .classify import Classifier
 
 MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
-BATCH = 20000                      # events decoded to records at a time
-_GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"}
-_LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "runtime", "driver"}
-_CPU_CATS = {"user_annotation", "cpu_op", "operator", "gpu_user_annotation"}
+BATCH = 4000                       # events decoded to records at a time
 
 
-class _Args(msgspec.Struct):
+class _Args(msgspec.Struct, gc=False):
     correlation: int | None = None
     device: int | None = None
     stream: int | None = None
     collective: str | None = msgspec.field(default=None, name="Collective name")
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):
     ph: str | None = None
     cat: str | None = None
     name: str | int | float | None = None
@@ -125,7 +124,10 @@ def ts_to_ns(texts: list[bytes], base_ns: int, path: Path, offset: int) -> list[
                 raise InputError(path, f"timestamp {s!r} is not finite", f"event {offset + j}")
             neg = d < 0
             v = int((abs(d) * 1000).to_integral_value(rounding="ROUND_HALF_UP"))
-        out.append(base_ns + (-v if neg else v))
+        ns = base_ns + (-v if neg else v)
+        if not -(2 ** 63) <= ns < 2 ** 63:
+            raise InputError(path, f"timestamp {s!r} µs is outside the 64-bit ns range", f"event {offset + j}")
+        out.append(ns)
     return out
 
 
@@ -144,9 +146,22 @@ def _int(v) -> int | None:
 
 def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, dict]:
     """Columns of one Kineto file: (info, gpu, launch, cpu)."""
+    was = gc.isenabled()
+    gc.disable()  # millions of short-lived records: the cyclic collector only costs time here
+    try:
+        out = _parse_file(path, progress)
+        if not len(out[1]["name"]) and not out[0]["all_cpu_ops"]:
+            out = _parse_file(path, progress, all_cpu_ops=True)  # no GPU event after all: keep every CPU op
+        return out
+    finally:
+        if was:
+            gc.enable()
+
+
+def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[dict, dict, dict, dict]:
     t0 = time.perf_counter()
     buf = read_bytes(path)
-    if not buf.strip():
+    if not buf or buf.isspace():
         raise InputError(path, "file is empty")
     try:
         if buf.lstrip()[:1] == b"[":  # bare array of events (Chrome trace array form)
@@ -166,68 +181,29 @@ def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, di
     info = {"n_events": len(raws), "base_ns": base, "rank": top.distributedInfo.rank if top.distributedInfo else None,
             "world_size": top.distributedInfo.world_size if top.distributedInfo else None,
             "bytes": len(buf)}
+    # CPU ops matter only in a CPU-only trace (host spans); a quick byte search tells
+    all_cpu_ops = all_cpu_ops or not any(m in buf for m in _GPU_MARKERS)
+    info["all_cpu_ops"] = all_cpu_ops
     del buf
     gpu = {k: [] for k in GPU_SCHEMA}
-    gpu_ts: list = []
-    launch = {"correlation": [], "pid": [], "tid": [], "ts_ns": []}
-    launch_ts: list = []
+    launch = {"correlation": [], "pid": [], "tid": []}
     cpu = {k: [] for k in CPU_SCHEMA}
-    cpu_ts: list = []
-    cpu_dur: list = []
-    gpu_dur: list = []
-    gpu_idx: list = []
-    cpu_idx: list = []
-    stream_names: dict = {}
+    gpu_ts, gpu_dur, gpu_idx = [], [], []
+    launch_ts: list = []
+    cpu_ts, cpu_dur, cpu_idx = [], [], []
     last = time.perf_counter()
     for b0 in range(0, len(raws), BATCH):
         chunk = raws[b0:b0 + BATCH]
         try:
             evs = _EVENTS_DEC.decode(b"[" + b",".join(chunk) + b"]")
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            # find the offending event for the message
-            for j, r in enumerate(chunk):
+            for j, r in enumerate(chunk):  # find the offending event for the message
                 try:
                     msgspec.json.decode(r, type=_Event)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e2:
                     raise InputError(path, f"bad event: {e2}", f"event {b0 + j}") from None
             raise InputError(path, f"bad event: {e}", f"events {b0}..{b0 + len(chunk) - 1}") from None
-        for j, e in enumerate(evs):
-            ph = e.ph
-            if ph != "X":
-                if ph == "M" and e.name == "thread_name":
-                    pass
-                continue
-            cat = e.cat
-            lc = cat.lower() if cat else ""
-            if lc in _GPU_CATS:
-                a = e.args
-                dev = a.device if a and a.device is not None else _int(e.pid)
-                st = a.stream if a and a.stream is not None else _int(e.tid)
-                gpu["name"].append(str(e.name))
-                gpu["cat"].append(lc)
-                gpu["device"].append(dev if dev is not None else 0)
-                gpu["stream"].append(st if st is not None else 0)
-                gpu["correlation"].append(a.correlation if a else None)
-                gpu["coll_arg"].append(a.collective if a else None)
-                gpu_ts.append(e.ts)
-                gpu_dur.append(e.dur)
-                gpu_idx.append(b0 + j)
-            elif lc in _LAUNCH_CATS:
-                a = e.args
-                if a is None or a.correlation is None:
-                    continue
-                launch["correlation"].append(a.correlation)
-                launch["pid"].append(_int(e.pid))
-                launch["tid"].append(_int(e.tid))
-                launch_ts.append(e.ts)
-            elif lc in _CPU_CATS and lc != "gpu_user_annotation":
-                cpu["name"].append(str(e.name))
-                cpu["cat"].append(lc)
-                cpu["pid"].append(_int(e.pid))
-                cpu["tid"].append(_int(e.tid))
-                cpu_ts.append(e.ts)
-                cpu_dur.append(e.dur)
-                cpu_idx.append(b0 + j)
+        _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts, cpu_dur, cpu_idx, all_cpu_ops)
         del evs
         if progress and time.perf_counter() - last > 2.0:
             last = time.perf_counter()
@@ -235,17 +211,15 @@ def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, di
     del raws, top
     absolute = base is not None
     base_ns = int(base) if base is not None else 0
-    for ts_list, dur_list, idx, cols, kind in ((gpu_ts, gpu_dur, gpu_idx, gpu, "gpu"),
-                                               (cpu_ts, cpu_dur, cpu_idx, cpu, "cpu")):
-        starts = _convert_ts(ts_list, idx, base_ns, path)
-        durs = _convert_dur(dur_list, idx, path)
+    for ts_list, dur_list, idx, cols in ((gpu_ts, gpu_dur, gpu_idx, gpu), (cpu_ts, cpu_dur, cpu_idx, cpu)):
+        starts = ts_column(ts_list, idx, base_ns, path)
+        durs = _dur_column(dur_list, idx, path)
         cols["start_ns"] = starts
-        cols["end_ns"] = [s + d for s, d in zip(starts, durs)]
-    launch["ts_ns"] = _convert_ts(launch_ts, None, base_ns, path)
-    if gpu["start_ns"] and not absolute:
-        absolute = min(gpu["start_ns"]) > 10**18  # integer epoch µs -> ns > 2001-09
-    elif cpu["start_ns"] and not absolute:
-        absolute = min(cpu["start_ns"]) > 10**18
+        cols["end_ns"] = starts + durs
+    launch["ts_ns"] = ts_column(launch_ts, None, base_ns, path)
+    if not absolute:
+        firsts = [int(c["start_ns"].min()) for c in (gpu, cpu) if len(c["start_ns"])]
+        absolute = bool(firsts) and min(firsts) > 10**18  # integer epoch µs -> ns after 2001-09
     info["time_base"] = "epoch" if absolute else "capture_start"
     if progress:
         dt = time.perf_counter() - t0
@@ -254,34 +228,103 @@ def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, di
     return info, gpu, launch, cpu
 
 
-def _convert_ts(ts_list: list, idx: list | None, base_ns: int, path: Path) -> list[int]:
-    texts = []
+_GPU_CATS = frozenset({"kernel", "Kernel", "gpu_memcpy", "gpu_memset", "Memcpy", "Memset", "memcpy", "memset"})
+_LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "Runtime", "Driver", "runtime", "driver"})
+_CPU_CATS = frozenset({"user_annotation", "cpu_op", "Operator", "operator", "User Annotation"})
+_CAT_CANON = {"Kernel": "kernel", "Memcpy": "gpu_memcpy", "Memset": "gpu_memset", "memcpy": "gpu_memcpy",
+              "memset": "gpu_memset", "Operator": "cpu_op", "operator": "cpu_op", "User Annotation": "user_annotation"}
+
+
+def _as_int(v):
+    return v if type(v) is int else _int(v)
+
+
+_OP_CATS = frozenset({"cpu_op", "Operator", "operator"})
+_COLL_PREFIXES = ("nccl:", "gloo:", "c10d::", "mpi:", "ucc:", "xccl:", "hccl:", "rccl:")
+_GPU_MARKERS = (b'"kernel"', b'"Kernel"', b'"gpu_memcpy"', b'"gpu_memset"', b'"Memcpy"', b'"Memset"')
+
+
+def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts, cpu_dur, cpu_idx,
+          all_cpu_ops: bool = True) -> None:
+    """Columns of one decoded batch (comprehensions: the per-event cost is what matters)."""
+    g = [(i, e) for i, e in enumerate(evs) if e.cat in _GPU_CATS and e.ph == "X"]
+    if g:
+        gpu["name"].extend([str(e.name) for _, e in g])
+        gpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in g])
+        gpu["device"].extend([e.args.device if e.args is not None and e.args.device is not None
+                              else (_as_int(e.pid) or 0) for _, e in g])
+        gpu["stream"].extend([e.args.stream if e.args is not None and e.args.stream is not None
+                              else (_as_int(e.tid) or 0) for _, e in g])
+        gpu["correlation"].extend([e.args.correlation if e.args is not None else None for _, e in g])
+        gpu["coll_arg"].extend([e.args.collective if e.args is not None else None for _, e in g])
+        gpu_ts.extend([e.ts for _, e in g])
+        gpu_dur.extend([e.dur for _, e in g])
+        gpu_idx.extend([b0 + i for i, _ in g])
+    lr = [e for e in evs if e.cat in _LAUNCH_CATS and e.args is not None and e.args.correlation is not None]
+    if lr:
+        launch["correlation"].extend([e.args.correlation for e in lr])
+        launch["pid"].extend([_as_int(e.pid) for e in lr])
+        launch["tid"].extend([_as_int(e.tid) for e in lr])
+        launch_ts.extend([e.ts for e in lr])
+    if all_cpu_ops:
+        c = [(i, e) for i, e in enumerate(evs) if e.cat in _CPU_CATS and e.ph == "X"]
+    else:  # a GPU trace: of the CPU ops only collectives matter (annotations all do)
+        c = [(i, e) for i, e in enumerate(evs) if e.cat in _CPU_CATS and e.ph == "X"
+             and (e.cat not in _OP_CATS or str(e.name).startswith(_COLL_PREFIXES))]
+    if c:
+        cpu["name"].extend([str(e.name) for _, e in c])
+        cpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in c])
+        cpu["pid"].extend([_as_int(e.pid) for _, e in c])
+        cpu["tid"].extend([_as_int(e.tid) for _, e in c])
+        cpu_ts.extend([e.ts for _, e in c])
+        cpu_dur.extend([e.dur for _, e in c])
+        cpu_idx.extend([b0 + i for i, _ in c])
+
+
+_NUM_RE = r"^-?\d+(?:\.\d*)?$"
+
+
+def ts_column(ts_list: list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
+    """Decimal µs texts (msgspec Raw slices) -> exact integer ns (+ base), vectorized.
+
+    Exact decimal arithmetic on the text: integer part * 1000 + the first three decimals,
+    rounded half away from zero on the fourth; anything else (exponents, quoted numbers)
+    goes through Decimal one value at a time."""
+    if not ts_list:
+        return pl.Series("t", [], pl.Int64)
     for j, t in enumerate(ts_list):
         if not len(t):
             raise InputError(path, "complete event without ts", f"event {idx[j] if idx else j}")
-        texts.append(bytes(t))
-    try:
-        return ts_to_ns(texts, base_ns, path, 0)
-    except InputError as e:
-        if idx is not None and e.position and e.position.startswith("event "):
-            k = int(e.position.split()[1])
-            raise InputError(path, e.message, f"event {idx[k]}") from None
-        raise
+    text = pl.Series("t", b"\n".join(ts_list).decode("utf-8", "replace").split("\n"), pl.Utf8)
+    ok = text.str.contains(_NUM_RE)
+    neg = text.str.starts_with("-")
+    body = text.str.strip_prefix("-")
+    parts = body.str.split_exact(".", 1).struct.unnest()
+    frac = parts["field_1"].fill_null("").str.pad_end(4, "0")
+    ip = parts["field_0"].cast(pl.Int64, strict=False)
+    v = ip * 1000 + frac.str.slice(0, 3).cast(pl.Int64, strict=False) + (frac.str.slice(3, 1) >= "5").cast(pl.Int64)
+    v = pl.select(pl.when(neg).then(-v).otherwise(v)).to_series()
+    # beyond 9e15 µs, ip * 1000 could wrap around int64: take the exact (range-checked) path
+    bad = ~ok | v.is_null() | ip.is_null() | (ip >= 9_000_000_000_000_000 // 1000)
+    if bad.any():
+        vals = v.to_list()
+        for j in bad.arg_true().to_list():
+            vals[j] = ts_to_ns([text[j].encode()], 0, path, idx[j] if idx else j)[0]
+        v = pl.Series("t", vals, pl.Int64)
+    return (v + base_ns).alias("t")
 
 
-def _convert_dur(dur_list: list, idx: list, path: Path) -> list[int]:
-    out = []
-    for j, d in enumerate(dur_list):
-        if d is None:
-            out.append(0)
-            continue
-        v = int(round(d * 1000)) if isinstance(d, float) else int(d) * 1000
-        if v < 0:
-            raise InputError(path, f"event has a negative duration ({d} µs)", f"event {idx[j]}")
-        if v > MAX_DUR_NS:
-            raise InputError(path, f"event lasts {d / 1e6:.0f} s (over an hour): corrupt trace", f"event {idx[j]}")
-        out.append(v)
-    return out
+def _dur_column(dur_list: list, idx: list, path: Path) -> pl.Series:
+    d = pl.Series("d", dur_list, pl.Float64, strict=False).fill_null(0.0)
+    ns = (d * 1000).round(0)
+    bad = (ns < 0) | (ns > MAX_DUR_NS) | d.is_nan()
+    if bad.any():
+        j = bad.arg_true()[0]
+        v = dur_list[j]
+        if v is not None and v < 0:
+            raise InputError(path, f"event has a negative duration ({v} µs)", f"event {idx[j]}")
+        raise InputError(path, f"event lasts {v} µs (over an hour): corrupt trace", f"event {idx[j]}")
+    return ns.cast(pl.Int64)
 
 
 def _is_kineto(path: Path, head: bytes) -> bool:
@@ -305,12 +348,20 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     ``distributedInfo.rank`` or the file name); otherwise every file is its own run."""
     total = sum(p.stat().st_size for p in paths)
     progress = bool(options.get("progress")) or total > 64 * 2**20
-    parsed = []
-    for p in sorted(paths):
-        info, gpu, launch, cpu = parse_file(p, progress=progress)
-        parsed.append((p, info, RankEvents(rank=-1, gpu=frame(gpu, GPU_SCHEMA), launch=frame(launch, LAUNCH_SCHEMA),
-                                           cpu=frame(cpu, CPU_SCHEMA), source=p.name)))
-        del gpu, launch, cpu
+    paths = sorted(paths)
+    jobs = _jobs(options, paths, total)
+    if jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
+            frames = list(ex.map(_parse_frames, paths, [progress] * len(paths)))
+    else:
+        frames = [_parse_frames(p, progress) for p in paths]
+    parsed = [(p, info, RankEvents(rank=-1, gpu=g, launch=l, cpu=c, source=p.name))
+              for p, (info, g, l, c) in zip(paths, frames)]
+    del frames
     groups: dict[Path, list] = {}
     for item in parsed:
         groups.setdefault(item[0].parent, []).append(item)
@@ -321,6 +372,22 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         else:
             runs.append(items)
     return [_collect_run(items, options) for items in runs]
+
+
+def _jobs(options: dict, paths: list[Path], total: int) -> int:
+    """Processes to parse rank files with: option ``jobs`` (``--set jobs=N``), else one per
+    CPU (at most 4) when there are several files and over 64 MiB of them."""
+    j = options.get("jobs")
+    if j is not None:
+        return max(1, min(int(j), len(paths)))
+    if len(paths) < 2 or total < 64 * 2**20:
+        return 1
+    return max(1, min(os.cpu_count() or 1, 4, len(paths)))
+
+
+def _parse_frames(path: Path, progress: bool):
+    info, gpu, launch, cpu = parse_file(path, progress=progress)
+    return info, frame(gpu, GPU_SCHEMA), frame(launch, LAUNCH_SCHEMA), frame(cpu, CPU_SCHEMA)
 
 
 def _rank_of(p: Path, info: dict) -> int | None:
