@@ -301,7 +301,7 @@ def sweep(store, run_id, policy, replicas, intervals, window, ranks, split, hard
 
         sweep_plot(rows, plot)
         click.echo(f"wrote {plot}", err=True)
-    cols = ["what", "replicas", "replan_every", "extra_mem_per_rank_bytes", "mean_imbalance", "p99_imbalance",
+    cols = ["what", "replicas", "replan_every", "judged_on", "extra_mem_per_rank_bytes", "mean_imbalance", "p99_imbalance",
             "efficiency", "predicted_step_ns", "speedup_vs_first", "moved_experts", "moved_bytes", "skipped"]
     df = pl.DataFrame([{c: r.get(c) for c in cols} for r in rows], schema_overrides={"skipped": pl.Utf8})
     if df["skipped"].null_count() == df.height:

@@ -290,6 +290,7 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
         s = summarize(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2))
         base = base or s["predicted_step_ns"]
         rows.append({"what": f"replicas {rep}", "replicas": rep, "replan_every": None,
+                     "judged_on": f"all {ids.size} steps (plan fitted on them)",
                      "extra_mem_per_rank_bytes": int(rep * shape.expert_bytes * shape.layers.size / plan.num_ranks),
                      "mean_imbalance": s["mean_imbalance"], "p99_imbalance": s["p99_imbalance"],
                      "efficiency": s["mean_efficiency"], "predicted_step_ns": s["predicted_step_ns"],
@@ -305,6 +306,7 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
         d = drift(store, run_id, shape, policy, ps, every, w, opts, write=False)
         s = d["replan"]
         rows.append({"what": f"replan every {every}", "replicas": rep, "replan_every": every,
+                     "judged_on": f"steps after the first {w} (trailing-window plans)",
                      "extra_mem_per_rank_bytes": int(rep * shape.expert_bytes * shape.layers.size / ps.num_ranks),
                      "mean_imbalance": s["mean_imbalance"], "p99_imbalance": s["p99_imbalance"],
                      "efficiency": s.get("mean_efficiency"), "predicted_step_ns": s["predicted_step_ns"],
