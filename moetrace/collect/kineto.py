@@ -375,14 +375,16 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
 
 
 def _jobs(options: dict, paths: list[Path], total: int) -> int:
-    """Processes to parse rank files with: option ``jobs`` (``--set jobs=N``), else one per
-    CPU (at most 4) when there are several files and over 64 MiB of them."""
-    j = options.get("jobs")
-    if j is not None:
-        return max(1, min(int(j), len(paths)))
-    if len(paths) < 2 or total < 64 * 2**20:
-        return 1
-    return max(1, min(os.cpu_count() or 1, 4, len(paths)))
+    """Processes to parse rank files with: option ``jobs`` (``--set jobs=N``; ``auto`` = one
+    per CPU, at most 8). Default 1: on a busy machine extra processes only add copying."""
+    j = options.get("jobs", 1)
+    if j == "auto":
+        j = min(os.cpu_count() or 1, 8)
+    try:
+        j = int(j)
+    except (TypeError, ValueError):
+        raise InputError(None, f"--set jobs={j!r}: expected a number or 'auto'") from None
+    return max(1, min(j, len(paths)))
 
 
 def _parse_frames(path: Path, progress: bool):

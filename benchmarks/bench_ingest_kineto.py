@@ -1,0 +1,156 @@
+"""Ingest speed and peak memory of the Kineto collector, side by side with
+HolisticTraceAnalysis loading the same folder.
+
+The input is built from DeepSeek's real trace (../shared/data/deepseek_ep64_train_rank0.json.gz):
+its events are replicated over ranks and steps (each copy time-shifted, with fresh
+correlation ids and ``ProfilerStep#N`` renumbered) and written as one plain JSON file per
+rank into a temporary folder (never into the repository). ``small``: 4 ranks x 2 steps
+(about 25 MB); ``full``: 8 ranks x 42 steps (about 1.05 GB; run it under
+``flock /tmp/moetrace-heavy.lock``).
+
+moetrace is timed on ``moetrace ingest FOLDER --store TMP`` (parse, classify, write
+Parquet) in a fresh process; HTA on ``TraceAnalysis(trace_dir=FOLDER)`` in a fresh process
+of its own environment (``MOETRACE_HTA_PYTHON``, default /work/hta-venv/bin/python; HTA
+parses ranks with a process pool, so its peak counts its children). Peak memory is the
+maximum resident set of each process tree, compared with the uncompressed input size.
+
+    python benchmarks/bench_ingest_kineto.py --size small
+    flock /tmp/moetrace-heavy.lock python benchmarks/bench_ingest_kineto.py --size full
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import main, result  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCE = REPO.parent / "shared" / "data" / "deepseek_ep64_train_rank0.json.gz"
+SIZES = {"small": (4, 2), "full": (8, 42)}
+HTA_PYTHON = os.environ.get("MOETRACE_HTA_PYTHON", "/work/hta-venv/bin/python")
+
+_MEASURE = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+{body}
+dt = time.perf_counter() - t0
+self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+kids_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print("BENCH " + json.dumps({{"seconds": dt, "peak_self_mib": self_kb / 1024, "peak_children_mib": kids_kb / 1024}}))
+"""
+
+
+def build_folder(out: Path, ranks: int, steps: int) -> int:
+    """Write ranks x steps copies of the source trace; returns total bytes written."""
+    doc = json.loads(gzip.open(SOURCE).read())
+    events = doc.pop("traceEvents")
+    xs = [e for e in events if e.get("ph") != "M"]
+    meta = [e for e in events if e.get("ph") == "M"]
+    t_min = min(e["ts"] for e in xs if "ts" in e)
+    t_max = max(e["ts"] + e.get("dur", 0) for e in xs if "ts" in e)
+    period = int(t_max - t_min) + 1000
+    total = 0
+    for r in range(ranks):
+        path = out / f"rank-{r}.json"
+        with open(path, "w") as f:
+            head = dict(doc)
+            head["distributedInfo"] = {"backend": "nccl", "rank": r, "world_size": ranks}
+            f.write(json.dumps(head)[:-1] + ', "traceEvents": [\n')
+            f.write(",\n".join(json.dumps(e) for e in meta))
+            for k in range(steps):
+                shift = k * period + r * 13
+                cshift = k * 1_000_000
+                parts = []
+                for e in xs:
+                    e2 = dict(e)
+                    if "ts" in e2:
+                        e2["ts"] = e2["ts"] + shift
+                    if e2.get("name", "").startswith("ProfilerStep#"):
+                        e2["name"] = f"ProfilerStep#{k + 1}"
+                    a = e2.get("args")
+                    if a and ("correlation" in a or "External id" in a):
+                        a = dict(a)
+                        for key in ("correlation", "External id"):
+                            if key in a:
+                                a[key] = a[key] + cshift
+                        e2["args"] = a
+                    if e2.get("ph") in ("s", "f") and "id" in e2:
+                        e2["id"] = e2["id"] + cshift
+                    parts.append(json.dumps(e2))
+                f.write(",\n" + ",\n".join(parts))
+            f.write("\n]}\n")
+        total += path.stat().st_size
+        print(f"  wrote {path.name}: {path.stat().st_size / 1e6:.0f} MB", file=sys.stderr, flush=True)
+    return total
+
+
+def _measure(python: str, body: str, timeout: float = 3600) -> dict:
+    code = _MEASURE.format(body=body)
+    res = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout)
+    for line in res.stdout.splitlines():
+        if line.startswith("BENCH "):
+            return json.loads(line[6:])
+    raise RuntimeError(f"{python} failed (rc {res.returncode}): {res.stderr[-2000:]}")
+
+
+def run(size: str) -> list[dict]:
+    if not SOURCE.exists():
+        print(f"skipped: {SOURCE} not found", file=sys.stderr)
+        return []
+    ranks, steps = SIZES[size]
+    tmp = Path(tempfile.mkdtemp(prefix="moetrace-bench-kineto-", dir="/tmp"))
+    try:
+        folder = tmp / "traces"
+        folder.mkdir()
+        nbytes = build_folder(folder, ranks, steps)
+        mb = nbytes / 1e6
+        store = tmp / "store"
+        ours = _measure(sys.executable, f"""
+from moetrace.collect import ingest
+from moetrace.store import Store
+res = ingest(Store({str(store)!r}, create=True), [{str(folder)!r}])
+assert res and not res[0].skipped
+""")
+        our_peak = max(ours["peak_self_mib"], ours["peak_children_mib"])
+        rows = [
+            result("ingest_kineto", "throughput", mb / ours["seconds"], "MB/s",
+                   notes=f"{ranks} ranks x {steps} steps, {mb:.0f} MB JSON, {ours['seconds']:.1f} s"),
+            result("ingest_kineto", "peak_memory_over_input", our_peak * 2**20 / nbytes, "x input",
+                   notes=f"peak RSS {our_peak:.0f} MiB for {mb:.0f} MB input (target < 2x)"),
+        ]
+        if Path(HTA_PYTHON).exists():
+            try:
+                hta = _measure(HTA_PYTHON, f"""
+import logging
+logging.disable(logging.CRITICAL)
+from hta.trace_analysis import TraceAnalysis
+TraceAnalysis(trace_dir={str(folder)!r})
+""")
+                hta_peak = hta["peak_self_mib"] + hta["peak_children_mib"]
+                rows.append(result("ingest_kineto", "seconds", ours["seconds"], "s", baseline="HTA 0.5 TraceAnalysis",
+                                   baseline_value=hta["seconds"], ratio=hta["seconds"] / ours["seconds"],
+                                   notes="wall time; HTA parses ranks with a process pool"))
+                rows.append(result("ingest_kineto", "peak_memory", our_peak, "MiB", baseline="HTA 0.5 TraceAnalysis",
+                                   baseline_value=hta_peak, ratio=hta_peak / our_peak,
+                                   notes="HTA: parent + largest child"))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                rows.append(result("ingest_kineto", "seconds", ours["seconds"], "s", baseline="HTA 0.5 TraceAnalysis",
+                                   notes=f"HTA failed: {str(e)[-300:]}"))
+        else:
+            rows.append(result("ingest_kineto", "seconds", ours["seconds"], "s",
+                               notes=f"HTA not installed at {HTA_PYTHON} (python3 -m venv /work/hta-venv && "
+                                     "/work/hta-venv/bin/pip install holistictraceanalysis)"))
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(run)
