@@ -16,6 +16,7 @@ bytes). Splits of an expert's tokens over its replicas:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,17 @@ from .cost import CostModel
 from .planners import Plan, PlanShape, contiguous
 
 SPLITS = ("even", "hash", "local")
+
+
+def blas_single_thread():
+    """One BLAS thread for the many small per-layer matmuls: OpenBLAS's thread pool costs
+    more than it gives on [steps, experts] x [experts, ranks] products (10x slower on a
+    busy 2-core machine). Uses threadpoolctl when installed (extra ``fast``)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
 _HASH = np.uint64(2654435761)
 
 
@@ -248,6 +260,11 @@ def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int, bytes_per_token:
 def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np.ndarray | None = None,
                 top_k: int = 8, bytes_per_token: int = 14336) -> Block:
     """Replay aggregated load [t, L, E] (or per-slot counts of this very plan) against ``plan``."""
+    with blas_single_thread():
+        return _replay_load(load, plan, split, slot_load, top_k, bytes_per_token)
+
+
+def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token) -> Block:
     T, L, E = load.shape
     R, spr = plan.num_ranks, plan.slots_per_rank
     if slot_load is not None:
