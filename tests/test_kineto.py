@@ -323,3 +323,27 @@ def test_deepseek_trace_spans_and_step():
     assert (kinds["dispatch"], kinds["combine"]) == (want_disp, want_comb) == (8, 8)
     assert [r["step"] for r in run.tables["steps"].to_pylist()] == [1]
     assert run.run["time_base"] == "epoch"
+
+
+def test_kernel_rules_file_and_kernels_command(tmp_path, runner, cli):
+    ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000), launch(1, 1), launch(2, 2), launch(3, 3),
+          kernel("void my_ep::send_tokens<4>(int)", 10, 40, 1, stream=20),
+          kernel("void my_ep::recv_tokens<4>(int)", 100, 25, 2, stream=20),
+          kernel(GEMM, 20, 60, 3, stream=7)]
+    f = write_trace(tmp_path / "t.json", ev, rank=0, world=1)
+    rules = tmp_path / "rules.csv"
+    rules.write_text("kind,pattern\ndispatch,^my_ep::send_tokens\ncombine,^my_ep::recv_tokens\n")
+    st = tmp_path / "st"
+    res = runner.invoke(cli, ["ingest", str(f), "--store", str(st), "--kernel-rules", str(rules)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["kernels", str(st), "--format", "json"])
+    rows = {r["kind"]: r for r in json.loads(res.output)}
+    assert rows["dispatch"]["name"].startswith("my_ep::send_tokens")
+    assert rows["dispatch"]["total_ms"] == pytest.approx(0.04)
+    assert rows["combine"]["total_ms"] == pytest.approx(0.025)
+    assert rows["expert_gemm"]["total_ms"] == pytest.approx(0.06)
+    assert rows["expert_gemm"]["share_of_all"] == pytest.approx(60 / 125)
+    # without the rules the same kernels are unknown compute: the command shows them as such
+    res = runner.invoke(cli, ["ingest", str(f), "--store", str(tmp_path / "st2")])
+    res = runner.invoke(cli, ["kernels", str(tmp_path / "st2"), "--kind", "compute_other", "--format", "json"])
+    assert sorted(r["name"][:18] for r in json.loads(res.output)) == ["my_ep::recv_tokens", "my_ep::send_tokens"]

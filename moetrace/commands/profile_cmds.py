@@ -25,15 +25,16 @@ def kernels_table(st: Store, run_id: str, kind: str | None = None, limit: int | 
     df = st.sql(f"""
         WITH k AS (
             SELECT s.kind, kn.name, count(*) AS spans, sum(s.end_ns - s.start_ns) AS total_ns,
-                   count(DISTINCT s.rank) AS ranks, any_value(s.collective) AS collective
+                   count(DISTINCT s.rank) AS ranks, s.collective
             FROM spans s JOIN kernel_names kn ON kn.run_id = s.run_id AND kn.name_id = s.name_id
             WHERE {where}
-            GROUP BY s.kind, kn.name
+            GROUP BY s.kind, kn.name, s.collective
         )
         SELECT kind, sum(total_ns) OVER (PARTITION BY kind) AS kind_total_ns, name, spans, ranks, collective,
-               total_ns, total_ns / sum(total_ns) OVER () AS share_of_all
+               total_ns,
+               total_ns / (SELECT sum(end_ns - start_ns) FROM spans WHERE run_id = ?) AS share_of_all
         FROM k
-        ORDER BY kind_total_ns DESC, kind, total_ns DESC""", params)
+        ORDER BY kind_total_ns DESC, kind, total_ns DESC""", params + [run_id])
     if limit:
         df = df.with_columns(pl.int_range(pl.len()).over("kind").alias("_r")).filter(pl.col("_r") < limit).drop("_r")
     return df.with_columns((pl.col("total_ns") / 1e6).alias("total_ms"),
