@@ -5,7 +5,7 @@ The input is built from DeepSeek's real trace (../shared/data/deepseek_ep64_trai
 its events are replicated over ranks and steps (each copy time-shifted, with fresh
 correlation ids and ``ProfilerStep#N`` renumbered) and written as one plain JSON file per
 rank into a temporary folder (never into the repository). ``small``: 4 ranks x 2 steps
-(about 25 MB); ``full``: 8 ranks x 42 steps (about 1.05 GB; run it under
+(about 25 MB); ``full``: 8 ranks x 48 steps (about 1.06 GB; run it under
 ``flock /tmp/moetrace-heavy.lock``).
 
 moetrace is timed on ``moetrace ingest FOLDER --store TMP`` (parse, classify, write
@@ -33,7 +33,7 @@ from benchmarks.common import main, result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO.parent / "shared" / "data" / "deepseek_ep64_train_rank0.json.gz"
-SIZES = {"small": (4, 2), "full": (8, 42)}
+SIZES = {"small": (4, 2), "full": (8, 48)}
 HTA_PYTHON = os.environ.get("MOETRACE_HTA_PYTHON", "/work/hta-venv/bin/python")
 
 _MEASURE = r"""
