@@ -44,10 +44,11 @@ WITH l AS (
     FROM placement WHERE plan_id = 'recorded' GROUP BY run_id, layer
 ), unplaced AS (
     SELECT e.run_id, e.layer, count(DISTINCT e.expert) AS unplaced_experts
-    FROM (SELECT DISTINCT run_id, layer, expert FROM expert_load WHERE slot IS NULL) e
-    JOIN rec USING (run_id, layer)
-    WHERE NOT EXISTS (SELECT 1 FROM placement p WHERE p.plan_id = 'recorded' AND p.run_id = e.run_id
-                      AND p.layer = e.layer AND p.expert = e.expert)
+    FROM (SELECT DISTINCT x.run_id, x.layer, x.expert FROM expert_load x
+          SEMI JOIN rec ON rec.run_id = x.run_id AND rec.layer = x.layer
+          WHERE x.slot IS NULL) e
+    ANTI JOIN (SELECT DISTINCT run_id, layer, expert FROM placement WHERE plan_id = 'recorded') p
+        ON p.run_id = e.run_id AND p.layer = e.layer AND p.expert = e.expert
     GROUP BY e.run_id, e.layer
 )
 SELECT l.run_id, l.layer,
@@ -66,11 +67,18 @@ JOIN run_shape sh USING (run_id)
 LEFT JOIN rec USING (run_id, layer)
 LEFT JOIN unplaced u USING (run_id, layer);
 
--- expert_tokens: tokens per logical expert per (step, layer), summed over slots and
--- source ranks. Experts without rows received nothing.
+-- expert_tokens: tokens per logical expert per (step, layer). Experts without rows
+-- received nothing. By the table's key (step, layer, expert, slot, src_rank), a row with
+-- neither slot nor src_rank is already the expert's total and is used as is (no
+-- group-by over hundreds of millions of rows); rows split by slot or source rank are
+-- summed per expert.
 CREATE OR REPLACE VIEW expert_tokens AS
-SELECT run_id, step, layer, expert, sum(tokens) AS tokens
-FROM expert_load GROUP BY run_id, step, layer, expert;
+SELECT run_id, step, layer, expert, tokens
+FROM expert_load WHERE slot IS NULL AND src_rank IS NULL
+UNION ALL
+SELECT run_id, step, layer, expert, CAST(sum(tokens) AS BIGINT) AS tokens
+FROM expert_load WHERE slot IS NOT NULL OR src_rank IS NOT NULL
+GROUP BY run_id, step, layer, expert;
 
 -- rank_load_sparse: ranks that received rows (no zero-fill); rank metrics use it.
 CREATE OR REPLACE VIEW rank_load_sparse AS
@@ -79,8 +87,8 @@ WITH sh AS (
 ), reps AS (
     SELECT run_id, layer, expert, rank, count(*) OVER (PARTITION BY run_id, layer, expert) AS copies
     FROM placement WHERE plan_id = 'recorded'
-), rec_layers AS (
-    SELECT DISTINCT run_id, layer FROM placement WHERE plan_id = 'recorded'
+), placed AS (
+    SELECT DISTINCT run_id, layer, expert FROM placement WHERE plan_id = 'recorded'
 ), per_row AS (
     SELECT e.run_id, e.step, e.layer,
            CAST(coalesce(p.rank, (CAST(e.slot AS BIGINT) * sh.R) // sh.S) AS BIGINT) AS rank,
@@ -99,8 +107,8 @@ WITH sh AS (
     SELECT e.run_id, e.step, e.layer, (CAST(e.expert AS BIGINT) * sh.R) // sh.E, CAST(e.tokens AS DOUBLE)
     FROM expert_load e
     JOIN sh USING (run_id)
+    ANTI JOIN placed pl ON pl.run_id = e.run_id AND pl.layer = e.layer AND pl.expert = e.expert
     WHERE e.slot IS NULL
-      AND NOT EXISTS (SELECT 1 FROM reps r WHERE r.run_id = e.run_id AND r.layer = e.layer AND r.expert = e.expert)
 )
 SELECT run_id, step, layer, rank, sum(tokens) AS tokens
 FROM per_row GROUP BY run_id, step, layer, rank;

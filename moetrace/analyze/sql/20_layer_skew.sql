@@ -3,19 +3,22 @@
 -- expert_step_stats: one row per (run, step, layer) with the expert-level sums and the
 -- present experts' tokens sorted descending (absent experts count as zero).
 CREATE OR REPLACE VIEW expert_step_stats AS
-SELECT et.run_id, et.step, et.layer,
-       sh.num_experts AS num_experts, sh.top_k AS top_k,
-       CAST(sum(et.tokens) AS BIGINT) AS assignments,
-       sum(CAST(et.tokens AS DOUBLE) * et.tokens) AS sumsq,
-       count(*) FILTER (WHERE et.tokens > 0) AS experts_hit,
-       count(*) AS experts_present,
-       min(et.tokens) AS min_present,
-       max(et.tokens) AS max_tokens,
-       arg_max(et.expert, struct_pack(t := et.tokens, neg_expert := -et.expert)) AS hottest_expert,
-       list_sort(list(et.tokens), 'DESC') AS tokens_desc
-FROM expert_tokens et
-JOIN run_shape sh USING (run_id)
-GROUP BY et.run_id, et.step, et.layer, sh.num_experts, sh.top_k;
+WITH agg AS (
+    SELECT run_id, step, layer,
+           CAST(sum(tokens) AS BIGINT) AS assignments,
+           sum(CAST(tokens AS DOUBLE) * tokens) AS sumsq,
+           count(*) FILTER (WHERE tokens > 0) AS experts_hit,
+           count(*) AS experts_present,
+           min(tokens) AS min_present,
+           max(tokens) AS max_tokens,
+           arg_max(expert, struct_pack(t := tokens, neg_expert := -expert)) AS hottest_expert,
+           list(CAST(tokens AS DOUBLE) ORDER BY tokens DESC) AS tokens_desc
+    FROM expert_tokens
+    GROUP BY run_id, step, layer
+)
+SELECT agg.run_id, agg.step, agg.layer, sh.num_experts, sh.top_k, agg.assignments, agg.sumsq, agg.experts_hit,
+       agg.experts_present, agg.min_present, agg.max_tokens, agg.hottest_expert, agg.tokens_desc
+FROM agg JOIN run_shape sh USING (run_id);
 
 -- layer_skew: imbalance = max/mean of rank load (time lost at the combine barrier),
 -- efficiency = 1/imbalance; straggler_rank = the most loaded rank (lowest id on ties).
@@ -37,7 +40,7 @@ SELECT es.run_id, es.step, es.layer,
        CASE WHEN rk.rank_total > 0 THEN (rk.rank_total / lp.num_ranks) / rk.max_rank_tokens END AS efficiency,
        CASE WHEN rk.rank_total > 0 THEN CAST(rk.straggler_rank AS INTEGER) END AS straggler_rank,
        CASE WHEN es.assignments > 0 THEN
-           2.0 * list_inner_product(CAST(es.tokens_desc AS DOUBLE[]),
+           2.0 * list_inner_product(es.tokens_desc,
                                     CAST(range(es.num_experts, es.num_experts - len(es.tokens_desc), -1) AS DOUBLE[]))
                / (es.num_experts * CAST(es.assignments AS DOUBLE)) - (es.num_experts + 1.0) / es.num_experts
        END AS gini,
