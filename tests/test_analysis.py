@@ -433,3 +433,24 @@ def test_catalog_holds_the_views(tmp_path):
     imb = con.execute("SELECT imbalance FROM layer_skew").fetchone()[0]
     con.close()
     assert imb == pytest.approx(7 / 5)    # ranks [1+2, 3+4]: max 7, mean 5
+
+
+def test_expert_missing_from_recorded_placement_falls_back_visibly(tmp_path):
+    """An expert with tokens but no slot in the recorded placement keeps its tokens
+    (contiguous rank) and the layer says 'recorded+contiguous'."""
+    st = Store(tmp_path / "st", create=True)
+    E, R = 4, 2
+    phy2log = [1, 0, 2, 2]           # expert 3 has no slot
+    placement = {"plan_id": ["recorded"] * 4, "layer": [0] * 4, "slot": [0, 1, 2, 3], "rank": [0, 0, 1, 1],
+                 "node": [0] * 4, "expert": phy2log}
+    x = np.array([10, 20, 30, 40], dtype=float)
+    rid = write(st, {"num_experts": E, "num_ranks": R, "num_slots": 4, "top_k": 1},
+                load_table([(0, 0, e, int(t)) for e, t in enumerate(x)]), placement=placement)
+    ranks = np.array([x[0] + x[1], x[2]])
+    ranks[3 * R // E] += x[3]        # contiguous fallback: rank 1
+    r = skew_rows(st, rid)[(0, 0)]
+    assert r["placement_source"] == "recorded+contiguous"
+    assert r["mean_rank_tokens"] == pytest.approx(x.sum() / R)       # no token lost
+    assert r["imbalance"] == pytest.approx(ranks.max() / ranks.mean())
+    lp = st.sql("SELECT unplaced_experts FROM layer_placement").item()
+    assert lp == 1
