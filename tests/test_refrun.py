@@ -184,3 +184,18 @@ def test_cli_rejects_bad_options(runner, tmp_path):
     assert res.exit_code == 2 and "top-k" in res.output
     res = runner.invoke(cli, ["refrun", str(tmp_path / "x"), "--idle", "9:0"])
     assert res.exit_code == 2 and "outside" in res.output
+
+
+def test_report_reads_the_reference_run(runs, runner, tmp_path):
+    from moetrace.cli import cli
+
+    root, st, ra, _ = runs
+    res = runner.invoke(cli, ["report", str(root / "st"), "--run", ra, "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    # dummy steps: one of STEPS * R (step, rank) pairs had no tokens
+    assert f"1 of {STEPS * R} (step, rank) pairs were dummy steps" in out
+    assert "Per-layer skew" in out
+    if "kineto" in registry():
+        assert "All-to-all exposure" in out
+    assert (tmp_path / "rep" / "report.html").stat().st_size > 0
