@@ -112,11 +112,47 @@ def _chunks(cfg: dict, steps: int, p: np.ndarray, timing: dict):
 
 
 # ----------------------------------------------------------------------------- stages
+class _RssSampler:
+    """Samples this process's resident memory twice a second: shows whether a stage's
+    memory plateaus (bounded) or keeps growing with the number of steps."""
+
+    def __init__(self):
+        import threading
+
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.is_set():
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * page / 2 ** 20
+            self.samples.append((time.perf_counter() - self._t0, rss))
+            self._stop.wait(0.5)
+
+    def quartiles(self) -> list[float]:
+        """Highest RSS (MiB) seen in each quarter of the stage's duration."""
+        self._stop.set()
+        self._thread.join()
+        if not self.samples:
+            return []
+        end = self.samples[-1][0] or 1.0
+        out = []
+        for k in range(4):
+            part = [r for t, r in self.samples if k * end / 4 <= t <= (k + 1) * end / 4]
+            out.append(round(max(part), 1) if part else float("nan"))
+        return out
+
+
 def _stage_ingest(store: str, cfg: dict, steps: int, q) -> None:
     from moetrace.store import Store
 
     p = _popularity(cfg)
     timing = {"generate_s": 0.0}
+    sampler = _RssSampler()
     t0 = time.perf_counter()
     st = Store(store, create=True)
     run = {"source": "bench_fleet", "collector": "bench", "time_base": "none", "source_sha256": f"fleet-{steps}",
@@ -129,7 +165,7 @@ def _stage_ingest(store: str, cfg: dict, steps: int, q) -> None:
     secs = time.perf_counter() - t0
     disk = sum(f.stat().st_size for f in (Path(store) / "expert_load").rglob("*.parquet"))
     q.put({"rows": res.rows["expert_load"], "seconds": secs, "generate_s": timing["generate_s"],
-           "peak_mib": peak_rss_mib(), "disk_bytes": disk})
+           "peak_mib": peak_rss_mib(), "disk_bytes": disk, "rss_quartiles": sampler.quartiles()})
 
 
 LAYER_SKEW_COLUMNS = ("step, layer, max_rank_tokens, mean_rank_tokens, imbalance, efficiency, straggler_rank, gini, cv, "
@@ -149,6 +185,7 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
     con.execute("SET preserve_insertion_order=false")
     outdir = Path(spill).parent / "layer_skew"
     outdir.mkdir()
+    sampler = _RssSampler()
     t0 = time.perf_counter()
     b = cfg["skew_batch_steps"]
     for k, s0 in enumerate(range(0, steps, b)):
@@ -158,7 +195,8 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
     s = con.execute(f"SELECT count(*), avg(imbalance), max(imbalance), avg(gini), count(DISTINCT placement_source) "
                     f"FROM read_parquet('{outdir}/*.parquet')").fetchone()
     q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "out_rows": s[0], "mean_imbalance": s[1],
-           "max_imbalance": s[2], "mean_gini": s[3], "placement_sources": s[4], "batch_steps": b})
+           "max_imbalance": s[2], "mean_gini": s[3], "placement_sources": s[4], "batch_steps": b,
+           "rss_quartiles": sampler.quartiles()})
 
 
 def _stage_replay(store: str, cfg: dict, q) -> None:
@@ -166,13 +204,15 @@ def _stage_replay(store: str, cfg: dict, q) -> None:
 
     args = ["replay", store, "--policy", "eplb", "--fit-window", f"0:{cfg['fit_steps']}", "--no-rank-rows", "--json"]
     buf = io.StringIO()
+    sampler = _RssSampler()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(buf):
         cli.main(args=args, standalone_mode=False)
     secs = time.perf_counter() - t0
     text = buf.getvalue()
     summary = json.loads(text[text.index("{"):])
-    q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "summary": summary, "args": " ".join(args[2:])})
+    q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "summary": summary, "args": " ".join(args[2:]),
+           "rss_quartiles": sampler.quartiles()})
 
 
 def _in_process(fn, *args):
@@ -236,6 +276,9 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
     def extra(secs):
         return "" if f == 1 else f"; extrapolated to the full {full_rows:,} rows: {secs / f:,.0f} s"
 
+    def q4(stage):
+        return " / ".join(f"{v:,.0f}" for v in stage.get("rss_quartiles", []))
+
     b = "fleet"
     peak = max(ing["peak_mib"], skew["peak_mib"], rep["peak_mib"])
     s = rep["summary"]
@@ -246,7 +289,8 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
                      f"{extra(ing['seconds'])}"),
         result(b, "ingest: rows/s", rows / ing["seconds"], "rows/s",
                notes=f"store only (minus generation): {rows / max(ing['seconds'] - ing['generate_s'], 1e-9):,.0f} rows/s"),
-        result(b, "ingest: peak RSS", ing["peak_mib"], "MiB", notes="process generating and writing"),
+        result(b, "ingest: peak RSS", ing["peak_mib"], "MiB",
+               notes=f"process generating and writing; max RSS per quarter of the stage {q4(ing)} MiB"),
         result(b, "store size on disk", ing["disk_bytes"] / 2 ** 20, "MiB",
                notes=f"{ing['disk_bytes'] / rows:.2f} bytes/row (zstd Parquet)"),
         result(b, "layer_skew: wall time", skew["seconds"], "s",
@@ -255,14 +299,14 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
                      f"{extra(skew['seconds'])}"),
         result(b, "layer_skew: rows/s", rows / skew["seconds"], "rows/s",
                notes=f"mean imbalance {skew['mean_imbalance']:.3f}, max {skew['max_imbalance']:.3f}"),
-        result(b, "layer_skew: peak RSS", skew["peak_mib"], "MiB"),
+        result(b, "layer_skew: peak RSS", skew["peak_mib"], "MiB", notes=f"max RSS per quarter {q4(skew)} MiB"),
         result(b, "replay: wall time", rep["seconds"], "s",
                notes=f"moetrace replay {rep['args']}{extra(rep['seconds'])}"),
         result(b, "replay: steps/s", steps / rep["seconds"], "steps/s",
                notes=f"{s.get('num_steps')} steps x {s.get('num_layers')} layers; predicted mean imbalance "
                      f"{s.get('mean_imbalance', float('nan')):.3f}" if isinstance(s.get('mean_imbalance'), (int, float))
                else f"{s.get('num_steps')} steps x {s.get('num_layers')} layers"),
-        result(b, "replay: peak RSS", rep["peak_mib"], "MiB"),
+        result(b, "replay: peak RSS", rep["peak_mib"], "MiB", notes=f"max RSS per quarter {q4(rep)} MiB"),
         result(b, "all stages: wall time", total, "s", notes=f"peak RSS of any stage {peak:,.0f} MiB{extra(total)}"),
     ]
     return out
