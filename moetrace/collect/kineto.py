@@ -304,8 +304,9 @@ def ts_column(ts_list: list, idx: list | None, base_ns: int, path: Path) -> pl.S
     ip = parts["field_0"].cast(pl.Int64, strict=False)
     v = ip * 1000 + frac.str.slice(0, 3).cast(pl.Int64, strict=False) + (frac.str.slice(3, 1) >= "5").cast(pl.Int64)
     v = pl.select(pl.when(neg).then(-v).otherwise(v)).to_series()
-    # beyond 9e15 µs, ip * 1000 could wrap around int64: take the exact (range-checked) path
-    bad = ~ok | v.is_null() | ip.is_null() | (ip >= 9_000_000_000_000_000 // 1000)
+    # where ip * 1000 (+ base) could wrap around int64, take the exact (range-checked) path
+    limit = (2**63 - 1 - abs(base_ns)) // 1000 - 1
+    bad = ~ok | v.is_null() | ip.is_null() | (ip >= limit)
     if bad.any():
         vals = v.to_list()
         for j in bad.arg_true().to_list():

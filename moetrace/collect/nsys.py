@@ -62,8 +62,9 @@ def _open(path: Path, tmpdir: Path) -> sqlite3.Connection:
             raise InputError(path, f"corrupt or truncated gzip: {e}") from None
     try:
         con = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+        con.text_factory = lambda b: b.decode("utf-8", "replace")
         con.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
-    except sqlite3.DatabaseError as e:
+    except (sqlite3.Error, UnicodeError) as e:
         raise InputError(path, f"not a readable SQLite database: {e}") from None
     return con
 
@@ -187,7 +188,13 @@ def _collect_run(paths: list[Path], options: dict) -> RunData:
         for i, p in enumerate(paths):
             if len(paths) > 1 or p.stat().st_size > 64 * 2**20:
                 print(f"nsys: reading {p.name}", file=sys.stderr, flush=True)
-            per, epoch = read_export(p, Path(td))
+            try:
+                per, epoch = read_export(p, Path(td))
+            except InputError:
+                raise
+            except (sqlite3.Error, UnicodeError, ValueError, OverflowError, TypeError, pl.exceptions.PolarsError) as e:
+                msg = str(e).encode("utf-8", "replace").decode("utf-8", "replace")[:200]
+                raise InputError(p, f"corrupt or unreadable Nsight export ({type(e).__name__}: {msg})") from None
             epochs.add(epoch is not None)
             file_rank = rank_from_name(p.name)
             for j, part in enumerate(per):
