@@ -240,6 +240,9 @@ def _as_int(v):
 
 
 _OP_CATS = frozenset({"cpu_op", "Operator", "operator"})
+#: 0 device activity, 1 launch, 2 annotation (always kept), 3 CPU op (kept when a collective or CPU-only)
+_CAT_CODE = {**{c: 0 for c in _GPU_CATS}, **{c: 1 for c in _LAUNCH_CATS}, **{c: 2 for c in _CPU_CATS - _OP_CATS},
+             **{c: 3 for c in _OP_CATS}}
 _COLL_PREFIXES = ("nccl:", "gloo:", "c10d::", "mpi:", "ucc:", "xccl:", "hccl:", "rccl:")
 _GPU_MARKERS = (b'"kernel"', b'"Kernel"', b'"gpu_memcpy"', b'"gpu_memset"', b'"Memcpy"', b'"Memset"')
 
@@ -247,7 +250,20 @@ _GPU_MARKERS = (b'"kernel"', b'"Kernel"', b'"gpu_memcpy"', b'"gpu_memset"', b'"M
 def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts, cpu_dur, cpu_idx,
           all_cpu_ops: bool = True) -> None:
     """Columns of one decoded batch (comprehensions: the per-event cost is what matters)."""
-    g = [(i, e) for i, e in enumerate(evs) if e.cat in _GPU_CATS and e.ph == "X"]
+    g, lr, c = [], [], []
+    ga, la, ca, code = g.append, lr.append, c.append, _CAT_CODE.get
+    for i, e in enumerate(evs):  # one pass: most events are dropped on their category
+        k = code(e.cat)
+        if k is None:
+            continue
+        if k == 1:
+            la(e)
+        elif e.ph != "X":
+            continue
+        elif k == 0:
+            ga((i, e))
+        elif k == 2 or all_cpu_ops or (type(e.name) is str and e.name.startswith(_COLL_PREFIXES)):
+            ca((i, e))
     if g:
         gpu["name"].extend([str(e.name) for _, e in g])
         gpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in g])
@@ -260,17 +276,12 @@ def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts
         gpu_ts.extend([e.ts for _, e in g])
         gpu_dur.extend([e.dur for _, e in g])
         gpu_idx.extend([b0 + i for i, _ in g])
-    lr = [e for e in evs if e.cat in _LAUNCH_CATS and e.args is not None and e.args.correlation is not None]
+    lr = [e for e in lr if e.args is not None and e.args.correlation is not None]
     if lr:
         launch["correlation"].extend([e.args.correlation for e in lr])
         launch["pid"].extend([_as_int(e.pid) for e in lr])
         launch["tid"].extend([_as_int(e.tid) for e in lr])
         launch_ts.extend([e.ts for e in lr])
-    if all_cpu_ops:
-        c = [(i, e) for i, e in enumerate(evs) if e.cat in _CPU_CATS and e.ph == "X"]
-    else:  # a GPU trace: of the CPU ops only collectives matter (annotations all do)
-        c = [(i, e) for i, e in enumerate(evs) if e.cat in _CPU_CATS and e.ph == "X"
-             and (e.cat not in _OP_CATS or str(e.name).startswith(_COLL_PREFIXES))]
     if c:
         cpu["name"].extend([str(e.name) for _, e in c])
         cpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in c])
