@@ -164,3 +164,32 @@ def test_views_run_in_the_plain_duckdb_cli(tmp_path, runner, cli):
     assert lines[0] == "dispatch,100000,60000,40000"
     assert lines[1:] == ["1", "1", "true"]
     assert st.sql("SELECT exposed_ns FROM a2a_exposure")["exposed_ns"][0] == 40_000
+
+
+def test_report_section(tmp_path, runner, cli):
+    from moetrace.report.sections import exposure as section
+    from moetrace.report.base import ReportContext
+
+    d = tmp_path / "job"
+    d.mkdir()
+    for rank in (0, 1):
+        ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 10000), launch(1, 1), launch(2, 2), launch(3, 3),
+              kernel(DISPATCH, 10, 10, 1, stream=20), kernel(GEMM, 15, 100, 2, stream=7),
+              kernel(COMBINE, 120 + 40 * rank, 30, 3, stream=20)]
+        write_trace(d / f"rank-{rank}.json", ev, rank=rank, world=2)
+    st = ingest(runner, cli, tmp_path / "st", d)
+    rid = st.run_ids()[0]
+    sec = section.build(ReportContext(store=st, run_id=rid, run=st.run(rid), outdir=tmp_path / "out"))
+    assert sec.key == "exposure" and len(sec.figures) == 2
+    assert all(f.path.exists() and f.path.stat().st_size > 1000 for f in sec.figures)
+    # exposed: dispatch 5 of 10 µs per rank, combine 30 µs per rank (no compute after 115 µs)
+    tot = st.sql("SELECT sum(exposed_ns) AS e, sum(comm_ns) AS c FROM a2a_exposure").row(0, named=True)
+    assert (tot["e"], tot["c"]) == (2 * (5_000 + 30_000), 2 * (10_000 + 30_000))
+    assert f"{tot['e'] / 1e6:.2f} ms ({100 * tot['e'] / tot['c']:.1f}%)" in sec.markdown
+    # a run without spans gets no section; a profiler run without all-to-all gets the plain statement
+    plain = write_trace(tmp_path / "dense.json", [ev_x("user_annotation", "ProfilerStep#0", 0, 100), launch(1, 1),
+                                                  kernel(GEMM, 10, 10, 1)], rank=0, world=1)
+    st2 = ingest(runner, cli, tmp_path / "st2", plain)
+    rid2 = st2.run_ids()[0]
+    sec2 = section.build(ReportContext(store=st2, run_id=rid2, run=st2.run(rid2), outdir=tmp_path / "out2"))
+    assert "no all-to-all found" in sec2.markdown and not sec2.figures
