@@ -5,25 +5,23 @@
 -- averages out, and levels off at the structural skew of the layer's popularity under
 -- the placement.
 CREATE OR REPLACE VIEW skew_by_batch AS
-WITH st AS (
-    SELECT run_id, step, row_number() OVER (PARTITION BY run_id ORDER BY step) - 1 AS ord
+WITH RECURSIVE st AS (
+    SELECT run_id, step, row_number() OVER (PARTITION BY run_id ORDER BY step) - 1 AS ord,
+           count(*) OVER (PARTITION BY run_id) AS n_steps
     FROM (SELECT DISTINCT run_id, step FROM expert_load)
-), nsteps AS (
-    SELECT run_id, count(*) AS n_steps FROM st GROUP BY run_id
-), ws AS (
-    SELECT n.run_id, n.n_steps, CAST(pow(2, t.e) AS BIGINT) AS w
-    FROM nsteps n CROSS JOIN range(0, 48) t(e)
-    WHERE pow(2, t.e) <= n.n_steps
-), merged AS (
-    SELECT r.run_id, r.layer, ws.w, st.ord // ws.w AS batch, r.rank, sum(r.tokens) AS tokens
-    FROM rank_load_sparse r
-    JOIN st ON st.run_id = r.run_id AND st.step = r.step
-    JOIN ws ON ws.run_id = r.run_id
-    WHERE st.ord // ws.w < ws.n_steps // ws.w
-    GROUP BY r.run_id, r.layer, ws.w, st.ord // ws.w, r.rank
+), merged(run_id, layer, w, batch, rank, tokens, n_steps) AS (
+    SELECT r.run_id, r.layer, CAST(1 AS BIGINT), st.ord, r.rank, r.tokens, st.n_steps
+    FROM rank_load_sparse r JOIN st ON st.run_id = r.run_id AND st.step = r.step
+    UNION ALL
+    -- each level merges pairs of the level below: rows halve, so all levels cost ~2x one
+    SELECT run_id, layer, w * 2, batch // 2, rank, sum(tokens), any_value(n_steps)
+    FROM merged WHERE w * 2 <= n_steps
+    GROUP BY run_id, layer, w, batch // 2, rank
 ), per_batch AS (
     SELECT run_id, layer, w, batch, max(tokens) AS mx, sum(tokens) AS total
-    FROM merged GROUP BY run_id, layer, w, batch
+    FROM merged
+    WHERE batch < n_steps // w
+    GROUP BY run_id, layer, w, batch
 )
 SELECT b.run_id, b.layer, b.w AS steps_per_batch,
        avg(b.total / coalesce(sh.top_k, 1)) AS tokens_per_step,
