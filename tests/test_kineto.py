@@ -347,3 +347,20 @@ def test_kernel_rules_file_and_kernels_command(tmp_path, runner, cli):
     res = runner.invoke(cli, ["ingest", str(f), "--store", str(tmp_path / "st2")])
     res = runner.invoke(cli, ["kernels", str(tmp_path / "st2"), "--kind", "compute_other", "--format", "json"])
     assert sorted(r["name"][:18] for r in json.loads(res.output)) == ["my_ep::recv_tokens", "my_ep::send_tokens"]
+
+
+def test_reingest_is_a_no_op(tmp_path, runner, cli):
+    d = tmp_path / "job"
+    d.mkdir()
+    for r in (0, 1):
+        write_trace(d / f"rank-{r}.json", [kernel(GEMM, 1000 + r, 10, 1)], rank=r, world=2)
+    st = tmp_path / "st"
+    assert runner.invoke(cli, ["ingest", str(d), "--store", str(st)]).exit_code == 0
+    before = tree_hash(st)
+    res = runner.invoke(cli, ["ingest", str(d), "--store", str(st)])
+    assert res.exit_code == 0 and "already ingested" in res.output
+    assert tree_hash(st) == before
+    # one changed byte in one rank makes it a new run
+    (d / "rank-1.json").write_text((d / "rank-1.json").read_text().replace("1001", "1002"))
+    res = runner.invoke(cli, ["ingest", str(d), "--store", str(st)])
+    assert res.exit_code == 0 and "already ingested" not in res.output

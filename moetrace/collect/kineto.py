@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ import msgspec
 import polars as pl
 
 from ..errors import InputError
-from ..store import sha256_files
+from ..store import sha256_text
 from . import Collector, RunData, register
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame
 from .classify import Classifier
@@ -89,12 +90,15 @@ def rank_from_name(name: str) -> int | None:
     return None
 
 
-def read_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped when it is gzip; bad gzip is an InputError."""
+def read_bytes(path: Path, digest: list | None = None) -> bytes:
+    """The file's bytes, gunzipped when it is gzip; bad gzip is an InputError. When
+    ``digest`` is a list, the sha256 of the bytes on disk is appended to it."""
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise InputError(path, f"cannot read: {e.strerror}") from None
+    if digest is not None:
+        digest.append(hashlib.sha256(raw).hexdigest())
     if raw[:2] == b"\x1f\x8b":
         try:
             return gzip.decompress(raw)
@@ -160,7 +164,8 @@ def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, di
 
 def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[dict, dict, dict, dict]:
     t0 = time.perf_counter()
-    buf = read_bytes(path)
+    digest: list = []
+    buf = read_bytes(path, digest)
     if not buf or buf.isspace():
         raise InputError(path, "file is empty")
     try:
@@ -178,7 +183,7 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
         raise InputError(path, "no traceEvents: not a Kineto / Chrome trace")
     raws = top.traceEvents
     base = top.baseTimeNanoseconds
-    info = {"n_events": len(raws), "base_ns": base, "rank": top.distributedInfo.rank if top.distributedInfo else None,
+    info = {"n_events": len(raws), "base_ns": base, "sha256": digest[0], "rank": top.distributedInfo.rank if top.distributedInfo else None,
             "world_size": top.distributedInfo.world_size if top.distributedInfo else None,
             "bytes": len(buf)}
     # CPU ops matter only in a CPU-only trace (host spans); a quick byte search tells
@@ -445,7 +450,9 @@ def _collect_run(items: list, options: dict) -> RunData:
     n_ranks = options.get("num_ranks") or len(ranks)
     run = {
         "source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
-        "source_sha256": sha256_files(paths),
+        # sha256 over the files' own sha256s (each taken while the file was read anyway)
+        "source_sha256": sha256_text("".join(info["sha256"] for _, info, _ in items)) if len(items) > 1
+        else items[0][1]["sha256"],
         "time_base": time_bases.pop() if time_bases else "none",
         "num_ranks": n_ranks,
         "ranks_per_node": options.get("ranks_per_node"),
