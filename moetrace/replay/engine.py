@@ -171,24 +171,31 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
               with_slots: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
     """Yield (step ids [t], load [t, L, E] float32, slot_load [t, L, S] or None) by step chunks."""
     steps, layers, E, S = shape.steps, shape.layers, shape.num_experts, shape.num_slots
+    want_slots = with_slots and shape.has_slot
+    cols = "step, layer, expert, tokens" + (", slot" if want_slots else "")
     for i in range(0, steps.size, chunk_steps):
         ids = steps[i:i + chunk_steps]
-        tbl = store.arrow("""SELECT step, layer, expert, slot, sum(tokens)::DOUBLE AS tokens FROM expert_load
-                             WHERE run_id = ? AND step BETWEEN ? AND ? GROUP BY ALL""",
+        tbl = store.arrow(f"SELECT {cols} FROM expert_load WHERE run_id = ? AND step BETWEEN ? AND ?",
                           [run_id, int(ids[0]), int(ids[-1])])
-        st = tbl.column("step").to_numpy()
-        ti = np.searchsorted(ids, st)
+        ti = np.searchsorted(ids, tbl.column("step").to_numpy())
         li = np.searchsorted(layers, tbl.column("layer").to_numpy())
+        cell = ti * layers.size + li
+        tok = tbl.column("tokens").to_numpy().astype(np.float64)
+        n = ids.size * layers.size
         ex = tbl.column("expert").to_numpy()
-        tok = tbl.column("tokens").to_numpy()
-        load = np.zeros((ids.size, layers.size, E), np.float32)
-        np.add.at(load, (ti, li, ex), tok)
+        if ex.size and (ex.min() < 0 or ex.max() >= E):
+            raise InputError(None, f"run {run_id!r}: expert_load holds expert {int(ex.max())} but the run has {E} experts")
+        # bincount sums rows that repeat a (step, layer, expert): per slot, per source rank
+        load = np.bincount(cell * E + ex, weights=tok,
+                           minlength=n * E).astype(np.float32).reshape(ids.size, layers.size, E)
         slot_load = None
-        if with_slots and shape.has_slot:
-            sl = tbl.column("slot").to_numpy(zero_copy_only=False)
-            ok = ~np.isnan(sl.astype(np.float64))
-            slot_load = np.zeros((ids.size, layers.size, S), np.float32)
-            np.add.at(slot_load, (ti[ok], li[ok], sl[ok].astype(np.int64)), tok[ok])
+        if want_slots:
+            sl = tbl.column("slot").to_numpy(zero_copy_only=False).astype(np.float64)
+            ok = ~np.isnan(sl)
+            if ok.any() and (sl[ok].min() < 0 or sl[ok].max() >= S):
+                raise InputError(None, f"run {run_id!r}: expert_load holds slot {int(sl[ok].max())} but the run has {S} slots")
+            slot_load = np.bincount(cell[ok] * S + sl[ok].astype(np.int64), weights=tok[ok],
+                                    minlength=n * S).astype(np.float32).reshape(ids.size, layers.size, S)
         yield ids, load, slot_load
 
 
