@@ -9,7 +9,8 @@ rank into a temporary folder (never into the repository). ``small``: 4 ranks x 2
 ``flock /tmp/moetrace-heavy.lock``).
 
 moetrace is timed on ``moetrace ingest FOLDER --store TMP`` (parse, classify, write
-Parquet) in a fresh process; HTA on ``TraceAnalysis(trace_dir=FOLDER)`` in a fresh process
+Parquet) in a fresh process, with one parsing process (the default) and with
+``--set jobs=2``; HTA on ``TraceAnalysis(trace_dir=FOLDER)`` in a fresh process
 of its own environment (``MOETRACE_HTA_PYTHON``, default /work/hta-venv/bin/python; HTA
 parses ranks with a process pool, so its peak counts its children). Peak memory is the
 maximum resident set of each process tree, compared with the uncompressed input size.
@@ -111,20 +112,30 @@ def run(size: str) -> list[dict]:
         folder.mkdir()
         nbytes = build_folder(folder, ranks, steps)
         mb = nbytes / 1e6
-        store = tmp / "store"
-        ours = _measure(sys.executable, f"""
+        def ours_with(jobs: int) -> dict:
+            store = tmp / f"store-{jobs}"
+            return _measure(sys.executable, f"""
 from moetrace.collect import ingest
 from moetrace.store import Store
-res = ingest(Store({str(store)!r}, create=True), [{str(folder)!r}])
+res = ingest(Store({str(store)!r}, create=True), [{str(folder)!r}], options={{"jobs": {jobs}}})
 assert res and not res[0].skipped
 """)
+
+        ours = ours_with(1)
+        # one process: its only children are short c++filt calls, whose peak is the parent's image at fork
         our_peak = max(ours["peak_self_mib"], ours["peak_children_mib"])
+        par = ours_with(2) if (os.cpu_count() or 1) >= 2 else None
         rows = [
             result("ingest_kineto", "throughput", mb / ours["seconds"], "MB/s",
                    notes=f"{ranks} ranks x {steps} steps, {mb:.0f} MB JSON, {ours['seconds']:.1f} s"),
             result("ingest_kineto", "peak_memory_over_input", our_peak * 2**20 / nbytes, "x input",
                    notes=f"peak RSS {our_peak:.0f} MiB for {mb:.0f} MB input (target < 2x)"),
         ]
+        if par is not None:
+            par_peak = par["peak_self_mib"] + par["peak_children_mib"]
+            rows.append(result("ingest_kineto", "throughput_jobs2", mb / par["seconds"], "MB/s",
+                               notes=f"--set jobs=2 (two parsing processes): {par['seconds']:.1f} s, "
+                                     f"peak {par_peak:.0f} MiB (parent + largest child)"))
         if Path(HTA_PYTHON).exists():
             try:
                 hta = _measure(HTA_PYTHON, f"""
@@ -137,6 +148,11 @@ TraceAnalysis(trace_dir={str(folder)!r})
                 rows.append(result("ingest_kineto", "seconds", ours["seconds"], "s", baseline="HTA 0.5 TraceAnalysis",
                                    baseline_value=hta["seconds"], ratio=hta["seconds"] / ours["seconds"],
                                    notes="wall time; HTA parses ranks with a process pool"))
+                if par is not None:
+                    rows.append(result("ingest_kineto", "seconds_jobs2", par["seconds"], "s",
+                                       baseline="HTA 0.5 TraceAnalysis", baseline_value=hta["seconds"],
+                                       ratio=hta["seconds"] / par["seconds"],
+                                       notes="both with two processes (HTA's pool on 2 CPUs)"))
                 rows.append(result("ingest_kineto", "peak_memory", our_peak, "MiB", baseline="HTA 0.5 TraceAnalysis",
                                    baseline_value=hta_peak, ratio=hta_peak / our_peak,
                                    notes="HTA: parent + largest child"))

@@ -143,6 +143,7 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         approx.append("no GPU activity in the trace: host collective ops (e.g. gloo all_to_all) are the "
                       "all-to-all spans on device -1 (host), top-level CPU ops are the compute")
     any_step_annot = False
+    demangled: dict[str, str] = {}  # mangled -> demangled, one c++filt call per new batch of names
     for ev in ranks:
         fams = _families(ev.cpu)
         if host_mode:
@@ -169,7 +170,11 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         pts = pts.sort("_i").with_columns(pl.coalesce("coll_arg", "coll_op").alias("coll"))
         # classify each distinct (name, category, collective) once
         keys = pts.select("name", "cat", "coll").unique()
-        dem = demangle_all(keys["name"].to_list())
+        todo = [n for n in keys["name"].to_list() if n.startswith("_Z") and n not in demangled]
+        if todo:
+            demangled.update({n: n for n in todo})
+            demangled.update(demangle_all(todo))
+        dem = demangled
         kinds = [classifier.classify(dem.get(n, n), c, k) for n, k, c in keys.iter_rows()]
         norm = [normalize_name(dem.get(n, n)) for n in keys["name"].to_list()]
         keys = keys.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("norm", norm, pl.Utf8),
