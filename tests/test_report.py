@@ -199,3 +199,21 @@ def test_plots_have_labelled_axes(png, synth_store, tmp_path, monkeypatch):
     assert x and y and t and "×" in y
     assert all(x and y and t for x, y, t in labels.values())
     plt.close("all")
+
+
+def test_single_pseudo_step_run_gets_expert_bars_and_no_fake_decomposition(tmp_path):
+    """Aggregate sources (one pseudo-step) cannot separate sampling from structural skew."""
+    st = Store(tmp_path / "st", create=True)
+    x = np.array([50, 1, 2, 3, 4, 5, 6, 7])
+    rows = {"step": [0] * 8, "layer": [1] * 8, "expert": list(range(8)), "tokens": x.tolist(),
+            "slot": [None] * 8, "src_rank": [None] * 8}
+    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "agg",
+                  "num_experts": 8, "num_ranks": 4, "top_k": 2}, {"expert_load": rows}, run_id="agg")
+    rep = rbuild.build_report(st, "agg", tmp_path / "r")
+    secs = {s.key: s for s in rep.sections}
+    assert "single step" in secs["batch"].markdown and not secs["batch"].figures
+    names = [Path(f.path).name for f in secs["skew"].figures]
+    assert "skew_experts_layer1.png" in names and not any("heatmap" in n for n in names)
+    ranks = x.reshape(4, 2).sum(axis=1)
+    assert f"{ranks.max() / ranks.mean():.2f}×" in secs["skew"].markdown
+    assert "1 layer × 1 step on 4 ranks" in secs["skew"].markdown

@@ -19,6 +19,10 @@ def build(ctx: ReportContext) -> Section | None:
     dec = ctx.sql("SELECT * FROM skew_decomposition WHERE run_id = ? ORDER BY imbalance_mean DESC", [rid])
     if sb.height == 0 or dec.height == 0:
         return None
+    if sb["steps_per_batch"].max() == 1 and dec["steps"].max() <= 1:
+        text = ("The run has a single step (or one aggregate pseudo-step), so sampling noise and structural skew "
+                "cannot be told apart: all of its imbalance shows as structural.")
+        return Section(key="batch", title="Imbalance vs batch size", markdown=text, terminal=text)
     tot = dec.select(pl.col("imbalance_mean").mean(), pl.col("structural_imbalance").mean(),
                      pl.col("sampling_excess").mean()).row(0)
     text = (f"Averaged over layers, a step's imbalance of **{tot[0]:.2f}×** splits into a structural part of "

@@ -33,8 +33,8 @@ def build(ctx: ReportContext) -> Section | None:
         notes.append("top_k is unknown for this run: tokens per step and the expected experts touched cannot be "
                      "derived (only token-expert assignments are known).")
     if overall["m"] is not None:
-        b = f"{overall['b']:.0f} tokens per step, " if overall["b"] is not None else ""
-        text = (f"{b}so each of the {E} experts got **{overall['m']:.1f}** tokens per step on average "
+        b = f"{overall['b']:.0f} tokens per step, so each" if overall["b"] is not None else "Each"
+        text = (f"{b} of the {E} experts got **{overall['m']:.1f}** tokens per step on average "
                 f"(median expert {overall['med']:.1f}, busiest {overall['mx']:.1f}). ")
         if overall["hit_exp"] is not None:
             text += (f"A step touched {overall['hit']:.1f} experts per layer; uniform routing would touch "

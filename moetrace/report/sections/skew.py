@@ -46,7 +46,8 @@ def build(ctx: ReportContext) -> Section | None:
     term: list[str] = []
 
     if s["imbalance_mean"] is not None:
-        head = (f"Across {s['layers']} layers × {s['steps']} steps on {s['num_ranks']} ranks, the busiest rank "
+        head = (f"Across {_n(s['layers'], 'layer')} × {_n(s['steps'], 'step')} on {s['num_ranks']} ranks, "
+                f"the busiest rank "
                 f"carried **{s['imbalance_mean']:.2f}×** the mean rank load on average (p50 "
                 f"{s['imbalance_p50']:.2f}×, p99 {s['imbalance_p99']:.2f}×, worst {s['imbalance_max']:.2f}×). "
                 f"Balancedness (Σ mean / Σ max over all steps and layers) is **{s['balancedness']:.3f}**: "
@@ -54,7 +55,7 @@ def build(ctx: ReportContext) -> Section | None:
                 f"waiting for the busiest rank at the combine barrier. "
                 f"Worst layer: **{s['worst_layer']}** (mean {s['worst_layer_imbalance']:.2f}×).")
     else:
-        head = (f"{s['layers']} layers × {s['steps']} steps. Rank imbalance is not available for this run "
+        head = (f"{_n(s['layers'], 'layer')} × {_n(s['steps'], 'step')}. Rank imbalance is not available for this run "
                 "(see notes); expert-level skew (Gini, top-5% share) is shown below.")
     md.append(head)
     term.append(head.replace("**", ""))
@@ -87,7 +88,7 @@ def build(ctx: ReportContext) -> Section | None:
             out / "skew_layer_imbalance.png", layers["layer"].to_list(), np.nan_to_num(means, nan=0.0),
             title="Rank imbalance per layer (bar: mean over steps, whisker: p99)", xlabel="MoE layer",
             ylabel="max / mean rank tokens (×)", ref_line=1.0, ref_label="perfect balance (1.0×)",
-            highlight=worst_i, errors=err),
+            highlight=worst_i, errors=err if err.max() > 0 else None),
             "Per-layer imbalance: the busiest rank's tokens over the mean rank's, mean over steps (bar) and "
             "p99 (whisker). 1.0 is perfect balance; the worst layer is in red."))
         wl = int(layers["layer"][worst_i])
@@ -122,6 +123,10 @@ def build(ctx: ReportContext) -> Section | None:
                    figures=figs, notes=notes)
 
 
+def _n(k, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
 def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
     rid = ctx.run_id
     n = ctx.sql("SELECT count(DISTINCT step) AS n, max(expert) AS emax FROM expert_tokens WHERE run_id = ? "
@@ -130,6 +135,17 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
     if not n_steps or emax is None:
         return None
     E = int(ctx.sql("SELECT num_experts FROM run_shape WHERE run_id = ?", [rid])["num_experts"][0] or emax + 1)
+    if n_steps == 1:   # one (pseudo-)step: a bar per expert says more than a one-row heatmap
+        df = ctx.sql("SELECT expert, sum(tokens) AS tokens FROM expert_tokens WHERE run_id = ? AND layer = ? "
+                     "GROUP BY expert", [rid, layer])
+        x = np.zeros(E)
+        x[df["expert"].to_numpy()] = df["tokens"].to_numpy()
+        path = plots.bars(ctx.outdir / f"skew_experts_layer{layer}.png", list(range(E)), x,
+                          title=f"Layer {layer}: tokens per logical expert", xlabel="logical expert id",
+                          ylabel="tokens (token-expert assignments)", ref_line=float(x.mean()),
+                          ref_label=f"mean expert {x.mean():.0f}", highlight=int(np.argmax(x)), width=12)
+        return Figure(path, f"Layer {layer}: tokens each logical expert received over the run's single "
+                            "(pseudo-)step; the hottest expert in red, dashed: the mean expert.")
     bins = min(int(n_steps), MAX_HEATMAP_ROWS)
     df = ctx.sql(
         "WITH o AS (SELECT step, row_number() OVER (ORDER BY step) - 1 AS ord FROM "
