@@ -20,6 +20,7 @@ def report(store, run_id, outdir, quiet):
 
     Example:
 
+    \b
         moetrace synth demo --layers 4 --steps 50 --sigma 0.6
         moetrace report demo --out demo-report
     """
