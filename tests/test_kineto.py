@@ -364,3 +364,18 @@ def test_reingest_is_a_no_op(tmp_path, runner, cli):
     (d / "rank-1.json").write_text((d / "rank-1.json").read_text().replace("1001", "1002"))
     res = runner.invoke(cli, ["ingest", str(d), "--store", str(st)])
     assert res.exit_code == 0 and "already ingested" not in res.output
+
+
+def test_collective_name_arg_and_old_category_spellings(tmp_path):
+    ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000),
+          ev_x("Runtime", "cudaLaunchKernel", 5, 1, pid=100, tid=1, correlation=1),
+          ev_x("Runtime", "cudaLaunchKernel", 6, 1, pid=100, tid=1, correlation=2),
+          # newer traces copy the collective into the kernel's args; no CPU op needed
+          ev_x("kernel", SENDRECV, 10, 20, pid=0, tid=20, device=0, stream=20, correlation=1,
+               **{"Collective name": "all_to_allv"}),
+          ev_x("Kernel", SENDRECV, 40, 20, pid=0, tid=20, device=0, stream=20, correlation=2,
+               **{"Collective name": "allreduce"})]
+    (run,) = collect([write_trace(tmp_path / "t.json", ev, rank=0, world=1)])
+    s = spans_of(run)
+    assert [(r["kind"], r["collective"], r["step"]) for r in s] == [("dispatch", "all_to_all", 0),
+                                                                     ("comm_other", "all_reduce", 0)]
