@@ -154,7 +154,8 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
         click.echo(json.dumps(summary, default=str))
         return
     click.echo(f"plan {pid}: {p.describe()}")
-    click.echo(f"  fitted on {ids.size} steps; max/mean rank load on that load: {imb.mean():.3f} "
+    what = "fitted on" if policy or info else "judged on the load of"
+    click.echo(f"  {what} {ids.size} steps; max/mean rank load on that load: {imb.mean():.3f} "
                f"(start plan {base.plan_id}: {summary['start_mean_imbalance_on_fit_load']:.3f})")
     if moved is not None:
         click.echo(f"  moves vs {base.plan_id}: {moved} expert copies, {moved * shape.expert_bytes / 2**30:.2f} GiB")
