@@ -273,9 +273,9 @@ def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts
         gpu["name"].extend([str(e.name) for _, e in g])
         gpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in g])
         gpu["device"].extend([e.args.device if e.args is not None and e.args.device is not None
-                              else (_as_int(e.pid) or 0) for _, e in g])
+                              else ((e.pid if type(e.pid) is int else _int(e.pid)) or 0) for _, e in g])
         gpu["stream"].extend([e.args.stream if e.args is not None and e.args.stream is not None
-                              else (_as_int(e.tid) or 0) for _, e in g])
+                              else ((e.tid if type(e.tid) is int else _int(e.tid)) or 0) for _, e in g])
         gpu["correlation"].extend([e.args.correlation if e.args is not None else None for _, e in g])
         gpu["coll_arg"].extend([e.args.collective if e.args is not None else None for _, e in g])
         gpu_ts.extend([e.ts for _, e in g])
@@ -284,14 +284,14 @@ def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts
     lr = [e for e in lr if e.args is not None and e.args.correlation is not None]
     if lr:
         launch["correlation"].extend([e.args.correlation for e in lr])
-        launch["pid"].extend([_as_int(e.pid) for e in lr])
-        launch["tid"].extend([_as_int(e.tid) for e in lr])
+        launch["pid"].extend([(e.pid if type(e.pid) is int else _int(e.pid)) for e in lr])
+        launch["tid"].extend([(e.tid if type(e.tid) is int else _int(e.tid)) for e in lr])
         launch_ts.extend([e.ts for e in lr])
     if c:
         cpu["name"].extend([str(e.name) for _, e in c])
         cpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in c])
-        cpu["pid"].extend([_as_int(e.pid) for _, e in c])
-        cpu["tid"].extend([_as_int(e.tid) for _, e in c])
+        cpu["pid"].extend([(e.pid if type(e.pid) is int else _int(e.pid)) for _, e in c])
+        cpu["tid"].extend([(e.tid if type(e.tid) is int else _int(e.tid)) for _, e in c])
         cpu_ts.extend([e.ts for _, e in c])
         cpu_dur.extend([e.dur for _, e in c])
         cpu_idx.extend([b0 + i for i, _ in c])
