@@ -240,10 +240,6 @@ _CAT_CANON = {"Kernel": "kernel", "Memcpy": "gpu_memcpy", "Memset": "gpu_memset"
               "memset": "gpu_memset", "Operator": "cpu_op", "operator": "cpu_op", "User Annotation": "user_annotation"}
 
 
-def _as_int(v):
-    return v if type(v) is int else _int(v)
-
-
 _OP_CATS = frozenset({"cpu_op", "Operator", "operator"})
 #: 0 device activity, 1 launch, 2 annotation (always kept), 3 CPU op (kept when a collective or CPU-only)
 _CAT_CODE = {**{c: 0 for c in _GPU_CATS}, **{c: 1 for c in _LAUNCH_CATS}, **{c: 2 for c in _CPU_CATS - _OP_CATS},
