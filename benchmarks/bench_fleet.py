@@ -277,7 +277,7 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
         return "" if f == 1 else f"; extrapolated to the full {full_rows:,} rows: {secs / f:,.0f} s"
 
     def q4(stage):
-        return " / ".join(f"{v:,.0f}" for v in stage.get("rss_quartiles", []))
+        return " / ".join("-" if v != v else f"{v:,.0f}" for v in stage.get("rss_quartiles", []))
 
     b = "fleet"
     peak = max(ing["peak_mib"], skew["peak_mib"], rep["peak_mib"])
