@@ -121,24 +121,28 @@ def fit_from_store(store, run_id: str, base: CostModel) -> CostModel | None:
         return None
     shape = RunShape.from_store(store, run_id)
     plan = recorded_plan(store, run_id, shape)
-    load = store.sql("""SELECT e.step, e.layer, e.expert, sum(e.tokens) AS tokens FROM expert_load e
-                        WHERE e.run_id = ? GROUP BY ALL""", [run_id])
-    if load.height == 0:
+    steps = np.unique(df["step"].to_numpy())
+    load = store.arrow("""SELECT step, layer, expert, sum(tokens)::DOUBLE AS tokens FROM expert_load
+                          WHERE run_id = ? AND step IN (SELECT unnest(?)) GROUP BY ALL""", [run_id, steps.tolist()])
+    if load.num_rows == 0:
         return None
-    share = plan.share()
-    tok, touch, dur = [], [], []
-    idx = {(int(s), int(l)): None for s, l in zip(df["step"], df["layer"])}
-    sub = load.filter(load["step"].is_in([k[0] for k in idx]))
-    per = {}
-    for s, l, e, t in sub.iter_rows():
-        per.setdefault((s, l), np.zeros(plan.num_experts))[e] += t
-    C = plan.copies()
-    for s, l, r, d in df.iter_rows():
-        if (s, l) not in per or l not in set(plan.layers.tolist()) or r >= plan.num_ranks:
-            continue
-        li = plan.layer_row(l)
-        vec = per[(s, l)]
-        tok.append(float(vec @ share[li, :, r]))
-        touch.append(float((vec > 0) @ C[li, :, r]))
-        dur.append(float(d))
-    return fit_expert_time(tok, touch, dur, base)
+    L, E, R = plan.num_layers, plan.num_experts, plan.num_ranks
+    li = np.searchsorted(plan.layers, load.column("layer").to_numpy())
+    known = (li < L) & (plan.layers[np.minimum(li, L - 1)] == load.column("layer").to_numpy())
+    ti = np.searchsorted(steps, load.column("step").to_numpy())
+    dense = np.bincount(((ti * L + li) * E + load.column("expert").to_numpy())[known],
+                        weights=load.column("tokens").to_numpy()[known], minlength=steps.size * L * E)
+    dense = dense.reshape(steps.size, L, E)
+    share, C = plan.share(), plan.copies()
+    tokens = np.einsum("tle,ler->tlr", dense, share)
+    touched = np.einsum("tle,ler->tlr", (dense > 0).astype(np.float64), C)
+    s_i = np.searchsorted(steps, df["step"].to_numpy())
+    l_raw = df["layer"].to_numpy()
+    l_i = np.searchsorted(plan.layers, l_raw)
+    r = df["rank"].to_numpy()
+    ok = (l_i < L) & (r < R) & (r >= 0)
+    ok &= plan.layers[np.minimum(l_i, L - 1)] == l_raw
+    if ok.sum() < 8:
+        return None
+    return fit_expert_time(tokens[s_i[ok], l_i[ok], r[ok]], touched[s_i[ok], l_i[ok], r[ok]],
+                           df["dur"].to_numpy()[ok].astype(np.float64), base)
