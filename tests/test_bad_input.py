@@ -781,3 +781,49 @@ def test_kineto_trace_events_of_the_wrong_type(runner, cli, store, tmp_path):
         f = tmp_path / f"r{i}.pt.trace.json"
         f.write_text(body)
         assert_refused(_ingest(runner, cli, f, "--store", store, "--format", "kineto"), store, before, f)
+
+
+# ----------------------------------------------------------------------------- engine logs
+_LOG = (
+    "(EngineCore_0 pid=4242) INFO 11-29 10:00:0{i} [eplb_state.py:512] EPLB step: {i} for model ds: "
+    "avg_tokens=1{i}.50, max_tokens=2{i}, balancedness=0.{i}123\n"
+    "[2026-11-29 10:00:0{i} TP0] [Expert Balancedness] forward_pass_id={i} current_pass_balancedness=0.400 "
+    "last_10_average_balancedness=0.400 last_100_average_balancedness=0.400 last_1000_average_balancedness=0.400  "
+    "gpu_physical_count_sum=40\n"
+    "INFO some unrelated line {i}\n")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_engine_logs_truncated_or_corrupted(runner, cli, tmp_path_factory, data):
+    if "logs" not in registry():
+        pytest.skip("the logs collector is not in this tree yet")
+    payload = bytearray("".join(_LOG.format(i=i) for i in range(1, 8)).encode())
+    if data.draw(st.booleans()):
+        payload = payload[: data.draw(st.integers(0, len(payload) - 1))]
+    else:
+        for _ in range(data.draw(st.integers(1, 12))):
+            payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+    tmp = tmp_path_factory.mktemp("logs")
+    store_path = _seed_store(tmp / "store")
+    f = tmp / "server log ü.log"
+    f.write_bytes(bytes(payload))
+    before = tree_hash(store_path)
+    res = _ingest(runner, cli, f, "--store", store_path, "--format", "logs")
+    if res.exit_code != 0:
+        assert_refused(res, store_path, before, f)
+
+
+def test_refrun_folder_with_a_corrupt_parquet(runner, cli, store, tmp_path):
+    if "refrun" not in registry():
+        pytest.skip("the refrun collector is not in this tree yet")
+    d = tmp_path / "refrun out"
+    d.mkdir()
+    (d / "moetrace-refrun.json").write_text(json.dumps({"num_ranks": 1, "num_layers": 1, "num_experts": 2,
+                                                         "top_k": 1}))
+    good = io.BytesIO()
+    pq.write_table(pa.table({"step": [0], "layer": [0], "token": [0], "expert": [1]}), good)
+    bad = d / "routing_rank0.parquet"
+    bad.write_bytes(good.getvalue()[:4] + b"\x00" * 40 + good.getvalue()[-12:])
+    before = tree_hash(store)
+    assert_refused(_ingest(runner, cli, d, "--store", store), store, before, None)

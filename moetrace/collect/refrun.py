@@ -31,7 +31,9 @@ def _sniff(path: Path, head: bytes) -> bool:
 def _read_parquet(p: Path) -> pl.DataFrame:
     try:
         return pl.read_parquet(p)
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # polars panics (pyo3 PanicException, a BaseException) on some corrupt files
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(p, f"cannot read Parquet: {msg}") from None
 
