@@ -241,3 +241,30 @@ def test_processes_creating_the_same_new_store(tmp_path):
     assert Store(store).run_ids() == ["f0", "f1", "f2"]
     assert [p.name for p in store.iterdir() if p.name.startswith(".moetrace-store")] == []
     _assert_clean(store)
+
+
+CREATOR = textwrap.dedent("""
+    import os, sys, time
+    from moetrace.store import Store
+    base, go = sys.argv[1], sys.argv[2]
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    for k in range(150):
+        Store(os.path.join(base, f"s{k}"), create=True)
+""")
+
+
+def test_many_processes_creating_the_same_stores_never_fail(tmp_path):
+    """Four processes create the same 150 stores in the same order, so creations collide
+    (with one shared temp name for the marker, a loser's rename would find it gone)."""
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", CREATOR, str(tmp_path / "base"), str(go)],
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    time.sleep(2.0)
+    go.write_text("go")
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errs
+    for k in range(150):
+        d = tmp_path / "base" / f"s{k}"
+        assert sorted(p.name for p in d.iterdir()) == ["moetrace-store.json"], k
+        assert json.loads((d / "moetrace-store.json").read_text())["moetrace_store_format"] == 1
