@@ -46,16 +46,23 @@ def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit:
     return base
 
 
-def _routing_block(store, run_id, shape, plan, split, ids) -> Block:
-    tbl = store.arrow("""SELECT step, layer, token, src_rank, expert FROM routing
+def routing_has_slots(store, run_id) -> bool:
+    """True when every per-token routing row records its physical slot."""
+    r = store.sql("SELECT count(*) AS n, count(slot) AS s FROM routing WHERE run_id = ?", [run_id]).row(0)
+    return r[0] > 0 and r[0] == r[1]
+
+
+def _routing_block(store, run_id, shape, plan, split, ids, use_recorded_slot=False) -> Block:
+    tbl = store.arrow("""SELECT step, layer, token, src_rank, expert, slot FROM routing
                          WHERE run_id = ? AND step BETWEEN ? AND ?""", [run_id, int(ids[0]), int(ids[-1])])
     ti = np.searchsorted(ids, tbl.column("step").to_numpy())
     li = np.searchsorted(plan.layers, tbl.column("layer").to_numpy())
     src = tbl.column("src_rank").to_numpy(zero_copy_only=False).astype(np.float64)
     tok = tbl.column("token").to_numpy()
     src = np.where(np.isnan(src), tok % plan.num_ranks, src).astype(np.int64)
+    rs = tbl.column("slot").to_numpy(zero_copy_only=False) if use_recorded_slot else None
     return replay_routing(ti, li, tok, src, tbl.column("expert").to_numpy(), ids.size, plan, split,
-                          shape.bytes_per_token)
+                          shape.bytes_per_token, recorded_slot=rs)
 
 
 def _layer_table(ids, layers, m, replay_id, plan_ids=None, ages=None) -> pa.Table:
@@ -106,7 +113,9 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
     the arrays of ``trace_steps`` (for :func:`moetrace.replay.trace.chrome_trace`)."""
     replay_id = replay_id or new_replay_id()
     cost = cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
-    use_slots = plan.plan_id == "recorded" and shape.has_slot
+    is_recorded = plan.plan_id == "recorded"
+    routed_slots = is_recorded and shape.has_routing and routing_has_slots(store, run_id)
+    use_slots = is_recorded and shape.has_slot and not routed_slots
     use_routing = shape.has_routing and not use_slots
     layer_tbls, rank_tbls = [], []
     imbs, lns, means = [], [], []
@@ -119,7 +128,7 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
         chunk = max(1, min(chunk, int(4_000_000 * shape.steps.size // max(int(n), 1))))
     for ids, load, slot_load in iter_load(store, run_id, shape, chunk, with_slots=use_slots):
         if use_routing:
-            block = _routing_block(store, run_id, shape, plan, opts.split, ids)
+            block = _routing_block(store, run_id, shape, plan, opts.split, ids, routed_slots)
             nodes_max.append(block.nodes_per_token_max)
             nodes_mean.append(block.nodes_per_token_mean)
         else:
@@ -140,7 +149,7 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
                              m.compute_ns[sel], m.layer_ns[sel]))
     imb, lns_all = np.concatenate(imbs), np.concatenate(lns)
     summary = {"replay_id": replay_id, "run_id": run_id, "kind": kind, "policy": policy or plan.policy,
-               "plan_id": plan.plan_id, "split": "recorded" if use_slots else opts.split,
+               "plan_id": plan.plan_id, "split": "recorded" if (use_slots or routed_slots) else opts.split,
                "num_steps": int(imb.shape[0]), "num_layers": plan.num_layers, "num_ranks": plan.num_ranks,
                "num_slots": plan.num_slots, "redundant_slots": plan.replicas,
                **summarize(imb, lns_all, np.concatenate(means)),
@@ -150,6 +159,11 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
         summary["nodes_per_token_max"] = int(max(nodes_max))
         summary["nodes_per_token_mean"] = float(np.mean(nodes_mean))
     notes = list(shape.notes) + approximation_notes(block, opts.split, use_slots, shape.has_routing) + list(extra_notes)
+    if routed_slots:
+        notes.append("per-token routing with recorded slots: tokens and dispatch bytes exact")
+    elif is_recorded and shape.has_slot and shape.has_routing:
+        notes.append("per-rank tokens from recorded per-slot counts; per-token routing has no slots, so "
+                     "dispatch bytes are estimated")
     summary["approximations"] = notes
     if write:
         store.append(run_id, {"replay_layer": layer_tbls, "replay_rank": rank_tbls,

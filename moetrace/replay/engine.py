@@ -297,10 +297,12 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token) -> Block:
 
 
 def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: Plan, split: str,
-                   bytes_per_token: int) -> Block:
+                   bytes_per_token: int, recorded_slot=None) -> Block:
     """Exact replay of per-token routing rows (index arrays) against ``plan``: each token
     goes once to each distinct destination rank; bytes received per rank, intra vs inter
-    node; a token staying on its own rank moves nothing."""
+    node; a token staying on its own rank moves nothing. ``recorded_slot`` (the physical
+    slot each row went to, when the engine recorded it and ``plan`` is the plan it ran)
+    replaces the replica choice."""
     L, R, spr, rpn = plan.num_layers, plan.num_ranks, plan.slots_per_rank, plan.ranks_per_node
     E = plan.num_experts
     ti = np.asarray(step_idx, np.int64)
@@ -328,6 +330,12 @@ def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: P
         a = on_rank[li, e, src_ok]
         b = on_node[li, e, src_ok // rpn]
         slot = np.where(a >= 0, a, np.where(b >= 0, b, slot))
+    if recorded_slot is not None:
+        rs = np.asarray(recorded_slot, np.int64)
+        if rs.size and (rs.max() >= plan.num_slots or (rs >= 0).sum() != rs.size
+                        or (plan.phy2log[li, np.maximum(rs, 0)] != e).any()):
+            raise InputError(None, "recorded routing slots do not match the plan's experts")
+        slot = rs
     dst = slot // spr
     tl = ti * L + li
     cells = T * L
