@@ -167,6 +167,10 @@ def test_summary_quantiles_match_numpy(small_synth):
         assert r["imbalance_p50"] == pytest.approx(np.percentile(imb, 50))
         assert r["imbalance_p99"] == pytest.approx(np.percentile(imb, 99))
         assert r["imbalance_max"] == pytest.approx(imb.max())
+        for col, mode_col in (("hottest_expert", "hottest_expert_mode"), ("straggler_rank", "straggler_rank_mode")):
+            vals = np.array([v[col] for (s, l), v in rows.items() if l == r["layer"]])
+            counts = np.bincount(vals)
+            assert r[mode_col] == int(np.argmax(counts))        # most frequent, lowest id on ties
     run = st.sql("SELECT * FROM run_skew_summary WHERE run_id = ?", [rid]).row(0, named=True)
     allv = np.array([v["imbalance"] for v in rows.values()])
     assert run["imbalance_mean"] == pytest.approx(allv.mean())

@@ -217,3 +217,16 @@ def test_single_pseudo_step_run_gets_expert_bars_and_no_fake_decomposition(tmp_p
     ranks = x.reshape(4, 2).sum(axis=1)
     assert f"{ranks.max() / ranks.mean():.2f}×" in secs["skew"].markdown
     assert "1 layer × 1 step on 4 ranks" in secs["skew"].markdown
+
+
+def test_cached_views_give_the_same_report_and_are_dropped(tmp_path):
+    st = Store(tmp_path / "st", create=True)
+    for seed in (1, 2):
+        synth(st, SynthConfig(layers=2, experts=16, top_k=2, ranks=4, ranks_per_node=2, steps=8,
+                              tokens_per_step=32, seed=seed, dummy_share=0.2))
+    a = rbuild.build_report(st, "synth-s1", tmp_path / "a", cache=True).md_path.read_text()
+    b = rbuild.build_report(st, "synth-s1", tmp_path / "b", cache=False).md_path.read_text()
+    assert a == b
+    # the shadowing temp tables are gone: both runs are visible again
+    assert st.sql("SELECT count(DISTINCT run_id) AS n FROM layer_skew")["n"][0] == 2
+    assert st.sql("SELECT count(*) AS n FROM duckdb_tables() WHERE temporary")["n"][0] == 0

@@ -31,3 +31,29 @@ def view_statements() -> list[str]:
     for f in sorted(SQL_DIR.glob("*.sql")):
         stmts.extend(_split(f.read_text()))
     return stmts
+
+
+# Views worth computing once when many queries read them (a report): small results over
+# large inputs. Order matters: later ones reuse the earlier ones.
+CACHEABLE = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
+
+
+def cache_views(con, run_id: str, views=CACHEABLE) -> list[str]:
+    """Materialize ``views`` for one run as TEMP tables on ``con``; they shadow the views
+    of the same name (dependent views read them too), so repeated queries about that run
+    do not recompute them. Undo with :func:`uncache_views`. Only rows of ``run_id`` are
+    kept: use it for per-run work such as a report."""
+    done = []
+    try:
+        for v in views:
+            con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM main."{v}" WHERE run_id = ?', [run_id])
+            done.append(v)
+    except Exception:
+        uncache_views(con, done)
+        raise
+    return done
+
+
+def uncache_views(con, views) -> None:
+    for v in views:
+        con.execute(f'DROP TABLE IF EXISTS temp."{v}"')

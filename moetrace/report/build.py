@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..analyze import cache_views, uncache_views
 from .base import ReportContext, Section
 
 
@@ -111,21 +112,29 @@ def _failed(mod, exc: BaseException) -> Section:
 
 
 def build_report(store, run_id: str | None = None, outdir: str | Path | None = None, *, html_out: bool = True,
-                 md_out: bool = True) -> Report:
-    """Build every section for ``run_id`` (the store's only run when None) into ``outdir``."""
+                 md_out: bool = True, cache: bool = True) -> Report:
+    """Build every section for ``run_id`` (the store's only run when None) into ``outdir``.
+
+    With ``cache`` the per-(step, layer) analysis views are computed once for the run
+    (TEMP tables on the store's connection, dropped afterwards) instead of once per query.
+    """
     rid = store.resolve_run(run_id)
     run = store.run(rid)
     out = Path(outdir) if outdir is not None else Path(f"moetrace-report-{rid}")
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
     report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run))
-    for mod in discover_sections():
-        try:
-            sec = mod.build(ctx)
-        except Exception as exc:  # one broken section must not hide the others
-            sec = _failed(mod, exc)
-        if sec is not None:
-            report.sections.append(sec)
+    cached = cache_views(store.con, rid) if cache else []
+    try:
+        for mod in discover_sections():
+            try:
+                sec = mod.build(ctx)
+            except Exception as exc:  # one broken section must not hide the others
+                sec = _failed(mod, exc)
+            if sec is not None:
+                report.sections.append(sec)
+    finally:
+        uncache_views(store.con, cached)
     if md_out:
         report.md_path = out / "report.md"
         report.md_path.write_text(render_markdown(report))
