@@ -226,6 +226,9 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
                        f"predicted MoE time/step {s['predicted_step_ns'] / 1e6:.3f} ms  moved {s['moved_experts']} "
                        f"experts ({s['moved_bytes'] / 2**30:.2f} GiB)  [{s['replay_id']}]")
         click.echo("  stale plan by age quartile: " + ", ".join(f"{x:.3f}" for x in d["static_by_age_quartile"]))
+        ra = d["replan_by_age"]
+        click.echo("  re-planned plan by steps since re-plan: " + ", ".join(
+            f"{a}: {x:.3f}" for a, x in zip(ra["age"], ra["mean_imbalance"])))
         if plot:
             click.echo(f"  wrote {plot}")
         return

@@ -188,6 +188,9 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape, fit_window
     notes = []
     if fit_window is None:
         notes.append("plan fitted on the same steps it is judged on (in-sample; use --fit-window for out-of-sample)")
+    else:
+        notes.append(f"plan fitted on {ids.size} steps in [{fit_window[0]}, {fit_window[1]}); the replay judges all "
+                     f"{shape.steps.size} steps, those included")
     return plan, notes
 
 
@@ -277,6 +280,11 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape, every: i
     st = series["static"]
     q = np.array_split(st, 4) if st.size >= 4 else [st]
     out["static_by_age_quartile"] = [float(x.mean()) for x in q]
+    # how fast a fresh plan goes stale: re-planned imbalance by steps since its re-plan
+    age = (np.arange(judged.size) % every) + 1
+    out["replan_by_age"] = {"age": list(range(1, min(every, judged.size) + 1)),
+                            "mean_imbalance": [float(series["replan"][age == a].mean())
+                                               for a in range(1, min(every, judged.size) + 1)]}
     # headline fields (as for replay --json): the re-planning policy
     for k in ("mean_imbalance", "p99_imbalance", "predicted_step_ns", "moved_experts", "moved_bytes", "replay_id"):
         out[k] = out["replan"][k]

@@ -17,7 +17,7 @@ def drift_plot(d: dict, path) -> Path:
     """Imbalance over time for the static, re-planned and oracle plans."""
     plt = _plt()
     s = d["series"]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [2.2, 1]})
     for k, style in (("static", "-"), ("replan", "-"), ("oracle", "--")):
         ax.plot(s["step"], s[k], style, lw=1.2,
                 label=f"{k} (mean {d[k]['mean_imbalance']:.3f}, moved {d[k]['moved_experts']})")
@@ -26,6 +26,14 @@ def drift_plot(d: dict, path) -> Path:
     ax.set_title(f"{d['policy']}: re-plan every {d['every']} steps from the last {d['window']}")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.legend()
+    ra = d.get("replan_by_age")
+    if ra:
+        ax2.plot(ra["age"], ra["mean_imbalance"], "o-", color="C1", label="re-planned plan")
+        ax2.axhline(d["oracle"]["mean_imbalance"], color="C2", ls="--", lw=1, label="oracle (mean)")
+        ax2.set_xlabel("steps since the plan was fitted")
+        ax2.set_ylabel("mean max/mean")
+        ax2.set_title("how fast a fresh plan goes stale")
+        ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
