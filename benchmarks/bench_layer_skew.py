@@ -13,7 +13,9 @@ What it does:
    top-k choices;
 2. in a fresh process, materializes every column of layer_skew over the whole table with
    DuckDB (memory_limit 8GB, 2 threads) and reports rows/s and that process's peak RSS;
-3. in fresh processes, computes the same figures (imbalance, straggler, gini, cv, top-5%,
+3. builds the whole report (every installed section, analysis views cached for the run)
+   and reports its time and peak RSS;
+4. in fresh processes, computes the same figures (imbalance, straggler, gini, cv, top-5%,
    hottest expert) with pandas, and with DuckDB, on a subset of steps (pandas cannot hold
    300M rows plus group-by state in this machine's memory), and reports both rows/s; the
    pandas figure for the full table is extrapolated per row from the subset (said in the
@@ -142,6 +144,20 @@ def _pandas(path: str, max_step: int, E: int, R: int, q):
            "sample": {k: res[k].to_numpy()[:2000].tolist() for k in res.columns}})
 
 
+def _report(path: str, q):
+    """The whole report (every section installed) on the same store, views cached per run."""
+    from moetrace.report.build import build_report
+    from moetrace.store import Store
+
+    st = Store(path)
+    st._con = st.connect(threads=DUCK_THREADS, memory_limit=DUCK_MEMORY)
+    st._con.execute("SET enable_progress_bar = false")
+    t0 = time.perf_counter()
+    rep = build_report(st, "bench", Path(path).parent / "report")
+    q.put({"seconds": time.perf_counter() - t0, "peak_mib": peak_rss_mib(), "sections": [s.key for s in rep.sections],
+           "figures": len(rep.figures)})
+
+
 def _in_process(fn, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -164,6 +180,7 @@ def run(size: str = "small") -> list[dict]:
         sub = min(cfg["subset_steps"], cfg["steps"])
         duck_sub = _in_process(_duck, store, sub)
         pd_sub = _in_process(_pandas, store, sub, cfg["experts"], cfg["ranks"])
+        rep = _in_process(_report, store)
         disk = sum(f.stat().st_size for f in (tmp / "st").rglob("*.parquet"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -195,6 +212,9 @@ def run(size: str = "small") -> list[dict]:
                ratio=ds_rate / p_rate, notes=f"first {sub} steps, {duck_sub['rows']} rows; results cross-checked"),
         result(name, "subset: duckdb peak RSS", duck_sub["peak_mib"], "MiB", baseline="pandas",
                baseline_value=pd_sub["peak_mib"], ratio=pd_sub["peak_mib"] / duck_sub["peak_mib"]),
+        result(name, "moetrace report: time", rep["seconds"], "s",
+               notes=f"whole table; sections {', '.join(rep['sections'])}; {rep['figures']} PNGs"),
+        result(name, "moetrace report: peak RSS", rep["peak_mib"], "MiB"),
     ]
 
 
