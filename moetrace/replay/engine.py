@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -199,15 +199,18 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
         yield ids, load, slot_load
 
 
-def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(step ids, load [T, L, E]) for all steps (or steps lo <= step < hi)."""
-    parts = [(ids, ld) for ids, ld, _ in iter_load(store, run_id, shape)]
-    ids = np.concatenate([p[0] for p in parts])
-    load = np.concatenate([p[1] for p in parts])
+def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
+              max_steps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(step ids, load [T, L, E]) for all steps (or steps lo <= step < hi; at most max_steps)."""
+    steps = shape.steps
     if step_range:
-        m = (ids >= step_range[0]) & (ids < step_range[1])
-        ids, load = ids[m], load[m]
-    return ids, load
+        steps = steps[(steps >= step_range[0]) & (steps < step_range[1])]
+    if max_steps is not None:
+        steps = steps[:max_steps]
+    if steps.size == 0:
+        return steps, np.zeros((0, shape.layers.size, shape.num_experts), np.float32)
+    parts = [(ids, ld) for ids, ld, _ in iter_load(store, run_id, replace(shape, steps=steps))]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 # ----------------------------------------------------------------------------- replay core

@@ -40,8 +40,8 @@ class Plan:
         S = self.phy2log.shape[1]
         if self.num_ranks < 1 or S % self.num_ranks:
             raise ValueError(f"{S} slots do not divide evenly over {self.num_ranks} ranks")
-        if self.ranks_per_node < 1 or self.num_ranks % self.ranks_per_node:
-            self.ranks_per_node = self.num_ranks if self.ranks_per_node < 1 else self.ranks_per_node
+        if self.ranks_per_node < 1:
+            self.ranks_per_node = self.num_ranks
         if self.phy2log.size and (self.phy2log.min() < 0 or self.phy2log.max() >= self.num_experts):
             raise ValueError("phy2log holds expert ids outside [0, num_experts)")
         missing = [int(li) for li, row in zip(self.layers, self.phy2log)
