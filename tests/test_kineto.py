@@ -379,3 +379,15 @@ def test_collective_name_arg_and_old_category_spellings(tmp_path):
     s = spans_of(run)
     assert [(r["kind"], r["collective"], r["step"]) for r in s] == [("dispatch", "all_to_all", 0),
                                                                      ("comm_other", "all_reduce", 0)]
+
+
+def test_parallel_parse_gives_the_same_tables(tmp_path):
+    d = tmp_path / "job"
+    d.mkdir()
+    for r in range(3):
+        write_trace(d / f"rank-{r}.json", annotated_events(), rank=r, world=3)
+    (seq,) = collect([d], options={"jobs": 1})
+    (par,) = collect([d], options={"jobs": 2})
+    for t in ("spans", "kernel_names", "steps"):
+        assert seq.tables[t].equals(par.tables[t]), t
+    assert seq.run["source_sha256"] == par.run["source_sha256"]

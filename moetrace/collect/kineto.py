@@ -367,7 +367,8 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        # not fork: polars' thread pool in this process could deadlock a forked child
+        ctx = mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
             frames = list(ex.map(_parse_frames, paths, [progress] * len(paths)))
     else:
