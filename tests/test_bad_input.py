@@ -582,7 +582,7 @@ def test_sglang_bad_dumps(runner, cli, store, tmp_path):
     neg = torch.ones((2, 3, 4), dtype=torch.int32)
     neg[1, 2, 3] = -7
     cases = [
-        ("negative count", torch.tensor(neg), "index [1, 2, 3]", "-7"),
+        ("negative count", neg, "index [1, 2, 3]", "-7"),
         ("NaN count", torch.tensor([[[1.0, float("nan")]]]), None, "non-integer"),
         ("fractional count", torch.tensor([[[1.5, 2.0]]]), None, "non-integer"),
         ("1-D counts", torch.tensor([1, 2, 3], dtype=torch.int32), None, "shape"),
