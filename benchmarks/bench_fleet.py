@@ -187,6 +187,13 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
     outdir.mkdir()
     sampler = _RssSampler()
     t0 = time.perf_counter()
+    if os.environ.get("MOETRACE_FLEET_NO_MATERIALIZE") != "1":
+        # run_shape and layer_placement aggregate the whole expert_load (max expert id, slot
+        # presence per layer) and carry no step filter: computed once, not once per batch,
+        # or every batch rescans the whole run and the stage grows quadratically
+        for v in ("run_shape", "layer_placement"):
+            con.execute(f"CREATE TEMP TABLE _m_{v} AS SELECT * FROM {v}")
+            con.execute(f"CREATE OR REPLACE VIEW {v} AS SELECT * FROM _m_{v}")
     b = cfg["skew_batch_steps"]
     for k, s0 in enumerate(range(0, steps, b)):
         con.execute(f"COPY (SELECT {LAYER_SKEW_COLUMNS} FROM layer_skew WHERE step >= {s0} AND step < {s0 + b}) "
