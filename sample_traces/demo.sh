@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The main job on the shipped sample traces: ingest, report, replay.
+#   bash sample_traces/demo.sh [OUT]      (default OUT=moetrace-demo)
+# Every step is a plain moetrace command; read them as the tour of the tool.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+OUT="${1:-moetrace-demo}"
+rm -rf "$OUT"
+run() { echo; echo "\$ $*"; "$@"; }
+
+# 1. a DeepSeek-V3-shaped serving run (expert load per step; 32 ranks, 8 per node)
+run moetrace ingest "$HERE/dsv3_synth_expert_load.parquet" --store "$OUT/store" \
+    --run-id dsv3 --ranks 32 --ranks-per-node 8 --top-k 8 --experts 256 --layers 4
+# 2. a real expert-parallel run on CPU (4 gloo ranks, profiler traces, routing, dummy steps)
+run moetrace ingest "$HERE/refrun" --store "$OUT/store" --run-id refrun
+run moetrace runs "$OUT/store"
+# 3. the numbers: skew per layer, and SQL over everything
+run moetrace skew "$OUT/store" --run dsv3
+run moetrace sql "$OUT/store" "SELECT layer, round(avg(imbalance), 3) AS mean_max_over_mean, round(avg(gini), 3) AS gini FROM layer_skew WHERE run_id = 'dsv3' GROUP BY layer ORDER BY layer"
+# 4. what another placement would have done (fit on the first half, judged on the second)
+run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --fit-window 0:100 --json
+run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --replan-every 25 --window 25 --json
+# 5. all-to-all exposure on the real multi-rank trace
+run moetrace exposure "$OUT/store" --run refrun
+# 6. the reports (terminal summary + report.html, report.md, PNGs)
+run moetrace report "$OUT/store" --run dsv3 --out "$OUT/report-dsv3" --quiet
+run moetrace report "$OUT/store" --run refrun --out "$OUT/report-refrun" --quiet
+echo
+echo "open $OUT/report-dsv3/report.html and $OUT/report-refrun/report.html"
