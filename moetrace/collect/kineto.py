@@ -390,10 +390,9 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
 
 def _jobs(options: dict, paths: list[Path], total: int) -> int:
     """Processes to parse rank files with: option ``jobs`` (``--set jobs=N``; ``auto`` = one
-    per CPU, at most 8). Default: ``auto`` for 512 MiB or more of several files (measured
-    1.3x faster on 1 GB over 8 ranks with 2 CPUs), else 1 (below that, starting processes
-    costs more than it saves on a busy machine)."""
-    j = options.get("jobs", "auto" if len(paths) > 1 and total >= 512 * 2**20 else 1)
+    per CPU, at most 8). Default 1: on the 2-CPU development machine two processes were
+    1.3x faster in one 1 GB run and 1.2x slower in another, and cost more memory."""
+    j = options.get("jobs", 1)
     if j == "auto":
         j = min(os.cpu_count() or 1, 8)
     try:
