@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import __version__, schema
-from .errors import InputError, SchemaError, StoreError
+from .errors import SchemaError, StoreError
 
 STORE_MARKER = "moetrace-store.json"
 STORE_FORMAT = 1
@@ -397,7 +397,7 @@ class Store:
         try:
             order = [t for t in tables if t != commit_table] + ([commit_table] if commit_table else [])
             for table in order:
-                ts = schema.get(table)
+                schema.get(table)  # unknown table: SchemaError before anything is written
                 n_written = 0
                 writer = None
                 tmp_file = staging / table / f"part-{txid}.parquet"

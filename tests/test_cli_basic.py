@@ -3,7 +3,6 @@ import json
 import polars as pl
 import pytest
 
-from moetrace.store import Store
 
 
 def test_every_command_has_help_with_an_example(cli):

@@ -8,7 +8,6 @@ import pytest
 
 from moetrace.collect import collect, ingest
 from moetrace.collect.logs import parse_line
-from moetrace.errors import InputError
 from moetrace.store import Store
 
 from .conftest import tree_hash

@@ -297,3 +297,27 @@ def _resolve_a2a(pts: pl.DataFrame) -> pl.DataFrame:
     a2a = a2a.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("layer", layers, pl.Int64),
                            pl.Series("_inf", infs, pl.Boolean))
     return pl.concat([rest, a2a.select(rest.columns)], how="vertical_relaxed").drop("layer_a")
+
+
+def run_data(paths, sha256: str, time_base: str, num_ranks: int, options: dict, approx: list[str], meta: dict,
+             tables: dict):
+    """The RunData of a profiler run (Kineto or Nsight): the runs row from the files and
+    the user's shape options (layers, experts, top-k are not in a profiler trace)."""
+    import json
+
+    from . import RunData
+
+    run = {
+        "source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+        "source_sha256": sha256,
+        "time_base": time_base,
+        "num_ranks": num_ranks,
+        "ranks_per_node": options.get("ranks_per_node"),
+        "num_layers": options.get("num_layers"),
+        "num_experts": options.get("num_experts"),
+        "top_k": options.get("top_k"),
+        "approximations": json.dumps(approx) if approx else None,
+        "meta_json": json.dumps(meta),
+    }
+    hint = paths[0].parent.name if len(paths) > 1 else paths[0].name.split(".")[0]
+    return RunData(run=run, tables=tables, run_id_hint=hint, files=[str(p) for p in paths])

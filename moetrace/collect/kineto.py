@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import gzip
 import hashlib
-import json
 import os
 import re
 import sys
@@ -32,7 +31,7 @@ import polars as pl
 from ..errors import InputError
 from ..store import sha256_text
 from . import Collector, RunData, register
-from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame
+from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame, run_data
 from .classify import Classifier
 
 MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
@@ -445,23 +444,10 @@ def _collect_run(items: list, options: dict) -> RunData:
         raise InputError(paths[0], "files mix absolute (epoch) and relative timestamps; they cannot form one run")
     tables, approx, meta = build(ranks, classifier)
     meta.update({"format": "kineto", "world_size": sorted(world), "files": [p.name for p in paths]})
-    n_ranks = options.get("num_ranks") or len(ranks)
-    run = {
-        "source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
-        # sha256 over the files' own sha256s (each taken while the file was read anyway)
-        "source_sha256": sha256_text("".join(info["sha256"] for _, info, _ in items)) if len(items) > 1
-        else items[0][1]["sha256"],
-        "time_base": time_bases.pop() if time_bases else "none",
-        "num_ranks": n_ranks,
-        "ranks_per_node": options.get("ranks_per_node"),
-        "num_layers": options.get("num_layers"),
-        "num_experts": options.get("num_experts"),
-        "top_k": options.get("top_k"),
-        "approximations": json.dumps(approx) if approx else None,
-        "meta_json": json.dumps(meta),
-    }
-    hint = paths[0].parent.name if len(paths) > 1 else paths[0].name.split(".")[0]
-    return RunData(run=run, tables=tables, run_id_hint=hint, files=[str(p) for p in paths])
+    # sha256 over the files' own sha256s (each taken while the file was read anyway)
+    sha = sha256_text("".join(info["sha256"] for _, info, _ in items)) if len(items) > 1 else items[0][1]["sha256"]
+    return run_data(paths, sha, time_bases.pop() if time_bases else "none", options.get("num_ranks") or len(ranks),
+                    options, approx, meta, tables)
 
 
 register(Collector("kineto", "PyTorch profiler (Kineto) Chrome-trace JSON, plain or .gz; a folder of per-rank files "

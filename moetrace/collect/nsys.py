@@ -16,7 +16,6 @@ all-to-all, as for Kineto traces.
 from __future__ import annotations
 
 import gzip
-import json
 import shutil
 import sqlite3
 import sys
@@ -29,7 +28,7 @@ import polars as pl
 from ..errors import InputError
 from ..store import sha256_files
 from . import Collector, RunData, register
-from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build
+from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, run_data
 from .classify import Classifier
 from .kineto import MAX_DUR_NS, rank_from_name
 
@@ -217,20 +216,8 @@ def _collect_run(paths: list[Path], options: dict) -> RunData:
     time_base = "epoch" if all(epochs) else "capture_start"
     if len(epochs) > 1:
         approx.append("some exports lack TARGET_INFO_SESSION_START_TIME: times are from each capture's start")
-    run = {
-        "source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
-        "source_sha256": sha256_files(paths),
-        "time_base": time_base,
-        "num_ranks": options.get("num_ranks") or len(ranks),
-        "ranks_per_node": options.get("ranks_per_node"),
-        "num_layers": options.get("num_layers"),
-        "num_experts": options.get("num_experts"),
-        "top_k": options.get("top_k"),
-        "approximations": json.dumps(approx) if approx else None,
-        "meta_json": json.dumps(meta),
-    }
-    hint = paths[0].parent.name if len(paths) > 1 else paths[0].name.split(".")[0]
-    return RunData(run=run, tables=tables, run_id_hint=hint, files=[str(p) for p in paths])
+    return run_data(paths, sha256_files(paths), time_base, options.get("num_ranks") or len(ranks), options, approx,
+                    meta, tables)
 
 
 register(Collector("nsys", "Nsight Systems SQLite export (nsys export --type sqlite), plain or .gz", _sniff, _collect,

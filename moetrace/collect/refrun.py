@@ -49,7 +49,6 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
         raise InputError(man_path, f"not a moetrace refrun manifest: {e}") from None
     P = phy2log.shape[1]
     spr = P // R
-    by_name = {p.name: p for p in files}
     need = [f"{kind}_rank{r}.parquet" for kind in ("routing", "received", "steps") for r in range(R)]
     missing = [n for n in need if not (folder / n).is_file()]
     if missing:

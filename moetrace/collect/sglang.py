@@ -361,7 +361,7 @@ def _detail_run(paths: list[Path], options: dict) -> RunData:
         for key in sorted(topk):
             fpid, rank = key
             t = np.concatenate(topk[key], axis=1)  # [L, T, K]
-            T, K = t.shape[1], t.shape[2]
+            T = t.shape[1]
             tok_of[key] = T
             base = offset[fpid]
             offset[fpid] += T

@@ -85,7 +85,7 @@ def ingest(files, store_path, fmt, run_id, extra, **opts):
 
         moetrace ingest expert_load.csv routing.parquet --store st
     """
-    from ..collect import collect, registry
+    from ..collect import collect
 
     options = {k: v for k, v in opts.items() if v not in (None, False)}
     options.update(extra)
