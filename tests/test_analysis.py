@@ -10,7 +10,6 @@ import math
 import uuid
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from moetrace.store import Store

@@ -2,7 +2,6 @@
 skew of the popularity under the placement stays."""
 from __future__ import annotations
 
-import numpy as np
 import polars as pl
 
 from ..base import Figure, ReportContext, Section, md_table
