@@ -183,6 +183,29 @@ def _seeded(torch, *key):
     return g
 
 
+_EXPERT_OP = None
+
+
+def _expert_op():
+    """The gated MLP of one expert slot as one torch custom op, ``refrun::moe_mlp``: the
+    profiler records each call as one CPU op of that name, which the kernel classifier
+    maps to ``expert_gemm`` (pattern ``moe_mlp``), so the trace carries one expert-compute
+    span per (step, layer, rank, slot touched) with step and layer from the enclosing
+    annotations (what ``moetrace calibrate`` fits). Registered once per process."""
+    global _EXPERT_OP
+    if _EXPERT_OP is None:
+        import torch
+        import torch.nn.functional as F
+
+        def moe_mlp(x, wg, wd):
+            a, b = (x @ wg.T).chunk(2, dim=-1)
+            return (F.silu(a) * b) @ wd.T
+
+        _EXPERT_OP = torch.library.custom_op("refrun::moe_mlp", moe_mlp, mutates_args=(),
+                                             schema="(Tensor x, Tensor wg, Tensor wd) -> Tensor")
+    return _EXPERT_OP
+
+
 def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int) -> None:
     """One rank of the reference run (run by torch.multiprocessing)."""
     import pyarrow as pa
@@ -193,6 +216,7 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
 
     cfg = RefRunConfig(**{**cfg_dict, "idle": [tuple(x) for x in cfg_dict["idle"]]})
     torch.set_num_threads(cfg.threads_per_rank)
+    expert_mlp = _expert_op()
     R, E, K, L, H, FF = cfg.ranks, cfg.experts, cfg.top_k, cfg.layers, cfg.hidden, cfg.ffn
     phy2log = np.asarray(phy2log_list, np.int64)
     P = phy2log.shape[1]
@@ -259,8 +283,7 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                     for s in np.unique(rs):
                         m = torch.from_numpy(rs == s)
                         wg, wd = local[(layer, int(s))]
-                        a, b = (rx[m] @ wg.T).chunk(2, dim=-1)
-                        y[m] = (F.silu(a) * b) @ wd.T
+                        y[m] = expert_mlp(rx[m], wg, wd)
                     # tokens received per (source rank, slot): the measured load of this rank
                     src = np.repeat(np.arange(R), recv_l)
                     if len(rs):

@@ -1,0 +1,127 @@
+"""``moetrace calibrate``: fit the replay cost model on one run's measured spans and judge
+its predictions on another run."""
+from __future__ import annotations
+
+import click
+import polars as pl
+
+from ..output import emit, output_options
+from ..store import Store
+
+
+def _steps_range(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        a, b = value.split(":")
+        lo, hi = int(a), int(b)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not A:B (steps A <= step < B)") from None
+    if hi <= lo:
+        raise click.BadParameter(f"{value!r}: B must be greater than A")
+    return lo, hi
+
+
+def _pct(v):
+    return None if v is None else round(100.0 * v, 2)
+
+
+def metrics_frame(summary: dict) -> pl.DataFrame:
+    """One row per judged run (the fit run first, in-sample) with the headline errors in %."""
+    rows = [("fit (in-sample)", summary["fit"]["fit_run_id"], summary["fit"]["metrics"])]
+    rows += [("judge", j["run_id"], j["metrics"]) for j in summary["judged"]]
+    out = []
+    for role, rid, m in rows:
+        out.append({"role": role, "run_id": rid, "cells": m.get("cells_measured"), "pairs": m.get("pairs"),
+                    "expert_mape_pct": _pct(m.get("expert_mape")), "expert_bias_pct": _pct(m.get("expert_bias")),
+                    "straggler_mape_pct": _pct(m.get("straggler_mape")),
+                    "straggler_bias_pct": _pct(m.get("straggler_bias")),
+                    "straggler_hit_pct": _pct(m.get("straggler_hit_rate")),
+                    "comm_mape_pct": _pct(m.get("comm_mape"))})
+    return pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
+                                     "expert_mape_pct": pl.Float64, "expert_bias_pct": pl.Float64,
+                                     "straggler_mape_pct": pl.Float64, "straggler_bias_pct": pl.Float64,
+                                     "straggler_hit_pct": pl.Float64, "comm_mape_pct": pl.Float64})
+
+
+def fit_lines(summary: dict) -> list[str]:
+    f = summary["fit"]
+    r2 = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    res = f["expert_residuals"]
+    lines = [
+        f"calibration {summary['calibration_id']}: fitted on run {f['fit_run_id']} steps {f['steps'][0]}..{f['steps'][1]}",
+        f"  expert time = {f['a_ns']:.1f} ns x tokens + {f['b_ns']:.1f} ns x slots touched   "
+        f"(R^2 {r2(f['expert_r2'])} on {f['expert_points']} (step, layer, rank) cells; residual rmse "
+        f"{res.get('rmse_ns', 0) / 1e3:.1f} us, |error| p50 {res.get('p50_abs_pct', 0):.1f}% p90 "
+        f"{res.get('p90_abs_pct', 0):.1f}%)",
+    ]
+    if f["comm_points"]:
+        bw = lambda c: "not bytes-bound" if not c else f"{1 / c:.2f} GB/s"  # noqa: E731
+        lines.append(f"  all-to-all = {f['comm_latency_ns'] / 1e3:.1f} us + bytes intra / {bw(f['comm_ns_per_byte_intra'])}"
+                     f" + bytes inter / {bw(f['comm_ns_per_byte_inter'])}   (R^2 {r2(f['comm_r2'])} on "
+                     f"{f['comm_points']} cells)")
+    for n in list(f.get("input_notes", [])) + list(f.get("notes", [])):
+        lines.append(f"  note: {n}")
+    return lines
+
+
+@click.command("calibrate")
+@click.argument("store", type=click.Path(file_okay=False, exists=True))
+@click.option("--fit", "fit_run", required=True, help="Run whose measured spans the cost model is fitted on.")
+@click.option("--judge", "judge_runs", multiple=True,
+              help="Run to predict with the fitted model and compare with its measured spans (repeatable). "
+                   "Without it: the fit only (in-sample errors), or with --judge-steps the fit run's other steps.")
+@click.option("--fit-steps", callback=_steps_range, default=None, help="Fit on steps A <= step < B only (A:B).")
+@click.option("--judge-steps", callback=_steps_range, default=None,
+              help="Judge on steps A <= step < B only (A:B); with one run, a time split of it.")
+@click.option("--hardware", default="H200", show_default=True,
+              help="Preset whose bandwidths are kept where the fit run cannot determine them.")
+@click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
+@click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole summary (fit, residuals, metrics) as JSON.")
+@output_options
+def calibrate(store, fit_run, judge_runs, fit_steps, judge_steps, hardware, calibration_id, no_store, as_json,
+              fmt, output):
+    """Fit the replay cost model on a run's measured spans and judge it on another run.
+
+    Per (step, layer, rank) the fit run's expert_gemm spans give the measured expert
+    time and its dispatch/combine spans the all-to-all time; the recorded routing (or
+    per-slot load) gives tokens, slots touched and dispatch bytes. Fits expert time =
+    a x tokens + b x slots touched and all-to-all = latency + bytes / bandwidth, then
+    predicts every judged run from its own recorded routing and compares: mean absolute
+    percentage error and bias of per-rank expert time and of the straggler (slowest
+    rank) time per (step, layer), and how often the predicted straggler rank is the
+    measured one. The cells go to the `calibration` table (SQL, and the report).
+
+    Example:
+
+        moetrace refrun ra --ranks 4 --experts 16 --skew 1.2 --store st
+        moetrace plan st --run ra --policy eplb --replicas 4 --out eplb4.json
+        moetrace refrun rb --ranks 4 --experts 16 --skew 1.2 --placement eplb4.json --store st
+        moetrace calibrate st --fit ra --judge rb
+    """
+    from ..replay.calibrate import calibrate as run_calibration, summary_json
+
+    st = Store(store)
+    rid = st.resolve_run(fit_run)
+    judges = [st.resolve_run(j) for j in judge_runs] or ([rid] if judge_steps else [])
+    summary = run_calibration(st, rid, judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware,
+                              write=not no_store, calibration_id=calibration_id)
+    if as_json:
+        click.echo(summary_json(summary))
+        return
+    for line in fit_lines(summary):
+        click.echo(line)
+    emit(metrics_frame(summary), fmt, output)
+    for j in summary["judged"]:
+        for n in j["notes"]:
+            if n not in summary["fit"].get("input_notes", []):
+                click.echo(f"note ({j['run_id']}): {n}")
+    if summary["stored"]:
+        judged = f", 'judge' on {', '.join(judges)}" if judges else ""
+        click.echo(f"stored as calibration_id '{summary['calibration_id']}' in table calibration "
+                   f"(role 'fit' on run {rid}{judged})")
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(calibrate)

@@ -1,0 +1,421 @@
+"""Calibrate the replay cost model on one run's measured spans and judge its predictions
+on another run.
+
+The replay engine predicts, per (step, layer, rank), expert time ``a·tokens + b·slots
+touched`` and all-to-all time from the bytes the rank receives; the layer waits for the
+slowest rank. This module checks those predictions against what a profiler measured:
+
+1. :func:`observe` builds one row per (step, layer, rank) of a run: the model's inputs
+   (tokens, slots touched, dispatch bytes intra/inter node — exact from per-token routing
+   with recorded slots where the run has it, else from the per-slot counts, else the
+   replay's split) next to the measured time — the summed duration of the rank's
+   ``expert_gemm`` spans in that (step, layer), and of its ``dispatch`` + ``combine``
+   spans. Only (step, layer) pairs that hold expert spans are kept (a profiler window
+   covers a few steps), and only ranks that have spans at all (a missing trace is not a
+   rank with no work).
+2. :func:`fit` fits ``expert ≈ a·tokens + b·touched`` (the replay's own
+   :func:`~moetrace.replay.cost.fit_expert_time`, no intercept, both ≥ 0) and
+   ``comm ≈ latency + c_intra·bytes_intra + c_inter·bytes_inter`` (least squares, every
+   coefficient ≥ 0: a negative one is dropped and the rest refitted), on the cells with a
+   measured expert time > 0, and reports R² and residuals.
+3. :func:`judge` predicts another run's cells with the fitted parameters and compares:
+   mean absolute percentage error and bias (mean signed percentage error) of expert time
+   per (step, layer, rank) and of the straggler time (the slowest rank's expert time)
+   per (step, layer), the share of (step, layer) where the predicted straggler rank is
+   the measured one (ties in the prediction count as a hit when the measured straggler is
+   among them), and the all-to-all error.
+
+Metric definitions, exactly as :func:`metrics` computes them from the stored rows, so SQL
+over the ``calibration`` table reproduces them: a cell enters the expert metrics when its
+measured expert time is > 0; a (step, layer) enters the straggler metrics when any of its
+cells does; a cell enters the all-to-all metrics when its measured all-to-all time is > 0.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import InputError
+from . import cost as costmod
+
+TIE_RTOL = 1e-9
+
+
+@dataclass
+class Cells:
+    """One entry per (step, layer, rank) of one run: model inputs and measured times."""
+    run_id: str
+    step: np.ndarray
+    layer: np.ndarray
+    rank: np.ndarray
+    tokens: np.ndarray
+    touched: np.ndarray
+    bytes_intra: np.ndarray
+    bytes_inter: np.ndarray
+    expert_ns: np.ndarray          # measured, 0 where the rank had no expert span
+    comm_ns: np.ndarray            # measured dispatch + combine, 0 where none
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return int(self.step.size)
+
+    def subset(self, mask: np.ndarray) -> "Cells":
+        kw = {k: getattr(self, k)[mask] for k in ("step", "layer", "rank", "tokens", "touched", "bytes_intra",
+                                                  "bytes_inter", "expert_ns", "comm_ns")}
+        return Cells(self.run_id, notes=list(self.notes), **kw)
+
+
+@dataclass
+class Fit:
+    model: costmod.CostModel
+    run_id: str
+    expert_points: int
+    expert_r2: float | None
+    expert_resid: dict
+    comm_latency_ns: float
+    comm_ns_per_byte_intra: float
+    comm_ns_per_byte_inter: float
+    comm_points: int
+    comm_r2: float | None
+    comm_resid: dict
+    notes: list[str] = field(default_factory=list)
+
+    def predict(self, c: Cells) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted (expert ns, all-to-all ns) per cell."""
+        ex = self.model.a_ns * c.tokens + self.model.b_ns * c.touched
+        cm = (self.comm_latency_ns + self.comm_ns_per_byte_intra * c.bytes_intra
+              + self.comm_ns_per_byte_inter * c.bytes_inter)
+        return ex, cm
+
+    def describe(self) -> dict:
+        return {"fit_run_id": self.run_id, "a_ns": self.model.a_ns, "b_ns": self.model.b_ns,
+                "expert_points": self.expert_points, "expert_r2": self.expert_r2, "expert_residuals": self.expert_resid,
+                "comm_latency_ns": self.comm_latency_ns, "comm_ns_per_byte_intra": self.comm_ns_per_byte_intra,
+                "comm_ns_per_byte_inter": self.comm_ns_per_byte_inter, "comm_points": self.comm_points,
+                "comm_r2": self.comm_r2, "comm_residuals": self.comm_resid,
+                "nvlink_Bps": self.model.nvlink_Bps, "internode_Bps": self.model.internode_Bps,
+                "source": self.model.source, "notes": self.notes}
+
+
+# ----------------------------------------------------------------------------- observe
+def observe(store, run_id: str, step_range: tuple[int, int] | None = None) -> Cells:
+    """Per (step, layer, rank) model inputs and measured span times of ``run_id``."""
+    from .api import _routing_block, routing_has_slots
+    from .engine import RunShape, iter_load, recorded_plan, replay_load
+    from dataclasses import replace
+
+    if not store.has_files("spans") or store.sql(
+            "SELECT count(*) AS n FROM spans WHERE run_id = ?", [run_id])["n"][0] == 0:
+        raise InputError(None, f"run {run_id!r} has no profiler spans: calibration needs a Kineto or Nsight trace "
+                               "(or a refrun) ingested into the same run")
+    shape = RunShape.from_store(store, run_id)
+    plan = recorded_plan(store, run_id, shape)
+    notes = list(shape.notes)
+    if plan.policy != "recorded":
+        notes.append("no recorded placement: contiguous assumed (slot = expert)")
+    ex = store.sql("""SELECT step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
+                      WHERE run_id = ? AND kind = 'expert_gemm' AND step IS NOT NULL AND layer IS NOT NULL
+                      GROUP BY ALL""", [run_id])
+    if ex.height == 0:
+        n = store.sql("SELECT count(*) AS n FROM spans WHERE run_id = ? AND kind = 'expert_gemm'", [run_id])["n"][0]
+        why = ("its expert_gemm spans carry no step or layer (annotate steps with ProfilerStep#N and layers with "
+               "a 'layer N' range)" if n else
+               "no span is classified expert_gemm (see `moetrace kernels`; add your expert kernel's name with "
+               "--kernel-rules at ingest)")
+        raise InputError(None, f"run {run_id!r}: cannot calibrate, {why}")
+    cm = store.sql("""SELECT step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
+                      WHERE run_id = ? AND kind IN ('dispatch', 'combine') AND step IS NOT NULL AND layer IS NOT NULL
+                      GROUP BY ALL""", [run_id])
+    traced = np.sort(store.sql("SELECT DISTINCT rank FROM spans WHERE run_id = ?", [run_id])["rank"].to_numpy())
+    traced = traced[(traced >= 0) & (traced < plan.num_ranks)]
+    # span layers are model layer ids when they match the load's; else the i-th MoE layer
+    span_layers = np.unique(ex["layer"].to_numpy())
+    layers = shape.layers
+    layer_map = None
+    if not np.isin(span_layers, layers).all():
+        if span_layers.max() < layers.size and span_layers.min() >= 0:
+            layer_map = layers
+            notes.append("span layer ids are not the load's layer ids: span layer i taken as the i-th MoE layer")
+        else:
+            raise InputError(None, f"run {run_id!r}: span layers {span_layers.tolist()} do not match the "
+                                   f"expert_load layers {layers.tolist()}")
+
+    def cells_of(df):
+        s = df["step"].to_numpy().astype(np.int64)
+        li = df["layer"].to_numpy().astype(np.int64)
+        lay = layer_map[li] if layer_map is not None else li
+        return s, lay, df["rank"].to_numpy().astype(np.int64), df["dur"].to_numpy()
+
+    es, el, er, ed = cells_of(ex)
+    keep = np.isin(es, shape.steps)
+    if step_range is not None:
+        keep &= (es >= step_range[0]) & (es < step_range[1])
+    if not keep.any():
+        raise InputError(None, f"run {run_id!r}: no step with expert spans has recorded expert load"
+                               + (f" in steps [{step_range[0]}, {step_range[1]})" if step_range else ""))
+    if (~np.isin(es, shape.steps)).any():
+        notes.append(f"{int((~np.isin(es, shape.steps)).sum())} expert span groups fall in steps without "
+                     "recorded load: left out")
+    pairs = np.unique(np.stack([es[keep], el[keep]], axis=1), axis=0)           # (step, layer)
+    steps = np.unique(pairs[:, 0])
+    # model inputs for every step in [min, max] that has load (the engine indexes contiguous step ids)
+    ids = shape.steps[(shape.steps >= steps[0]) & (shape.steps <= steps[-1])]
+    if shape.has_routing:
+        with_slots = routing_has_slots(store, run_id)
+        block = _routing_block(store, run_id, shape, plan, "hash", ids, use_recorded_slot=with_slots)
+        notes.append("tokens, slots touched and dispatch bytes from per-token routing"
+                     + (" with the recorded slots (exact)" if with_slots else
+                        " (replica chosen by the token hash: the recorded slot is unknown)"))
+    else:
+        parts = list(iter_load(store, run_id, replace(shape, steps=ids), with_slots=True))
+        load = np.concatenate([p[1] for p in parts])
+        slot_load = np.concatenate([p[2] for p in parts]) if shape.has_slot else None
+        block = replay_load(load, plan, "hash", slot_load, shape.top_k, shape.bytes_per_token)
+        notes.append("tokens and slots touched from the recorded per-slot counts (exact); dispatch bytes estimated"
+                     if shape.has_slot else
+                     "tokens and slots touched from per-expert counts split over replicas by the hash rule; "
+                     "dispatch bytes estimated")
+    # the cell grid: (step, layer) with expert spans x traced ranks
+    P, Rt = pairs.shape[0], traced.size
+    c_step = np.repeat(pairs[:, 0], Rt)
+    c_layer = np.repeat(pairs[:, 1], Rt)
+    c_rank = np.tile(traced, P)
+    ti = np.searchsorted(ids, c_step)
+    li = np.searchsorted(plan.layers, c_layer)
+    if not (np.array_equal(ids[np.minimum(ti, ids.size - 1)], c_step) and (li < plan.num_layers).all()
+            and np.array_equal(plan.layers[np.minimum(li, plan.num_layers - 1)], c_layer)):
+        raise InputError(None, f"run {run_id!r}: span steps or layers outside the recorded load")
+
+    def measured(s, lay, r, d):
+        out = np.zeros(c_step.size)
+        R = plan.num_ranks
+        key_c = (c_step * (int(layers.max()) + 1) + c_layer) * R + c_rank
+        key_m = (s * (int(layers.max()) + 1) + lay) * R + r
+        order = np.argsort(key_c)
+        pos = np.searchsorted(key_c[order], key_m)
+        ok = (pos < key_c.size) & (r >= 0) & (r < R)
+        ok[ok] &= key_c[order][pos[ok]] == key_m[ok]
+        out[order[pos[ok]]] = d[ok]
+        return out
+
+    expert_ns = measured(es, el, er, ed)
+    cs, clay, cr, cd = cells_of(cm) if cm.height else (np.zeros(0, np.int64),) * 3 + (np.zeros(0),)
+    comm_ns = measured(cs, clay, cr, cd)
+    if cm.height == 0:
+        notes.append("no dispatch/combine spans: all-to-all not calibrated")
+    sel = (ti, li, c_rank)
+    return Cells(run_id, c_step, c_layer, c_rank,
+                 np.asarray(block.tokens, np.float64)[sel], np.asarray(block.touched, np.float64)[sel],
+                 np.asarray(block.bytes_intra, np.float64)[sel], np.asarray(block.bytes_inter, np.float64)[sel],
+                 expert_ns, comm_ns, notes)
+
+
+# ----------------------------------------------------------------------------- fit
+def _resid(y: np.ndarray, pred: np.ndarray) -> dict:
+    if y.size == 0:
+        return {}
+    r = pred - y
+    rel = np.abs(r) / y
+    return {"rmse_ns": float(np.sqrt((r ** 2).mean())), "mean_abs_ns": float(np.abs(r).mean()),
+            "p50_abs_pct": float(100 * np.percentile(rel, 50)), "p90_abs_pct": float(100 * np.percentile(rel, 90)),
+            "max_abs_pct": float(100 * rel.max())}
+
+
+def r2(y: np.ndarray, pred: np.ndarray) -> float | None:
+    ss = float(((y - y.mean()) ** 2).sum()) if y.size else 0.0
+    return 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None
+
+
+def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0: drop the most negative one, refit, repeat."""
+    active = [j for j in range(X.shape[1]) if np.any(X[:, j] != 0)]
+    coef = np.zeros(X.shape[1])
+    while active:
+        c, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        if (c >= 0).all():
+            coef[active] = c
+            break
+        active.pop(int(np.argmin(c)))
+    return coef
+
+
+def fit(c: Cells, base: costmod.CostModel | None = None) -> Fit:
+    """Fit the expert and all-to-all parameters on the cells with measured expert time."""
+    base = base or costmod.preset("H200")
+    m = c.expert_ns > 0
+    if m.sum() < 8:
+        raise InputError(None, f"run {c.run_id!r}: {int(m.sum())} (step, layer, rank) cells with expert spans; "
+                               "the fit needs at least 8")
+    if np.ptp(c.tokens[m]) == 0:
+        raise InputError(None, f"run {c.run_id!r}: every measured cell has the same token count; a and b cannot "
+                               "be told apart (profile more steps, or a skewed load)")
+    model = costmod.fit_expert_time(c.tokens[m], c.touched[m], c.expert_ns[m], base)
+    y = c.expert_ns[m]
+    pred = model.a_ns * c.tokens[m] + model.b_ns * c.touched[m]
+    notes = []
+    cm = c.comm_ns > 0
+    lat = cin = cout = 0.0
+    comm_r2, comm_res = None, {}
+    if cm.sum() >= 3:
+        X = np.stack([np.ones(int(cm.sum())), c.bytes_intra[cm], c.bytes_inter[cm]], axis=1)
+        lat, cin, cout = (float(v) for v in nonneg_lstsq(X, c.comm_ns[cm]))
+        cp = lat + cin * c.bytes_intra[cm] + cout * c.bytes_inter[cm]
+        comm_r2, comm_res = r2(c.comm_ns[cm], cp), _resid(c.comm_ns[cm], cp)
+        nv = 1e9 / cin if cin > 0 else base.nvlink_Bps
+        io = 1e9 / cout if cout > 0 else base.internode_Bps
+        if cin <= 0 and c.bytes_intra[cm].any():
+            notes.append("intra-node all-to-all time does not grow with bytes in this run: fitted as a constant latency (the cost model keeps the preset NVLink bandwidth)")
+        if not c.bytes_inter[cm].any():
+            notes.append("no inter-node bytes in the fit run: inter-node bandwidth from the preset")
+        model = costmod.CostModel(model.a_ns, model.b_ns, nv, io, source=(
+            f"calibrated on run {c.run_id}: a, b from {int(m.sum())} (step, layer, rank) expert times; "
+            f"all-to-all latency and bandwidth from {int(cm.sum())} cells"),
+            fit={"points": int(m.sum()), "r2": r2(y, pred), "comm_latency_ns": lat, "comm_r2": comm_r2})
+    else:
+        notes.append("fewer than 3 cells with all-to-all spans: all-to-all not fitted (preset bandwidths)")
+        cin, cout = 1e9 / base.nvlink_Bps, 1e9 / base.internode_Bps
+    return Fit(model, c.run_id, int(m.sum()), r2(y, pred), _resid(y, pred), lat, cin, cout,
+               int(cm.sum()), comm_r2, comm_res, notes)
+
+
+# ----------------------------------------------------------------------------- judge
+def straggler_flags(step, layer, measured, predicted):
+    """Per cell: is it the measured straggler of its (step, layer) (the argmax, lowest rank
+    on ties), is it among the predicted stragglers (every rank within TIE_RTOL of the max)."""
+    key = np.unique(np.stack([step, layer], axis=1), axis=0, return_inverse=True)[1].ravel()
+    n = int(key.max()) + 1 if key.size else 0
+    mmax = np.full(n, -np.inf)
+    np.maximum.at(mmax, key, measured)
+    pmax = np.full(n, -np.inf)
+    np.maximum.at(pmax, key, predicted)
+    is_m = measured == mmax[key]
+    # first (lowest index: cells are ordered by rank within a pair) measured max only
+    first = np.zeros(n, np.int64) - 1
+    for i in np.flatnonzero(is_m)[::-1]:
+        first[key[i]] = i
+    meas_flag = np.zeros(measured.size, bool)
+    meas_flag[first[first >= 0]] = True
+    pred_flag = predicted >= pmax[key] - TIE_RTOL * np.abs(pmax[key])
+    return meas_flag, pred_flag
+
+
+def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted=None) -> dict:
+    """The judged errors (module docstring). Percentages are fractions (0.1 = 10%)."""
+    out: dict = {}
+    m = measured > 0
+    out["cells"] = int(step.size)
+    out["cells_measured"] = int(m.sum())
+    if m.any():
+        rel = (predicted[m] - measured[m]) / measured[m]
+        out["expert_mape"] = float(np.abs(rel).mean())
+        out["expert_bias"] = float(rel.mean())
+        out["expert_total_ratio"] = float(predicted[m].sum() / measured[m].sum())
+    mf, pf = straggler_flags(step, layer, measured, predicted)
+    key, inv = np.unique(np.stack([step, layer], axis=1), axis=0, return_inverse=True)
+    inv = inv.ravel()
+    n = key.shape[0]
+    mmax = np.zeros(n)
+    np.maximum.at(mmax, inv, measured)
+    pmax = np.full(n, -np.inf)
+    np.maximum.at(pmax, inv, predicted)
+    hit = np.zeros(n, bool)
+    np.logical_or.at(hit, inv, mf & pf)
+    ok = mmax > 0
+    out["pairs"] = int(ok.sum())
+    if ok.any():
+        srel = (pmax[ok] - mmax[ok]) / mmax[ok]
+        out["straggler_mape"] = float(np.abs(srel).mean())
+        out["straggler_bias"] = float(srel.mean())
+        out["straggler_hit_rate"] = float(hit[ok].mean())
+    if comm_measured is not None:
+        cm = comm_measured > 0
+        out["comm_cells"] = int(cm.sum())
+        if cm.any():
+            crel = (comm_predicted[cm] - comm_measured[cm]) / comm_measured[cm]
+            out["comm_mape"] = float(np.abs(crel).mean())
+            out["comm_bias"] = float(crel.mean())
+    return out
+
+
+def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: int) -> pa.Table:
+    ex, cm = f.predict(c)
+    mf, pf = straggler_flags(c.step, c.layer, c.expert_ns, ex)
+    n = c.size
+    const = lambda v, t: pa.array([v] * n, t)  # noqa: E731
+    return pa.table({
+        "calibration_id": const(calibration_id, pa.string()), "role": const(role, pa.string()),
+        "fit_run_id": const(f.run_id, pa.string()), "created_at_ns": const(created_at_ns, pa.int64()),
+        "step": pa.array(c.step, pa.int64()), "layer": pa.array(c.layer, pa.int32()),
+        "rank": pa.array(c.rank, pa.int32()), "tokens": pa.array(c.tokens, pa.float64()),
+        "slots_touched": pa.array(c.touched.astype(np.int32), pa.int32()),
+        "bytes_intra": pa.array(c.bytes_intra, pa.float64()), "bytes_inter": pa.array(c.bytes_inter, pa.float64()),
+        "measured_expert_ns": pa.array(np.round(c.expert_ns).astype(np.int64), pa.int64()),
+        "predicted_expert_ns": pa.array(ex, pa.float64()),
+        "measured_comm_ns": pa.array(np.round(c.comm_ns).astype(np.int64), pa.int64()),
+        "predicted_comm_ns": pa.array(cm, pa.float64()),
+        "measured_straggler": pa.array(mf, pa.bool_()), "predicted_straggler": pa.array(pf, pa.bool_()),
+        "a_ns": const(f.model.a_ns, pa.float64()), "b_ns": const(f.model.b_ns, pa.float64()),
+        "comm_latency_ns": const(f.comm_latency_ns, pa.float64()),
+        "comm_ns_per_byte_intra": const(f.comm_ns_per_byte_intra, pa.float64()),
+        "comm_ns_per_byte_inter": const(f.comm_ns_per_byte_inter, pa.float64()),
+        "expert_r2": const(f.expert_r2, pa.float64()), "comm_r2": const(f.comm_r2, pa.float64()),
+    })
+
+
+def new_calibration_id() -> str:
+    return f"c-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
+              hardware: str = "H200", write: bool = True, calibration_id: str | None = None) -> dict:
+    """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
+    itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
+    False. Returns a summary dict (fit parameters and one metrics dict per judged run)."""
+    from .engine import RunShape
+
+    cid = calibration_id or new_calibration_id()
+    now = time.time_ns()
+    shape = RunShape.from_store(store, fit_run)
+    base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
+    cf = observe(store, fit_run, fit_steps)
+    f = fit(cf, base)
+    ex, cm = f.predict(cf)
+    fit_metrics = metrics(cf.step, cf.layer, cf.expert_ns, ex, cf.comm_ns, cm)
+    out = {"calibration_id": cid, "fit": {**f.describe(), "steps": _steps_of(cf), "metrics": fit_metrics,
+                                          "input_notes": cf.notes}, "judged": []}
+    tables = {fit_run: [cell_table(cf, f, cid, "fit", now)]}
+    targets = list(judge_runs)
+    for rid in targets:
+        same = rid == fit_run
+        cj = observe(store, rid, judge_steps)
+        if same and not judge_steps:
+            note = "judged on the fit run itself (in-sample)"
+        elif same:
+            note = f"judged on steps [{judge_steps[0]}, {judge_steps[1]}) of the fit run"
+        else:
+            note = None
+        pe, pc = f.predict(cj)
+        mt = metrics(cj.step, cj.layer, cj.expert_ns, pe, cj.comm_ns, pc)
+        out["judged"].append({"run_id": rid, "steps": _steps_of(cj), "metrics": mt,
+                              "notes": cj.notes + ([note] if note else [])})
+        tables.setdefault(rid, []).append(cell_table(cj, f, cid, "judge", now))
+    if write:
+        for rid, parts in tables.items():
+            store.append(rid, {"calibration": pa.concat_tables(parts)})
+    out["stored"] = bool(write)
+    return out
+
+
+def _steps_of(c: Cells) -> list[int]:
+    s = np.unique(c.step)
+    return [int(s.min()), int(s.max())] if s.size else []
+
+
+def summary_json(summary: dict) -> str:
+    return json.dumps(summary, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
