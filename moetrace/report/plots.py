@@ -64,6 +64,8 @@ def bars(path, labels, values, *, title: str, xlabel: str, ylabel: str, ref_line
         ax.axhline(ref_line, color="black", linestyle="--", linewidth=1, label=ref_label)
         if ref_label:
             ax.legend(loc="upper right", frameon=False)
+            lo, hi = ax.get_ylim()             # headroom: the legend must not cover the tallest bar
+            ax.set_ylim(lo, hi + 0.15 * (hi - lo))
     step = max(1, int(np.ceil(n / 40)))
     ax.set_xticks(x[::step])
     ax.set_xticklabels([str(labels[i]) for i in range(0, n, step)], rotation=90 if n > 16 else 0)
@@ -119,5 +121,6 @@ def lines(path, series: list[tuple[str, np.ndarray, np.ndarray]], *, title: str,
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if series:
-        ax.legend(frameon=False, fontsize=8, ncol=2 if len(series) > 3 else 1)
+        # outside the axes, on the right: inside it covered the data (often the last, largest-batch point)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     return save(fig, path)

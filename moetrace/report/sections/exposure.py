@@ -136,6 +136,8 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
     exp = per["exposed_ns"].to_numpy() / 1e6
     ax.bar(x, exp, color="#C44E52", label="exposed")
     ax.bar(x, hid, bottom=exp, color="#8C8C8C", alpha=0.6, label="hidden behind compute")
+    top = float((exp + hid).max()) if per.height else 0.0
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)   # the bars' sticky edges would clip the tallest one
     ax.set_xticks(x)
     ax.set_xticklabels([str(v) for v in per["layer"].to_list()], fontsize=8)
     inferred = bool(per["inferred"].any())
