@@ -37,11 +37,13 @@ def metrics_frame(summary: dict) -> pl.DataFrame:
                     "straggler_mape_pct": _pct(m.get("straggler_mape")),
                     "straggler_bias_pct": _pct(m.get("straggler_bias")),
                     "straggler_hit_pct": _pct(m.get("straggler_hit_rate")),
+                    "chance_pct": _pct(m.get("straggler_chance")),
                     "comm_mape_pct": _pct(m.get("comm_mape"))})
     return pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
                                      "expert_mape_pct": pl.Float64, "expert_bias_pct": pl.Float64,
                                      "straggler_mape_pct": pl.Float64, "straggler_bias_pct": pl.Float64,
-                                     "straggler_hit_pct": pl.Float64, "comm_mape_pct": pl.Float64})
+                                     "straggler_hit_pct": pl.Float64, "chance_pct": pl.Float64,
+                                     "comm_mape_pct": pl.Float64})
 
 
 def fit_lines(summary: dict) -> list[str]:
@@ -76,11 +78,14 @@ def fit_lines(summary: dict) -> list[str]:
               help="Judge on steps A <= step < B only (A:B); with one run, a time split of it.")
 @click.option("--hardware", default="H200", show_default=True,
               help="Preset whose bandwidths are kept where the fit run cannot determine them.")
+@click.option("--loss", type=click.Choice(["l2", "mape"]), default="l2", show_default=True,
+              help="l2: least squares (as replay fits); mape: minimize the mean absolute percentage error "
+                   "(robust to preempted or warming-up cells).")
 @click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole summary (fit, residuals, metrics) as JSON.")
 @output_options
-def calibrate(store, fit_run, judge_runs, fit_steps, judge_steps, hardware, calibration_id, no_store, as_json,
+def calibrate(store, fit_run, judge_runs, fit_steps, judge_steps, hardware, loss, calibration_id, no_store, as_json,
               fmt, output):
     """Fit the replay cost model on a run's measured spans and judge it on another run.
 
@@ -105,7 +110,7 @@ def calibrate(store, fit_run, judge_runs, fit_steps, judge_steps, hardware, cali
     st = Store(store)
     rid = st.resolve_run(fit_run)
     judges = [st.resolve_run(j) for j in judge_runs] or ([rid] if judge_steps else [])
-    summary = run_calibration(st, rid, judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware,
+    summary = run_calibration(st, rid, judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
                               write=not no_store, calibration_id=calibration_id)
     if as_json:
         click.echo(summary_json(summary))

@@ -245,8 +245,35 @@ def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit(c: Cells, base: costmod.CostModel | None = None) -> Fit:
-    """Fit the expert and all-to-all parameters on the cells with measured expert time."""
+LOSSES = ("l2", "mape")
+
+
+def fit_mape(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
+    """Coefficients ≥ 0 minimizing the mean absolute percentage error Σ|X·c − y| / y
+    (iteratively reweighted least squares from the relative-L2 solution; y > 0)."""
+    w = 1.0 / y
+    coef = nonneg_lstsq(X * w[:, None], y * w)
+    best, best_err = coef, float(np.abs(X @ coef - y).dot(w))
+    for _ in range(iters):
+        r = np.abs(X @ coef - y) * w
+        ww = w / np.sqrt(np.maximum(r, 1e-6))          # sqrt: the LS weights are squared
+        coef = nonneg_lstsq(X * ww[:, None], y * ww)
+        err = float(np.abs(X @ coef - y).dot(w))
+        if err < best_err - 1e-12 * best_err:
+            best, best_err = coef, err
+        elif err >= best_err:
+            break
+    return best
+
+
+def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fit:
+    """Fit the expert and all-to-all parameters on the cells with measured expert time.
+
+    ``loss='l2'``: ordinary least squares (what ``moetrace replay`` fits from a run's
+    spans); ``'mape'``: minimize the mean absolute percentage error (robust to the few
+    cells a preempted or warming-up process inflates)."""
+    if loss not in LOSSES:
+        raise InputError(None, f"unknown loss {loss!r} (choose from {', '.join(LOSSES)})")
     base = base or costmod.preset("H200")
     m = c.expert_ns > 0
     if m.sum() < 8:
@@ -255,16 +282,22 @@ def fit(c: Cells, base: costmod.CostModel | None = None) -> Fit:
     if np.ptp(c.tokens[m]) == 0:
         raise InputError(None, f"run {c.run_id!r}: every measured cell has the same token count; a and b cannot "
                                "be told apart (profile more steps, or a skewed load)")
-    model = costmod.fit_expert_time(c.tokens[m], c.touched[m], c.expert_ns[m], base)
     y = c.expert_ns[m]
+    if loss == "l2":
+        model = costmod.fit_expert_time(c.tokens[m], c.touched[m], y, base)
+    else:
+        a, b = fit_mape(np.stack([c.tokens[m], c.touched[m]], axis=1), y)
+        model = costmod.CostModel(float(a), float(b), base.nvlink_Bps, base.internode_Bps, source="")
     pred = model.a_ns * c.tokens[m] + model.b_ns * c.touched[m]
     notes = []
     cm = c.comm_ns > 0
+    notes.append(f"loss {loss}")
     lat = cin = cout = 0.0
     comm_r2, comm_res = None, {}
     if cm.sum() >= 3:
         X = np.stack([np.ones(int(cm.sum())), c.bytes_intra[cm], c.bytes_inter[cm]], axis=1)
-        lat, cin, cout = (float(v) for v in nonneg_lstsq(X, c.comm_ns[cm]))
+        coef = nonneg_lstsq(X, c.comm_ns[cm]) if loss == "l2" else fit_mape(X, c.comm_ns[cm])
+        lat, cin, cout = (float(v) for v in coef)
         cp = lat + cin * c.bytes_intra[cm] + cout * c.bytes_inter[cm]
         comm_r2, comm_res = r2(c.comm_ns[cm], cp), _resid(c.comm_ns[cm], cp)
         nv = 1e9 / cin if cin > 0 else base.nvlink_Bps
@@ -274,12 +307,15 @@ def fit(c: Cells, base: costmod.CostModel | None = None) -> Fit:
         if not c.bytes_inter[cm].any():
             notes.append("no inter-node bytes in the fit run: inter-node bandwidth from the preset")
         model = costmod.CostModel(model.a_ns, model.b_ns, nv, io, source=(
-            f"calibrated on run {c.run_id}: a, b from {int(m.sum())} (step, layer, rank) expert times; "
+            f"calibrated on run {c.run_id} ({loss}): a, b from {int(m.sum())} (step, layer, rank) expert times; "
             f"all-to-all latency and bandwidth from {int(cm.sum())} cells"),
             fit={"points": int(m.sum()), "r2": r2(y, pred), "comm_latency_ns": lat, "comm_r2": comm_r2})
     else:
         notes.append("fewer than 3 cells with all-to-all spans: all-to-all not fitted (preset bandwidths)")
         cin, cout = 1e9 / base.nvlink_Bps, 1e9 / base.internode_Bps
+        model = costmod.CostModel(model.a_ns, model.b_ns, base.nvlink_Bps, base.internode_Bps, source=(
+            f"calibrated on run {c.run_id} ({loss}): a, b from {int(m.sum())} (step, layer, rank) expert times; "
+            f"bandwidths from {base.source.split(':')[0]}"), fit={"points": int(m.sum()), "r2": r2(y, pred)})
     return Fit(model, c.run_id, int(m.sum()), r2(y, pred), _resid(y, pred), lat, cin, cout,
                int(cm.sum()), comm_r2, comm_res, notes)
 
@@ -333,6 +369,7 @@ def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted
         out["straggler_mape"] = float(np.abs(srel).mean())
         out["straggler_bias"] = float(srel.mean())
         out["straggler_hit_rate"] = float(hit[ok].mean())
+        out["straggler_chance"] = float((1.0 / np.bincount(inv, minlength=n)[ok]).mean())   # a random guess
     if comm_measured is not None:
         cm = comm_measured > 0
         out["comm_cells"] = int(cm.sum())
@@ -373,7 +410,8 @@ def new_calibration_id() -> str:
 
 
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
-              hardware: str = "H200", write: bool = True, calibration_id: str | None = None) -> dict:
+              hardware: str = "H200", loss: str = "l2", write: bool = True,
+              calibration_id: str | None = None) -> dict:
     """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
     itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
     False. Returns a summary dict (fit parameters and one metrics dict per judged run)."""
@@ -384,10 +422,10 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     shape = RunShape.from_store(store, fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     cf = observe(store, fit_run, fit_steps)
-    f = fit(cf, base)
+    f = fit(cf, base, loss)
     ex, cm = f.predict(cf)
     fit_metrics = metrics(cf.step, cf.layer, cf.expert_ns, ex, cf.comm_ns, cm)
-    out = {"calibration_id": cid, "fit": {**f.describe(), "steps": _steps_of(cf), "metrics": fit_metrics,
+    out = {"calibration_id": cid, "loss": loss, "fit": {**f.describe(), "steps": _steps_of(cf), "metrics": fit_metrics,
                                           "input_notes": cf.notes}, "judged": []}
     tables = {fit_run: [cell_table(cf, f, cid, "fit", now)]}
     targets = list(judge_runs)
@@ -419,3 +457,42 @@ def _steps_of(c: Cells) -> list[int]:
 
 def summary_json(summary: dict) -> str:
     return json.dumps(summary, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+
+
+# ----------------------------------------------------------------------------- stored
+SUMMARY_SQL = """
+WITH c AS (SELECT * FROM calibration WHERE run_id = ?),
+pairs AS (
+    SELECT calibration_id, role, step, layer, max(measured_expert_ns) AS mmax, max(predicted_expert_ns) AS pmax,
+           bool_or(measured_straggler AND predicted_straggler) AS hit, count(*) AS ranks
+    FROM c GROUP BY ALL HAVING max(measured_expert_ns) > 0),
+p AS (
+    SELECT calibration_id, role, count(*) AS pairs, avg(abs(pmax - mmax) / mmax) AS straggler_mape,
+           avg((pmax - mmax) / mmax) AS straggler_bias, avg(hit::DOUBLE) AS straggler_hit_rate,
+           avg(1.0 / ranks) AS straggler_chance
+    FROM pairs GROUP BY ALL),
+s AS (
+    SELECT calibration_id, role, any_value(fit_run_id) AS fit_run_id, min(created_at_ns) AS created_at_ns,
+           any_value(a_ns) AS a_ns, any_value(b_ns) AS b_ns, any_value(expert_r2) AS expert_r2,
+           any_value(comm_latency_ns) AS comm_latency_ns, any_value(comm_r2) AS comm_r2,
+           min(step) AS first_step, max(step) AS last_step,
+           count(*) FILTER (WHERE measured_expert_ns > 0) AS cells,
+           avg(abs(predicted_expert_ns - measured_expert_ns) / measured_expert_ns)
+               FILTER (WHERE measured_expert_ns > 0) AS expert_mape,
+           avg((predicted_expert_ns - measured_expert_ns) / measured_expert_ns)
+               FILTER (WHERE measured_expert_ns > 0) AS expert_bias,
+           avg(abs(predicted_comm_ns - measured_comm_ns) / measured_comm_ns)
+               FILTER (WHERE measured_comm_ns > 0) AS comm_mape
+    FROM c GROUP BY ALL)
+SELECT s.*, p.pairs, p.straggler_mape, p.straggler_bias, p.straggler_hit_rate, p.straggler_chance
+FROM s LEFT JOIN p USING (calibration_id, role)
+ORDER BY created_at_ns DESC, role
+"""
+
+
+def stored_summary(store, run_id: str):
+    """One row per (calibration, role) stored for ``run_id``, newest first, with the
+    metrics recomputed in SQL from the stored cells (a polars frame; empty when none)."""
+    if not store.has_files("calibration"):
+        return None
+    return store.sql(SUMMARY_SQL, [run_id])

@@ -1,0 +1,92 @@
+"""Cost-model calibration: how well the replay's predicted expert and straggler times
+matched what the profiler measured (``moetrace calibrate``; table ``calibration``).
+
+Shown when the run holds calibration cells, as the fit run (in-sample residuals) or as a
+judged run (out-of-sample errors). The metrics are recomputed in SQL from the stored cells
+(:data:`moetrace.replay.calibrate.SUMMARY_SQL`); the figure plots predicted against
+measured expert time per (step, layer, rank) for the newest calibration.
+"""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from ..base import Figure, ReportContext, Section, md_table
+
+ORDER = 65
+
+
+def _pct(v):
+    return None if v is None else round(100.0 * v, 1)
+
+
+def build(ctx: ReportContext) -> Section | None:
+    from ...replay.calibrate import stored_summary
+
+    df = stored_summary(ctx.store, ctx.run_id)
+    if df is None or df.height == 0:
+        return None
+    rows = []
+    for r in df.iter_rows(named=True):
+        rows.append({
+            "calibration_id": r["calibration_id"], "role": r["role"], "fit_run": r["fit_run_id"],
+            "steps": f"{r['first_step']}..{r['last_step']}", "a_ns": r["a_ns"], "b_ns": r["b_ns"],
+            "fit_r2": r["expert_r2"], "cells": r["cells"],
+            "expert_mape_%": _pct(r["expert_mape"]), "expert_bias_%": _pct(r["expert_bias"]),
+            "straggler_mape_%": _pct(r["straggler_mape"]), "straggler_hit_%": _pct(r["straggler_hit_rate"]),
+            "chance_%": _pct(r["straggler_chance"]), "comm_mape_%": _pct(r["comm_mape"])})
+    tbl = pl.DataFrame(rows)
+    top = df.row(0, named=True)
+    what = ("judged with parameters fitted on run " + str(top["fit_run_id"]) if top["role"] == "judge"
+            else "fitted on this run (in-sample)")
+    head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {top['a_ns']:.1f} ns × tokens + "
+            f"{top['b_ns']:.1f} ns × slots touched. Per (step, layer, rank) the predicted expert time is off by "
+            f"{_pct(top['expert_mape'])}% on average (bias {_pct(top['expert_bias']):+}%); the straggler's time per "
+            f"(step, layer) by {_pct(top['straggler_mape'])}%, and the predicted straggler rank is the measured one in "
+            f"{_pct(top['straggler_hit_rate'])}% of {top['pairs']} (step, layer) (a random guess: "
+            f"{_pct(top['straggler_chance'])}%).")
+    md = [head, "", md_table(tbl, float_fmt="{:.2f}")]
+    from ...output import render_table
+    term = [head, "", render_table(tbl, max_rows=20)]
+    notes = ["Errors are (predicted − measured) / measured over cells with a measured expert time > 0; "
+             "measured time is the sum of the rank's expert_gemm spans in the (step, layer). A straggler hit counts "
+             "when the measured slowest rank is among the predicted slowest (ties included)."]
+    figs = []
+    p = _scatter(ctx, top["calibration_id"], top["role"])
+    if p is not None:
+        figs.append(p)
+    return Section("calibration", "Cost-model calibration", markdown="\n".join(md), terminal="\n".join(term),
+                   figures=figs, notes=notes)
+
+
+def _scatter(ctx: ReportContext, cid: str, role: str) -> Figure | None:
+    d = ctx.sql("""SELECT measured_expert_ns, predicted_expert_ns, measured_straggler FROM calibration
+                   WHERE run_id = ? AND calibration_id = ? AND role = ? AND measured_expert_ns > 0""",
+                [ctx.run_id, cid, role])
+    if d.height == 0:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = d["measured_expert_ns"].to_numpy() / 1e3
+    p = d["predicted_expert_ns"].to_numpy() / 1e3
+    s = d["measured_straggler"].to_numpy()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ax.scatter(m[~s], p[~s], s=12, alpha=0.6, label="rank")
+    ax.scatter(m[s], p[s], s=18, alpha=0.8, color="#DD8452", label="measured straggler")
+    lo = max(min(m.min(), max(p.min(), 1e-3)) * 0.8, 1e-3)
+    hi = max(m.max(), p.max()) * 1.2
+    ax.plot([lo, hi], [lo, hi], color="k", lw=0.8, label="predicted = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured expert time (µs)")
+    ax.set_ylabel("predicted expert time (µs)")
+    ax.set_title(f"run {ctx.run_id}: {role}, {cid}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = ctx.outdir / f"calibration_{ctx.run_id}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Figure(path, f"Predicted vs measured expert time per (step, layer, rank), {len(m)} cells "
+                        f"({int(np.sum(s))} measured stragglers highlighted).")
