@@ -56,6 +56,7 @@ def refrun(outdir, store_path, run_id, no_profile, **kw):
 
     Example:
 
+    \b
         moetrace refrun rr --ranks 4 --experts 16 --skew 1.2 --idle 3:2 --store st
     """
     from ..refrun import RefRunConfig, run
@@ -95,6 +96,7 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
 
     Example:
 
+    \b
         moetrace capture st --tiny qwen3_moe --prompts prompts.txt --max-new-tokens 4
     """
     import torch

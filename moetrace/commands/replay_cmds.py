@@ -93,6 +93,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 
     Example:
 
+    \b
         moetrace plan demo --policy eplb --replicas 32 --plan-id eplb32 --out eplb32.json
     """
     from ..replay import plan_io
@@ -194,6 +195,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
 
     Example:
 
+    \b
         moetrace replay demo --policy eplb --replicas 32 --fit-window 0:25 --json
     """
     from ..replay import api
@@ -290,6 +292,7 @@ def sweep(store, run_id, policy, replicas, intervals, window, ranks, split, hard
 
     Example:
 
+    \b
         moetrace sweep demo --replicas 0,16,32,64 --replan-every 10,25
     """
     from ..replay import api

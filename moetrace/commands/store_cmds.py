@@ -38,6 +38,7 @@ def synth(store, run_id, **kw):
 
     Example:
 
+    \b
         moetrace synth demo --layers 4 --steps 50 --sigma 0.6 --drift 0.5
     """
     from ..synth import SynthConfig, synth as run_synth
@@ -83,6 +84,7 @@ def ingest(files, store_path, fmt, run_id, extra, **opts):
 
     Example:
 
+    \b
         moetrace ingest expert_load.csv routing.parquet --store st
     """
     from ..collect import collect
@@ -111,6 +113,7 @@ def runs(store, fmt, output):
 
     Example:
 
+    \b
         moetrace runs demo
     """
     st = Store(store)
@@ -137,6 +140,7 @@ def sql(store, query, fmt, output):
 
     Example:
 
+    \b
         moetrace sql demo "SELECT step, layer, sum(tokens) FROM expert_load GROUP BY ALL LIMIT 5"
     """
     st = Store(store)
@@ -150,6 +154,7 @@ def catalog(store):
 
     Example:
 
+    \b
         moetrace catalog demo && cd demo && duckdb catalog.duckdb -c "FROM runs"
     """
     st = Store(store)
@@ -166,6 +171,7 @@ def tables_cmd(table):
 
     Example:
 
+    \b
         moetrace tables expert_load
     """
     from .. import schema
