@@ -230,3 +230,25 @@ def test_cached_views_give_the_same_report_and_are_dropped(tmp_path):
     # the shadowing temp tables are gone: both runs are visible again
     assert st.sql("SELECT count(DISTINCT run_id) AS n FROM layer_skew")["n"][0] == 2
     assert st.sql("SELECT count(*) AS n FROM duckdb_tables() WHERE temporary")["n"][0] == 0
+
+
+def test_unknown_ranks_alone_is_not_called_empty_steps(tmp_path):
+    """Every imbalance is NULL when num_ranks is unknown; that is not 'routed no tokens'."""
+    st = Store(tmp_path / "st", create=True)
+    gini = {1: [1, 2, 3, 4, 5, 6, 7, 8], 2: [0, 0, 0, 0, 0, 0, 0, 80]}      # layer 2: one expert takes all
+    rows = {"step": [], "layer": [], "expert": [], "tokens": [], "slot": [], "src_rank": []}
+    for s in range(2):
+        for layer, x in gini.items():
+            for e, t in enumerate(x):
+                for k, v in (("step", s), ("layer", layer), ("expert", e), ("tokens", t), ("slot", None),
+                             ("src_rank", None)):
+                    rows[k].append(v)
+    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "x2",
+                  "num_experts": 8, "top_k": 2}, {"expert_load": rows}, run_id="noranks")
+    rep = rbuild.build_report(st, None, tmp_path / "r")
+    text = rep.terminal()
+    assert "number of ranks is unknown" in text
+    assert "routed no tokens" not in text
+    # without rank imbalance, the most skewed layer by Gini comes first: layer 2 (Gini 7/8) before layer 1
+    table = text.split("most skewed layers")[1]
+    assert table.index("| 2 ") < table.index("| 1 ")

@@ -59,15 +59,17 @@ def build(ctx: ReportContext) -> Section | None:
                 "(see notes); expert-level skew (Gini, top-5% share) is shown below.")
     md.append(head)
     term.append(head.replace("**", ""))
-    if s["step_layers_undefined"]:
-        notes.append(f"{s['step_layers_undefined']} (step, layer) pairs routed no tokens: their imbalance is "
+    # only pairs without tokens: with num_ranks unknown every imbalance is NULL, for another reason (noted above)
+    empty = ctx.sql("SELECT count(*) AS n FROM layer_skew WHERE run_id = ? AND assignments = 0", [rid])["n"][0]
+    if s["step_layers_undefined"] and empty:
+        notes.append(f"{empty} (step, layer) pairs routed no tokens: their imbalance is "
                      "undefined (NULL), and they are left out of every mean and percentile.")
 
     show = layers.select(
         "layer", "steps", "imbalance_mean", "imbalance_p50", "imbalance_p99", "imbalance_max", "efficiency_mean",
         "gini_mean", "top5pct_share_mean", "hottest_share_mean", "hottest_expert_mode", "straggler_rank_mode",
         "placement_source")
-    ranked = show.sort("imbalance_mean", descending=True, nulls_last=True)
+    ranked = show.sort(["imbalance_mean", "gini_mean"], descending=True, nulls_last=True)   # gini when ranks unknown
     md.append("")
     md.append("Per layer, most skewed first (imbalance = max/mean rank tokens per step; efficiency = 1/imbalance; "
               "Gini, top-5% and hottest-expert shares are over logical experts):")
