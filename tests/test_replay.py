@@ -369,3 +369,15 @@ def test_drift_with_move_budget(tmp_path):
     reps = d["replan"]["replans"]
     assert len(reps) == 3 and all(x["moves"] <= 5 for x in reps)
     assert d["replan"]["moved_experts"] == sum(x["moves"] for x in reps)
+
+
+def test_recorded_plan_without_recorded_placement_says_contiguous(tmp_path):
+    """A run with no placement table: --plan recorded is the contiguous layout, and says so."""
+    cfg = SynthConfig(layers=1, experts=16, top_k=2, ranks=4, ranks_per_node=2, steps=3, tokens_per_step=64, seed=8)
+    st = Store(tmp_path / "c", create=True)
+    synth(st, cfg, run_id="c")
+    s = json.loads(run_cli("replay", tmp_path / "c", "--plan", "recorded", "--json").output)
+    assert any("contiguous" in a for a in s["approximations"]), s["approximations"]
+    load = st.sql("SELECT step, expert, tokens FROM expert_load ORDER BY step, expert")["tokens"].to_numpy()
+    ranks = load.reshape(3, 4, 4).sum(axis=2)                 # experts 4r..4r+3 on rank r
+    assert s["mean_imbalance"] == pytest.approx((ranks.max(axis=1) / ranks.mean(axis=1)).mean(), rel=1e-6)

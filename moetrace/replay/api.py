@@ -159,6 +159,8 @@ def replay_plan(store, run_id: str, plan: Plan, shape: RunShape, opts: ReplayOpt
         summary["nodes_per_token_max"] = int(max(nodes_max))
         summary["nodes_per_token_mean"] = float(np.mean(nodes_mean))
     notes = list(shape.notes) + approximation_notes(block, opts.split, use_slots, shape.has_routing) + list(extra_notes)
+    if is_recorded and "contiguous assumed" in (plan.policy or ""):
+        notes.append("no placement recorded for this run: its own layout is taken as contiguous (slot = expert)")
     if routed_slots:
         notes.append("per-token routing with recorded slots: tokens and dispatch bytes exact")
     elif is_recorded and shape.has_slot and shape.has_routing:
