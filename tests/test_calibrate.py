@@ -62,7 +62,7 @@ def _truth(rt, phy2log):
     return tok, tch, bi, bo
 
 
-def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True):
+def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True, what="all", span_step_shift=0):
     """A run with routing (slots recorded), expert_load, recorded placement and spans whose
     durations are the given per-cell times (expert time split over the slots touched)."""
     slot = np.array([int(np.flatnonzero(phy2log[la] == e)[0]) for la, e in zip(rt[:, 1], rt[:, 5])])
@@ -83,7 +83,7 @@ def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True):
 
     def add(r, kind, t0, dur, s, layer):
         for k, v in (("rank", r), ("device", r), ("stream", 7), ("kind", kind), ("name_id", 0), ("start_ns", t0),
-                     ("end_ns", t0 + int(dur)), ("step", s), ("layer", layer), ("micro_batch", None),
+                     ("end_ns", t0 + int(dur)), ("step", s + span_step_shift), ("layer", layer), ("micro_batch", None),
                      ("inferred", False), ("correlation", None), ("collective", None)):
             spans[k].append(v)
 
@@ -106,8 +106,12 @@ def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True):
     run = {"source": f"test {run_id}", "source_sha256": run_id * 64, "collector": "test", "time_base": "none",
            "num_layers": L, "num_experts": E, "top_k": K, "hidden": H, "dtype_bytes": DB, "expert_bytes": 1000,
            "num_ranks": R, "ranks_per_node": RPN, "num_slots": S, "num_groups": 1}
-    st.write_run(run, {"routing": routing, "expert_load": load, "placement": placement, "spans": spans},
-                 run_id=run_id)
+    tables = {"routing": routing, "expert_load": load, "placement": placement, "spans": spans}
+    if what == "spans":
+        tables = {"spans": spans}
+    elif what == "load":
+        tables.pop("spans")
+    st.write_run(run, tables, run_id=run_id)
 
 
 CONTIG = np.tile(np.arange(E), (L, 1))
@@ -152,6 +156,31 @@ def test_fit_recovers_known_parameters(exact_store):
     assert f.comm_ns_per_byte_inter == pytest.approx(CO, rel=1e-3)
     assert f.expert_r2 > 0.9999 and f.comm_r2 > 0.9999
     assert f.model.nvlink_Bps == pytest.approx(1e9 / f.comm_ns_per_byte_intra)
+
+
+def test_spans_and_load_from_two_runs_with_step_offset(tmp_path, runner, cli):
+    """A profiler trace and an engine dump are two runs; profiler step s is engine step s + 5."""
+    rt = _routing(1)
+    tok, tch, bi, bo = _truth(rt, CONTIG)
+    ex, cm = np.round(A_TRUE * tok + B_TRUE * tch), np.round(LAT + CI * bi + CO * bo)
+    path = tmp_path / "st"
+    st = Store(path, create=True)
+    _write(st, "prof", rt, CONTIG, ex, cm, what="spans", span_step_shift=-5)
+    _write(st, "load", rt, CONTIG, ex, cm, what="load")
+    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "prof", "--load", "prof=load", "--step-offset", "5",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    f = json.loads(r.output)["fit"]
+    assert f["a_ns"] == pytest.approx(A_TRUE, rel=1e-3) and f["b_ns"] == pytest.approx(B_TRUE, rel=1e-3)
+    assert f["comm_ns_per_byte_inter"] == pytest.approx(CO, rel=1e-3)
+    rows = Store(path).sql("SELECT step, layer, rank, tokens FROM calibration WHERE run_id = 'prof' "
+                           "ORDER BY step, layer, rank")
+    assert rows["step"].min() == 0 and rows.height == T * L * R
+    np.testing.assert_array_equal(rows["tokens"].to_numpy().reshape(T, L, R), tok)
+    # without the offset the profiler steps -5..4 meet load steps 0..4 only: a different, smaller fit
+    r2 = runner.invoke(cli, ["calibrate", str(path), "--fit", "prof", "--load", "prof=load", "--json", "--no-store"])
+    assert r2.exit_code == 0, r2.output
+    assert json.loads(r2.output)["fit"]["expert_points"] < f["expert_points"]
 
 
 def test_noisy_fit_is_the_closed_form_least_squares(tmp_path):
@@ -236,6 +265,8 @@ def test_judged_metrics_match_recomputation(tmp_path, runner, cli):
     assert m["pairs"] == T * L
     cp = out["fit"]["comm_latency_ns"] + out["fit"]["comm_ns_per_byte_intra"] * bi + out["fit"]["comm_ns_per_byte_inter"] * bo
     assert m["comm_mape"] == pytest.approx(np.mean(np.abs(cp - cm_b) / cm_b), rel=1e-4)
+    lm, lp = (ex_b + cm_b).max(axis=2), (pred + cp).max(axis=2)
+    assert m["layer_mape"] == pytest.approx(np.mean(np.abs(lp - lm) / lm), rel=1e-4)
     # the stored rows: SQL over the table gives the same numbers
     st = Store(path)
     rows = st.sql("SELECT step, layer, rank, tokens, slots_touched, measured_expert_ns, predicted_expert_ns, "
@@ -247,7 +278,7 @@ def test_judged_metrics_match_recomputation(tmp_path, runner, cli):
     np.testing.assert_allclose(rows["predicted_expert_ns"].to_numpy().reshape(T, L, R), pred)
     s = cal.stored_summary(st, "b").row(0, named=True)
     assert s["role"] == "judge" and s["fit_run_id"] == "a"
-    for k in ("expert_mape", "expert_bias", "straggler_mape", "straggler_hit_rate", "comm_mape"):
+    for k in ("expert_mape", "expert_bias", "straggler_mape", "straggler_hit_rate", "comm_mape", "layer_mape"):
         assert s[k] == pytest.approx(m[k], rel=1e-6), k
     assert st.sql("SELECT count(*) n FROM calibration WHERE run_id = 'a' AND role = 'fit'")["n"][0] == T * L * R
     # the report shows the section for the judged run

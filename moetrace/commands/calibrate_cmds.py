@@ -38,12 +38,14 @@ def metrics_frame(summary: dict) -> pl.DataFrame:
                     "straggler_bias_pct": _pct(m.get("straggler_bias")),
                     "straggler_hit_pct": _pct(m.get("straggler_hit_rate")),
                     "chance_pct": _pct(m.get("straggler_chance")),
-                    "comm_mape_pct": _pct(m.get("comm_mape"))})
+                    "comm_mape_pct": _pct(m.get("comm_mape")), "layer_mape_pct": _pct(m.get("layer_mape")),
+                    "layer_bias_pct": _pct(m.get("layer_bias"))})
     return pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
                                      "expert_mape_pct": pl.Float64, "expert_bias_pct": pl.Float64,
                                      "straggler_mape_pct": pl.Float64, "straggler_bias_pct": pl.Float64,
                                      "straggler_hit_pct": pl.Float64, "chance_pct": pl.Float64,
-                                     "comm_mape_pct": pl.Float64})
+                                     "comm_mape_pct": pl.Float64, "layer_mape_pct": pl.Float64,
+                                     "layer_bias_pct": pl.Float64})
 
 
 def fit_lines(summary: dict) -> list[str]:
@@ -73,6 +75,11 @@ def fit_lines(summary: dict) -> list[str]:
 @click.option("--judge", "judge_runs", multiple=True,
               help="Run to predict with the fitted model and compare with its measured spans (repeatable). "
                    "Without it: the fit only (in-sample errors), or with --judge-steps the fit run's other steps.")
+@click.option("--load", "loads", multiple=True, metavar="SPANS_RUN=LOAD_RUN",
+              help="Take the routing / expert load / placement of SPANS_RUN from LOAD_RUN (a profiler trace "
+                   "and an engine dump ingested as two runs); repeatable.")
+@click.option("--step-offset", type=int, default=0, show_default=True,
+              help="With --load: load step = profiler step + N.")
 @click.option("--fit-steps", callback=_steps_range, default=None, help="Fit on steps A <= step < B only (A:B).")
 @click.option("--judge-steps", callback=_steps_range, default=None,
               help="Judge on steps A <= step < B only (A:B); with one run, a time split of it.")
@@ -85,7 +92,7 @@ def fit_lines(summary: dict) -> list[str]:
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole summary (fit, residuals, metrics) as JSON.")
 @output_options
-def calibrate(store, fit_run, judge_runs, fit_steps, judge_steps, hardware, loss, calibration_id, no_store, as_json,
+def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, calibration_id, no_store, as_json,
               fmt, output):
     """Fit the replay cost model on a run's measured spans and judge it on another run.
 
@@ -100,6 +107,7 @@ def calibrate(store, fit_run, judge_runs, fit_steps, judge_steps, hardware, loss
 
     Example:
 
+    \b
         moetrace refrun ra --ranks 4 --experts 16 --skew 1.2 --store st
         moetrace plan st --run ra --policy eplb --replicas 4 --out eplb4.json
         moetrace refrun rb --ranks 4 --experts 16 --skew 1.2 --placement eplb4.json --store st
@@ -110,7 +118,14 @@ def calibrate(store, fit_run, judge_runs, fit_steps, judge_steps, hardware, loss
     st = Store(store)
     rid = st.resolve_run(fit_run)
     judges = [st.resolve_run(j) for j in judge_runs] or ([rid] if judge_steps else [])
+    load_runs = {}
+    for item in loads:
+        if "=" not in item:
+            raise click.BadParameter(f"{item!r} is not SPANS_RUN=LOAD_RUN", param_hint="--load")
+        a, b = item.split("=", 1)
+        load_runs[st.resolve_run(a)] = st.resolve_run(b)
     summary = run_calibration(st, rid, judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
+                              load_runs=load_runs, step_offset=step_offset,
                               write=not no_store, calibration_id=calibration_id)
     if as_json:
         click.echo(summary_json(summary))

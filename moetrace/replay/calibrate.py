@@ -23,7 +23,8 @@ slowest rank. This module checks those predictions against what a profiler measu
    per (step, layer, rank) and of the straggler time (the slowest rank's expert time)
    per (step, layer), the share of (step, layer) where the predicted straggler rank is
    the measured one (ties in the prediction count as a hit when the measured straggler is
-   among them), and the all-to-all error.
+   among them), the all-to-all error per cell, and the layer time (the slowest rank's
+   expert + all-to-all time, the model's layer time) per (step, layer).
 
 Metric definitions, exactly as :func:`metrics` computes them from the stored rows, so SQL
 over the ``calibration`` table reproduces them: a cell enters the expert metrics when its
@@ -104,35 +105,46 @@ class Fit:
 
 
 # ----------------------------------------------------------------------------- observe
-def observe(store, run_id: str, step_range: tuple[int, int] | None = None) -> Cells:
-    """Per (step, layer, rank) model inputs and measured span times of ``run_id``."""
+def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_run: str | None = None,
+            step_offset: int = 0) -> Cells:
+    """Per (step, layer, rank) model inputs and measured span times of ``run_id``.
+
+    ``load_run``: take the routing / expert load / placement from this other run of the
+    store (a profiler trace and an engine dump are ingested as two runs); span step ``s``
+    is load step ``s + step_offset``, and span ranks must be the engine's EP ranks.
+    ``step_range`` selects load steps."""
+    spans_run = run_id
+    run_id = load_run or run_id
     from .api import _routing_block, routing_has_slots
     from .engine import RunShape, iter_load, recorded_plan, replay_load
     from dataclasses import replace
 
     if not store.has_files("spans") or store.sql(
-            "SELECT count(*) AS n FROM spans WHERE run_id = ?", [run_id])["n"][0] == 0:
-        raise InputError(None, f"run {run_id!r} has no profiler spans: calibration needs a Kineto or Nsight trace "
+            "SELECT count(*) AS n FROM spans WHERE run_id = ?", [spans_run])["n"][0] == 0:
+        raise InputError(None, f"run {spans_run!r} has no profiler spans: calibration needs a Kineto or Nsight trace "
                                "(or a refrun) ingested into the same run")
     shape = RunShape.from_store(store, run_id)
     plan = recorded_plan(store, run_id, shape)
     notes = list(shape.notes)
+    if load_run and load_run != spans_run:
+        notes.append(f"spans from run {spans_run}, routing/load from run {load_run}"
+                     + (f", load step = span step + {step_offset}" if step_offset else ""))
     if plan.policy != "recorded":
         notes.append("no recorded placement: contiguous assumed (slot = expert)")
-    ex = store.sql("""SELECT step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
+    ex = store.sql("""SELECT step + ? AS step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
                       WHERE run_id = ? AND kind = 'expert_gemm' AND step IS NOT NULL AND layer IS NOT NULL
-                      GROUP BY ALL""", [run_id])
+                      GROUP BY ALL""", [int(step_offset), spans_run])
     if ex.height == 0:
-        n = store.sql("SELECT count(*) AS n FROM spans WHERE run_id = ? AND kind = 'expert_gemm'", [run_id])["n"][0]
+        n = store.sql("SELECT count(*) AS n FROM spans WHERE run_id = ? AND kind = 'expert_gemm'", [spans_run])["n"][0]
         why = ("its expert_gemm spans carry no step or layer (annotate steps with ProfilerStep#N and layers with "
                "a 'layer N' range)" if n else
                "no span is classified expert_gemm (see `moetrace kernels`; add your expert kernel's name with "
                "--kernel-rules at ingest)")
-        raise InputError(None, f"run {run_id!r}: cannot calibrate, {why}")
-    cm = store.sql("""SELECT step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
+        raise InputError(None, f"run {spans_run!r}: cannot calibrate, {why}")
+    cm = store.sql("""SELECT step + ? AS step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
                       WHERE run_id = ? AND kind IN ('dispatch', 'combine') AND step IS NOT NULL AND layer IS NOT NULL
-                      GROUP BY ALL""", [run_id])
-    traced = np.sort(store.sql("SELECT DISTINCT rank FROM spans WHERE run_id = ?", [run_id])["rank"].to_numpy())
+                      GROUP BY ALL""", [int(step_offset), spans_run])
+    traced = np.sort(store.sql("SELECT DISTINCT rank FROM spans WHERE run_id = ?", [spans_run])["rank"].to_numpy())
     traced = traced[(traced >= 0) & (traced < plan.num_ranks)]
     # span layers are model layer ids when they match the load's; else the i-th MoE layer
     span_layers = np.unique(ex["layer"].to_numpy())
@@ -210,7 +222,7 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None) -> Ce
     if cm.height == 0:
         notes.append("no dispatch/combine spans: all-to-all not calibrated")
     sel = (ti, li, c_rank)
-    return Cells(run_id, c_step, c_layer, c_rank,
+    return Cells(spans_run, c_step, c_layer, c_rank,
                  np.asarray(block.tokens, np.float64)[sel], np.asarray(block.touched, np.float64)[sel],
                  np.asarray(block.bytes_intra, np.float64)[sel], np.asarray(block.bytes_inter, np.float64)[sel],
                  expert_ns, comm_ns, notes)
@@ -370,7 +382,19 @@ def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted
         out["straggler_bias"] = float(srel.mean())
         out["straggler_hit_rate"] = float(hit[ok].mean())
         out["straggler_chance"] = float((1.0 / np.bincount(inv, minlength=n)[ok]).mean())   # a random guess
-    if comm_measured is not None:
+    if comm_measured is not None and comm_predicted is not None:
+        # layer time: the slowest rank's expert + all-to-all time (the model's rank time)
+        lm = np.zeros(n)
+        np.maximum.at(lm, inv, measured + comm_measured)
+        lp = np.full(n, -np.inf)
+        np.maximum.at(lp, inv, predicted + comm_predicted)
+        has_comm = np.zeros(n, bool)
+        np.logical_or.at(has_comm, inv, comm_measured > 0)
+        lok = ok & has_comm
+        if lok.any():
+            lrel = (lp[lok] - lm[lok]) / lm[lok]
+            out["layer_mape"] = float(np.abs(lrel).mean())
+            out["layer_bias"] = float(lrel.mean())
         cm = comm_measured > 0
         out["comm_cells"] = int(cm.sum())
         if cm.any():
@@ -411,7 +435,7 @@ def new_calibration_id() -> str:
 
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
               hardware: str = "H200", loss: str = "l2", write: bool = True,
-              calibration_id: str | None = None) -> dict:
+              calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0) -> dict:
     """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
     itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
     False. Returns a summary dict (fit parameters and one metrics dict per judged run)."""
@@ -419,9 +443,10 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
 
     cid = calibration_id or new_calibration_id()
     now = time.time_ns()
-    shape = RunShape.from_store(store, fit_run)
+    load_runs = load_runs or {}
+    shape = RunShape.from_store(store, load_runs.get(fit_run) or fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
-    cf = observe(store, fit_run, fit_steps)
+    cf = observe(store, fit_run, fit_steps, load_runs.get(fit_run), step_offset)
     f = fit(cf, base, loss)
     ex, cm = f.predict(cf)
     fit_metrics = metrics(cf.step, cf.layer, cf.expert_ns, ex, cf.comm_ns, cm)
@@ -431,7 +456,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     targets = list(judge_runs)
     for rid in targets:
         same = rid == fit_run
-        cj = observe(store, rid, judge_steps)
+        cj = observe(store, rid, judge_steps, load_runs.get(rid), step_offset)
         if same and not judge_steps:
             note = "judged on the fit run itself (in-sample)"
         elif same:
@@ -464,12 +489,16 @@ SUMMARY_SQL = """
 WITH c AS (SELECT * FROM calibration WHERE run_id = ?),
 pairs AS (
     SELECT calibration_id, role, step, layer, max(measured_expert_ns) AS mmax, max(predicted_expert_ns) AS pmax,
-           bool_or(measured_straggler AND predicted_straggler) AS hit, count(*) AS ranks
+           bool_or(measured_straggler AND predicted_straggler) AS hit, count(*) AS ranks,
+           max(measured_expert_ns + measured_comm_ns) AS lm, max(predicted_expert_ns + predicted_comm_ns) AS lp,
+           max(measured_comm_ns) > 0 AS has_comm
     FROM c GROUP BY ALL HAVING max(measured_expert_ns) > 0),
 p AS (
     SELECT calibration_id, role, count(*) AS pairs, avg(abs(pmax - mmax) / mmax) AS straggler_mape,
            avg((pmax - mmax) / mmax) AS straggler_bias, avg(hit::DOUBLE) AS straggler_hit_rate,
-           avg(1.0 / ranks) AS straggler_chance
+           avg(1.0 / ranks) AS straggler_chance,
+           avg(abs(lp - lm) / lm) FILTER (WHERE has_comm) AS layer_mape,
+           avg((lp - lm) / lm) FILTER (WHERE has_comm) AS layer_bias
     FROM pairs GROUP BY ALL),
 s AS (
     SELECT calibration_id, role, any_value(fit_run_id) AS fit_run_id, min(created_at_ns) AS created_at_ns,
@@ -484,7 +513,8 @@ s AS (
            avg(abs(predicted_comm_ns - measured_comm_ns) / measured_comm_ns)
                FILTER (WHERE measured_comm_ns > 0) AS comm_mape
     FROM c GROUP BY ALL)
-SELECT s.*, p.pairs, p.straggler_mape, p.straggler_bias, p.straggler_hit_rate, p.straggler_chance
+SELECT s.*, p.pairs, p.straggler_mape, p.straggler_bias, p.straggler_hit_rate, p.straggler_chance,
+       p.layer_mape, p.layer_bias
 FROM s LEFT JOIN p USING (calibration_id, role)
 ORDER BY created_at_ns DESC, role
 """

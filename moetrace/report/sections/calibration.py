@@ -34,7 +34,8 @@ def build(ctx: ReportContext) -> Section | None:
             "fit_r2": r["expert_r2"], "cells": r["cells"],
             "expert_mape_%": _pct(r["expert_mape"]), "expert_bias_%": _pct(r["expert_bias"]),
             "straggler_mape_%": _pct(r["straggler_mape"]), "straggler_hit_%": _pct(r["straggler_hit_rate"]),
-            "chance_%": _pct(r["straggler_chance"]), "comm_mape_%": _pct(r["comm_mape"])})
+            "chance_%": _pct(r["straggler_chance"]), "comm_mape_%": _pct(r["comm_mape"]),
+            "layer_mape_%": _pct(r["layer_mape"])})
     tbl = pl.DataFrame(rows)
     top = df.row(0, named=True)
     what = ("judged with parameters fitted on run " + str(top["fit_run_id"]) if top["role"] == "judge"
@@ -45,6 +46,9 @@ def build(ctx: ReportContext) -> Section | None:
             f"(step, layer) by {_pct(top['straggler_mape'])}%, and the predicted straggler rank is the measured one in "
             f"{_pct(top['straggler_hit_rate'])}% of {top['pairs']} (step, layer) (a random guess: "
             f"{_pct(top['straggler_chance'])}%).")
+    if top["layer_mape"] is not None:
+        head += (f" The layer time (slowest rank's expert + all-to-all time) is off by {_pct(top['layer_mape'])}% "
+                 f"(bias {_pct(top['layer_bias']):+}%).")
     md = [head, "", md_table(tbl, float_fmt="{:.2f}")]
     from ...output import render_table
     term = [head, "", render_table(tbl, max_rows=20)]
