@@ -391,3 +391,16 @@ def test_parallel_parse_gives_the_same_tables(tmp_path):
     for t in ("spans", "kernel_names", "steps"):
         assert seq.tables[t].equals(par.tables[t]), t
     assert seq.run["source_sha256"] == par.run["source_sha256"]
+
+
+def test_kernels_command_keeps_full_names_in_csv_and_json(tmp_path, runner, cli):
+    """The table view shortens long names; csv/json give them whole (users paste them into rules)."""
+    long_name = "void my_ep::dispatch_kernel<" + ", ".join(f"(int){i}" for i in range(40)) + ">(int4*)"
+    ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000), launch(1, 1), kernel(long_name, 10, 40, 1, stream=20)]
+    st = tmp_path / "st"
+    assert runner.invoke(cli, ["ingest", str(write_trace(tmp_path / "t.json", ev, rank=0, world=1)),
+                               "--store", str(st)]).exit_code == 0
+    stored = Store(st).sql("SELECT name FROM kernel_names")["name"][0]
+    assert len(stored) > 150                       # a long name really reached the store
+    rows = json.loads(runner.invoke(cli, ["kernels", str(st), "--format", "json"]).output)
+    assert [r["name"] for r in rows] == [stored]

@@ -15,8 +15,10 @@ def _run_opt(f):
     return click.option("--run", "run_id", default=None, help="Run id (default: the store's only run).")(f)
 
 
-def kernels_table(st: Store, run_id: str, kind: str | None = None, limit: int | None = None) -> pl.DataFrame:
-    """Kernel names by kind with span count and total time (heaviest first within a kind)."""
+def kernels_table(st: Store, run_id: str, kind: str | None = None, limit: int | None = None,
+                  name_width: int | None = 110) -> pl.DataFrame:
+    """Kernel names by kind with span count and total time (heaviest first within a kind);
+    names cut to ``name_width`` characters (None: full names, for csv/json/files)."""
     where = "s.run_id = ?"
     params: list = [run_id]
     if kind:
@@ -37,8 +39,9 @@ def kernels_table(st: Store, run_id: str, kind: str | None = None, limit: int | 
         ORDER BY kind_total_ns DESC, kind, total_ns DESC""", params + [run_id])
     if limit:
         df = df.with_columns(pl.int_range(pl.len()).over("kind").alias("_r")).filter(pl.col("_r") < limit).drop("_r")
-    return df.with_columns((pl.col("total_ns") / 1e6).alias("total_ms"),
-                           pl.col("name").str.slice(0, 110)).select(
+    if name_width:
+        df = df.with_columns(pl.col("name").str.slice(0, name_width))
+    return df.with_columns((pl.col("total_ns") / 1e6).alias("total_ms")).select(
         "kind", "name", "spans", "ranks", "collective", "total_ms", "share_of_all")
 
 
@@ -62,7 +65,8 @@ def kernels(store, run_id, kind, limit, fmt, output):
     """
     st = Store(store)
     rid = st.resolve_run(run_id)
-    df = kernels_table(st, rid, kind, limit or None)
+    # full names where they are data (csv, json, a file): a user copies them into --kernel-rules
+    df = kernels_table(st, rid, kind, limit or None, name_width=110 if fmt == "table" and not output else None)
     if df.height == 0:
         click.echo(f"run {rid}: no profiler spans (ingest a Kineto or Nsight trace)")
         return
