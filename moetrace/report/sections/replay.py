@@ -69,6 +69,11 @@ def _whatif(ctx: ReportContext):
     return pl.DataFrame(rows), notes
 
 
+def _ms(ms: float) -> str:
+    """A time given in ms, in µs when it is small (tiny models would all read 0.00 ms)."""
+    return f"{ms:.2f} ms" if ms >= 0.1 else f"{ms * 1e3:.2f} µs"
+
+
 def build(ctx: ReportContext) -> Section | None:
     stored = _stored(ctx)
     notes: list[str] = []
@@ -84,7 +89,7 @@ def build(ctx: ReportContext) -> Section | None:
         text = (f"Replayed against the run's recorded routing, the recorded placement runs at max/mean "
                 f"**{rec['mean_imbalance']:.2f}×**; **{best['plan']}** would bring it to "
                 f"**{best['mean_imbalance']:.2f}×** and the predicted MoE time per step from "
-                f"{rec['predicted_ms_per_step']:.2f} ms to {best['predicted_ms_per_step']:.2f} ms. Run "
+                f"{_ms(rec['predicted_ms_per_step'])} to {_ms(best['predicted_ms_per_step'])}. Run "
                 "`moetrace replay` / `moetrace sweep` for stored results, drift and the decision table.")
         md += [text, "", md_table(df)]
         term += [text.replace("**", ""), "", _render(df)]
@@ -102,7 +107,7 @@ def build(ctx: ReportContext) -> Section | None:
     best = pool.sort("predicted_ms").row(0, named=True)
     text = (f"{show.height} stored replay(s). Fastest predicted on {best['num_ranks']} ranks"
             f"{' (the run' + chr(39) + 's own count)' if same.height else ''}: **{best['policy']}** ({best['kind']}), "
-            f"max/mean **{best['mean_imbalance']:.2f}×**, {best['predicted_ms']:.2f} ms of MoE time per step, "
+            f"max/mean **{best['mean_imbalance']:.2f}×**, {_ms(best['predicted_ms'])} of MoE time per step, "
             f"{best['moved_experts']} expert moves.")
     md += [text, "", md_table(show)]
     term += [text.replace("**", ""), "", _render(show.drop("replay_id"))]
