@@ -66,11 +66,6 @@ class Cells:
     def size(self) -> int:
         return int(self.step.size)
 
-    def subset(self, mask: np.ndarray) -> "Cells":
-        kw = {k: getattr(self, k)[mask] for k in ("step", "layer", "rank", "tokens", "touched", "bytes_intra",
-                                                  "bytes_inter", "expert_ns", "comm_ns")}
-        return Cells(self.run_id, notes=list(self.notes), **kw)
-
 
 @dataclass
 class Fit:
