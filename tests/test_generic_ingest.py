@@ -118,3 +118,27 @@ def test_bad_file_among_good_ones_writes_nothing(tmp_path, runner, cli):
     r = runner.invoke(cli, ["ingest", str(good), str(bad), "--store", str(tmp_path / "st")])
     assert r.exit_code == 2
     assert not (tmp_path / "st").exists()  # validation fails before the store is even created
+
+
+def test_stray_file_in_a_folder_is_skipped_and_said(tmp_path, runner, cli):
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    _load_df().write_csv(folder / "load.csv")
+    (folder / "README.txt").write_text("notes about this dump\n")
+    r = runner.invoke(cli, ["ingest", str(folder), "--store", str(tmp_path / "st")])
+    assert r.exit_code == 0, r.output
+    assert "skipped 1 file(s)" in r.output and "README.txt" in r.output
+    st = Store(tmp_path / "st")
+    assert st.sql("SELECT sum(tokens) AS t FROM expert_load")["t"][0] == _load_df()["tokens"].sum()
+    assert "README.txt" in st.runs()["approximations"][0]
+
+
+def test_named_unknown_file_still_fails_and_folder_of_nothing_fails(tmp_path, runner, cli):
+    folder = tmp_path / "junk"
+    folder.mkdir()
+    (folder / "a.txt").write_text("x")
+    r = runner.invoke(cli, ["ingest", str(folder), "--store", str(tmp_path / "st")])
+    assert r.exit_code == 2 and "no file of a known format" in r.output
+    r = runner.invoke(cli, ["ingest", str(folder / "a.txt"), "--store", str(tmp_path / "st")])
+    assert r.exit_code == 2 and "unknown file type" in r.output
+    assert not (tmp_path / "st").exists()

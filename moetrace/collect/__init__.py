@@ -59,7 +59,12 @@ def registry() -> dict[str, Collector]:
 
 
 def expand(paths: Sequence[str | Path]) -> list[Path]:
-    out: list[Path] = []
+    return [p for p, _ in _expand(paths)]
+
+
+def _expand(paths: Sequence[str | Path]) -> list[tuple[Path, bool]]:
+    """Files to read, each with whether it came from expanding a folder."""
+    out: list[tuple[Path, bool]] = []
     for p in map(Path, paths):
         if not p.exists():
             raise InputError(p, "no such file or folder")
@@ -67,9 +72,9 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
             files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
             if not files:
                 raise InputError(p, "folder holds no files")
-            out.extend(files)
+            out.extend((f, True) for f in files)
         else:
-            out.append(p)
+            out.append((p, False))
     return out
 
 
@@ -96,13 +101,20 @@ def detect(path: Path) -> Collector:
     raise InputError(path, "unknown file type (use --format; known formats: " + ", ".join(registry()) + ")")
 
 
-def collect(paths: Sequence[str | Path], format: str | None = None, options: dict | None = None) -> list[RunData]:
-    """Detect and run collectors; returns validated RunData, writes nothing."""
+def collect(paths: Sequence[str | Path], format: str | None = None, options: dict | None = None,
+            on_skip=None) -> list[RunData]:
+    """Detect and run collectors; returns validated RunData, writes nothing.
+
+    Files inside a folder that no collector recognizes (or that are empty) are skipped:
+    ``on_skip(list_of_paths)`` is called, and every run of this call records them in
+    ``runs.approximations``. A file named directly must be readable as given."""
     from .checks import validate_run
 
     options = dict(options or {})
-    files = expand(paths)
+    entries = _expand(paths)
+    files = [f for f, _ in entries]
     groups: dict[str, list[Path]] = {}
+    skipped: list[Path] = []
     if format:
         reg = registry()
         if format not in reg:
@@ -112,14 +124,35 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
                 raise InputError(f, "file is empty")
         groups[format] = files
     else:
-        for f in files:
-            groups.setdefault(detect(f).name, []).append(f)
+        for f, from_folder in entries:
+            try:
+                groups.setdefault(detect(f).name, []).append(f)
+            except InputError as e:
+                # a stray README or an empty file inside a folder is skipped (and said);
+                # a file named on the command line must be readable as given
+                if from_folder and ("unknown file type" in e.message or "file is empty" in e.message):
+                    skipped.append(f)
+                    continue
+                raise
+        if not groups:
+            raise InputError(files[0].parent if skipped else None,
+                             f"no file of a known format ({len(skipped)} file(s) skipped: "
+                             + ", ".join(f.name for f in skipped[:5]) + ")")
+    if skipped and on_skip is not None:
+        on_skip(skipped)
     out: list[RunData] = []
     for name, fs in groups.items():
         for rd in registry()[name].collect(fs, options):
             rd.run.setdefault("collector", name)
             if not rd.files:
                 rd.files = [str(f) for f in fs]
+            if skipped:
+                import json
+
+                approx = json.loads(rd.run.get("approximations") or "[]")
+                approx.append(f"{len(skipped)} file(s) in the input folder(s) were not recognized and were skipped: "
+                              + ", ".join(f.name for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+                rd.run["approximations"] = json.dumps(approx)
             out.append(validate_run(rd, options))
     return out
 

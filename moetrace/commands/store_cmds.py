@@ -91,7 +91,11 @@ def ingest(files, store_path, fmt, run_id, extra, **opts):
 
     options = {k: v for k, v in opts.items() if v not in (None, False)}
     options.update(extra)
-    runs = collect(files, format=fmt, options=options)  # validates everything before any write
+    def said_skipped(paths):
+        click.echo(f"skipped {len(paths)} file(s) of no known format: " + ", ".join(p.name for p in paths[:10])
+                   + (" ..." if len(paths) > 10 else ""), err=True)
+
+    runs = collect(files, format=fmt, options=options, on_skip=said_skipped)  # validates all before any write
     store = Store(store_path, create=True)
     if run_id and len(runs) > 1:
         raise click.UsageError(f"--run-id given but the inputs make {len(runs)} runs")
