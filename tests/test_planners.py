@@ -155,3 +155,127 @@ def test_plan_files_round_trip(tmp_path, seed_load):
     lc.write_text(json.dumps({"logical_count": [[0] * 8, [5, 1, 1, 1, 1, 1, 1, 1]]}))
     q = plan_io.import_plan(lc, 8, 4, 2, layers=np.array([1]))
     assert q.phy2log.shape == (1, 8)
+
+
+# ----------------------------------------------------------------------------- relabeling
+from itertools import permutations  # noqa: E402
+
+from moetrace.replay.engine import layer_metrics, replay_load  # noqa: E402
+from moetrace.replay.relabel import linear_assignment, relabel  # noqa: E402
+
+
+def _hand_moves(old_row, new_row, R):
+    """Copies new rank r holds that old rank r did not (multiset difference), by Counter."""
+    from collections import Counter
+
+    so, sn = old_row.size // R, new_row.size // R
+    out = 0
+    for r in range(R):
+        o = Counter(old_row[r * so:(r + 1) * so].tolist())
+        n = Counter(new_row[r * sn:(r + 1) * sn].tolist())
+        out += sum((n - o).values())
+    return out
+
+
+def _permute_ranks(row, perm, spr, rng=None):
+    """Rank perm[r] of the result holds rank r's slots (shuffled inside the rank with rng)."""
+    out = np.empty_like(row)
+    for r, q in enumerate(perm):
+        blk = row[r * spr:(r + 1) * spr].copy()
+        if rng is not None:
+            rng.shuffle(blk)
+        out[q * spr:(q + 1) * spr] = blk
+    return out
+
+
+def test_linear_assignment_is_optimal_against_brute_force():
+    rng = np.random.default_rng(3)
+    for n in range(1, 7):
+        for _ in range(40):
+            c = rng.integers(0, 4, (n, n)).astype(float)      # small integers: many ties
+            col = linear_assignment(c)
+            assert sorted(col.tolist()) == list(range(n))
+            best = min(sum(c[i, p[i]] for i in range(n)) for p in permutations(range(n)))
+            assert c[np.arange(n), col].sum() == pytest.approx(best)
+
+
+def test_relabel_hand_case():
+    # 3 ranks x 2 slots, one node. new = prev with ranks rotated and one expert swapped for a replica
+    prev = Plan(np.array([[0, 1, 2, 3, 4, 5]]), 6, 3, 3)
+    new = Plan(np.array([[5, 4, 1, 0, 3, 2]]), 6, 3, 3)       # rank 0 <- {4,5}, 1 <- {0,1}, 2 <- {2,3}
+    assert moves_between(prev, new).tolist() == [6]           # the planner's numbering moves everything
+    got, info = relabel(prev, new)
+    assert moves_between(prev, got).tolist() == [0] and info["moves_before"] == 6 and info["moves_after"] == 0
+    assert got.phy2log.tolist() == prev.phy2log.tolist()      # slots inside a rank follow prev too
+    # known optimum with a real change: new rank sets {3,4}, {2,5}, {0,1}; the planner's numbering keeps only
+    # expert 2 (5 moves); the best renaming keeps {0,1} whole, and one of {2,5} / {3,4} each: 2 moves
+    new2 = Plan(np.array([[3, 4, 2, 5, 0, 1]]), 6, 3, 3)
+    got2, info2 = relabel(prev, new2)
+    assert info2["moves_before"] == _hand_moves(prev.phy2log[0], new2.phy2log[0], 3) == 5
+    assert info2["moves_after"] == 2 == _hand_moves(prev.phy2log[0], got2.phy2log[0], 3)
+    assert sorted(got2.phy2log[0, :2].tolist()) == [0, 1]
+
+
+def test_relabel_is_optimal_on_small_random_plans():
+    """Against every rank permutation (flat) and every node-respecting one (2 nodes x 2 ranks)."""
+    rng = np.random.default_rng(11)
+    R, spr, E = 4, 3, 9
+    node_perms = [p for p in permutations(range(R))
+                  if all(p[2 * n] // 2 == p[2 * n + 1] // 2 for n in range(2))]
+    assert len(node_perms) == 8
+    for _ in range(60):
+        rows = [np.concatenate([rng.permutation(E), rng.integers(0, E, R * spr - E)]) for _ in range(2)]
+        prev, new = Plan(rows[0][None], E, R, 2), Plan(rows[1][None], E, R, 2)
+        for keep, perms in ((False, list(permutations(range(R)))), (True, node_perms)):
+            best = min(_hand_moves(prev.phy2log[0], _permute_ranks(new.phy2log[0], p, spr), R) for p in perms)
+            got, info = relabel(prev, new, keep_nodes=keep)
+            assert info["moves_after"] == best == _hand_moves(prev.phy2log[0], got.phy2log[0], R)
+            assert sorted(got.phy2log[0].tolist()) == sorted(new.phy2log[0].tolist())
+            if keep:   # every new node's ranks stay together on one node
+                for n in range(2):
+                    blk = sorted(new.phy2log[0, n * 6:(n + 1) * 6].tolist())
+                    assert blk in (sorted(got.phy2log[0, :6].tolist()), sorted(got.phy2log[0, 6:].tolist()))
+
+
+@pytest.mark.parametrize("policy,groups", [("eplb", 8), ("greedy", 1)])
+def test_relabel_keeps_the_placement_and_the_replay(seed_load, policy, groups):
+    """A plan renamed against a rank-shuffled copy of itself: 0 moves (many without relabeling);
+    against another plan: per-rank loads permuted, imbalance and byte estimates unchanged."""
+    w = seed_load.sum(axis=0)
+    shape = PlanShape(32, 8, 288, num_groups=groups)
+    p = make_plan(policy, w, shape)
+    rng = np.random.default_rng(5)
+    nperm = rng.permutation(4)
+    shuffled = np.stack([_permute_ranks(row, np.concatenate([nperm[n] * 8 + rng.permutation(8) for n in range(4)])
+                                        [np.arange(32)], 9, rng) for row in p.phy2log])
+    prev = Plan(shuffled, 256, 32, 8)
+    assert moves_between(prev, p).sum() > 500
+    got, info = relabel(prev, p)
+    assert info["moves_after"] == 0 == moves_between(prev, got).sum()
+    # relabel against an unrelated plan (the contiguous layout) and replay both
+    other, _ = relabel(make_plan("contiguous", w, PlanShape(32, 8, 256)), p)
+    assert other.params.get("hierarchical", False) == (policy == "eplb")
+    rl_p, rl_o = hand_rank_loads(w, p.phy2log, 32), hand_rank_loads(w, other.phy2log, 32)
+    np.testing.assert_allclose(np.sort(rl_p, axis=1), np.sort(rl_o, axis=1))
+    np.testing.assert_allclose(imb(rl_p), imb(rl_o))
+    if policy == "eplb":   # hierarchical: whole nodes map onto nodes, so node loads are permuted too
+        np.testing.assert_allclose(np.sort(rl_p.reshape(3, 4, 8).sum(axis=2), axis=1),
+                                   np.sort(rl_o.reshape(3, 4, 8).sum(axis=2), axis=1))
+    step_load = seed_load[:4]
+    a, b = replay_load(step_load, p, "even", None, 8, 14336), replay_load(step_load, other, "even", None, 8, 14336)
+    np.testing.assert_allclose(np.sort(a.tokens, axis=2), np.sort(b.tokens, axis=2))
+    np.testing.assert_allclose(np.sort(a.bytes_inter, axis=2), np.sort(b.bytes_inter, axis=2), rtol=1e-9)
+    np.testing.assert_allclose(np.sort(a.bytes_intra, axis=2), np.sort(b.bytes_intra, axis=2), rtol=1e-9)
+    from moetrace.replay import cost as costmod
+
+    c = costmod.preset("H200", 7168, 44040192)
+    np.testing.assert_allclose(layer_metrics(a, c).imbalance, layer_metrics(b, c).imbalance)
+    np.testing.assert_allclose(layer_metrics(a, c).layer_ns, layer_metrics(b, c).layer_ns, rtol=1e-9)
+
+
+def test_relabel_leaves_plans_of_another_shape_alone(seed_load):
+    w = seed_load.sum(axis=0)
+    a = make_plan("greedy", w, PlanShape(32, 8, 288))
+    b = make_plan("greedy", w, PlanShape(16, 8, 288))
+    got, info = relabel(a, b)
+    assert got is b and not info["relabeled"]

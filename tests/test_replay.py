@@ -381,3 +381,88 @@ def test_recorded_plan_without_recorded_placement_says_contiguous(tmp_path):
     load = st.sql("SELECT step, expert, tokens FROM expert_load ORDER BY step, expert")["tokens"].to_numpy()
     ranks = load.reshape(3, 4, 4).sum(axis=2)                 # experts 4r..4r+3 on rank r
     assert s["mean_imbalance"] == pytest.approx((ranks.max(axis=1) / ranks.mean(axis=1)).mean(), rel=1e-6)
+
+
+def _constant_load_store(path, T=12, L=2, E=16, R=4, rpn=2):
+    """Every step routes the same tokens: any re-plan of it is the same placement."""
+    rng = np.random.default_rng(4)
+    per = rng.integers(1, 200, (L, E))
+    rows = {"step": np.repeat(np.arange(T), L * E), "layer": np.tile(np.repeat(np.arange(L), E), T),
+            "expert": np.tile(np.arange(E), T * L), "slot": [None] * (T * L * E), "src_rank": [None] * (T * L * E),
+            "tokens": np.tile(per.ravel(), T)}
+    run = {"source": "test", "source_sha256": "x" * 64, "collector": "test", "time_base": "none",
+           "num_layers": L, "num_experts": E, "top_k": 2, "hidden": HIDDEN, "dtype_bytes": DTYPE,
+           "expert_bytes": 1000, "num_ranks": R, "ranks_per_node": rpn, "num_slots": E, "num_groups": 1}
+    st = Store(path, create=True)
+    st.write_run(run, {"expert_load": pa.table(rows, schema=pa.schema([
+        ("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
+        ("src_rank", pa.int32()), ("tokens", pa.int64())]))},
+        run_id="c")
+    return st, per
+
+
+def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
+    """A planner that numbers its ranks at random (as EPLB's numbering is arbitrary) re-planning
+    an unchanging load: the re-planned placement never changes, so after relabeling no
+    expert moves; imbalance equals that of the unshuffled planner."""
+    from moetrace.replay import api
+    from moetrace.replay.engine import RunShape
+    from moetrace.replay.planners import Plan, make_plan
+
+    st, per = _constant_load_store(tmp_path / "c")
+    shape = RunShape.from_store(st, "c")
+    ps = shape.plan_shape(replicas=4)
+    opts = api.ReplayOptions(fit_cost=False)
+    plain = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
+    rng = np.random.default_rng(0)
+
+    def shuffled_plan(*a, **k):
+        p = make_plan(*a, **k)
+        spr = p.slots_per_rank
+        rows = []
+        for row in p.phy2log:
+            perm = rng.permutation(p.num_ranks)
+            rows.append(np.concatenate([rng.permutation(row[q * spr:(q + 1) * spr]) for q in perm]))
+        return Plan(np.array(rows), p.num_experts, p.num_ranks, p.ranks_per_node, layers=p.layers,
+                    policy=p.policy, params=p.params)
+
+    monkeypatch.setattr(api, "make_plan", shuffled_plan)
+    d = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
+    assert d["replan"]["moved_experts"] == 0 and d["replan"]["moved_bytes"] == 0
+    assert d["replan"]["moved_experts_without_relabel"] > 0
+    assert d["replan"]["mean_imbalance"] == pytest.approx(plain["replan"]["mean_imbalance"], rel=1e-12)
+    # and by hand: greedy on the constant load, even split of each expert over its copies
+    p = make_plan("greedy", per.astype(float), ps)
+    spr = p.slots_per_rank
+    rl = np.zeros((2, 4))
+    for li in range(2):
+        cnt = np.bincount(p.phy2log[li], minlength=16)
+        for s_, e in enumerate(p.phy2log[li]):
+            rl[li, s_ // spr] += per[li, e] / cnt[e]
+    assert d["replan"]["mean_imbalance"] == pytest.approx((rl.max(axis=1) / rl.mean(axis=1)).mean(), rel=1e-6)
+    # the sweep's re-plan rows go through the same path
+    rows = api.sweep(st, "c", shape, "greedy", [4], [2], 2, opts)
+    assert rows[-1]["moved_experts"] == 0
+
+
+def test_plan_command_replans_from_a_previous_plan_without_needless_moves(tmp_path):
+    st, _ = _constant_load_store(tmp_path / "c")
+    r = run_cli("plan", tmp_path / "c", "--policy", "eplb", "--replicas", 4, "--plan-id", "a", "--json")
+    assert r.exit_code == 0, r.output
+    a = json.loads(r.output)
+    assert a["relabeled"] and a["moved_experts_vs_start"] <= a["moved_experts_without_relabel"]
+    # the same policy on the same load, from plan a: nothing to move, though the planner's own numbering
+    # (stored plan a was renamed to match the recorded layout) would move experts
+    r = run_cli("plan", tmp_path / "c", "--plan", "a", "--policy", "eplb", "--replicas", 4, "--plan-id", "b", "--json")
+    assert r.exit_code == 0, r.output
+    b = json.loads(r.output)
+    assert b["start_plan"] == "a" and b["moved_experts_vs_start"] == 0 and b["moved_bytes_vs_start"] == 0
+    assert b["moved_experts_without_relabel"] > 0
+    st = Store(tmp_path / "c")
+    rows = st.sql("SELECT plan_id, layer, rank, list_sort(list(expert)) AS ex FROM placement "
+                  "GROUP BY ALL ORDER BY layer, rank, plan_id")
+    ex = rows["ex"].to_list()
+    assert ex[0::2] == ex[1::2]                            # a and b hold the same experts on every rank
+    r = run_cli("plan", tmp_path / "c", "--plan", "a", "--policy", "eplb", "--replicas", 4, "--no-relabel",
+                "--no-store", "--json")
+    assert json.loads(r.output)["moved_experts_vs_start"] == b["moved_experts_without_relabel"]

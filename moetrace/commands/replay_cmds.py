@@ -81,15 +81,20 @@ def _imbalance(plan, load):
 @click.option("--out-format", type=click.Choice(["sglang", "eplb"]), default="sglang", show_default=True,
               help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON.")
 @click.option("--list", "list_plans", is_flag=True, help="List the run's stored plans and exit.")
+@click.option("--no-relabel", is_flag=True,
+              help="Keep the planner's own rank numbering (default: ranks of a --policy plan are renamed to "
+                   "keep the most experts where the start plan, --plan or the recorded one, has them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id_in, import_file,
-         max_moves, target_imbalance, plan_id, no_store, out_file, out_format, list_plans, as_json):
+         max_moves, target_imbalance, plan_id, no_store, out_file, out_format, list_plans, no_relabel, as_json):
     """Make an expert placement plan (or import / re-plan / export one) and store it.
 
     The plan is fitted on the run's summed load (all steps or --fit-window), stored in the
     placement table under --plan-id, and exported with --out as SGLang
     --init-expert-location JSON or EPLB-style JSON. With --plan and --max-moves the
-    move-aware re-planner changes as few slots as it can.
+    move-aware re-planner changes as few slots as it can; with --plan and --policy the
+    policy re-plans from scratch and its ranks are renamed to keep the most experts where
+    the --plan plan has them (renaming ranks is free; without --plan, the recorded plan).
 
     Example:
 
@@ -100,6 +105,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
     from ..replay.engine import load_plan, read_load
     from ..replay.moves import moves_between, replan
     from ..replay.planners import make_plan
+    from ..replay.relabel import relabel
 
     st, rid, shape = _open(store, run_id)
     if list_plans:
@@ -108,17 +114,26 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
                        GROUP BY plan_id ORDER BY plan_id""", [rid]) if st.has_files("placement") else pl.DataFrame()
         emit(df if df.height else pl.DataFrame({"plan_id": ["recorded (contiguous, not stored)"]}))
         return
-    sources = sum(x is not None for x in (policy, import_file)) + (plan_id_in is not None and max_moves is None
-                                                                     and target_imbalance is None)
-    if sources != 1 and not (plan_id_in and (max_moves is not None or target_imbalance is not None)):
-        raise click.UsageError("give one of --policy, --import, --plan ID (export), or --plan ID with --max-moves")
+    moves_mode = max_moves is not None or target_imbalance is not None
+    sources = sum(x is not None for x in (policy, import_file)) + (plan_id_in is not None and not moves_mode
+                                                                     and policy is None)
+    if moves_mode and (not plan_id_in or policy or import_file):
+        raise click.UsageError("--max-moves / --target-imbalance re-plan from --plan ID (without --policy)")
+    if sources != 1 and not (plan_id_in and moves_mode):
+        raise click.UsageError("give one of --policy (optionally with --plan PREV), --import, --plan ID (export), "
+                               "or --plan ID with --max-moves")
     ids, load = read_load(st, rid, shape, fit_window)
     total = load.sum(axis=0, dtype=np.float64)
     base = load_plan(st, rid, "recorded", shape)
     info = {}
+    relabel_info = None
     if policy:
         ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
         p = make_plan(policy, total, ps, layers=shape.layers)
+        if plan_id_in:
+            base = load_plan(st, rid, plan_id_in, shape)
+        if not no_relabel:   # the new plan replaces base: rename its ranks to keep experts in place
+            p, relabel_info = relabel(base, p)
     elif import_file:
         p = plan_io.import_plan(import_file, shape.num_experts, ranks or shape.num_ranks,
                                 rpn or shape.ranks_per_node, shape.layers, groups or shape.num_groups)
@@ -145,6 +160,9 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
                    float(imb_before.mean()) if imb_before is not None else None,
                "moved_experts_vs_start": moved,
                "moved_bytes_vs_start": moved * shape.expert_bytes if moved is not None else None,
+               "relabeled": bool(relabel_info and relabel_info["relabeled"]),
+               "moved_experts_without_relabel": relabel_info["moves_before"]
+                   if relabel_info and relabel_info["relabeled"] else None,
                "params": p.params}
     if not no_store and not (plan_id_in and pid == plan_id_in):
         summary["stored_rows"] = plan_io.save_plan(st, rid, p, pid)
@@ -159,7 +177,10 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
     click.echo(f"  {what} {ids.size} steps; max/mean rank load on that load: {imb.mean():.3f} "
                f"(start plan {base.plan_id}: {summary['start_mean_imbalance_on_fit_load']:.3f})")
     if moved is not None:
-        click.echo(f"  moves vs {base.plan_id}: {moved} expert copies, {moved * shape.expert_bytes / 2**30:.2f} GiB")
+        extra = (f" (ranks renamed to match {base.plan_id}; {summary['moved_experts_without_relabel']} with the "
+                 f"planner's own numbering)" if summary["relabeled"] else "")
+        click.echo(f"  moves vs {base.plan_id}: {moved} expert copies, {moved * shape.expert_bytes / 2**30:.2f} GiB"
+                   + extra)
     if "stored_rows" in summary:
         click.echo(f"  stored {summary['stored_rows']} placement rows as plan_id {pid!r}")
     if out_file:
@@ -227,6 +248,9 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
             click.echo(f"  {k:<7} mean imbalance {s['mean_imbalance']:.3f}  p99 {s['p99_imbalance']:.3f}  "
                        f"predicted MoE time/step {s['predicted_step_ns'] / 1e6:.3f} ms  moved {s['moved_experts']} "
                        f"experts ({s['moved_bytes'] / 2**30:.2f} GiB)  [{s['replay_id']}]")
+        if d["replan"].get("moved_experts_without_relabel") is not None:
+            click.echo(f"  re-plans' ranks renamed to keep experts in place: {d['replan']['moved_experts']} moves "
+                       f"instead of {d['replan']['moved_experts_without_relabel']} with the planner's own numbering")
         click.echo("  stale plan by age quartile: " + ", ".join(f"{x:.3f}" for x in d["static_by_age_quartile"]))
         ra = d["replan_by_age"]
         click.echo("  re-planned plan by steps since re-plan: " + ", ".join(

@@ -22,6 +22,7 @@ from .engine import (Block, RunShape, approximation_notes, iter_load, layer_metr
                      recorded_plan, replay_load, replay_routing, summarize)
 from .moves import moves_between, replan
 from .planners import Plan, make_plan
+from .relabel import relabel
 
 
 @dataclass
@@ -222,7 +223,7 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape, every: i
     base_id = new_replay_id("d")
     for kind in ("static", "replan", "oracle"):
         imb_parts, ln_parts, mean_parts, tables, ranks, plan_ids, ages = [], [], [], [], [], [], []
-        moved = 0
+        moved = unrelabeled = 0
         replans = []
         prev = static
         for t0 in starts:
@@ -234,9 +235,10 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape, every: i
                 if max_moves is not None:
                     plan, info = replan(prev, wl, max_moves=max_moves, policy_name="moves")
                     mv = info["moves"]
-                else:
-                    plan = make_plan(policy, wl, plan_shape, layers=shape.layers)
+                else:   # a full re-plan, its ranks renamed to keep experts where prev has them
+                    plan, rinfo = relabel(prev, make_plan(policy, wl, plan_shape, layers=shape.layers))
                     mv = int(moves_between(prev, plan).sum()) if t0 != window else 0
+                    unrelabeled += rinfo.get("moves_before", mv) if t0 != window else 0
                 plan.plan_id = f"{kind}@{int(ids[t0])}"
                 if t0 == window:   # the first re-plan is the static plan's twin: no move
                     mv = 0
@@ -266,6 +268,8 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape, every: i
              "replay_id": f"{base_id}-{kind}"}
         if kind == "replan":
             s["replans"] = replans
+            if max_moves is None:   # what the planner's own rank numbering would have moved
+                s["moved_experts_without_relabel"] = unrelabeled
         series[kind] = imb.mean(axis=1)
         out[kind] = s
         if write:
