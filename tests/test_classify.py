@@ -67,6 +67,11 @@ CASES = [
     Case("void tensorrt_llm::kernels::moe_comm::moeA2ASanitizeExpertIdsKernel(int)", "a2a_other"),
     # expert GEMMs and fused MoE
     Case("void cutlass::device_kernel<dpsk::grouped_gemm::cuda::fp8_ptp128c::GemmKernel>(Params)", "expert_gemm"),
+    # its helper kernels are not expert GEMMs
+    Case("void dpsk::grouped_gemm::cuda::utils::transpose<__nv_bfloat16, 64>(__nv_bfloat16 const*, int)",
+         "compute_other"),
+    Case("void dpsk::grouped_gemm::cuda::utils::fill_tensormaps_kernel<128>(CUtensorMap*, int const*)",
+         "compute_other"),
     Case("fused_moe_kernel", "expert_gemm"),
     Case("_matmul_ogs_NNT_bf16xbf16xmxfp4_128x128x128x1_swiglu", "expert_gemm"),
     Case("void deep_gemm::fp8_gemm_kernel<m_grouped_masked>(...)", "expert_gemm"),
