@@ -186,6 +186,18 @@ def test_report_section(tmp_path, runner, cli):
     tot = st.sql("SELECT sum(exposed_ns) AS e, sum(comm_ns) AS c FROM a2a_exposure").row(0, named=True)
     assert (tot["e"], tot["c"]) == (2 * (5_000 + 30_000), 2 * (10_000 + 30_000))
     assert f"{tot['e'] / 1e6:.2f} ms ({100 * tot['e'] / tot['c']:.1f}%)" in sec.markdown
+    # the timeline draws only the kinds the step has: no notify/barrier kernel here, so no such lane
+    tl = sec.figures[0].caption
+    assert tl.startswith("Timeline") and "dispatch" in tl and "combine" in tl and "notify" not in tl
+    (d / "rank-1.json").unlink()
+    ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 10000), launch(1, 1), launch(2, 2),
+          kernel(DISPATCH, 10, 10, 1, stream=20), kernel("void deep_ep::intranode::notify_dispatch<8>(int*)", 30, 5, 2)]
+    write_trace(d / "rank-0.json", ev, rank=0, world=1)
+    st3 = ingest(runner, cli, tmp_path / "st3", d)
+    rid3 = st3.run_ids()[0]
+    tl3 = section._timeline(ReportContext(store=st3, run_id=rid3, run=st3.run(rid3), outdir=tmp_path / "out3"))
+    assert "dispatch" in tl3.caption and "notify" in tl3.caption
+    assert "compute" not in tl3.caption and "combine" not in tl3.caption
     # a run without spans gets no section; a profiler run without all-to-all gets the plain statement
     plain = write_trace(tmp_path / "dense.json", [ev_x("user_annotation", "ProfilerStep#0", 0, 100), launch(1, 1),
                                                   kernel(GEMM, 10, 10, 1)], rank=0, world=1)

@@ -14,10 +14,11 @@ from ...commands.profile_cmds import exposure_tables, hook_mode_message, no_a2a_
 from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 40
-LANES = [("compute", ("expert_gemm", "attention", "compute_other"), "#8C8C8C"),
-         ("dispatch", ("dispatch",), "#4C72B0"),
-         ("combine", ("combine",), "#DD8452"),
-         ("a2a other", ("a2a_other",), "#55A868")]
+LANES = [("compute", ("expert_gemm", "attention", "compute_other"), "#8C8C8C",
+          "grey = compute kernels on any stream"),
+         ("dispatch", ("dispatch",), "#4C72B0", "blue = dispatch"),
+         ("combine", ("combine",), "#DD8452", "orange = combine"),
+         ("a2a other", ("a2a_other",), "#55A868", "green = notify/barrier kernels")]
 MAX_TIMELINE_RANKS = 8
 
 
@@ -100,11 +101,13 @@ def _timeline(ctx: ReportContext) -> Figure | None:
         return None
     t0 = spans["start_ns"].min()
     ranks = sorted(spans["rank"].unique().to_list())
-    fig, ax = plots.figure(11.0, 1.0 + 0.9 * len(ranks))
+    present = set(spans["kind"].unique().to_list())
+    lanes = [ln for ln in LANES if present.intersection(ln[1])]   # only the kinds this step has
+    fig, ax = plots.figure(11.0, 1.0 + 0.18 * (len(lanes) + 1) * len(ranks))
     yt, yl = [], []
     for ri, r in enumerate(ranks):
-        for li, (label, kinds, color) in enumerate(LANES):
-            y = ri * (len(LANES) + 1) + li
+        for li, (label, kinds, color, _) in enumerate(lanes):
+            y = ri * (len(lanes) + 1) + li
             d = spans.filter((pl.col("rank") == r) & pl.col("kind").is_in(list(kinds)))
             if d.height:
                 s = (d["start_ns"].to_numpy() - t0) / 1e6
@@ -118,8 +121,8 @@ def _timeline(ctx: ReportContext) -> Figure | None:
     ax.set_xlabel("ms from the first span of the step")
     ax.set_title(f"Step {step}: compute vs dispatch vs combine per rank")
     path = plots.save(fig, ctx.outdir / f"exposure_timeline_{rid}.png")
-    return Figure(path, f"Timeline of step {step} (first {MAX_TIMELINE_RANKS} ranks): grey = compute kernels on any "
-                        "stream, blue = dispatch, orange = combine, green = notify/barrier kernels.")
+    return Figure(path, f"Timeline of step {step} (first {MAX_TIMELINE_RANKS} ranks): "
+                        + ", ".join(ln[3] for ln in lanes) + ".")
 
 
 def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
