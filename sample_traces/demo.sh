@@ -11,8 +11,10 @@ run() { echo; echo "\$ $*"; "$@"; }
 # 1. a DeepSeek-V3-shaped serving run (expert load per step; 32 ranks, 8 per node)
 run moetrace ingest "$HERE/dsv3_synth_expert_load.parquet" --store "$OUT/store" \
     --run-id dsv3 --ranks 32 --ranks-per-node 8 --top-k 8 --experts 256 --layers 4
-# 2. a real expert-parallel run on CPU (4 gloo ranks, profiler traces, routing, dummy steps)
+# 2. a real expert-parallel run on CPU (4 gloo ranks, profiler traces, routing, dummy steps),
+#    and the same traffic re-run for real under an EPLB placement planned from the first
 run moetrace ingest "$HERE/refrun" --store "$OUT/store" --run-id refrun
+run moetrace ingest "$HERE/refrun_eplb" --store "$OUT/store" --run-id refrun_eplb
 run moetrace runs "$OUT/store"
 # 3. the numbers: skew per layer, and SQL over everything
 run moetrace skew "$OUT/store" --run dsv3
@@ -22,7 +24,13 @@ run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --fit-wi
 run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --replan-every 25 --window 25 --json
 # 5. all-to-all exposure on the real multi-rank trace
 run moetrace exposure "$OUT/store" --run refrun
-# 6. the reports (terminal summary + report.html, report.md, PNGs)
+# 6. was the prediction right? replay the first real run under the plan the second one used,
+#    compare with what the second run measured, and calibrate the cost model on one, judge on the other
+run moetrace plan "$OUT/store" --run refrun --import "$HERE/refrun_eplb_plan.json" --plan-id eplb4
+run moetrace replay "$OUT/store" --run refrun --plan eplb4 --split hash --json
+run moetrace sql "$OUT/store" "SELECT run_id, round(avg(imbalance), 4) AS measured_mean_max_over_mean FROM layer_skew WHERE run_id LIKE 'refrun%' GROUP BY 1 ORDER BY 1"
+run moetrace calibrate "$OUT/store" --fit refrun --judge refrun_eplb
+# 7. the reports (terminal summary + report.html, report.md, PNGs)
 run moetrace report "$OUT/store" --run dsv3 --out "$OUT/report-dsv3" --quiet
 run moetrace report "$OUT/store" --run refrun --out "$OUT/report-refrun" --quiet
 echo
