@@ -8,6 +8,15 @@ Writes, in the generic collector's canonical columns (ingest with `moetrace inge
   halfway to another expert order), to be read as 32 ranks x 8 per node.
 - dsv3_synth_routing.parquet: per-token routing of a smaller run (2 layers, 24 steps,
   1024 tokens per step) for exact dispatch-byte replay.
+
+The real CPU expert-parallel runs (refrun/, refrun_eplb/, refrun_eplb_plan.json) come from
+`moetrace refrun` (timings differ on every run):
+
+    moetrace refrun sample_traces/refrun --ranks 4 --experts 16 --layers 2 --steps 8 \
+        --tokens-per-rank 32 --prefill-tokens 64 --skew 1.0 --idle 3:2 --idle 5:3 --seed 0
+    moetrace ingest sample_traces/refrun --store st --run-id refrun
+    moetrace plan st --run refrun --policy eplb --replicas 4 --plan-id eplb4 --out sample_traces/refrun_eplb_plan.json
+    moetrace refrun sample_traces/refrun_eplb <same options> --placement sample_traces/refrun_eplb_plan.json
 """
 from __future__ import annotations
 
