@@ -466,3 +466,44 @@ def test_plan_command_replans_from_a_previous_plan_without_needless_moves(tmp_pa
     r = run_cli("plan", tmp_path / "c", "--plan", "a", "--policy", "eplb", "--replicas", 4, "--no-relabel",
                 "--no-store", "--json")
     assert json.loads(r.output)["moved_experts_vs_start"] == b["moved_experts_without_relabel"]
+
+
+def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
+    _constant_load_store(tmp_path / "c")
+    path = tmp_path / "c"
+    assert run_cli("plan", path, "--policy", "greedy", "--plan-id", "all").exit_code == 0
+    assert run_cli("plan", path, "--policy", "greedy", "--fit-window", "2:5", "--plan-id", "w").exit_code == 0
+    bad = run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-window", "20:30", "--plan-id", "m")
+    assert bad.exit_code == 2 and "holds no recorded steps" in bad.output
+    assert run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-window", "8:40", "--plan-id", "m").exit_code == 0
+    assert run_cli("plan", path, "--plan", "w", "--out", tmp_path / "w.json", "--no-store").exit_code == 0
+    assert run_cli("plan", path, "--import", tmp_path / "w.json", "--plan-id", "imp").exit_code == 0
+    st = Store(path)
+    meta = st.sql("SELECT plan_id, policy, start_plan_id, fit_start, fit_end, fit_steps FROM plans ORDER BY plan_id")
+    assert meta.rows() == [("all", "greedy", "recorded", 0, 12, 12), ("imp", "file:sglang", None, None, None, None),
+                           ("m", "moves", "w", 8, 40, 4), ("w", "greedy", "recorded", 2, 5, 3)]
+
+    def plan_io_notes(meta, pid):
+        from moetrace.replay.plan_io import fit_notes
+
+        return fit_notes(meta, np.arange(12), pid)
+
+    def notes(pid):
+        r = run_cli("replay", path, "--plan", pid, "--json")
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)["approximations"]
+
+    assert any("same steps it is judged on (in-sample" in n for n in notes("all"))
+    assert any("fitted on 3 steps in [2, 5); the replay judges all 12 steps" in n for n in notes("w"))
+    assert any("fitted on 4 steps in [8, 40); the replay judges all 12 steps" in n for n in notes("m"))
+    assert plan_io_notes({"fit_start": 20, "fit_end": 30}, "m") == [
+        "plan fitted on steps [20, 30), none of the 12 judged steps: out-of-sample"]
+    assert any("imported" in n and "unknown" in n for n in notes("imp"))
+    assert not any("fitted" in n for n in notes("recorded"))
+    # a plan stored before the plans table existed: the replay says it cannot tell
+    from moetrace.replay import plan_io
+    from moetrace.replay.engine import load_plan, RunShape
+
+    p = load_plan(st, "c", "w", RunShape.from_store(st, "c"))
+    st.append("c", {"placement": plan_io.plan_table(p, "old")})
+    assert any("no stored fit window" in n for n in notes("old"))

@@ -123,6 +123,9 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
         raise click.UsageError("give one of --policy (optionally with --plan PREV), --import, --plan ID (export), "
                                "or --plan ID with --max-moves")
     ids, load = read_load(st, rid, shape, fit_window)
+    if ids.size == 0 and (policy or moves_mode):
+        what = f"--fit-window {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
+        raise InputError(None, f"{what} holds no recorded steps")
     total = load.sum(axis=0, dtype=np.float64)
     base = load_plan(st, rid, "recorded", shape)
     info = {}
@@ -165,7 +168,12 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
                    if relabel_info and relabel_info["relabeled"] else None,
                "params": p.params}
     if not no_store and not (plan_id_in and pid == plan_id_in):
-        summary["stored_rows"] = plan_io.save_plan(st, rid, p, pid)
+        fitted = policy or info   # a planner or the move-aware re-planner ran on this load
+        fit = ((fit_window[0], fit_window[1]) if fit_window else (int(ids.min()), int(ids.max()) + 1)) \
+            if fitted and ids.size else None
+        summary["stored_rows"] = plan_io.save_plan(st, rid, p, pid, fit=fit + (int(ids.size),) if fit else None,
+                                                   start_plan_id=base.plan_id if (policy and relabel_info) or info
+                                                   else None)
     if out_file:
         summary["out"] = str(plan_io.export_plan(p, out_file, out_format))
         summary["out_format"] = out_format
@@ -260,7 +268,10 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         return
     notes = []
     if plan_id:
+        from ..replay import plan_io
+
         p = load_plan(st, rid, plan_id, shape)
+        notes = plan_io.fit_notes(plan_io.plan_meta(st, rid, plan_id), shape.steps, plan_id)
     else:
         ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
         p, notes = api.fit_plan(st, rid, shape, policy, ps, fit_window, plan_id=None)

@@ -8,6 +8,7 @@ one row per model layer, dense layers included), and EPLB-style JSON (``phy2log`
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +37,49 @@ def plan_ids(store, run_id: str) -> list[str]:
     return store.sql("SELECT DISTINCT plan_id FROM placement WHERE run_id = ? ORDER BY plan_id", [run_id])["plan_id"].to_list()
 
 
-def save_plan(store, run_id: str, plan: Plan, plan_id: str) -> int:
-    """Append ``plan`` to the run's placement table as ``plan_id`` (which must be new)."""
+def save_plan(store, run_id: str, plan: Plan, plan_id: str, fit: tuple[int, int, int] | None = None,
+              start_plan_id: str | None = None) -> int:
+    """Append ``plan`` to the run's placement table as ``plan_id`` (which must be new), and
+    its metadata row to ``plans``: ``fit = (first step, end step exclusive, steps)`` of the
+    load it was fitted on (None: fitted elsewhere, e.g. imported)."""
     if plan_id in plan_ids(store, run_id):
         raise InputError(None, f"run {run_id!r} already has a plan {plan_id!r}; choose another --plan-id")
     plan.plan_id = plan_id
-    return store.append(run_id, {"placement": plan_table(plan, plan_id)})["placement"]
+    fs, fe, fn = fit if fit is not None else (None, None, None)
+    meta = pa.table({"plan_id": [plan_id], "policy": [plan.policy or "unknown"],
+                     "start_plan_id": pa.array([start_plan_id], pa.string()),
+                     "fit_start": pa.array([fs], pa.int64()), "fit_end": pa.array([fe], pa.int64()),
+                     "fit_steps": pa.array([fn], pa.int64()), "created_at_ns": [time.time_ns()],
+                     "params_json": [json.dumps(plan.params, sort_keys=True, default=str)]})
+    return store.append(run_id, {"placement": plan_table(plan, plan_id), "plans": meta})["placement"]
+
+
+def plan_meta(store, run_id: str, plan_id: str) -> dict | None:
+    """The ``plans`` row of a stored plan, or None (plans stored before the table existed)."""
+    if not store.has_files("plans"):
+        return None
+    df = store.sql("SELECT * FROM plans WHERE run_id = ? AND plan_id = ? ORDER BY created_at_ns DESC LIMIT 1",
+                   [run_id, plan_id])
+    return df.row(0, named=True) if df.height else None
+
+
+def fit_notes(meta: dict | None, steps: np.ndarray, plan_id: str) -> list[str]:
+    """What a replay over ``steps`` should say about where the stored plan was fitted."""
+    if plan_id == "recorded":
+        return []
+    if meta is None:
+        return [f"plan {plan_id!r} has no stored fit window (stored by an older moetrace): whether it was fitted "
+                "on the steps it is judged on is unknown"]
+    if meta["fit_start"] is None:
+        return [f"plan {plan_id!r} was imported ({meta['policy']}): on which steps it was fitted is unknown"]
+    lo, hi = int(meta["fit_start"]), int(meta["fit_end"])
+    inside = int(((steps >= lo) & (steps < hi)).sum())
+    if inside == 0:
+        return [f"plan fitted on steps [{lo}, {hi}), none of the {steps.size} judged steps: out-of-sample"]
+    if inside == steps.size:
+        return ["plan fitted on the same steps it is judged on (in-sample; use moetrace plan --fit-window for "
+                "out-of-sample)"]
+    return [f"plan fitted on {inside} steps in [{lo}, {hi}); the replay judges all {steps.size} steps, those included"]
 
 
 def export_plan(plan: Plan, path: str | Path, fmt: str = "sglang") -> Path:
