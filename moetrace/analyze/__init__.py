@@ -43,10 +43,13 @@ def cache_views(con, run_id: str, views=CACHEABLE) -> list[str]:
     of the same name (dependent views read them too), so repeated queries about that run
     do not recompute them. Undo with :func:`uncache_views`. Only rows of ``run_id`` are
     kept: use it for per-run work such as a report."""
+    from .materialize import _main
+
+    db = _main(con)   # a bare main."v" would find an existing TEMP table "v" first
     done = []
     try:
         for v in views:
-            con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM main."{v}" WHERE run_id = ?', [run_id])
+            con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
             done.append(v)
     except Exception:
         uncache_views(con, done)
@@ -57,3 +60,9 @@ def cache_views(con, run_id: str, views=CACHEABLE) -> list[str]:
 def uncache_views(con, views) -> None:
     for v in views:
         con.execute(f'DROP TABLE IF EXISTS temp."{v}"')
+
+
+from .materialize import (  # noqa: E402  (uses nothing above; exported here for callers)
+    HEAVY_VIEWS, Materialized, choose_batch_steps, configure, default_memory_limit, drop_materialized,
+    materialize_layer_skew,
+)

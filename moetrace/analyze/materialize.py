@@ -1,0 +1,275 @@
+"""The per-(step, layer) analysis views of one run, computed in step-range batches.
+
+``layer_skew`` and ``tokens_per_expert`` build, for every (step, layer), a sorted list of
+the experts' tokens; DuckDB cannot spill those lists and sorts to disk, so one query over a
+fleet-size run (a billion expert_load rows) runs out of any fixed memory limit.
+``run_shape`` and ``layer_placement`` aggregate the whole run and take no step filter, so
+every query that joins them rescans the run. :func:`materialize_layer_skew` therefore
+
+1. computes ``run_shape`` and ``layer_placement`` of the run once (TEMP tables),
+2. walks the run's steps in batches of ``batch_steps`` consecutive steps (a power of two,
+   chosen from the run's row count unless given): for each batch it materializes the
+   batch's ``expert_step_stats`` and ``rank_load_sparse`` and appends the batch's rows of
+   ``layer_skew`` and ``tokens_per_expert``, the batch's merged windows of
+   ``skew_by_batch`` (windows of up to ``batch_steps`` steps lie inside one batch, because
+   batches start at multiples of ``batch_steps`` in step order) and the batch's rank
+   totals per layer,
+3. finishes ``skew_by_batch`` (windows longer than a batch merge the batches' rank totals)
+   and ``skew_decomposition`` (its structural part sums the rank totals),
+
+and leaves TEMP tables named like the views on the connection: they shadow the views for
+every later query on that connection (``skew_summary``, ``run_skew_summary`` and
+``skew_decomposition`` read the materialized ``layer_skew``). Peak memory depends on the
+batch size, not on the length of the run. The views themselves are unchanged: they stay
+the SQL contract (``moetrace sql``, ``catalog.duckdb``), and the batched result equals
+them (``tests/test_analysis_materialize.py`` compares every column).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+# expert_load rows per batch when the batch size is not given: 7-8M rows keep a batch
+# near 1 GiB of DuckDB memory (measured on the fleet benchmark: 500 steps x 14,848 rows)
+TARGET_BATCH_ROWS = 8_000_000
+
+SHAPE_VIEWS = ("run_shape", "layer_placement")
+HEAVY_VIEWS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
+_CHUNK_VIEWS = ("expert_step_stats", "rank_load_sparse")     # shadowed per batch, dropped after
+_PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch")
+
+
+@dataclass
+class Materialized:
+    """What :func:`materialize_layer_skew` left on the connection."""
+    run_id: str
+    tables: list[str] = field(default_factory=list)    # TEMP tables shadowing views
+    batch_steps: int = 0
+    batches: int = 0
+    steps: int = 0
+    rows: int = 0                                       # expert_load rows of the run
+    seconds: float = 0.0
+
+
+def default_memory_limit() -> str:
+    """``MOETRACE_MEMORY_LIMIT`` if set, else half of the machine's physical memory."""
+    env = os.environ.get("MOETRACE_MEMORY_LIMIT")
+    if env:
+        return env
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return "4GB"
+    return f"{max(1, int(total * 0.5 / 2 ** 30))}GB"
+
+
+def configure(con, memory_limit: str | None = None, temp_directory: str | None = None) -> None:
+    """Cap DuckDB's memory (``memory_limit``, default :func:`default_memory_limit`) and make
+    sure it has somewhere to spill (the store's ``.duckdb_tmp`` is set by ``Store.connect``
+    when the store is writable; otherwise a folder under the system temp dir)."""
+    con.execute(f"SET memory_limit='{memory_limit or default_memory_limit()}'")
+    if temp_directory is None:
+        cur = con.execute("SELECT current_setting('temp_directory')").fetchone()[0]
+        if cur and os.access(os.path.dirname(cur.rstrip("/")) or ".", os.W_OK):
+            return
+        temp_directory = os.path.join(tempfile.gettempdir(), f"moetrace-duckdb-{os.getpid()}")
+    con.execute(f"SET temp_directory='{str(temp_directory).replace(chr(39), chr(39) * 2)}'")
+
+
+def choose_batch_steps(rows: int, steps: int, target_rows: int = TARGET_BATCH_ROWS) -> int:
+    """The largest power of two of steps whose rows stay under ``target_rows`` (at least 1),
+    or a single batch when the whole run fits."""
+    if steps <= 0:
+        return 1
+    per_step = max(1.0, rows / steps)
+    if rows <= target_rows:
+        return _pow2_at_least(steps)
+    return _pow2_at_most(max(1, int(target_rows // per_step)))
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _pow2_at_least(n: int) -> int:
+    n = max(1, int(n))
+    return 1 << (n - 1).bit_length()
+
+
+def _temp_exists(con, name: str) -> bool:
+    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'temp' "
+                            "AND table_name = ?", [name]).fetchone()[0])
+
+
+def _drop(con, names) -> None:
+    for n in names:
+        con.execute(f'DROP TABLE IF EXISTS temp."{n}"')
+
+
+def _main(con) -> str:
+    """The connection's own schema, fully qualified: a bare ``main.x`` would also find the
+    TEMP table ``x`` (the temp catalog has a schema named main too)."""
+    db = con.execute("SELECT current_database()").fetchone()[0]
+    return '"' + db.replace('"', '""') + '".main'
+
+
+def _empty_like(con, name: str, view: str) -> None:
+    """A TEMP table with the view's columns and types, created without running the view."""
+    db = _main(con)
+    cols = con.execute(f'DESCRIBE SELECT * FROM {db}."{view}"').fetchall()
+    defs = ", ".join(f'"{c[0]}" {c[1]}' for c in cols)
+    con.execute(f'CREATE OR REPLACE TEMP TABLE "{name}" ({defs})')
+
+
+def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *,
+                           views=HEAVY_VIEWS, con=None, progress: Callable[[str], None] | None = None,
+                           target_rows: int = TARGET_BATCH_ROWS) -> Materialized:
+    """Compute ``views`` (a subset of :data:`HEAVY_VIEWS`; ``layer_skew`` is always
+    computed) for ``run_id`` in step batches into TEMP tables of the same names on ``con``
+    (default: the store's connection), with ``run_shape`` and ``layer_placement`` of the
+    run. Only rows of ``run_id`` are kept: while they exist, queries on ``con`` about other
+    runs see no analysis rows. Undo with :func:`drop_materialized`.
+
+    ``batch_steps``: steps per batch, rounded down to a power of two (so the batch-size
+    windows of ``skew_by_batch`` never straddle two batches); default from the run's
+    expert_load rows (about :data:`TARGET_BATCH_ROWS` rows per batch). ``progress`` gets a
+    line of text now and then when the run takes more than one batch.
+    """
+    con = store.con if con is None else con
+    views = tuple(v for v in HEAVY_VIEWS if v in set(views) | {"layer_skew"})
+    m = Materialized(run_id=run_id)
+    t0 = time.perf_counter()
+    made: list[str] = []
+    db = _main(con)
+    prev_order = con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()[0]
+    try:
+        con.execute("SET preserve_insertion_order=false")
+        # 1. the run's shape, once
+        for v in SHAPE_VIEWS:
+            con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
+            made.append(v)
+        m.rows = int(con.execute("SELECT count(*) FROM expert_load WHERE run_id = ?", [run_id]).fetchone()[0])
+        con.execute("CREATE OR REPLACE TEMP TABLE _mt_steps AS SELECT step, "
+                    "row_number() OVER (ORDER BY step) - 1 AS ord FROM "
+                    "(SELECT DISTINCT step FROM expert_load WHERE run_id = ?)", [run_id])
+        made.append("_mt_steps")
+        steps = [r[0] for r in con.execute("SELECT step FROM _mt_steps ORDER BY ord").fetchall()]
+        n = m.steps = len(steps)
+        K = _pow2_at_most(batch_steps) if batch_steps else choose_batch_steps(m.rows, n, target_rows)
+        m.batch_steps = K
+        m.batches = max(1, -(-n // K)) if n else 0
+
+        # accumulators, typed like the views
+        for v in ("layer_skew", "tokens_per_expert"):
+            if v in views:
+                _empty_like(con, v, v)
+                made.append(v)
+        con.execute("CREATE OR REPLACE TEMP TABLE _mt_rank_tot (chunk BIGINT, layer INTEGER, rank BIGINT, "
+                    "tokens DOUBLE)")
+        con.execute("CREATE OR REPLACE TEMP TABLE _mt_per_batch (layer INTEGER, w BIGINT, batch BIGINT, "
+                    "mx DOUBLE, total DOUBLE)")
+        made += ["_mt_rank_tot", "_mt_per_batch"]
+        top_level = min(K, _pow2_at_most(n)) if n else 1      # highest window merged inside a batch
+
+        # 2. the batches
+        last_report = time.perf_counter()
+        for c in range(m.batches):
+            lo = steps[c * K]
+            hi = steps[(c + 1) * K] if (c + 1) * K < n else None
+            rng = "step >= ?" + (" AND step < ?" if hi is not None else "")
+            args = [run_id, lo] + ([hi] if hi is not None else [])
+            for v in _CHUNK_VIEWS:
+                con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" '
+                            f"WHERE run_id = ? AND {rng}", args)
+                if v not in made:
+                    made.append(v)
+            for v in ("layer_skew", "tokens_per_expert"):
+                if v in views:
+                    con.execute(f'INSERT INTO temp."{v}" SELECT * FROM {db}."{v}" WHERE run_id = ? AND {rng}', args)
+            if "skew_by_batch" in views or "skew_decomposition" in views:
+                con.execute("INSERT INTO _mt_rank_tot SELECT ?, layer, rank, sum(tokens) FROM temp.rank_load_sparse "
+                            "GROUP BY layer, rank", [c])
+            if "skew_by_batch" in views:
+                # windows of 1, 2, 4, ... top_level steps, merged exactly as the view merges them
+                con.execute(f"""
+                    INSERT INTO _mt_per_batch
+                    WITH RECURSIVE merged(layer, w, batch, rank, tokens) AS (
+                        SELECT r.layer, CAST(1 AS BIGINT), s.ord, r.rank, r.tokens
+                        FROM temp.rank_load_sparse r JOIN _mt_steps s ON s.step = r.step
+                        UNION ALL
+                        SELECT layer, w * 2, batch // 2, rank, sum(tokens)
+                        FROM merged WHERE w * 2 <= {top_level}
+                        GROUP BY layer, w, batch // 2, rank
+                    )
+                    SELECT layer, w, batch, max(tokens), sum(tokens) FROM merged
+                    WHERE batch < {n} // w GROUP BY layer, w, batch""")
+            now = time.perf_counter()
+            if progress is not None and m.batches > 1 and (now - last_report >= 5 or c + 1 == m.batches):
+                last_report = now
+                done_steps = min(n, (c + 1) * K)
+                el = now - t0
+                eta = el / done_steps * (n - done_steps)
+                progress(f"moetrace: per-(step, layer) views of run {run_id}: batch {c + 1}/{m.batches} "
+                         f"({done_steps:,} of {n:,} steps, {m.rows:,} expert_load rows) "
+                         f"{el:.0f} s elapsed, ~{eta:.0f} s left")
+        _drop(con, _CHUNK_VIEWS)
+        made = [t for t in made if t not in _CHUNK_VIEWS]
+
+        # 3. what spans batches
+        if "skew_by_batch" in views:
+            if n > top_level:      # longer windows: merge the batches' rank totals (one row per batch)
+                con.execute(f"""
+                    INSERT INTO _mt_per_batch
+                    WITH RECURSIVE merged(layer, w, batch, rank, tokens) AS (
+                        SELECT layer, CAST({K} AS BIGINT), chunk, rank, tokens FROM _mt_rank_tot
+                        UNION ALL
+                        SELECT layer, w * 2, batch // 2, rank, sum(tokens)
+                        FROM merged WHERE w * 2 <= {n}
+                        GROUP BY layer, w, batch // 2, rank
+                    )
+                    SELECT layer, w, batch, max(tokens), sum(tokens) FROM merged
+                    WHERE w > {K} AND batch < {n} // w GROUP BY layer, w, batch""")
+            _empty_like(con, "skew_by_batch", "skew_by_batch")
+            made.append("skew_by_batch")
+            con.execute("""
+                INSERT INTO temp.skew_by_batch
+                SELECT sh.run_id, b.layer, b.w,
+                       avg(b.total / coalesce(sh.top_k, 1)),
+                       avg(b.mx / (b.total / sh.num_ranks)) FILTER (WHERE b.total > 0),
+                       count(*) FILTER (WHERE b.total > 0),
+                       CASE WHEN sh.top_k IS NULL THEN 'top_k unknown: tokens_per_step counts token-expert assignments'
+                       END
+                FROM _mt_per_batch b CROSS JOIN temp.run_shape sh
+                WHERE sh.run_id = ? AND sh.num_ranks IS NOT NULL
+                GROUP BY sh.run_id, b.layer, b.w, sh.top_k, sh.num_ranks""", [run_id])
+        if "skew_decomposition" in views:
+            # the view's structural part sums rank_load_sparse over the run: give it the batch totals
+            con.execute("CREATE OR REPLACE TEMP TABLE rank_load_sparse AS "
+                        "SELECT CAST(? AS VARCHAR) AS run_id, chunk AS step, layer, rank, tokens FROM _mt_rank_tot",
+                        [run_id])
+            try:
+                con.execute("CREATE OR REPLACE TEMP TABLE skew_decomposition AS "
+                            f"SELECT * FROM {db}.skew_decomposition WHERE run_id = ?", [run_id])
+                made.append("skew_decomposition")
+            finally:
+                _drop(con, ["rank_load_sparse"])
+        _drop(con, _PRIVATE)
+        made = [t for t in made if t not in _PRIVATE]
+    except BaseException:
+        _drop(con, list(made) + list(_CHUNK_VIEWS) + list(_PRIVATE))
+        raise
+    finally:
+        con.execute(f"SET preserve_insertion_order={'true' if str(prev_order).lower() in ('true', '1') else 'false'}")
+    m.tables = made
+    m.seconds = time.perf_counter() - t0
+    return m
+
+
+def drop_materialized(con, m: Materialized | list[str] | None) -> None:
+    """Drop the TEMP tables of :func:`materialize_layer_skew`: the views show through again."""
+    if m is None:
+        return
+    _drop(con, m.tables if isinstance(m, Materialized) else m)
