@@ -72,7 +72,7 @@ def configure(con, memory_limit: str | None = None, temp_directory: str | None =
     when the store is writable; otherwise a folder under the system temp dir)."""
     con.execute(f"SET memory_limit='{memory_limit or default_memory_limit()}'")
     if temp_directory is None:
-        cur = con.execute("SELECT current_setting('temp_directory')").fetchone()[0]
+        cur = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
         if cur and os.access(os.path.dirname(cur.rstrip("/")) or ".", os.W_OK):
             return
         temp_directory = os.path.join(tempfile.gettempdir(), f"moetrace-duckdb-{os.getpid()}")
@@ -101,7 +101,7 @@ def _pow2_at_least(n: int) -> int:
 
 def _temp_exists(con, name: str) -> bool:
     return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'temp' "
-                            "AND table_name = ?", [name]).fetchone()[0])
+                            "AND table_name = ?", [name]).fetchall()[0][0])
 
 
 def _drop(con, names) -> None:
@@ -112,7 +112,7 @@ def _drop(con, names) -> None:
 def _main(con) -> str:
     """The connection's own schema, fully qualified: a bare ``main.x`` would also find the
     TEMP table ``x`` (the temp catalog has a schema named main too)."""
-    db = con.execute("SELECT current_database()").fetchone()[0]
+    db = con.execute("SELECT current_database()").fetchall()[0][0]
     return '"' + db.replace('"', '""') + '".main'
 
 
@@ -144,14 +144,14 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
     t0 = time.perf_counter()
     made: list[str] = []
     db = _main(con)
-    prev_order = con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()[0]
+    prev_order = con.execute("SELECT current_setting('preserve_insertion_order')").fetchall()[0][0]
     try:
         con.execute("SET preserve_insertion_order=false")
         # 1. the run's shape, once
         for v in SHAPE_VIEWS:
             con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
             made.append(v)
-        m.rows = int(con.execute("SELECT count(*) FROM expert_load WHERE run_id = ?", [run_id]).fetchone()[0])
+        m.rows = int(con.execute("SELECT count(*) FROM expert_load WHERE run_id = ?", [run_id]).fetchall()[0][0])
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_steps AS SELECT step, "
                     "row_number() OVER (ORDER BY step) - 1 AS ord FROM "
                     "(SELECT DISTINCT step FROM expert_load WHERE run_id = ?)", [run_id])

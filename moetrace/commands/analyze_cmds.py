@@ -7,13 +7,28 @@ from ..output import emit, output_options
 from ..store import Store
 
 
+def _progress(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _heavy_options(f):
+    f = click.option("--memory-limit", default=None, metavar="SIZE",
+                     help="DuckDB memory cap, e.g. 8GB (default: $MOETRACE_MEMORY_LIMIT, else half the RAM); "
+                          "larger intermediate results spill to the store's .duckdb_tmp.")(f)
+    f = click.option("--batch-steps", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Compute the per-(step, layer) views N steps at a time (rounded down to a power of two; "
+                          "default: about 8M expert_load rows per batch). Smaller uses less memory.")(f)
+    return f
+
+
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
 @click.option("--run", "run_id", default=None, help="Run to report on (needed when the store holds several).")
 @click.option("--out", "outdir", type=click.Path(file_okay=False), default=None,
               help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
-def report(store, run_id, outdir, quiet):
+@_heavy_options
+def report(store, run_id, outdir, quiet, batch_steps, memory_limit):
     """Summarize a run: per-layer skew, tokens per expert, imbalance vs batch size, dummy
     steps, and every other section installed (replay, all-to-all exposure). Prints the
     summary tables and writes a self-contained report.html, report.md and PNGs.
@@ -23,11 +38,13 @@ def report(store, run_id, outdir, quiet):
     \b
         moetrace synth demo --layers 4 --steps 50 --sigma 0.6
         moetrace report demo --out demo-report
+
+    Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
     """
     from ..report.build import build_report
 
     st = Store(store)
-    rep = build_report(st, run_id, outdir)
+    rep = build_report(st, run_id, outdir, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)
@@ -40,17 +57,26 @@ def report(store, run_id, outdir, quiet):
 @click.option("--run", "run_id", default=None, help="Only this run (default: every run).")
 @click.option("--by", type=click.Choice(["layer", "run", "step"]), default="layer", show_default=True,
               help="layer: distribution over steps per layer; run: one line per run; step: every (step, layer).")
+@_heavy_options
 @output_options
-def skew(store, run_id, by, fmt, output):
+def skew(store, run_id, by, batch_steps, memory_limit, fmt, output):
     """Quick skew table: imbalance (max/mean rank tokens), efficiency, Gini and the hottest
     expert, from the layer_skew / skew_summary views.
 
     Example:
 
         moetrace skew demo --by layer
+
+    Each run's layer_skew is computed once, in step batches (progress on stderr for long
+    runs), so memory stays bounded on fleet-size runs.
     """
+    import polars as pl
+
+    from ..analyze import configure, drop_materialized, materialize_layer_skew
+
     st = Store(store)
-    where, params = ("WHERE run_id = ?", [st.resolve_run(run_id)]) if run_id else ("", [])
+    runs = [st.resolve_run(run_id)] if run_id else st.run_ids()
+    where = "WHERE run_id = ?"
     if by == "run":
         q = (f"SELECT run_id, layers, steps, imbalance_mean, imbalance_p50, imbalance_p99, balancedness, "
              f"worst_layer, worst_layer_imbalance, placement_source FROM run_skew_summary {where} ORDER BY run_id")
@@ -62,7 +88,20 @@ def skew(store, run_id, by, fmt, output):
         q = (f"SELECT run_id, step, layer, max_rank_tokens, mean_rank_tokens, imbalance, efficiency, straggler_rank, "
              f"gini, cv, top5pct_share, hottest_expert, hottest_share, note FROM layer_skew {where} "
              f"ORDER BY run_id, step, layer")
-    emit(st.sql(q, params or None), fmt, output)
+    configure(st.con, memory_limit)
+    frames = []
+    for rid in runs:
+        m = materialize_layer_skew(st, rid, batch_steps, views=("layer_skew",), progress=_progress)
+        try:
+            frames.append(st.sql(q, [rid]))
+        finally:
+            drop_materialized(st.con, m)
+    frames = [f for f in frames if f.height]
+    if frames:
+        df = pl.concat(frames, how="vertical_relaxed")
+    else:
+        df = st.sql(q.replace(where, "WHERE false"))
+    emit(df, fmt, output)
 
 
 def register(cli):

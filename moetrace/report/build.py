@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..analyze import cache_views, uncache_views
+from ..analyze import configure, drop_materialized, materialize_layer_skew
 from .base import ReportContext, Section
 
 
@@ -112,11 +112,17 @@ def _failed(mod, exc: BaseException) -> Section:
 
 
 def build_report(store, run_id: str | None = None, outdir: str | Path | None = None, *, html_out: bool = True,
-                 md_out: bool = True, cache: bool = True) -> Report:
+                 md_out: bool = True, cache: bool = True, batch_steps: int | None = None,
+                 memory_limit: str | None = None, progress=None) -> Report:
     """Build every section for ``run_id`` (the store's only run when None) into ``outdir``.
 
-    With ``cache`` the per-(step, layer) analysis views are computed once for the run
-    (TEMP tables on the store's connection, dropped afterwards) instead of once per query.
+    With ``cache`` the per-(step, layer) analysis views (layer_skew, tokens_per_expert,
+    skew_by_batch, skew_decomposition, and run_shape / layer_placement) are computed once
+    for the run, in step batches of ``batch_steps`` (default: from the run's size), into
+    TEMP tables on the store's connection that the sections read and that are dropped
+    afterwards: bounded memory on fleet-size runs, one pass instead of one per query.
+    DuckDB's memory is capped at ``memory_limit`` (default
+    :func:`moetrace.analyze.default_memory_limit`). ``progress`` gets progress lines.
     """
     rid = store.resolve_run(run_id)
     run = store.run(rid)
@@ -124,7 +130,8 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
     report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run))
-    cached = cache_views(store.con, rid) if cache else []
+    configure(store.con, memory_limit)
+    cached = materialize_layer_skew(store, rid, batch_steps, progress=progress) if cache else None
     try:
         for mod in discover_sections():
             try:
@@ -134,7 +141,7 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
             if sec is not None:
                 report.sections.append(sec)
     finally:
-        uncache_views(store.con, cached)
+        drop_materialized(store.con, cached)
     if md_out:
         report.md_path = out / "report.md"
         report.md_path.write_text(render_markdown(report))

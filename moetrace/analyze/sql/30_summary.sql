@@ -65,7 +65,7 @@ SELECT s.run_id,
        max(s.imbalance) AS imbalance_max,
        sum(s.mean_rank_tokens) / nullif(sum(s.max_rank_tokens), 0) AS balancedness,
        w.worst_layer, w.worst_layer_imbalance,
-       string_agg(DISTINCT s.placement_source, ',') AS placement_source,
+       string_agg(DISTINCT s.placement_source, ',' ORDER BY s.placement_source) AS placement_source,
        any_value(s.num_ranks) AS num_ranks
 FROM ls s LEFT JOIN worst w USING (run_id)
 GROUP BY s.run_id, w.worst_layer, w.worst_layer_imbalance;

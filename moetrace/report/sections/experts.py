@@ -12,6 +12,21 @@ ORDER = 20
 WEIGHT_BOUND_TOKENS = 256
 
 
+def quantile_from_counts(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:
+    """DuckDB's quantile_cont(x, q) (linear between the order statistics around (N-1)·q) of
+    a sample given as sorted distinct ``values`` with their ``counts``."""
+    total = int(counts.sum())
+    if total == 0:
+        return None
+    h = (total - 1) * q
+    lo = int(np.floor(h))
+    hi = min(lo + 1, total - 1)
+    ends = np.cumsum(counts)                     # index of the last copy of values[i] is ends[i]-1
+    v_lo = values[int(np.searchsorted(ends, lo, side="right"))]
+    v_hi = values[int(np.searchsorted(ends, hi, side="right"))]
+    return float(v_lo + (h - lo) * (v_hi - v_lo))
+
+
 def build(ctx: ReportContext) -> Section | None:
     rid = ctx.run_id
     per_layer = ctx.sql(
@@ -55,17 +70,22 @@ def build(ctx: ReportContext) -> Section | None:
 
     figs = []
     # distribution of tokens per (expert, step) over the whole run, binned in SQL
-    hi = ctx.sql("SELECT quantile_cont(tokens, 0.999) AS q, max(tokens) AS mx FROM expert_tokens WHERE run_id = ?",
-                 [rid]).row(0, named=True)
-    if hi["mx"]:
-        top = max(float(hi["q"] or hi["mx"]), 1.0)
+    # one pass over expert_tokens: how many (expert, step, layer) rows have each token count; the
+    # 99.9th percentile and the histogram come from these counts (an exact quantile_cont over a
+    # billion rows would hold them all in memory)
+    vc = ctx.sql("SELECT tokens, count(*) AS n FROM expert_tokens WHERE run_id = ? GROUP BY tokens ORDER BY tokens",
+                 [rid])
+    vals = vc["tokens"].to_numpy().astype(np.float64) if vc.height else np.zeros(0)
+    ns = vc["n"].to_numpy().astype(np.int64) if vc.height else np.zeros(0, dtype=np.int64)
+    mx = float(vals[-1]) if vals.size else None
+    if mx:
+        q = quantile_from_counts(vals, ns, 0.999)
+        top = max(float(q or mx), 1.0)
         width = float(max(1, int(np.ceil(top / 60))))   # integer counts: integer-wide bins
         nb = int(np.ceil((top + 1) / width))
-        h = ctx.sql("SELECT least(CAST(floor(tokens / ?) AS BIGINT), ?) AS b, count(*) AS n FROM expert_tokens "
-                    "WHERE run_id = ? GROUP BY 1 ORDER BY 1", [width, nb, rid])
         n_layers_steps = ctx.sql("SELECT count(*) AS n FROM tokens_per_expert WHERE run_id = ?", [rid])["n"][0]
         counts = np.zeros(nb + 1)
-        counts[h["b"].to_numpy()] = h["n"].to_numpy()
+        np.add.at(counts, np.minimum(np.floor(vals / width).astype(np.int64), nb), ns)
         missing = int(n_layers_steps) * int(E) - int(counts.sum())
         counts[0] += max(missing, 0)  # experts without rows received 0 tokens
         centers = (np.arange(nb + 1) + 0.5) * width

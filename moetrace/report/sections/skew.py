@@ -1,6 +1,7 @@
 """Per-layer skew: how unbalanced each MoE layer was across ranks, and where.
 
-Reads the analysis views (run_skew_summary, skew_summary, rank_load, expert_tokens);
+Reads the analysis views (run_skew_summary, skew_summary, layer_skew, rank_load_sparse,
+expert_tokens: one scan of expert_load per figure, never a whole-run sort or zero-filled grid);
 draws per-layer imbalance bars, per-rank load bars for the worst layer and per-expert
 load heatmaps over steps for the most skewed layers.
 """
@@ -94,8 +95,7 @@ def build(ctx: ReportContext) -> Section | None:
             "Per-layer imbalance: the busiest rank's tokens over the mean rank's, mean over steps (bar) and "
             "p99 (whisker). 1.0 is perfect balance; the worst layer is in red."))
         wl = int(layers["layer"][worst_i])
-        rl = ctx.sql("SELECT rank, avg(tokens) AS mean_tokens, max(tokens) AS max_tokens FROM rank_load "
-                     "WHERE run_id = ? AND layer = ? GROUP BY rank ORDER BY rank", [rid, wl])
+        rl = _mean_rank_tokens(ctx, wl)
         strag = ctx.sql("SELECT straggler_rank, count(*) AS steps FROM layer_skew WHERE run_id = ? AND layer = ? "
                         "AND straggler_rank IS NOT NULL GROUP BY 1 ORDER BY steps DESC LIMIT 3", [rid, wl])
         if rl.height:
@@ -131,12 +131,15 @@ def _n(k, word: str) -> str:
 
 def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
     rid = ctx.run_id
-    n = ctx.sql("SELECT count(DISTINCT step) AS n, max(expert) AS emax FROM expert_tokens WHERE run_id = ? "
+    # the layer's steps from layer_skew (one row per (step, layer) with expert_load rows: computed
+    # once per report), not from another scan of expert_load
+    n = ctx.sql("SELECT count(*) AS n, min(step) AS a, max(step) AS b FROM layer_skew WHERE run_id = ? "
                 "AND layer = ?", [rid, layer])
-    n_steps, emax = n["n"][0], n["emax"][0]
-    if not n_steps or emax is None:
+    n_steps = n["n"][0]
+    E = ctx.sql("SELECT num_experts FROM run_shape WHERE run_id = ?", [rid])["num_experts"][0]
+    if not n_steps or E is None:
         return None
-    E = int(ctx.sql("SELECT num_experts FROM run_shape WHERE run_id = ?", [rid])["num_experts"][0] or emax + 1)
+    E = int(E)
     if n_steps == 1:   # one (pseudo-)step: a bar per expert says more than a one-row heatmap
         df = ctx.sql("SELECT expert, sum(tokens) AS tokens FROM expert_tokens WHERE run_id = ? AND layer = ? "
                      "GROUP BY expert", [rid, layer])
@@ -151,7 +154,7 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
     bins = min(int(n_steps), MAX_HEATMAP_ROWS)
     df = ctx.sql(
         "WITH o AS (SELECT step, row_number() OVER (ORDER BY step) - 1 AS ord FROM "
-        "(SELECT DISTINCT step FROM expert_tokens WHERE run_id = ? AND layer = ?)) "
+        "(SELECT step FROM layer_skew WHERE run_id = ? AND layer = ?)) "
         "SELECT (o.ord * ? // ?) AS bin, e.expert, sum(e.tokens) AS tokens "
         "FROM expert_tokens e JOIN o USING (step) WHERE e.run_id = ? AND e.layer = ? GROUP BY ALL",
         [rid, layer, bins, int(n_steps), rid, layer])
@@ -162,8 +165,7 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
     binned = bins < n_steps
     title = f"Layer {layer}: tokens per expert per step"
     ylabel = "step" if not binned else f"step bin ({n_steps // bins}–{-(-n_steps // bins)} steps each)"
-    steps = ctx.sql("SELECT min(step) AS a, max(step) AS b FROM expert_tokens WHERE run_id = ? AND layer = ?",
-                    [rid, layer]).row(0)
+    steps = (n["a"][0], n["b"][0])
     yt = np.linspace(0, bins - 1, min(6, bins)).astype(int)
     ylab = [str(int(steps[0] + (steps[1] - steps[0]) * t / max(bins - 1, 1))) for t in yt]
     path = plots.heatmap(ctx.outdir / f"skew_heatmap_layer{layer}.png", m, title=title,
@@ -173,6 +175,18 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
            + (f", averaged over bins of about {n_steps / bins:.0f} steps" if binned else "") +
            "). Bright vertical stripes are persistently hot experts; colour scale clipped at the 99.5th percentile.")
     return Figure(path, cap)
+
+
+def _mean_rank_tokens(ctx: ReportContext, layer: int) -> pl.DataFrame:
+    """Mean tokens per step of every rank (0 .. num_ranks-1) in ``layer``: the rank_load
+    average, as the sparse rank totals over the layer's step count (no zero-filled grid of
+    steps x ranks, which is tens of millions of rows on a fleet run)."""
+    return ctx.sql(
+        "WITH t AS (SELECT rank, sum(tokens) AS tokens FROM rank_load_sparse WHERE run_id = ? AND layer = ? "
+        "GROUP BY rank), n AS (SELECT count(*) AS steps FROM layer_skew WHERE run_id = ? AND layer = ?), "
+        "r AS (SELECT unnest(range(num_ranks)) AS rank FROM run_shape WHERE run_id = ? AND num_ranks IS NOT NULL) "
+        "SELECT r.rank, coalesce(t.tokens, 0.0) / n.steps AS mean_tokens FROM r CROSS JOIN n "
+        "LEFT JOIN t USING (rank) WHERE n.steps > 0 ORDER BY r.rank", [ctx.run_id, layer, ctx.run_id, layer, ctx.run_id])
 
 
 def _term_table(df: pl.DataFrame) -> str:
