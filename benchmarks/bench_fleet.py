@@ -22,6 +22,9 @@ Stages, each in a fresh process so its peak RSS is its own:
    view's per-(step, layer) lists do not spill), DuckDB capped at ``memory_limit``.
 3. **replay**: ``moetrace replay --policy eplb`` fitted on the first steps and replayed
    over every step (the engine reads the store in step chunks), ``--no-rank-rows``.
+4. **report**: ``moetrace report --quiet`` as a user runs it (its per-(step, layer) views
+   are computed in step batches by ``moetrace.analyze.materialize_layer_skew``); not
+   counted in "all stages".
 
 With ``--fraction f`` (or ``MOETRACE_FLEET_FRACTION``) only ``f × 72,000`` steps are
 generated; every time is then also given extrapolated linearly to the full run, and the
@@ -222,6 +225,23 @@ def _stage_replay(store: str, cfg: dict, q) -> None:
            "rss_quartiles": sampler.quartiles()})
 
 
+def _stage_report(store: str, outdir: str, q) -> None:
+    """`moetrace report --quiet`: the user-facing command, whose per-(step, layer) views are
+    computed in step batches (moetrace.analyze.materialize_layer_skew)."""
+    from moetrace.cli import cli
+
+    args = ["report", store, "--quiet", "--out", outdir]
+    sampler = _RssSampler()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(args=args, standalone_mode=False)
+    secs = time.perf_counter() - t0
+    pngs = len(list(Path(outdir).glob("*.png")))
+    failed = (Path(outdir) / "report.md").read_text().count("(section failed)")
+    q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "pngs": pngs, "failed": failed,
+           "rss_quartiles": sampler.quartiles()})
+
+
 def _in_process(fn, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -273,6 +293,7 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
             skew = _in_process(_stage_layer_skew, store, cfg, steps, str(tmp / "spill"))
             rep = _in_process(_stage_replay, store, cfg)
             total = time.perf_counter() - t_all
+            report = _in_process(_stage_report, store, str(tmp / "report"))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     rows = ing["rows"]
@@ -314,7 +335,12 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
                      f"{s.get('mean_imbalance', float('nan')):.3f}" if isinstance(s.get('mean_imbalance'), (int, float))
                else f"{s.get('num_steps')} steps x {s.get('num_layers')} layers"),
         result(b, "replay: peak RSS", rep["peak_mib"], "MiB", notes=f"max RSS per quarter {q4(rep)} MiB"),
-        result(b, "all stages: wall time", total, "s", notes=f"peak RSS of any stage {peak:,.0f} MiB{extra(total)}"),
+        result(b, "all stages: wall time", total, "s", notes=f"ingest + layer_skew + replay; peak RSS of any "
+                                                            f"stage {peak:,.0f} MiB{extra(total)}"),
+        result(b, "report: wall time", report["seconds"], "s",
+               notes=f"moetrace report --quiet (run after the replay: includes the stored-replay section); "
+                     f"{report['pngs']} PNGs, {report['failed']} sections failed{extra(report['seconds'])}"),
+        result(b, "report: peak RSS", report["peak_mib"], "MiB", notes=f"max RSS per quarter {q4(report)} MiB"),
     ]
     return out
 
