@@ -404,3 +404,73 @@ def test_kernels_command_keeps_full_names_in_csv_and_json(tmp_path, runner, cli)
     assert len(stored) > 150                       # a long name really reached the store
     rows = json.loads(runner.invoke(cli, ["kernels", str(st), "--format", "json"]).output)
     assert [r["name"] for r in rows] == [stored]
+
+
+# ---------------------------------------------------------------- sliced decoding (fast path)
+def _tricky_kernels(n: int, tricky: bool = True) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """Kernels whose names and args hold '}, {' inside strings and lists of objects, so
+    that cuts between events land in the wrong place; with the (name, start_ns, end_ns)
+    each must give, from the numbers written (integer and fractional µs)."""
+    evs, want = [], []
+    for i in range(n):
+        name = f'k{i} }}, {{"ph": "X", "ts": 1}}' if i % 3 == 0 and tricky else f"gemm_{i}"
+        ts = f"{1000 + 7 * i}.{i % 1000:03d}" if i % 2 else str(1000 + 7 * i)
+        extra = {"shapes": [{"a": [1, 2]}, {"b": {"c": "}, {"}}]} if i % 5 == 0 and tricky else {}
+        evs.append(kernel(name, ts, "2.5", i + 1, **extra))
+        start = (1000 + 7 * i) * 1000 + (i % 1000 if i % 2 else 0)
+        want.append((name, start, start + 2500))
+    return evs, want
+
+
+@pytest.mark.parametrize("slice_bytes,tricky", [(1, True), (97, True), (600, True), (1 << 20, True), (1, False),
+                                                (600, False)])
+def test_sliced_decoding_is_exact_wherever_the_cuts_fall(tmp_path, monkeypatch, slice_bytes, tricky):
+    import moetrace.collect.kineto as kin
+
+    evs, want = _tricky_kernels(200, tricky)
+    f = write_trace(tmp_path / "t.json", evs, rank=0, world=1)
+    monkeypatch.setattr(kin, "SLICE_BYTES", slice_bytes)
+    slow = []
+    real_slow = kin._decode_in_batches
+    monkeypatch.setattr(kin, "_decode_in_batches", lambda *a: slow.append(1) or real_slow(*a))
+    (run,) = collect([f])
+    got = [(r["name"], r["start_ns"], r["end_ns"]) for r in spans_of(run)]
+    assert got == sorted(want, key=lambda w: w[1])
+    if slice_bytes >= 1 << 20:
+        assert slow, "a document smaller than one slice has no cut: the batch path reads it"
+    elif not tricky:
+        assert not slow, "every cut lands between two events here: the fast path holds"
+
+
+def test_sliced_decoding_finds_the_real_trace_events(tmp_path, monkeypatch):
+    """A 'traceEvents' key nested in an earlier field (inside deviceProperties) must not be
+    taken for the document's: the check on where traceEvents starts sends it to the batch path."""
+    import moetrace.collect.kineto as kin
+
+    evs, want = _tricky_kernels(60)
+    decoy = ",\n".join(kernel(f"decoy_{i}", 5, 1, 900 + i) for i in range(40))
+    text = ('{"deviceProperties": [{"x": {"traceEvents": [\n' + decoy + '\n]}}], "traceEvents": [\n'
+            + ",\n".join(evs) + "\n]}")
+    f = tmp_path / "t.json"
+    f.write_text(text)
+    monkeypatch.setattr(kin, "SLICE_BYTES", 50)
+    slow = []
+    real_slow = kin._decode_in_batches
+    monkeypatch.setattr(kin, "_decode_in_batches", lambda *a: slow.append(1) or real_slow(*a))
+    (run,) = collect([f])
+    assert [(r["name"], r["start_ns"], r["end_ns"]) for r in spans_of(run)] == sorted(want, key=lambda w: w[1])
+    assert slow
+
+
+def test_bad_event_named_by_index_on_either_path(tmp_path, monkeypatch):
+    import moetrace.collect.kineto as kin
+    from moetrace.errors import InputError
+
+    evs, _ = _tricky_kernels(30)
+    evs[17] = evs[17].replace('"dur": 2.5', '"dur": "long"')
+    f = write_trace(tmp_path / "t.json", evs)
+    for slice_bytes in (40, 1 << 20):
+        monkeypatch.setattr(kin, "SLICE_BYTES", slice_bytes)
+        with pytest.raises(InputError) as e:
+            collect([f])
+        assert "event 17" in str(e.value) and "t.json" in str(e.value), str(e.value)

@@ -20,12 +20,14 @@ import hashlib
 import os
 import re
 import sys
+import threading
 import time
 import zlib
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import polars as pl
 
 from ..errors import InputError
@@ -35,7 +37,7 @@ from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, 
 from .classify import Classifier
 
 MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
-BATCH = 4000                       # events decoded to records at a time
+BATCH = 4000                       # events decoded to records at a time (cache-sized)
 
 
 class _Args(msgspec.Struct, gc=False):
@@ -87,23 +89,6 @@ def rank_from_name(name: str) -> int | None:
         if m:
             return int(m.group(1))
     return None
-
-
-def read_bytes(path: Path, digest: list | None = None) -> bytes:
-    """The file's bytes, gunzipped when it is gzip; bad gzip is an InputError. When
-    ``digest`` is a list, the sha256 of the bytes on disk is appended to it."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise InputError(path, f"cannot read: {e.strerror}") from None
-    if digest is not None:
-        digest.append(hashlib.sha256(raw).hexdigest())
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            return gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise InputError(path, f"corrupt or truncated gzip: {e}") from None
-    return raw
 
 
 def ts_to_ns(texts: list[bytes], base_ns: int, path: Path, offset: int) -> list[int]:
@@ -161,12 +146,120 @@ def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, di
             gc.enable()
 
 
-def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[dict, dict, dict, dict]:
-    t0 = time.perf_counter()
-    digest: list = []
-    buf = read_bytes(path, digest)
-    if not buf or buf.isspace():
-        raise InputError(path, "file is empty")
+class _Digest(threading.Thread):
+    """sha256 of a buffer, taken in a thread while the caller decodes it (hashlib
+    releases the GIL on large buffers: the digest costs no wall time on a second CPU)."""
+
+    def __init__(self, data: bytes):
+        super().__init__(daemon=True)
+        self.data, self.hex = data, None
+        self.start()
+
+    def run(self):
+        self.hex = hashlib.sha256(self.data).hexdigest()
+        self.data = None
+
+    def result(self) -> str:
+        self.join()
+        return self.hex
+
+
+def read_bytes(path: Path) -> tuple[bytes, _Digest]:
+    """(the file's bytes, gunzipped when it is gzip; the sha256 of the bytes on disk, being
+    taken in a thread). Bad gzip is an InputError."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise InputError(path, f"cannot read: {e.strerror}") from None
+    digest = _Digest(raw)
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(raw), digest
+        except (OSError, EOFError, zlib.error) as e:
+            digest.join()
+            raise InputError(path, f"corrupt or truncated gzip: {e}") from None
+    return raw, digest
+
+
+_EVENT_AT = re.compile(r"\$\[(\d+)\]")
+
+
+_KEY_AT = re.compile(rb'"traceEvents"[ \t\r\n]*:[ \t\r\n]*\[')
+_BETWEEN = re.compile(rb'\}[ \t\r\n]*,[ \t\r\n]*\{')
+#: bytes of the document decoded at a time (cache-sized: faster than larger slices)
+SLICE_BYTES = 256 * 2**10
+
+
+class _EventsAt(msgspec.Struct):
+    traceEvents: msgspec.Raw = msgspec.Raw(b"")
+
+
+_EVENTS_AT_DEC = msgspec.json.Decoder(_EventsAt)
+
+
+def _address(b) -> int:
+    return np.frombuffer(b, np.uint8).ctypes.data if len(b) else -1
+
+
+def _decode_in_slices(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool):
+    """Fast path: decode ``traceEvents`` straight from slices of the document, cut between
+    two events (``}`` ``,`` ``{``) every :data:`SLICE_BYTES`, without a first pass over
+    the whole document. Returns (top, columns, n_events), or None when a cut does not
+    hold (a slice is not a list of whole events, or the array the cuts are in is not
+    the document's ``traceEvents``): the caller then takes the slow path, which also
+    words the error. Exact: every slice decodes as a non-empty array of values, so each
+    cut lies between two elements of the array opened at the ``traceEvents`` key; the
+    rest of the document (head, last slice, tail) decodes as a whole, and its
+    ``traceEvents`` value is checked to start at that very byte."""
+    key = _KEY_AT.search(buf)
+    if key is None:
+        return None
+    first = key.end()  # just after the '['
+    cuts = []
+    pos = first + SLICE_BYTES
+    while True:
+        m = _BETWEEN.search(buf, pos)
+        if m is None:
+            break
+        cuts.append((m.start() + 1, m.end() - 1))  # end of one slice (after '}'), start of the next ('{')
+        pos = m.end() + SLICE_BYTES
+    if not cuts:
+        return None
+    mv = memoryview(buf)
+    acc = _Acc()
+    n = 0
+    last = time.perf_counter()
+    start = first
+    try:
+        for end, nxt in cuts:
+            evs = _EVENTS_DEC.decode(b"".join((b"[", mv[start:end], b"]")))
+            if not evs:
+                return None
+            _take(evs, n, acc, all_cpu_ops)
+            n += len(evs)
+            del evs
+            start = nxt
+            if progress and time.perf_counter() - last > 2.0:
+                last = time.perf_counter()
+                print(f"  {path.name}: {n:,} events, {100 * start / len(buf):.0f}% of {len(buf) / 1e6:.0f} MB",
+                      file=sys.stderr, flush=True)
+        rest = b"".join((mv[:first], mv[start:]))
+        at = _EVENTS_AT_DEC.decode(rest).traceEvents
+        if _address(at) != _address(rest) + first - 1:
+            return None
+        top = _TOP_DEC.decode(rest)
+        evs = _EVENTS_DEC.decode(b"[" + b",".join(top.traceEvents) + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    finally:
+        mv.release()
+    _take(evs, n, acc, all_cpu_ops)
+    return top, acc, n + len(evs)
+
+
+def _decode_in_batches(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool):
+    """Slow path (any valid document): decode into raw event slices, then BATCH events at a
+    time; the error, if any, names the event."""
     try:
         if buf.lstrip()[:1] == b"[":  # bare array of events (Chrome trace array form)
             top = _Top(traceEvents=_LIST_DEC.decode(buf))
@@ -181,50 +274,63 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
     if top.traceEvents is None:
         raise InputError(path, "no traceEvents: not a Kineto / Chrome trace")
     raws = top.traceEvents
-    base = top.baseTimeNanoseconds
-    info = {"n_events": len(raws), "base_ns": base, "sha256": digest[0], "rank": top.distributedInfo.rank if top.distributedInfo else None,
-            "world_size": top.distributedInfo.world_size if top.distributedInfo else None,
-            "bytes": len(buf)}
-    # CPU ops matter only in a CPU-only trace (host spans); a quick byte search tells
-    all_cpu_ops = all_cpu_ops or not any(m in buf for m in _GPU_MARKERS)
-    info["all_cpu_ops"] = all_cpu_ops
-    del buf
-    gpu = {k: [] for k in GPU_SCHEMA}
-    launch = {"correlation": [], "pid": [], "tid": []}
-    cpu = {k: [] for k in CPU_SCHEMA}
-    gpu_ts, gpu_dur, gpu_idx = [], [], []
-    launch_ts: list = []
-    cpu_ts, cpu_dur, cpu_idx = [], [], []
+    acc = _Acc()
     last = time.perf_counter()
     for b0 in range(0, len(raws), BATCH):
         chunk = raws[b0:b0 + BATCH]
         try:
             evs = _EVENTS_DEC.decode(b"[" + b",".join(chunk) + b"]")
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            for j, r in enumerate(chunk):  # find the offending event for the message
-                try:
-                    msgspec.json.decode(r, type=_Event)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e2:
-                    raise InputError(path, f"bad event: {e2}", f"event {b0 + j}") from None
+            # the offending event, by its index in traceEvents
+            m = _EVENT_AT.search(str(e)) if isinstance(e, msgspec.ValidationError) else None
+            if m:
+                i = b0 + int(m.group(1))
+                raise InputError(path, "bad event: " + _EVENT_AT.sub(f"$.traceEvents[{i}]", str(e), count=1),
+                                 f"event {i}") from None
             raise InputError(path, f"bad event: {e}", f"events {b0}..{b0 + len(chunk) - 1}") from None
-        _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts, cpu_dur, cpu_idx, all_cpu_ops)
+        _take(evs, b0, acc, all_cpu_ops)
         del evs
         if progress and time.perf_counter() - last > 2.0:
             last = time.perf_counter()
             print(f"  {path.name}: {min(b0 + BATCH, len(raws)):,}/{len(raws):,} events", file=sys.stderr, flush=True)
-    del raws, top
+    top.traceEvents = None
+    return top, acc, len(raws)
+
+
+def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[dict, dict, dict, dict]:
+    t0 = time.perf_counter()
+    buf, digest = read_bytes(path)
+    try:
+        if not buf or buf.isspace():
+            raise InputError(path, "file is empty")
+        # CPU ops matter only in a CPU-only trace (host spans); a quick byte search tells
+        all_cpu_ops = all_cpu_ops or not any(m in buf for m in _GPU_MARKERS)
+        got = _decode_in_slices(path, buf, all_cpu_ops, progress)
+        if got is None:
+            got = _decode_in_batches(path, buf, all_cpu_ops, progress)
+    finally:
+        digest.join()  # (on error: no stray thread) the digest is wanted only at the end anyway
+    top, acc, n_events = got
+    base = top.baseTimeNanoseconds
+    dist = top.distributedInfo
+    info = {"n_events": n_events, "base_ns": base, "sha256": None, "rank": dist.rank if dist else None,
+            "world_size": dist.world_size if dist else None, "bytes": len(buf), "all_cpu_ops": all_cpu_ops}
+    del buf, top
     absolute = base is not None
     base_ns = int(base) if base is not None else 0
-    for ts_list, dur_list, idx, cols in ((gpu_ts, gpu_dur, gpu_idx, gpu), (cpu_ts, cpu_dur, cpu_idx, cpu)):
+    gpu, launch, cpu = acc.gpu, acc.launch, acc.cpu
+    for ts_list, dur_list, idx, cols in ((acc.gpu_ts, acc.gpu_dur, acc.gpu_idx, gpu),
+                                         (acc.cpu_ts, acc.cpu_dur, acc.cpu_idx, cpu)):
         starts = ts_column(ts_list, idx, base_ns, path)
         durs = _dur_column(dur_list, idx, path)
         cols["start_ns"] = starts
         cols["end_ns"] = starts + durs
-    launch["ts_ns"] = ts_column(launch_ts, None, base_ns, path)
+    launch["ts_ns"] = ts_column(acc.launch_ts, acc.launch_idx, base_ns, path)
     if not absolute:
         firsts = [int(c["start_ns"].min()) for c in (gpu, cpu) if len(c["start_ns"])]
         absolute = bool(firsts) and min(firsts) > 10**18  # integer epoch µs -> ns after 2001-09
     info["time_base"] = "epoch" if absolute else "capture_start"
+    info["sha256"] = digest.result()
     if progress:
         dt = time.perf_counter() - t0
         print(f"kineto: {path.name}: {info['n_events']:,} events, {info['bytes'] / 1e6:.1f} MB in {dt:.1f} s",
@@ -247,9 +353,23 @@ _COLL_PREFIXES = ("nccl:", "gloo:", "c10d::", "mpi:", "ucc:", "xccl:", "hccl:", 
 _GPU_MARKERS = (b'"kernel"', b'"Kernel"', b'"gpu_memcpy"', b'"gpu_memset"', b'"Memcpy"', b'"Memset"')
 
 
-def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts, cpu_dur, cpu_idx,
-          all_cpu_ops: bool = True) -> None:
+class _Acc:
+    """Column lists of the kept events of one file, filled batch by batch."""
+
+    def __init__(self):
+        self.gpu = {k: [] for k in GPU_SCHEMA}
+        self.launch = {"correlation": [], "pid": [], "tid": []}
+        self.cpu = {k: [] for k in CPU_SCHEMA}
+        self.gpu_ts, self.gpu_dur, self.gpu_idx = [], [], []
+        self.launch_ts, self.launch_idx = [], []
+        self.cpu_ts, self.cpu_dur, self.cpu_idx = [], [], []
+
+
+def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
     """Columns of one decoded batch (comprehensions: the per-event cost is what matters)."""
+    gpu, gpu_ts, gpu_dur, gpu_idx = acc.gpu, acc.gpu_ts, acc.gpu_dur, acc.gpu_idx
+    launch, launch_ts = acc.launch, acc.launch_ts
+    cpu, cpu_ts, cpu_dur, cpu_idx = acc.cpu, acc.cpu_ts, acc.cpu_dur, acc.cpu_idx
     g, lr, c = [], [], []
     ga, la, ca, code = g.append, lr.append, c.append, _CAT_CODE.get
     for i, e in enumerate(evs):  # one pass: most events are dropped on their category
@@ -257,7 +377,7 @@ def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts
         if k is None:
             continue
         if k == 1:
-            la(e)
+            la((i, e))
         elif e.ph != "X":
             continue
         elif k == 0:
@@ -276,12 +396,13 @@ def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts
         gpu_ts.extend([e.ts for _, e in g])
         gpu_dur.extend([e.dur for _, e in g])
         gpu_idx.extend([b0 + i for i, _ in g])
-    lr = [e for e in lr if e.args is not None and e.args.correlation is not None]
+    lr = [(i, e) for i, e in lr if e.args is not None and e.args.correlation is not None]
     if lr:
-        launch["correlation"].extend([e.args.correlation for e in lr])
-        launch["pid"].extend([(e.pid if type(e.pid) is int else _int(e.pid)) for e in lr])
-        launch["tid"].extend([(e.tid if type(e.tid) is int else _int(e.tid)) for e in lr])
-        launch_ts.extend([e.ts for e in lr])
+        launch["correlation"].extend([e.args.correlation for _, e in lr])
+        launch["pid"].extend([(e.pid if type(e.pid) is int else _int(e.pid)) for _, e in lr])
+        launch["tid"].extend([(e.tid if type(e.tid) is int else _int(e.tid)) for _, e in lr])
+        launch_ts.extend([e.ts for _, e in lr])
+        acc.launch_idx.extend([b0 + i for i, _ in lr])
     if c:
         cpu["name"].extend([str(e.name) for _, e in c])
         cpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in c])
@@ -293,20 +414,32 @@ def _take(evs, b0, gpu, gpu_ts, gpu_dur, gpu_idx, launch, launch_ts, cpu, cpu_ts
 
 
 _NUM_RE = r"^-?\d+(?:\.\d*)?$"
+_INTS_DEC = msgspec.json.Decoder(list[int])
 
 
 def ts_column(ts_list: list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
     """Decimal µs texts (msgspec Raw slices) -> exact integer ns (+ base), vectorized.
 
-    Exact decimal arithmetic on the text: integer part * 1000 + the first three decimals,
-    rounded half away from zero on the fourth; anything else (exponents, quoted numbers)
-    goes through Decimal one value at a time."""
+    All integers (absolute-epoch µs): decoded as one JSON array of ints, times 1000.
+    Otherwise exact decimal arithmetic on the text: integer part * 1000 + the first three
+    decimals, rounded half away from zero on the fourth; anything else (exponents, quoted
+    numbers) goes through Decimal one value at a time."""
     if not ts_list:
         return pl.Series("t", [], pl.Int64)
+    limit = (2**63 - 1 - abs(base_ns)) // 1000 - 1
+    joined = b",".join(ts_list)
+    try:
+        ints = pl.Series("t", _INTS_DEC.decode(b"[" + joined + b"]"), pl.Int64)
+    except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, TypeError):
+        ints = None
+    if ints is not None and len(ints) == len(ts_list) and -limit < ints.min() and ints.max() < limit:
+        return (ints * 1000 + base_ns).alias("t")
+    del ints
     for j, t in enumerate(ts_list):
         if not len(t):
             raise InputError(path, "complete event without ts", f"event {idx[j] if idx else j}")
-    text = pl.Series("t", b"\n".join(ts_list).decode("utf-8", "replace").split("\n"), pl.Utf8)
+    text = pl.Series("t", [b"\n".join(ts_list).decode("utf-8", "replace")], pl.Utf8).str.split("\n").explode()
+    del joined
     ok = text.str.contains(_NUM_RE)
     neg = text.str.starts_with("-")
     body = text.str.strip_prefix("-")
@@ -316,7 +449,6 @@ def ts_column(ts_list: list, idx: list | None, base_ns: int, path: Path) -> pl.S
     v = ip * 1000 + frac.str.slice(0, 3).cast(pl.Int64, strict=False) + (frac.str.slice(3, 1) >= "5").cast(pl.Int64)
     v = pl.select(pl.when(neg).then(-v).otherwise(v)).to_series()
     # where ip * 1000 (+ base) could wrap around int64, take the exact (range-checked) path
-    limit = (2**63 - 1 - abs(base_ns)) // 1000 - 1
     bad = ~ok | v.is_null() | ip.is_null() | (ip >= limit)
     if bad.any():
         vals = v.to_list()
