@@ -474,3 +474,20 @@ def test_bad_event_named_by_index_on_either_path(tmp_path, monkeypatch):
         with pytest.raises(InputError) as e:
             collect([f])
         assert "event 17" in str(e.value) and "t.json" in str(e.value), str(e.value)
+
+
+def test_bad_file_found_by_a_parsing_worker_is_named(tmp_path):
+    """With several processes, a bad file parsed by a worker still gives the InputError
+    naming that file and event (it comes back across the process boundary)."""
+    from moetrace.errors import InputError
+
+    d = tmp_path / "job"
+    d.mkdir()
+    for r in range(3):
+        write_trace(d / f"rank-{r}.json", annotated_events(), rank=r, world=3)
+    bad = annotated_events()
+    bad[2] = bad[2].replace('"dur": 50', '"dur": -50')
+    write_trace(d / "rank-2.json", bad, rank=2, world=3)  # the last file: the worker takes it first
+    with pytest.raises(InputError) as e:
+        collect([d], options={"jobs": 2})
+    assert "rank-2.json" in str(e.value) and "event 2" in str(e.value) and "negative" in str(e.value)

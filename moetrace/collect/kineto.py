@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import gzip
 import hashlib
+import mmap
 import os
 import re
 import sys
@@ -31,7 +32,6 @@ import numpy as np
 import polars as pl
 
 from ..errors import InputError
-from ..store import sha256_text
 from . import Collector, RunData, register
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame, run_data
 from .classify import Classifier
@@ -150,7 +150,7 @@ class _Digest(threading.Thread):
     """sha256 of a buffer, taken in a thread while the caller decodes it (hashlib
     releases the GIL on large buffers: the digest costs no wall time on a second CPU)."""
 
-    def __init__(self, data: bytes):
+    def __init__(self, data):
         super().__init__(daemon=True)
         self.data, self.hex = data, None
         self.start()
@@ -164,13 +164,22 @@ class _Digest(threading.Thread):
         return self.hex
 
 
-def read_bytes(path: Path) -> tuple[bytes, _Digest]:
+def read_bytes(path: Path) -> tuple[bytes | mmap.mmap, _Digest]:
     """(the file's bytes, gunzipped when it is gzip; the sha256 of the bytes on disk, being
-    taken in a thread). Bad gzip is an InputError."""
+    taken in a thread). A plain file is memory-mapped, not copied: the caller closes it.
+    Bad gzip is an InputError."""
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise InputError(path, f"cannot read: {e.strerror}") from None
+        with open(path, "rb") as f:
+            if f.read(2) == b"\x1f\x8b":
+                f.seek(0)
+                raw = f.read()
+            elif os.fstat(f.fileno()).st_size == 0:
+                raw = b""
+            else:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                return mm, _Digest(mm)
+    except (OSError, ValueError) as e:
+        raise InputError(path, f"cannot read: {getattr(e, 'strerror', None) or e}") from None
     digest = _Digest(raw)
     if raw[:2] == b"\x1f\x8b":
         try:
@@ -260,6 +269,8 @@ def _decode_in_slices(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool)
 def _decode_in_batches(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool):
     """Slow path (any valid document): decode into raw event slices, then BATCH events at a
     time; the error, if any, names the event."""
+    if buf.isspace():
+        raise InputError(path, "file is empty")
     try:
         if buf.lstrip()[:1] == b"[":  # bare array of events (Chrome trace array form)
             top = _Top(traceEvents=_LIST_DEC.decode(buf))
@@ -301,20 +312,25 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
     t0 = time.perf_counter()
     buf, digest = read_bytes(path)
     try:
-        if not buf or buf.isspace():
+        if not len(buf):
             raise InputError(path, "file is empty")
         # CPU ops matter only in a CPU-only trace (host spans); a quick byte search tells
-        all_cpu_ops = all_cpu_ops or not any(m in buf for m in _GPU_MARKERS)
+        all_cpu_ops = all_cpu_ops or all(buf.find(m) < 0 for m in _GPU_MARKERS)
         got = _decode_in_slices(path, buf, all_cpu_ops, progress)
         if got is None:
-            got = _decode_in_batches(path, buf, all_cpu_ops, progress)
+            # (the raw event slices of this path point into the buffer: a copy, not the map)
+            got = _decode_in_batches(path, bytes(buf) if isinstance(buf, mmap.mmap) else buf, all_cpu_ops,
+                                     progress)
+        n_bytes = len(buf)
     finally:
         digest.join()  # (on error: no stray thread) the digest is wanted only at the end anyway
+        if isinstance(buf, mmap.mmap):
+            buf.close()
     top, acc, n_events = got
     base = top.baseTimeNanoseconds
     dist = top.distributedInfo
     info = {"n_events": n_events, "base_ns": base, "sha256": None, "rank": dist.rank if dist else None,
-            "world_size": dist.world_size if dist else None, "bytes": len(buf), "all_cpu_ops": all_cpu_ops}
+            "world_size": dist.world_size if dist else None, "bytes": n_bytes, "all_cpu_ops": all_cpu_ops}
     del buf, top
     absolute = base is not None
     base_ns = int(base) if base is not None else 0
@@ -494,16 +510,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     progress = bool(options.get("progress")) or total > 64 * 2**20
     paths = sorted(paths)
     jobs = _jobs(options, paths, total)
-    if jobs > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        # not fork: polars' thread pool in this process could deadlock a forked child
-        ctx = mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
-            frames = list(ex.map(_parse_frames, paths, [progress] * len(paths)))
-    else:
-        frames = [_parse_frames(p, progress) for p in paths]
+    frames = _parse_parallel(paths, progress, jobs) if jobs > 1 else [_parse_frames(p, progress) for p in paths]
     parsed = [(p, info, RankEvents(rank=-1, gpu=g, launch=l, cpu=c, source=p.name))
               for p, (info, g, l, c) in zip(paths, frames)]
     del frames
@@ -519,18 +526,61 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     return [_collect_run(items, options) for items in runs]
 
 
+#: inputs at least this large (and of two files or more) are parsed by several processes
+#: unless ``--set jobs=1``
+PARALLEL_BYTES = 256 * 2**20
+
+
 def _jobs(options: dict, paths: list[Path], total: int) -> int:
     """Processes to parse rank files with: option ``jobs`` (``--set jobs=N``; ``auto`` = one
-    per CPU, at most 8). Default 1: on the 2-CPU development machine two processes were
-    1.3x faster in one 1 GB run and 1.2x slower in another, and cost more memory."""
-    j = options.get("jobs", 1)
+    per CPU, at most 4). Default: ``auto`` for inputs of :data:`PARALLEL_BYTES` or more,
+    else 1 (starting a worker costs about 0.3 s)."""
+    j = options.get("jobs")
+    if j is None:
+        j = "auto" if total >= PARALLEL_BYTES else 1
     if j == "auto":
-        j = min(os.cpu_count() or 1, 8)
+        j = min(os.cpu_count() or 1, 4)
     try:
         j = int(j)
     except (TypeError, ValueError):
         raise InputError(None, f"--set jobs={j!r}: expected a number or 'auto'") from None
     return max(1, min(j, len(paths)))
+
+
+def _parse_parallel(paths: list[Path], progress: bool, jobs: int) -> list:
+    """Parse files with this process and ``jobs - 1`` workers: this process takes files
+    from the first on (it starts at once, its imports done), the workers from the last on
+    (after their start-up); they meet where the work is balanced."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    # not fork: polars' thread pool in this process could deadlock a forked child
+    ctx = mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
+    out: list = [None] * len(paths)
+    ex = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=ctx)
+    try:
+        futs = {i: ex.submit(_parse_frames_worker, paths[i], progress) for i in reversed(range(len(paths)))}
+        for i in range(len(paths)):
+            if futs[i].cancel():  # no worker has taken it yet: parse it here
+                out[i] = _parse_frames(paths[i], progress)
+        for i in range(len(paths)):
+            if out[i] is None:
+                res = futs[i].result()
+                if res[0] == "error":
+                    raise InputError(*res[1:])
+                out[i] = res[1]
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+    return out
+
+
+def _parse_frames_worker(path: Path, progress: bool):
+    """_parse_frames in a worker; an InputError comes back as its fields (it does not
+    pickle)."""
+    try:
+        return "ok", _parse_frames(path, progress)
+    except InputError as e:
+        return "error", e.file, e.message, e.position
 
 
 def _parse_frames(path: Path, progress: bool):
@@ -577,6 +627,8 @@ def _collect_run(items: list, options: dict) -> RunData:
     tables, approx, meta = build(ranks, classifier)
     meta.update({"format": "kineto", "world_size": sorted(world), "files": [p.name for p in paths]})
     # sha256 over the files' own sha256s (each taken while the file was read anyway)
+    from ..store import sha256_text  # (not at import: parsing workers need no store)
+
     sha = sha256_text("".join(info["sha256"] for _, info, _ in items)) if len(items) > 1 else items[0][1]["sha256"]
     return run_data(paths, sha, time_bases.pop() if time_bases else "none", options.get("num_ranks") or len(ranks),
                     options, approx, meta, tables)
