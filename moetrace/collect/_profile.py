@@ -52,6 +52,7 @@ class RankEvents:
     source: str = ""
     rank_inferred: bool = False
     notes: list[str] = field(default_factory=list)
+    part: dict | None = None   # rank_part() computed by the collector already (e.g. in a parsing process)
 
 
 def frame(rows: dict, schema: dict) -> pl.DataFrame:
@@ -133,6 +134,67 @@ def _host_events(ev: RankEvents) -> pl.DataFrame:
         pl.col("pid").alias("pid"), pl.col("tid").alias("tid"), pl.col("start_ns").alias("t"))
 
 
+#: mangled -> demangled kernel names met so far in this process (one c++filt call per new batch)
+_DEMANGLED: dict[str, str] = {}
+
+
+def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -> dict:
+    """The per-rank share of :func:`build` (the rank's spans, labeled and classified, and
+    its steps), independent of the rank number; a collector may compute it in a parsing
+    process (``RankEvents.part``) for :func:`build` to take as is."""
+    fams = _families(ev.cpu)
+    if host_mode:
+        pts = _host_events(ev)
+    else:
+        g = ev.gpu.filter(pl.col("end_ns") >= pl.col("start_ns"))
+        pts = g.join(ev.launch.unique("correlation", keep="first"), on="correlation", how="left")
+        main_pid = None
+        if fams["step"].height:
+            main_pid = int(fams["step"]["pid"][0])
+        elif ev.cpu.height:
+            main_pid = int(ev.cpu["pid"].mode()[0])
+        pts = pts.with_columns(
+            pl.col("pid").fill_null(main_pid if main_pid is not None else -1),
+            pl.col("tid").fill_null(-1),
+            pl.coalesce("ts_ns", "start_ns").alias("t")).drop("ts_ns")
+    pts = pts.with_row_index("_i")
+    pts = _enclosing(pts, fams["step"], ["pid"], "step")
+    coll_names = fams["coll"].with_columns(pl.col("name").alias("cname"))
+    pts = _enclosing(pts, coll_names, ["pid", "tid"], "coll_op", take="cname")
+    pts = _enclosing(pts, fams["phase"], ["pid"], "phase")
+    pts = _enclosing(pts, fams["layer"], ["pid"], "layer_a")
+    pts = _enclosing(pts, fams["mb"], ["pid"], "mb")
+    pts = pts.sort("_i").with_columns(pl.coalesce("coll_arg", "coll_op").alias("coll"))
+    # classify each distinct (name, category, collective) once
+    keys = pts.select("name", "cat", "coll").unique()
+    dem = _DEMANGLED
+    todo = [n for n in keys["name"].to_list() if n.startswith("_Z") and n not in dem]
+    if todo:
+        dem.update({n: n for n in todo})
+        dem.update(demangle_all(todo))
+    kinds = [classifier.classify(dem.get(n, n), c, k) for n, k, c in keys.iter_rows()]
+    norm = [normalize_name(dem.get(n, n)) for n in keys["name"].to_list()]
+    keys = keys.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("norm", norm, pl.Utf8),
+                             pl.col("coll").map_elements(normalize_collective, return_dtype=pl.Utf8)
+                             .alias("collective"))
+    pts = pts.join(keys, on=["name", "cat", "coll"], how="left", nulls_equal=True)
+    has_steps = fams["step"].height > 0
+    if not has_steps:
+        pts = pts.with_columns(pl.lit(0, pl.Int64).alias("step"))
+    pts = _resolve_a2a(pts)
+    pts = pts.with_columns((pl.col("_inf") | pl.lit(not has_steps)).alias("inferred"))
+    steps = []  # (step, start_ns, end_ns, inferred)
+    if has_steps:
+        st = fams["step"].group_by("val").agg(pl.col("start_ns").min(), pl.col("end_ns").max())
+        gpu_end = pts.group_by("step").agg(pl.col("end_ns").max().alias("gend"))
+        st = st.join(gpu_end, left_on="val", right_on="step", how="left")
+        for s_, a, b, ge in st.sort("val").iter_rows():
+            steps.append((s_, a, max(b, ge or b), False))
+    elif pts.height:
+        steps.append((0, int(pts["start_ns"].min()), int(pts["end_ns"].max()), True))
+    return {"pts": pts, "has_steps": has_steps, "steps": steps, "host_mode": host_mode}
+
+
 def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl.DataFrame], list[str], dict]:
     """The canonical tables of one run from its ranks. Returns (tables, approximations, meta)."""
     approx: list[str] = []
@@ -143,64 +205,16 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         approx.append("no GPU activity in the trace: host collective ops (e.g. gloo all_to_all) are the "
                       "all-to-all spans on device -1 (host), top-level CPU ops are the compute")
     any_step_annot = False
-    demangled: dict[str, str] = {}  # mangled -> demangled, one c++filt call per new batch of names
     for ev in ranks:
-        fams = _families(ev.cpu)
-        if host_mode:
-            pts = _host_events(ev)
-        else:
-            g = ev.gpu.filter(pl.col("end_ns") >= pl.col("start_ns"))
-            pts = g.join(ev.launch.unique("correlation", keep="first"), on="correlation", how="left")
-            main_pid = None
-            if fams["step"].height:
-                main_pid = int(fams["step"]["pid"][0])
-            elif ev.cpu.height:
-                main_pid = int(ev.cpu["pid"].mode()[0])
-            pts = pts.with_columns(
-                pl.col("pid").fill_null(main_pid if main_pid is not None else -1),
-                pl.col("tid").fill_null(-1),
-                pl.coalesce("ts_ns", "start_ns").alias("t")).drop("ts_ns")
-        pts = pts.with_row_index("_i")
-        pts = _enclosing(pts, fams["step"], ["pid"], "step")
-        coll_names = fams["coll"].with_columns(pl.col("name").alias("cname"))
-        pts = _enclosing(pts, coll_names, ["pid", "tid"], "coll_op", take="cname")
-        pts = _enclosing(pts, fams["phase"], ["pid"], "phase")
-        pts = _enclosing(pts, fams["layer"], ["pid"], "layer_a")
-        pts = _enclosing(pts, fams["mb"], ["pid"], "mb")
-        pts = pts.sort("_i").with_columns(pl.coalesce("coll_arg", "coll_op").alias("coll"))
-        # classify each distinct (name, category, collective) once
-        keys = pts.select("name", "cat", "coll").unique()
-        todo = [n for n in keys["name"].to_list() if n.startswith("_Z") and n not in demangled]
-        if todo:
-            demangled.update({n: n for n in todo})
-            demangled.update(demangle_all(todo))
-        dem = demangled
-        kinds = [classifier.classify(dem.get(n, n), c, k) for n, k, c in keys.iter_rows()]
-        norm = [normalize_name(dem.get(n, n)) for n in keys["name"].to_list()]
-        keys = keys.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("norm", norm, pl.Utf8),
-                                 pl.col("coll").map_elements(normalize_collective, return_dtype=pl.Utf8)
-                                 .alias("collective"))
-        pts = pts.join(keys, on=["name", "cat", "coll"], how="left", nulls_equal=True)
-        has_steps = fams["step"].height > 0
-        any_step_annot |= has_steps
-        if not has_steps:
-            pts = pts.with_columns(pl.lit(0, pl.Int64).alias("step"))
-        pts = _resolve_a2a(pts)
-        pts = pts.with_columns(
-            pl.lit(ev.rank, pl.Int32).alias("rank"),
-            (pl.col("_inf") | pl.lit(not has_steps)).alias("inferred"))
+        part = ev.part if ev.part is not None and ev.part["host_mode"] == host_mode else None
+        if part is None:
+            part = rank_part(ev, classifier, host_mode)
+        any_step_annot |= part["has_steps"]
+        pts = part["pts"].with_columns(pl.lit(ev.rank, pl.Int32).alias("rank"))
+        pts = pts.select([*part["pts"].columns[:-1], "rank", "inferred"])  # (column order as before)
         parts.append(pts)
-        # steps of this rank
-        if has_steps:
-            st = fams["step"].group_by("val").agg(pl.col("start_ns").min(), pl.col("end_ns").max())
-            gpu_end = pts.group_by("step").agg(pl.col("end_ns").max().alias("gend"))
-            st = st.join(gpu_end, left_on="val", right_on="step", how="left")
-            for s, a, b, ge in st.sort("val").iter_rows():
-                step_rows.append({"step": s, "rank": ev.rank, "start_ns": a, "end_ns": max(b, ge or b),
-                                  "inferred": False})
-        elif pts.height:
-            step_rows.append({"step": 0, "rank": ev.rank, "start_ns": int(pts["start_ns"].min()),
-                              "end_ns": int(pts["end_ns"].max()), "inferred": True})
+        step_rows.extend({"step": s_, "rank": ev.rank, "start_ns": a, "end_ns": b, "inferred": inf}
+                         for s_, a, b, inf in part["steps"])
         meta["ranks"][str(ev.rank)] = {"source": ev.source, "rank_inferred": ev.rank_inferred,
                                        "spans": pts.height}
         if ev.rank_inferred:

@@ -33,7 +33,7 @@ import polars as pl
 
 from ..errors import InputError
 from . import Collector, RunData, register
-from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame, run_data
+from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame, rank_part, run_data
 from .classify import Classifier
 
 MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
@@ -510,9 +510,13 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     progress = bool(options.get("progress")) or total > 64 * 2**20
     paths = sorted(paths)
     jobs = _jobs(options, paths, total)
-    frames = _parse_parallel(paths, progress, jobs) if jobs > 1 else [_parse_frames(p, progress) for p in paths]
-    parsed = [(p, info, RankEvents(rank=-1, gpu=g, launch=l, cpu=c, source=p.name))
-              for p, (info, g, l, c) in zip(paths, frames)]
+    parts: dict = {}
+    if jobs > 1:
+        frames = _parse_parallel(paths, progress, jobs, Classifier(options.get("kernel_rules")), parts)
+    else:
+        frames = [_parse_frames(p, progress) for p in paths]
+    parsed = [(p, info, RankEvents(rank=-1, gpu=g, launch=l, cpu=c, source=p.name, part=parts.get(i)))
+              for i, (p, (info, g, l, c)) in enumerate(zip(paths, frames))]
     del frames
     groups: dict[Path, list] = {}
     for item in parsed:
@@ -547,31 +551,67 @@ def _jobs(options: dict, paths: list[Path], total: int) -> int:
     return max(1, min(j, len(paths)))
 
 
-def _parse_parallel(paths: list[Path], progress: bool, jobs: int) -> list:
-    """Parse files with this process and ``jobs - 1`` workers: this process takes files
-    from the first on (it starts at once, its imports done), the workers from the last on
-    (after their start-up); they meet where the work is balanced."""
+def _parse_parallel(paths: list[Path], progress: bool, jobs: int, classifier: Classifier, parts: dict) -> list:
+    """Parse files with this process and ``jobs - 1`` workers, each claiming the next file
+    when it is free: this process from the first file on (it starts at once, its imports
+    done), the workers from the last file back (after their start-up). While the last
+    workers finish, this process labels and classifies its own ranks (``parts``, by file
+    index: :func:`rank_part` of ranks with device activity)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     # not fork: polars' thread pool in this process could deadlock a forked child
     ctx = mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
+    ends = ctx.Array("q", [0, len(paths)])  # [next from the front, one past the next from the back]
     out: list = [None] * len(paths)
-    ex = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=ctx)
+    ex = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=ctx, initializer=_worker_init, initargs=(ends,))
     try:
-        futs = {i: ex.submit(_parse_frames_worker, paths[i], progress) for i in reversed(range(len(paths)))}
-        for i in range(len(paths)):
-            if futs[i].cancel():  # no worker has taken it yet: parse it here
-                out[i] = _parse_frames(paths[i], progress)
-        for i in range(len(paths)):
-            if out[i] is None:
-                res = futs[i].result()
+        futs = [ex.submit(_worker_loop, paths, progress) for _ in range(jobs - 1)]
+        while (i := _claim(ends, from_back=False)) is not None:
+            out[i] = _parse_frames(paths[i], progress)
+        for i, fr in enumerate(out):
+            if fr is not None and fr[1].height:
+                parts[i] = rank_part(RankEvents(rank=-1, gpu=fr[1], launch=fr[2], cpu=fr[3]), classifier)
+        for f in futs:
+            for i, res in f.result():
                 if res[0] == "error":
                     raise InputError(*res[1:])
                 out[i] = res[1]
     finally:
+        with ends.get_lock():
+            ends[0] = ends[1]  # (on error) nothing left to claim: workers stop after their file
         ex.shutdown(wait=True, cancel_futures=True)
     return out
+
+
+_ENDS = None  # a worker's handle on the parent's claim counters
+
+
+def _worker_init(ends) -> None:
+    global _ENDS
+    _ENDS = ends
+
+
+def _claim(ends, from_back: bool) -> int | None:
+    with ends.get_lock():
+        lo, hi = ends[0], ends[1]
+        if lo >= hi:
+            return None
+        if from_back:
+            ends[1] = hi - 1
+            return hi - 1
+        ends[0] = lo + 1
+        return lo
+
+
+def _worker_loop(paths: list[Path], progress: bool) -> list:
+    """In a worker: parse files claimed from the back until none is left (or one is bad)."""
+    done = []
+    while (i := _claim(_ENDS, from_back=True)) is not None:
+        done.append((i, _parse_frames_worker(paths[i], progress)))
+        if done[-1][1][0] == "error":
+            break
+    return done
 
 
 def _parse_frames_worker(path: Path, progress: bool):
