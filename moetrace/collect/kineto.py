@@ -365,7 +365,9 @@ _OP_CATS = frozenset({"cpu_op", "Operator", "operator"})
 #: 0 device activity, 1 launch, 2 annotation (always kept), 3 CPU op (kept when a collective or CPU-only)
 _CAT_CODE = {**{c: 0 for c in _GPU_CATS}, **{c: 1 for c in _LAUNCH_CATS}, **{c: 2 for c in _CPU_CATS - _OP_CATS},
              **{c: 3 for c in _OP_CATS}}
+_CAT_CODE_ALL = {c: 2 if k == 3 else k for c, k in _CAT_CODE.items()}  # every CPU op kept (CPU-only trace)
 _COLL_PREFIXES = ("nccl:", "gloo:", "c10d::", "mpi:", "ucc:", "xccl:", "hccl:", "rccl:")
+_COLL_FIRST = frozenset(p[0] for p in _COLL_PREFIXES)
 _GPU_MARKERS = (b'"kernel"', b'"Kernel"', b'"gpu_memcpy"', b'"gpu_memset"', b'"Memcpy"', b'"Memset"')
 
 
@@ -387,19 +389,24 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
     launch, launch_ts = acc.launch, acc.launch_ts
     cpu, cpu_ts, cpu_dur, cpu_idx = acc.cpu, acc.cpu_ts, acc.cpu_dur, acc.cpu_idx
     g, lr, c = [], [], []
-    ga, la, ca, code = g.append, lr.append, c.append, _CAT_CODE.get
+    ga, la, ca = g.append, lr.append, c.append
+    code = (_CAT_CODE_ALL if all_cpu_ops else _CAT_CODE).get
+    first = _COLL_FIRST
     for i, e in enumerate(evs):  # one pass: most events are dropped on their category
         k = code(e.cat)
         if k is None:
             continue
-        if k == 1:
+        if k == 3:  # a CPU op: kept when a collective
+            n = e.name
+            if type(n) is str and n[:1] in first and n.startswith(_COLL_PREFIXES) and e.ph == "X":
+                ca((i, e))
+        elif k == 1:
             la((i, e))
-        elif e.ph != "X":
-            continue
-        elif k == 0:
-            ga((i, e))
-        elif k == 2 or all_cpu_ops or (type(e.name) is str and e.name.startswith(_COLL_PREFIXES)):
-            ca((i, e))
+        elif e.ph == "X":
+            if k == 0:
+                ga((i, e))
+            else:
+                ca((i, e))
     if g:
         gpu["name"].extend([str(e.name) for _, e in g])
         gpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in g])
