@@ -491,3 +491,25 @@ def test_bad_file_found_by_a_parsing_worker_is_named(tmp_path):
     with pytest.raises(InputError) as e:
         collect([d], options={"jobs": 2})
     assert "rank-2.json" in str(e.value) and "event 2" in str(e.value) and "negative" in str(e.value)
+
+
+@pytest.mark.parametrize("with_isal", [True, False], ids=["isal-if-installed", "zlib"])
+def test_gzip_one_or_several_members_read_whole(tmp_path, monkeypatch, with_isal):
+    """A .json.gz made of two gzip members (e.g. appended streams) is read whole, through
+    ISA-L (when installed) or zlib alike; spans equal the plain file's written values."""
+    import moetrace.collect.kineto as kin
+
+    if not with_isal:
+        monkeypatch.setattr(kin, "_isal_zlib", None)
+    evs, want = _tricky_kernels(80, tricky=False)
+    text = write_trace(tmp_path / "plain.json", evs, rank=0, world=1).read_bytes()
+    one = tmp_path / "one" / "t.json.gz"
+    two = tmp_path / "two" / "t.json.gz"
+    one.parent.mkdir()
+    two.parent.mkdir()
+    one.write_bytes(gzip.compress(text))
+    cut = len(text) // 3
+    two.write_bytes(gzip.compress(text[:cut]) + gzip.compress(text[cut:]))
+    for f in (one, two):
+        (run,) = collect([f])
+        assert [(r["name"], r["start_ns"], r["end_ns"]) for r in spans_of(run)] == sorted(want, key=lambda w: w[1])
