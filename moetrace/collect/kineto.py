@@ -170,14 +170,15 @@ def read_bytes(path: Path) -> tuple[bytes | mmap.mmap, _Digest]:
     Bad gzip is an InputError."""
     try:
         with open(path, "rb") as f:
-            if f.read(2) == b"\x1f\x8b":
-                f.seek(0)
-                raw = f.read()
-            elif os.fstat(f.fileno()).st_size == 0:
-                raw = b""
+            head = f.read(2)
+            if head == b"\x1f\x8b" or os.fstat(f.fileno()).st_size == 0:  # (size 0: empty, or a pipe)
+                raw = head + f.read()
             else:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                return mm, _Digest(mm)
+                try:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    return mm, _Digest(mm)
+                except (OSError, ValueError):  # a file that cannot be mapped is read
+                    raw = head + f.read()
     except (OSError, ValueError) as e:
         raise InputError(path, f"cannot read: {getattr(e, 'strerror', None) or e}") from None
     digest = _Digest(raw)
