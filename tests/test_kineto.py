@@ -513,3 +513,24 @@ def test_gzip_one_or_several_members_read_whole(tmp_path, monkeypatch, with_isal
     for f in (one, two):
         (run,) = collect([f])
         assert [(r["name"], r["start_ns"], r["end_ns"]) for r in spans_of(run)] == sorted(want, key=lambda w: w[1])
+
+
+@pytest.mark.parametrize("slice_bytes", [300, 1 << 20])
+def test_quoted_and_odd_timestamps_keep_their_event(tmp_path, monkeypatch, slice_bytes):
+    """ts texts are kept compactly per batch; a quoted number is still read exactly, and a
+    list where a number belongs is refused naming its own event (not a neighbour's)."""
+    import moetrace.collect.kineto as kin
+    from moetrace.errors import InputError
+
+    monkeypatch.setattr(kin, "SLICE_BYTES", slice_bytes)
+    evs, want = _tricky_kernels(40, tricky=False)
+    evs[9] = evs[9].replace('"ts": 1063.009,', '"ts": "1063.0125",')
+    assert '"1063.0125"' in evs[9]
+    want[9] = (want[9][0], 1063013, 1063013 + 2500)
+    (run,) = collect([write_trace(tmp_path / "q.json", evs)])
+    assert [(r["name"], r["start_ns"], r["end_ns"]) for r in spans_of(run)] == sorted(want, key=lambda w: w[1])
+    evs[7] = evs[7].replace('"ts": 1049.007,', '"ts": [1049, 7],')
+    assert '[1049, 7]' in evs[7]
+    with pytest.raises(InputError) as e:
+        collect([write_trace(tmp_path / "l.json", evs)])
+    assert "event 7" in str(e.value), str(e.value)

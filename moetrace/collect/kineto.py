@@ -267,6 +267,7 @@ def _decode_in_slices(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool)
             if not evs:
                 return None
             _take(evs, n, acc, all_cpu_ops)
+            acc.compact()
             n += len(evs)
             del evs
             start = nxt
@@ -285,6 +286,7 @@ def _decode_in_slices(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool)
     finally:
         mv.release()
     _take(evs, n, acc, all_cpu_ops)
+    acc.compact()
     return top, acc, n + len(evs)
 
 
@@ -322,6 +324,7 @@ def _decode_in_batches(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool
                                  f"event {i}") from None
             raise InputError(path, f"bad event: {e}", f"events {b0}..{b0 + len(chunk) - 1}") from None
         _take(evs, b0, acc, all_cpu_ops)
+        acc.compact()
         del evs
         if progress and time.perf_counter() - last > 2.0:
             last = time.perf_counter()
@@ -357,13 +360,13 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
     absolute = base is not None
     base_ns = int(base) if base is not None else 0
     gpu, launch, cpu = acc.gpu, acc.launch, acc.cpu
-    for ts_list, dur_list, idx, cols in ((acc.gpu_ts, acc.gpu_dur, acc.gpu_idx, gpu),
-                                         (acc.cpu_ts, acc.cpu_dur, acc.cpu_idx, cpu)):
+    for ts_list, dur_list, idx, cols in ((acc.ts["gpu"], acc.gpu_dur, acc.gpu_idx, gpu),
+                                         (acc.ts["cpu"], acc.cpu_dur, acc.cpu_idx, cpu)):
         starts = ts_column(ts_list, idx, base_ns, path)
         durs = _dur_column(dur_list, idx, path)
         cols["start_ns"] = starts
         cols["end_ns"] = starts + durs
-    launch["ts_ns"] = ts_column(acc.launch_ts, acc.launch_idx, base_ns, path)
+    launch["ts_ns"] = ts_column(acc.ts["launch"], acc.launch_idx, base_ns, path)
     if not absolute:
         firsts = [int(c["start_ns"].min()) for c in (gpu, cpu) if len(c["start_ns"])]
         absolute = bool(firsts) and min(firsts) > 10**18  # integer epoch µs -> ns after 2001-09
@@ -403,6 +406,44 @@ class _Acc:
         self.gpu_ts, self.gpu_dur, self.gpu_idx = [], [], []
         self.launch_ts, self.launch_idx = [], []
         self.cpu_ts, self.cpu_dur, self.cpu_idx = [], [], []
+        self.ts = {"gpu": _TsTexts(), "launch": _TsTexts(), "cpu": _TsTexts()}
+
+    def compact(self) -> None:
+        """Move the batch's ``ts`` slices (which keep the whole decoded batch alive) into
+        compact texts."""
+        for k, col in self.ts.items():
+            raws = getattr(self, k + "_ts")
+            if raws:
+                col.add(raws)
+                raws.clear()
+
+
+class _TsTexts:
+    """The ``ts`` texts of one column: per batch, the numbers joined by commas (a number
+    holds no comma), or, for a batch with a string, list or object value, each text on
+    its own."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.n = 0
+
+    def add(self, raws: list) -> None:
+        joined = b",".join(raws)
+        plain = b'"' not in joined and b"[" not in joined and b"{" not in joined  # numbers (or null/true)
+        self.parts.append(joined if plain else [bytes(r) for r in raws])
+        self.n += len(raws)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def joined(self) -> bytes:
+        return b",".join(p if isinstance(p, bytes) else b",".join(p) for p in self.parts)
+
+    def texts(self) -> list:
+        out: list = []
+        for p in self.parts:
+            out.extend(p.split(b",") if isinstance(p, bytes) else p)
+        return out
 
 
 def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
@@ -462,17 +503,21 @@ _NUM_RE = r"^-?\d+(?:\.\d*)?$"
 _INTS_DEC = msgspec.json.Decoder(list[int])
 
 
-def ts_column(ts_list: list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
-    """Decimal µs texts (msgspec Raw slices) -> exact integer ns (+ base), vectorized.
+def ts_column(ts_list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
+    """Decimal µs texts (msgspec Raw slices, or :class:`_TsTexts`) -> exact integer ns
+    (+ base), vectorized.
 
     All integers (absolute-epoch µs): decoded as one JSON array of ints, times 1000.
     Otherwise exact decimal arithmetic on the text: integer part * 1000 + the first three
     decimals, rounded half away from zero on the fourth; anything else (exponents, quoted
     numbers) goes through Decimal one value at a time."""
-    if not ts_list:
+    if not len(ts_list):
         return pl.Series("t", [], pl.Int64)
     limit = (2**63 - 1 - abs(base_ns)) // 1000 - 1
-    joined = b",".join(ts_list)
+    if isinstance(ts_list, _TsTexts):
+        joined = ts_list.joined()
+    else:
+        joined = b",".join(ts_list)
     try:
         ints = pl.Series("t", _INTS_DEC.decode(b"[" + joined + b"]"), pl.Int64)
     except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, TypeError):
@@ -480,6 +525,8 @@ def ts_column(ts_list: list, idx: list | None, base_ns: int, path: Path) -> pl.S
     if ints is not None and len(ints) == len(ts_list) and -limit < ints.min() and ints.max() < limit:
         return (ints * 1000 + base_ns).alias("t")
     del ints
+    if isinstance(ts_list, _TsTexts):
+        ts_list = ts_list.texts()
     for j, t in enumerate(ts_list):
         if not len(t):
             raise InputError(path, "complete event without ts", f"event {idx[j] if idx else j}")
