@@ -7,19 +7,10 @@ import polars as pl
 
 from ..output import emit, output_options
 from ..store import Store
+from ._options import steps_range
 
 
-def _steps_range(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        a, b = value.split(":")
-        lo, hi = int(a), int(b)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not A:B (steps A <= step < B)") from None
-    if hi <= lo:
-        raise click.BadParameter(f"{value!r}: B must be greater than A")
-    return lo, hi
+_steps_range = steps_range
 
 
 def _pct(v):
