@@ -5,8 +5,8 @@ slot per rank, DeepSeek-V3 on 320 GPUs), one hour at 20 steps per second = 72,00
 58 × 256 × 72,000 = 1,069,056,000 expert_load rows. Run it under the heavy-job lock
 (it takes the lock itself when run alone):
 
-    /work/venv/bin/python benchmarks/bench_fleet.py --size full
-    /work/venv/bin/python benchmarks/bench_fleet.py --size full --fraction 0.1   # 7,200 steps, extrapolated
+    python benchmarks/bench_fleet.py --size full
+    python benchmarks/bench_fleet.py --size full --fraction 0.1   # 7,200 steps, extrapolated
 
 Stages, each in a fresh process so its peak RSS is its own:
 
@@ -61,7 +61,7 @@ TOP_K = 8
 TOKENS_PER_RANK = 128
 SIGMA = 0.6
 THREADS = 2
-HEAVY_LOCK = "/tmp/moetrace-heavy.lock"
+HEAVY_LOCK = os.path.join(tempfile.gettempdir(), "moetrace-heavy.lock")
 
 
 # ----------------------------------------------------------------------------- data
@@ -260,7 +260,7 @@ def _in_process(fn, *args):
 
 @contextlib.contextmanager
 def _heavy_lock(size: str):
-    """Serialize heavy jobs on the shared machine (flock, like `flock /tmp/moetrace-heavy.lock`)."""
+    """Serialize heavy jobs on the shared machine (flock on moetrace-heavy.lock in the temp folder)."""
     if size != "full" or os.environ.get("MOETRACE_HEAVY_LOCK_HELD"):
         yield
         return

@@ -6,18 +6,18 @@ its events are replicated over ranks and steps (each copy time-shifted, with fre
 correlation ids and ``ProfilerStep#N`` renumbered) and written as one plain JSON file per
 rank into a temporary folder (never into the repository). ``small``: 4 ranks x 2 steps
 (about 25 MB); ``full``: 8 ranks x 48 steps (about 1.06 GB; run it under
-``flock /tmp/moetrace-heavy.lock``).
+a flock on moetrace-heavy.lock in the temp folder).
 
 moetrace is timed on ``moetrace ingest FOLDER --store TMP`` (parse, classify, write
 Parquet) in a fresh process, with its default (for an input this large: the process
 itself plus parsing workers, one per CPU up to 4) and with ``--set jobs=1``; HTA on ``TraceAnalysis(trace_dir=FOLDER)`` in a fresh process
-of its own environment (``MOETRACE_HTA_PYTHON``, default /work/hta-venv/bin/python; HTA
+of its own environment (``MOETRACE_HTA_PYTHON``, default .hta-venv/bin/python; HTA
 parses ranks with a process pool). Peak memory is the largest resident set of each
 process tree (the process and all its descendants, summed; sampled every 50 ms),
 compared with the uncompressed input size.
 
     python benchmarks/bench_ingest_kineto.py --size small
-    flock /tmp/moetrace-heavy.lock python benchmarks/bench_ingest_kineto.py --size full
+    python benchmarks/bench_ingest_kineto.py --size full
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from benchmarks.common import main, result  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO.parent / "shared" / "data" / "deepseek_ep64_train_rank0.json.gz"
 SIZES = {"small": (4, 2), "full": (8, 48)}
-HTA_PYTHON = os.environ.get("MOETRACE_HTA_PYTHON", "/work/hta-venv/bin/python")
+HTA_PYTHON = os.environ.get("MOETRACE_HTA_PYTHON", ".hta-venv/bin/python")
 
 _MEASURE = r"""
 import json, os, resource, sys, threading, time
@@ -184,8 +184,8 @@ TraceAnalysis(trace_dir={str(folder)!r})
                                    notes=f"HTA failed: {str(e)[-300:]}"))
         else:
             rows.append(result("ingest_kineto", "seconds", ours["seconds"], "s",
-                               notes=f"HTA not installed at {HTA_PYTHON} (python3 -m venv /work/hta-venv && "
-                                     "/work/hta-venv/bin/pip install holistictraceanalysis)"))
+                               notes=f"HTA not installed at {HTA_PYTHON} (python3 -m venv .hta-venv && "
+                                     ".hta-venv/bin/pip install holistictraceanalysis)"))
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,7 @@
 full: 58 layers × 256 experts × 20,000 steps (296,960,000 expert_load rows), the shape of
 a DeepSeek-V3 run of 20k forward passes. Run it under the heavy-job lock:
 
-    flock /tmp/moetrace-heavy.lock /work/venv/bin/python benchmarks/bench_layer_skew.py --size full
+    python benchmarks/bench_layer_skew.py --size full
 
 What it does:
 1. generates the store in a temporary folder under /tmp (deleted afterwards), streaming

@@ -3,7 +3,7 @@
 yields them; compared with a straightforward per-token Python loop on a subset; plus the
 store read rate (expert_load rows into dense arrays) on a smaller run.
 
-    flock /tmp/moetrace-heavy.lock python benchmarks/bench_replay.py --size full
+    python benchmarks/bench_replay.py --size full
 """
 from __future__ import annotations
 

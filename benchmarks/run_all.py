@@ -2,7 +2,7 @@
 
     python benchmarks/run_all.py                       # every bench_*.py at small size (CI)
     python benchmarks/run_all.py --size full           # the figures quoted in the docs (heavy: takes
-                                                       # /tmp/moetrace-heavy.lock for the whole run)
+                                                       # moetrace-heavy.lock in the temp folder for the whole run)
     python benchmarks/run_all.py --size full --only fleet --only layer_skew
 
 Each ``benchmarks/bench_<name>.py`` exposes ``run(size) -> list[dict]`` (see
@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-HEAVY_LOCK = "/tmp/moetrace-heavy.lock"
+HEAVY_LOCK = os.path.join(tempfile.gettempdir(), "moetrace-heavy.lock")
 
 # What the issues ask each benchmark to be compared with (shown next to the results).
 TARGETS = {

@@ -374,7 +374,11 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
                     p.terminate()
             raise RuntimeError(f"reference run did not finish within {cfg.timeout_s:.0f} s")
     manifest = {
-        "moetrace_refrun": 1, "config": cfg_dict, "phy2log": phy2log.tolist(),
+        "moetrace_refrun": 1,
+        # a placement file is named, not located: the manifest travels with the traces
+        "config": {**cfg_dict, "placement": os.path.basename(cfg_dict["placement"])
+                   if os.path.isfile(cfg_dict["placement"]) else cfg_dict["placement"]},
+        "phy2log": phy2log.tolist(),
         "num_slots": int(phy2log.shape[1]), "slots_per_rank": int(phy2log.shape[1] // cfg.ranks),
         "replica_choice": "(token_id * 2654435761 mod 2^32) mod copies, copies in slot order", "router_prior": router_prior(cfg).tolist(),
         "torch": torch.__version__, "wall_s": round(time.time() - t0, 3),
