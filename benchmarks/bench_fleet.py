@@ -33,7 +33,6 @@ result notes say so. All data lives in a temporary folder under /tmp, deleted at
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
 import multiprocessing as mp
@@ -49,7 +48,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import peak_rss_mib, result  # noqa: E402
+from benchmarks.common import heavy_lock, peak_rss_mib, result  # noqa: E402
 
 SIZES = {
     "small": dict(ranks=32, ranks_per_node=8, layers=4, experts=256, redundant=32, steps=240, chunk_steps=80,
@@ -61,7 +60,6 @@ TOP_K = 8
 TOKENS_PER_RANK = 128
 SIGMA = 0.6
 THREADS = 2
-HEAVY_LOCK = os.path.join(tempfile.gettempdir(), "moetrace-heavy.lock")
 
 
 # ----------------------------------------------------------------------------- data
@@ -258,21 +256,6 @@ def _in_process(fn, *args):
     return out
 
 
-@contextlib.contextmanager
-def _heavy_lock(size: str):
-    """Serialize heavy jobs on the shared machine (flock on moetrace-heavy.lock in the temp folder)."""
-    if size != "full" or os.environ.get("MOETRACE_HEAVY_LOCK_HELD"):
-        yield
-        return
-    fd = os.open(HEAVY_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------- entry point
 def run(size: str = "small", fraction: float | None = None) -> list[dict]:
     cfg = SIZES[size]
@@ -283,7 +266,7 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
     steps = max(cfg["chunk_steps"], int(round(cfg["steps"] * fraction)))
     f = steps / cfg["steps"]
     full_rows = cfg["layers"] * cfg["experts"] * cfg["steps"]
-    with _heavy_lock(size):
+    with heavy_lock(size):
         tmp = Path(tempfile.mkdtemp(prefix="moetrace-bench-fleet-", dir="/tmp"))
         try:
             store = str(tmp / "st")

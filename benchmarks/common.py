@@ -8,9 +8,12 @@ Every ``benchmarks/bench_*.py`` exposes ``run(size: str) -> list[dict]`` (size i
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import resource
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -35,6 +38,28 @@ def timer():
     end = [None]
     yield lambda: (end[0] if end[0] is not None else time.perf_counter()) - start
     end[0] = time.perf_counter()
+
+
+#: one heavy benchmark at a time on a shared machine (run_all.py holds it for the whole run
+#: and tells the benchmarks it started through MOETRACE_HEAVY_LOCK_HELD)
+HEAVY_LOCK = os.path.join(tempfile.gettempdir(), "moetrace-heavy.lock")
+
+
+@contextmanager
+def heavy_lock(size: str, announce: bool = False):
+    """Hold the heavy-job lock around a full-size run (no-op at small size or when held)."""
+    if size != "full" or os.environ.get("MOETRACE_HEAVY_LOCK_HELD"):
+        yield
+        return
+    fd = os.open(HEAVY_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        if announce:
+            print(f"waiting for {HEAVY_LOCK} ...", file=sys.stderr, flush=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def main(run) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -31,7 +30,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-HEAVY_LOCK = os.path.join(tempfile.gettempdir(), "moetrace-heavy.lock")
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from benchmarks.common import heavy_lock  # noqa: E402
 
 # What the issues ask each benchmark to be compared with (shown next to the results).
 TARGETS = {
@@ -149,21 +150,6 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@contextlib.contextmanager
-def heavy_lock(size: str):
-    if size != "full" or os.environ.get("MOETRACE_HEAVY_LOCK_HELD"):
-        yield
-        return
-    fd = os.open(HEAVY_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        print(f"waiting for {HEAVY_LOCK} ...", file=sys.stderr, flush=True)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run every benchmarks/bench_*.py and write results.json / results.md.")
     ap.add_argument("--size", choices=["small", "full"], default="small")
@@ -181,7 +167,7 @@ def main(argv=None) -> int:
         with contextlib.suppress(ValueError, KeyError):
             previous = {b["benchmark"]: b for b in json.loads((out / "results.json").read_text())["benchmarks"]}
     entries = dict(previous)
-    with heavy_lock(args.size):
+    with heavy_lock(args.size, announce=True):
         for name, path in benches.items():
             print(f"[{args.size}] {name} ...", file=sys.stderr, flush=True)
             e = run_one(name, path, args.size, timeout)

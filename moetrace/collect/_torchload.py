@@ -67,3 +67,18 @@ def to_numpy(obj, path: str | Path, what: str, ndim: int | None = None) -> np.nd
     if ndim is not None and arr.ndim != ndim:
         raise InputError(path, f"{what}: expected {ndim} dimensions, got shape {tuple(arr.shape)}")
     return arr
+
+
+def check_counts(arr: np.ndarray, path: str | Path, what: str) -> np.ndarray:
+    """Token counts of a dump as int64: integer-valued, finite, non-negative (else an
+    InputError naming the file, the array and the index of the first bad value)."""
+    if arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+            raise InputError(path, f"{what} holds non-integer counts")
+    elif arr.dtype.kind not in "iu":
+        raise InputError(path, f"{what} has dtype {arr.dtype}, expected integer counts")
+    arr = arr.astype(np.int64)
+    if arr.size and arr.min() < 0:
+        idx = tuple(int(i) for i in np.argwhere(arr < 0)[0])
+        raise InputError(path, f"{what} holds a negative count {arr[idx]}", f"index {list(idx)}")
+    return arr

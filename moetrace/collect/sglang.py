@@ -31,7 +31,7 @@ import pyarrow as pa
 from ..errors import InputError
 from ..store import sha256_files
 from . import Collector, RunData, register
-from ._torchload import load_pt, looks_like_pt, to_numpy
+from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 
 # SGLang ForwardMode (python/sglang/srt/model_executor/forward_batch_info.py), IntEnum with
 # auto() from 1. Values 1..6 are stable across 0.4-0.5; 7+ changed between releases
@@ -88,17 +88,7 @@ def _load_table(step, layer, expert, tokens, slot=None, src_rank=None) -> pa.Tab
         "tokens": np.asarray(tokens, np.int64)})
 
 
-def _check_counts(arr: np.ndarray, path: Path, what: str) -> np.ndarray:
-    if arr.dtype.kind == "f":
-        if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
-            raise InputError(path, f"{what} holds non-integer counts")
-    elif arr.dtype.kind not in "iu":
-        raise InputError(path, f"{what} has dtype {arr.dtype}, expected integer counts")
-    arr = arr.astype(np.int64)
-    if arr.size and arr.min() < 0:
-        idx = tuple(int(i) for i in np.argwhere(arr < 0)[0])
-        raise InputError(path, f"{what} holds a negative count {arr[idx]}", f"index {list(idx)}")
-    return arr
+_check_counts = check_counts
 
 
 def _opt_int(options: dict, key: str):

@@ -29,7 +29,7 @@ import pyarrow as pa
 from ..errors import InputError
 from ..store import sha256_files
 from . import Collector, RunData, register
-from ._torchload import load_pt, looks_like_pt, to_numpy
+from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 
 KEYS = ("expert_load_pass", "expert_load_window")
 
@@ -71,16 +71,7 @@ def _read(path: Path) -> dict:
 
 
 def _counts(arr, path: Path, what: str, ndim: int) -> np.ndarray:
-    a = to_numpy(arr, path, what, ndim=ndim)
-    if a.dtype.kind == "f":
-        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
-            raise InputError(path, f"{what} holds non-integer counts")
-    elif a.dtype.kind not in "iu":
-        raise InputError(path, f"{what} has dtype {a.dtype}, expected integer counts")
-    a = a.astype(np.int64)
-    if a.size and a.min() < 0:
-        raise InputError(path, f"{what} holds a negative count", f"index {[int(i) for i in np.argwhere(a < 0)[0]]}")
-    return a
+    return check_counts(to_numpy(arr, path, what, ndim=ndim), path, what)
 
 
 def _one(path: Path, options: dict) -> RunData:
