@@ -46,7 +46,7 @@ def _sglang(size: str, tmp: Path) -> list[dict]:
 def _capture(size: str) -> list[dict]:
     import torch
 
-    from moetrace.capture import capture, tiny_model
+    from moetrace.produce.capture import capture, tiny_model
 
     model = tiny_model("qwen3_moe", hidden=64)
     ids = torch.randint(0, 256, (8, 64))
@@ -69,7 +69,7 @@ def _capture(size: str) -> list[dict]:
 
 
 def _refrun(size: str, tmp: Path) -> list[dict]:
-    from moetrace.refrun import RefRunConfig, run
+    from moetrace.produce.refrun import RefRunConfig, run
 
     cfg = RefRunConfig() if size == "small" else RefRunConfig(ranks=4, experts=16, steps=8, prefill_tokens=64,
                                                               idle=[(3, 2)])

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from moetrace.store import Store
-from moetrace.synth import SynthConfig, synth
+from moetrace.produce.synth import SynthConfig, synth
 
 HERE = Path(__file__).resolve().parent
 

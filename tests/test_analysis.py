@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moetrace.store import Store
-from moetrace.synth import SynthConfig, synth
+from moetrace.produce.synth import SynthConfig, synth
 
 
 # ----------------------------------------------------------------------------- reference

@@ -319,7 +319,7 @@ REPLICATED = [0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 2, 3]
 def refrun_pair(tmp_path_factory):
     pytest.importorskip("torch", reason="the reference run needs PyTorch (pip install 'moetrace[torch]')")
     from moetrace.collect import ingest
-    from moetrace.refrun import RefRunConfig, run
+    from moetrace.produce.refrun import RefRunConfig, run
 
     root = tmp_path_factory.mktemp("calrefrun")
     plan = root / "plan.json"

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="capture needs PyTorch (pip install 'moetrace[capture]')")
 pytest.importorskip("transformers", reason="capture needs transformers (pip install 'moetrace[capture]')")
 
-from moetrace.capture import TINY, capture, tiny_model  # noqa: E402
+from moetrace.produce.capture import TINY, capture, tiny_model  # noqa: E402
 from moetrace.store import Store  # noqa: E402
 
 K = 2

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moetrace import rebalance_experts
-from moetrace.replay.eplb_reference import rebalance_experts_reference
+from tests.eplb_reference import rebalance_experts_reference
 
 README_W = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
             [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]

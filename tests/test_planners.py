@@ -10,7 +10,7 @@ from moetrace.errors import InputError
 from moetrace.replay import plan_io
 from moetrace.replay.moves import moves_between, replan
 from moetrace.replay.planners import PLANNERS, Plan, PlanShape, make_plan
-from moetrace.synth import SynthConfig, generate
+from moetrace.produce.synth import SynthConfig, generate
 
 
 @pytest.fixture(scope="module")

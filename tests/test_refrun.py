@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="the reference run needs PyTorch (pi
 
 from moetrace.collect import ingest, registry  # noqa: E402
 from moetrace.errors import InputError  # noqa: E402
-from moetrace.refrun import RefRunConfig, parse_placement, run  # noqa: E402
+from moetrace.produce.refrun import RefRunConfig, parse_placement, run  # noqa: E402
 from moetrace.store import Store  # noqa: E402
 
 R, E, K, L, STEPS, TOK = 2, 8, 2, 2, 4, 24

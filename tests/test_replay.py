@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from moetrace.cli import cli
 from moetrace.replay import cost as costmod
 from moetrace.store import Store
-from moetrace.synth import SynthConfig, synth
+from moetrace.produce.synth import SynthConfig, synth
 
 RECORDED = np.array([[0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 3],
                      [7, 6, 5, 4, 3, 2, 1, 0, 7, 7, 2, 5]])
@@ -253,7 +253,7 @@ def test_cost_preset_and_fit():
 def test_cost_fitted_from_spans(tmp_path):
     """expert_gemm spans whose durations follow 40 ns/token + 900 ns/slot are fitted back."""
     cfg = SynthConfig(layers=2, experts=16, top_k=2, ranks=4, ranks_per_node=2, steps=4, tokens_per_step=256, seed=2)
-    from moetrace.synth import generate
+    from moetrace.produce.synth import generate
     run, tables = generate(cfg)
     load = np.zeros((4, 2, 16))
     for t in tables["expert_load"]:
@@ -316,7 +316,7 @@ def test_report_section_whatif_and_stored(tmp_path):
 def test_recorded_routing_slots_are_used_exactly(tmp_path):
     """A run whose per-token routing records the physical slot (replicas chosen by token %
     copies, not by the hash): replaying the recorded plan reproduces tokens and bytes."""
-    from moetrace.synth import generate
+    from moetrace.produce.synth import generate
 
     cfg = SynthConfig(layers=2, experts=8, top_k=2, ranks=4, ranks_per_node=2, steps=2, tokens_per_step=32,
                       per_token=True, hidden=HIDDEN, dtype_bytes=DTYPE, seed=9)

@@ -11,7 +11,7 @@ import pytest
 
 from moetrace.report import build as rbuild
 from moetrace.store import Store
-from moetrace.synth import SynthConfig, synth
+from moetrace.produce.synth import SynthConfig, synth
 
 
 @pytest.fixture(scope="module")

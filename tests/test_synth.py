@@ -6,7 +6,7 @@ import pytest
 
 from moetrace.errors import InputError
 from moetrace.store import Store
-from moetrace.synth import SynthConfig, load_popularity_file, sample_topk, synth
+from moetrace.produce.synth import SynthConfig, load_popularity_file, sample_topk, synth
 
 from .conftest import shared_data
 

@@ -59,7 +59,7 @@ def refrun(outdir, store_path, run_id, no_profile, **kw):
     \b
         moetrace refrun rr --ranks 4 --experts 16 --skew 1.2 --idle 3:2 --store st
     """
-    from ..refrun import RefRunConfig, run
+    from ..produce.refrun import RefRunConfig, run
 
     cfg = RefRunConfig(profile=not no_profile, **kw)
     man = run(cfg, outdir)
@@ -101,7 +101,7 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
     """
     import torch
 
-    from ..capture import byte_tokens, capture as cap_ctx, read_prompts, tiny_model
+    from ..produce.capture import byte_tokens, capture as cap_ctx, read_prompts, tiny_model
     from ..store import Store
 
     if bool(model_path) == bool(tiny):

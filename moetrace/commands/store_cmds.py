@@ -41,7 +41,7 @@ def synth(store, run_id, **kw):
     \b
         moetrace synth demo --layers 4 --steps 50 --sigma 0.6 --drift 0.5
     """
-    from ..synth import SynthConfig, synth as run_synth
+    from ..produce.synth import SynthConfig, synth as run_synth
 
     cfg = SynthConfig(**kw)
     res = run_synth(Store(store, create=True), cfg, run_id=run_id)

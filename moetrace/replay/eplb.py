@@ -17,7 +17,7 @@ Tie rules (``FORMATS.md``): float32 arithmetic throughout (group sums accumulate
 order), a **stable** descending sort (equal weights keep index order), the lowest pack
 index wins among equal pack weights, the lowest expert index among equal load per copy.
 The loops that remain run over items, never over layers: every step is a numpy operation
-over all layers (and nodes) at once. ``moetrace.replay.eplb_reference`` holds a plain
+over all layers (and nodes) at once. ``tests/eplb_reference.py`, a test oracle,` holds a plain
 Python implementation of the same algorithm used to check this one.
 """
 from __future__ import annotations

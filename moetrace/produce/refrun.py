@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 MANIFEST = "moetrace-refrun.json"
 
@@ -349,7 +349,7 @@ def _free_port() -> int:
 
 def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
     """Run the reference run into ``outdir`` (created; must be empty). Returns the manifest."""
-    from .collect._torchload import import_torch
+    from ..collect._torchload import import_torch
 
     cfg.validate()
     torch = import_torch(None)

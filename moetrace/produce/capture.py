@@ -2,7 +2,7 @@
 
 ::
 
-    from moetrace.capture import capture
+    from moetrace.produce.capture import capture
     with capture(model) as cap:
         model.generate(**inputs, max_new_tokens=8)     # or model(**inputs)
     cap.write(Store("st", create=True))               # routing, expert_load, steps, runs
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .errors import InputError
+from ..errors import InputError
 
 _ROUTER_CLS = re.compile(r"Router$")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
@@ -177,7 +177,7 @@ class Capture:
                          "end_ns": pa.array([x[4] for x in s], pa.int64()), "inferred": [False] * len(s)})
 
     def run_row(self, source: str | None = None) -> dict:
-        from .store import sha256_text
+        from ..store import sha256_text
 
         m = self.model
         hidden = _cfg(m, "hidden_size", "d_model")
@@ -217,8 +217,8 @@ class Capture:
 
     def write(self, store, run_id: str | None = None, source: str | None = None):
         """Validate and write the captured run to ``store``; returns the WriteResult."""
-        from .collect import RunData
-        from .collect.checks import validate_run
+        from ..collect import RunData
+        from ..collect.checks import validate_run
 
         rd = validate_run(RunData(run=self.run_row(source), tables=self.tables(), run_id_hint="capture"), {})
         rid = run_id or store.unique_run_id(f"capture-{type(self.model).__name__}")

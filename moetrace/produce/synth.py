@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .errors import InputError
-from .store import Store, sha256_text
+from ..errors import InputError
+from ..store import Store, sha256_text
 
 
 @dataclass
