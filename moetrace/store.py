@@ -211,9 +211,6 @@ class Store:
         d = self.path / table
         return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
 
-    def tables_present(self) -> list[str]:
-        return [t for t in schema.load_all() if self.has_files(t)]
-
     def _view_sql(self, table: str, relative: bool) -> str:
         ts = schema.get(table)
         if self.has_files(table):
@@ -283,11 +280,18 @@ class Store:
             return []
         return sorted(p.name.split("=", 1)[1] for p in d.glob("run_id=*") if any(p.glob("*.parquet")))
 
-    def run(self, run_id: str) -> dict:
+    def run_row(self, run_id: str) -> dict:
+        """The ``runs`` row of ``run_id`` as a dict."""
         df = self.sql("SELECT * FROM runs WHERE run_id = ?", [run_id])
         if df.height == 0:
             raise StoreError(f"{self.path}: no run {run_id!r} (runs: {', '.join(self.run_ids()) or 'none'})")
         return df.row(0, named=True)
+
+    def run(self, run_id: str | None = None):
+        """The :class:`moetrace.run.Run` facade over ``run_id`` (None: the only run)."""
+        from .run import Run
+
+        return Run(self, self.resolve_run(run_id))
 
     def resolve_run(self, run_id: str | None) -> str:
         """The given run, or the only run of the store."""
