@@ -307,7 +307,7 @@ def test_no_report_section_without_calibration(exact_store, tmp_path):
     from moetrace.report.sections import calibration as sec
 
     st, _ = exact_store
-    assert sec.build(ReportContext(st, "a", st.run("a"), tmp_path)) is None
+    assert sec.build(ReportContext(st, "a", st.run_row("a"), tmp_path)) is None
 
 
 # ----------------------------------------------------------------------------- real runs

@@ -86,7 +86,7 @@ def test_steps_load_and_store(tmp_path):
         model(input_ids=a[:, :1])
     st = Store(tmp_path / "st", create=True)
     rid = cap.write(st).run_id
-    run = st.run(rid)
+    run = st.run_row(rid)
     assert (run["num_layers"], run["num_experts"], run["top_k"], run["hidden"], run["num_ranks"]) == (2, 8, K, 32, 1)
     steps = st.sql("SELECT step, phase, num_tokens FROM steps WHERE run_id = ? ORDER BY step", [rid])
     assert steps.rows() == [(0, "prefill", 12), (1, "decode", 2)]

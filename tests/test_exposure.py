@@ -179,7 +179,7 @@ def test_report_section(tmp_path, runner, cli):
         write_trace(d / f"rank-{rank}.json", ev, rank=rank, world=2)
     st = ingest(runner, cli, tmp_path / "st", d)
     rid = st.run_ids()[0]
-    sec = section.build(ReportContext(store=st, run_id=rid, run=st.run(rid), outdir=tmp_path / "out"))
+    sec = section.build(ReportContext(store=st, run_id=rid, run=st.run_row(rid), outdir=tmp_path / "out"))
     assert sec.key == "exposure" and len(sec.figures) == 2
     assert all(f.path.exists() and f.path.stat().st_size > 1000 for f in sec.figures)
     # exposed: dispatch 5 of 10 µs per rank, combine 30 µs per rank (no compute after 115 µs)
@@ -195,7 +195,7 @@ def test_report_section(tmp_path, runner, cli):
     write_trace(d / "rank-0.json", ev, rank=0, world=1)
     st3 = ingest(runner, cli, tmp_path / "st3", d)
     rid3 = st3.run_ids()[0]
-    tl3 = section._timeline(ReportContext(store=st3, run_id=rid3, run=st3.run(rid3), outdir=tmp_path / "out3"))
+    tl3 = section._timeline(ReportContext(store=st3, run_id=rid3, run=st3.run_row(rid3), outdir=tmp_path / "out3"))
     assert "dispatch" in tl3.caption and "notify" in tl3.caption
     assert "compute" not in tl3.caption and "combine" not in tl3.caption
     # a run without spans gets no section; a profiler run without all-to-all gets the plain statement
@@ -203,5 +203,5 @@ def test_report_section(tmp_path, runner, cli):
                                                   kernel(GEMM, 10, 10, 1)], rank=0, world=1)
     st2 = ingest(runner, cli, tmp_path / "st2", plain)
     rid2 = st2.run_ids()[0]
-    sec2 = section.build(ReportContext(store=st2, run_id=rid2, run=st2.run(rid2), outdir=tmp_path / "out2"))
+    sec2 = section.build(ReportContext(store=st2, run_id=rid2, run=st2.run_row(rid2), outdir=tmp_path / "out2"))
     assert "no all-to-all found" in sec2.markdown and not sec2.figures

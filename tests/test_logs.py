@@ -115,7 +115,7 @@ def test_report_section(log, tmp_path):
     rid = ingest(st, [log])[0].run_id
     out = tmp_path / "rep"
     out.mkdir()
-    sec = balancedness.build(ReportContext(st, rid, st.run(rid), out))
+    sec = balancedness.build(ReportContext(st, rid, st.run_row(rid), out))
     mean = (0.5 + 0.7504 + 0.25 + 0.4) / 4
     assert f"4 passes: mean **{mean:.3f}**" in sec.markdown
     assert "3 finished (2 started), 1 skipped" in sec.markdown

@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
 
 def test_one_run_with_routing_load_steps_placement(runs):
     root, st, ra, _ = runs
-    r = st.run(ra)
+    r = st.run_row(ra)
     assert (r["collector"], r["num_ranks"], r["num_experts"], r["top_k"], r["num_slots"]) == ("refrun", R, E, K, E)
     tokens = {(s, rk): (0 if (s, rk) == IDLE else TOK) for s in range(STEPS) for rk in range(R)}
     # every token routed to K experts in every layer

@@ -298,7 +298,7 @@ def test_report_section_whatif_and_stored(tmp_path):
     cfg = SynthConfig(layers=2, experts=32, top_k=4, ranks=4, ranks_per_node=2, steps=8, tokens_per_step=512, seed=4)
     st = Store(tmp_path / "r", create=True)
     synth(st, cfg, run_id="r")
-    ctx = ReportContext(st, "r", st.run("r"), tmp_path / "out")
+    ctx = ReportContext(st, "r", st.run_row("r"), tmp_path / "out")
     sec = section.build(ctx)
     assert sec is not None and sec.key == "replay" and any("in memory" in n for n in sec.notes)
     # the recorded (contiguous) row, by hand over the judged half (steps 4..7)
@@ -308,7 +308,7 @@ def test_report_section_whatif_and_stored(tmp_path):
     assert f"{expect:.3f}" in sec.markdown.split("| recorded |")[1].split("\n")[0]
     assert run_cli("replay", tmp_path / "r", "--policy", "greedy", "--replan-every", 2, "--window", 2).exit_code == 0
     st = Store(tmp_path / "r")
-    sec = section.build(ReportContext(st, "r", st.run("r"), tmp_path / "out"))
+    sec = section.build(ReportContext(st, "r", st.run_row("r"), tmp_path / "out"))
     assert "3 stored replay(s)" in sec.markdown
     assert sec.figures and sec.figures[0].path.exists()
 

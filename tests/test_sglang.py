@@ -26,7 +26,7 @@ def test_real_logical_count_json(tmp_path, name):
     lc = np.asarray(json.loads(path.read_text())["logical_count"], np.int64)
     st = Store(tmp_path / "st", create=True)
     rid = ingest(st, [path])[0].run_id
-    run = st.run(rid)
+    run = st.run_row(rid)
     assert (run["num_layers"], run["num_experts"], run["collector"]) == (61, 256, "sglang")
     approx = " ".join(json.loads(run["approximations"]))
     assert "pseudo-step" in approx and "0-2" in approx
@@ -111,7 +111,7 @@ def test_per_pass_sums_ranks_maps_slots_and_records_placement(tmp_path):
     paths = _per_pass_files(tmp_path, torch, counts)
     st = Store(tmp_path / "st", create=True)
     rid = ingest(st, paths, options={"top_k": 2})[0].run_id
-    run = st.run(rid)
+    run = st.run_row(rid)
     assert (run["num_slots"], run["num_experts"], run["num_ranks"]) == (P_, E_, R_)
     # logical load per step: sum over ranks, then over the slots of each expert
     for step, fpid in enumerate((10, 11, 12)):

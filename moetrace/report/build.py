@@ -125,7 +125,7 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
     :func:`moetrace.analyze.default_memory_limit`). ``progress`` gets progress lines.
     """
     rid = store.resolve_run(run_id)
-    run = store.run(rid)
+    run = store.run_row(rid)
     out = Path(outdir) if outdir is not None else Path(f"moetrace-report-{rid}")
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
