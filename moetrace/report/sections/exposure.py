@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ...commands.profile_cmds import exposure_tables, hook_mode_message, no_a2a_message
+from ...analyze.exposure import exposure_tables, hook_mode_message, no_a2a_message
+from ...collect.classify import A2A_KINDS, COMPUTE_KINDS
 from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 40
-LANES = [("compute", ("expert_gemm", "attention", "compute_other"), "#8C8C8C",
+LANES = [("compute", COMPUTE_KINDS, "#8C8C8C",
           "grey = compute kernels on any stream"),
          ("dispatch", ("dispatch",), "#4C72B0", "blue = dispatch"),
          ("combine", ("combine",), "#DD8452", "orange = combine"),
@@ -93,10 +94,9 @@ def _timeline(ctx: ReportContext) -> Figure | None:
         return None
     step = pick["step"][0]
     spans = ctx.sql("""SELECT rank, kind, start_ns, end_ns FROM spans
-                       WHERE run_id = ? AND step IS NOT DISTINCT FROM ? AND kind IN
-                       ('expert_gemm','attention','compute_other','dispatch','combine','a2a_other')
+                       WHERE run_id = ? AND step IS NOT DISTINCT FROM ? AND list_contains(?, kind)
                        AND rank IN (SELECT DISTINCT rank FROM spans WHERE run_id = ? ORDER BY rank LIMIT ?)""",
-                    [rid, step, rid, MAX_TIMELINE_RANKS])
+                    [rid, step, list(COMPUTE_KINDS + A2A_KINDS), rid, MAX_TIMELINE_RANKS])
     if spans.height == 0:
         return None
     t0 = spans["start_ns"].min()
