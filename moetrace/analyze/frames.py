@@ -1,0 +1,52 @@
+"""Per-run frames read from the metric views: skew, tokens per expert, dummy steps.
+
+Thin readers behind :class:`moetrace.run.Run` (documented there): each selects one run
+from a view of ``sql/``; no metric is computed here.
+"""
+from __future__ import annotations
+
+import polars as pl
+
+from ..errors import InputError
+
+_SKEW_SQL = {
+    "run": ("SELECT run_id, layers, steps, imbalance_mean, imbalance_p50, imbalance_p99, balancedness, "
+            "worst_layer, worst_layer_imbalance, placement_source FROM run_skew_summary WHERE run_id = ? "
+            "ORDER BY run_id"),
+    "layer": ("SELECT run_id, layer, steps, steps_undefined, imbalance_mean, imbalance_p50, imbalance_p99, "
+              "efficiency_mean, gini_mean, top5pct_share_mean, hottest_expert_mode, straggler_rank_mode, "
+              "placement_source FROM skew_summary WHERE run_id = ? ORDER BY run_id, imbalance_mean DESC NULLS LAST"),
+    "step": ("SELECT run_id, step, layer, max_rank_tokens, mean_rank_tokens, imbalance, efficiency, straggler_rank, "
+             "gini, cv, top5pct_share, hottest_expert, hottest_share, note FROM layer_skew WHERE run_id = ? "
+             "ORDER BY run_id, step, layer"),
+}
+
+
+def skew(store, run_id: str, by: str = "layer", *, batch_steps: int | None = None, memory_limit: str | None = None,
+         progress=None) -> pl.DataFrame:
+    """See :meth:`moetrace.run.Run.skew`. ``layer_skew`` of the run is materialized once
+    in step batches (bounded memory on fleet-size runs), read, and dropped."""
+    from .materialize import configure, drop_materialized, materialize_layer_skew
+
+    if by not in _SKEW_SQL:
+        raise InputError(None, f"skew by {by!r}: choose from {', '.join(_SKEW_SQL)}")
+    configure(store.con, memory_limit)
+    m = materialize_layer_skew(store, run_id, batch_steps, views=("layer_skew",), progress=progress)
+    try:
+        return store.sql(_SKEW_SQL[by], [run_id])
+    finally:
+        drop_materialized(store.con, m)
+
+
+def tokens_per_expert(store, run_id: str) -> pl.DataFrame:
+    """See :meth:`moetrace.run.Run.tokens_per_expert`."""
+    return store.sql("SELECT * FROM tokens_per_expert WHERE run_id = ? ORDER BY step, layer", [run_id])
+
+
+def dummy_steps(store, run_id: str, by: str = "rank") -> pl.DataFrame:
+    """See :meth:`moetrace.run.Run.dummy_steps`."""
+    if by == "rank":
+        return store.sql("SELECT * FROM dummy_steps WHERE run_id = ? ORDER BY rank", [run_id])
+    if by == "step":
+        return store.sql("SELECT * FROM dummy_by_step WHERE run_id = ? ORDER BY step", [run_id])
+    raise InputError(None, f"dummy steps by {by!r}: choose from rank, step")

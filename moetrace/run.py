@@ -1,0 +1,243 @@
+"""One run of a store, and everything moetrace can say about it: the ``Run`` facade.
+
+This module is the documented entry point of the Python API, in the spirit of
+HolisticTraceAnalysis's ``TraceAnalysis``: open a store, take one run, ask it questions::
+
+    import moetrace
+
+    run = moetrace.open_store("moetrace-demo/store").run("dsv3")   # run_id=None: the only run
+    run.shape                      # Shape(num_experts=256, num_ranks=32, ..., ranks_from='runs')
+    run.skew()                     # polars: per-layer imbalance distribution (skew_summary)
+    run.skew(by="step")            # every (step, layer): imbalance, straggler, gini, ...
+    run.tokens_per_expert()        # per (step, layer): experts hit vs expected, per-expert spread
+    run.dummy_steps()              # per rank: steps run with no tokens, and their time
+    run.exposure()                 # Exposure: all-to-all time no compute kernel hid
+    run.kernels()                  # kernel names by kind with total time
+    run.plan("eplb", replicas=32)  # a placement plan fitted on the run's load
+    run.replay(policy="eplb", replicas=32)   # predicted loads and step time under that plan
+    run.drift("eplb", every=10)    # static vs re-planned vs oracle placement over time
+    run.sweep("eplb", replicas=[0, 16, 32])  # the operator's decision table
+    run.calibrate(judge=["rb"])    # fit the cost model on measured spans, judge on another run
+    run.report("out/")             # report.html, report.md and PNGs
+
+Every method reads the store through the same SQL views ``moetrace sql`` shows (one
+definition of each quantity, in ``moetrace/analyze/sql``) or delegates to the replay
+package; the CLI commands and the report are thin callers of these methods. Frames are
+polars DataFrames with the columns of the view they come from (``moetrace tables VIEW``
+documents them); results that are not tables are dataclasses.
+
+The shape (:class:`Shape`) is read from the ``run_shape`` view, the one every rank metric
+uses, so SQL and replay agree on the number of ranks and experts: where a number was not
+recorded it says where it came from (``ranks_from``: ``runs`` or ``recorded placement``)
+or is None, never a silent default.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
+    import polars as pl
+
+    from .analyze.exposure import Exposure
+
+#: the ways :meth:`Run.skew` groups the per-(step, layer) imbalance
+SKEW_BY = ("layer", "run", "step")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A run's model and cluster shape, as the SQL views see it (view ``run_shape``), plus
+    the sizes only the ``runs`` row records. None where the run does not say."""
+
+    num_experts: int | None
+    experts_from: str | None       # 'runs' or 'max expert id + 1'
+    num_ranks: int | None          # None: no rank metrics (runs.num_ranks and a recorded placement both absent)
+    ranks_from: str | None         # 'runs' or 'recorded placement'
+    num_slots: int | None
+    top_k: int | None
+    num_layers: int | None = None
+    ranks_per_node: int | None = None
+    num_groups: int | None = None
+    hidden: int | None = None
+    dtype_bytes: int | None = None
+    expert_bytes: int | None = None
+
+    @classmethod
+    def from_rows(cls, view_row: dict, runs_row: dict) -> "Shape":
+        """The view's columns first, the ``runs`` row for the columns the view lacks."""
+        kw = {}
+        for f in fields(cls):
+            v = view_row.get(f.name) if f.name in view_row else runs_row.get(f.name)
+            kw[f.name] = v
+        return cls(**kw)
+
+
+class Run:
+    """One run of a store: its shape, its metrics, and what-ifs over it.
+
+    Get one with ``moetrace.open_store(path).run(run_id)`` (``run_id=None``: the store's
+    only run). ``run.id`` is the run id, ``run.row`` the ``runs`` row (a dict),
+    ``run.shape`` a :class:`Shape`, ``run.approximations`` what the collector inferred.
+    Methods return polars DataFrames (one row per what they describe) or dataclasses.
+    """
+
+    def __init__(self, store, run_id: str):
+        self.store = store
+        self.id = run_id
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r} in {str(self.store.path)!r})"
+
+    # ------------------------------------------------------------------ what the run is
+    @cached_property
+    def row(self) -> dict:
+        """The ``runs`` row: source, collector, shape columns, approximations, ..."""
+        return self.store.run_row(self.id)
+
+    @cached_property
+    def shape(self) -> Shape:
+        """The shape every metric uses (view ``run_shape``), see :class:`Shape`."""
+        df = self.store.sql("SELECT * FROM run_shape WHERE run_id = ?", [self.id])
+        return Shape.from_rows(df.row(0, named=True) if df.height else {}, self.row)
+
+    @property
+    def approximations(self) -> list[str]:
+        """What had to be inferred when the run was collected (``runs.approximations``)."""
+        text = self.row.get("approximations")
+        return list(json.loads(text)) if text else []
+
+    def sql(self, query: str, params=None) -> "pl.DataFrame":
+        """SQL over the store's views (as ``Store.sql``); filter on ``run_id`` yourself."""
+        return self.store.sql(query, params)
+
+    # ------------------------------------------------------------------ measured metrics
+    def skew(self, by: str = "layer", *, batch_steps: int | None = None, memory_limit: str | None = None,
+             progress=None) -> "pl.DataFrame":
+        """Imbalance (max/mean rank tokens: time lost at the combine barrier), efficiency,
+        Gini, top-5% share, hottest expert and straggler rank.
+
+        ``by="layer"``: the distribution over steps per layer (view ``skew_summary``, most
+        skewed layer first); ``"run"``: one row (``run_skew_summary``); ``"step"``: every
+        (step, layer) (``layer_skew``). Steps without tokens have an undefined imbalance:
+        NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means.
+        The per-(step, layer) view is computed once, in batches of ``batch_steps`` steps,
+        DuckDB capped at ``memory_limit``; ``progress(line)`` gets progress lines."""
+        from .analyze.frames import skew
+
+        return skew(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit, progress=progress)
+
+    def tokens_per_expert(self) -> "pl.DataFrame":
+        """Per (step, layer): tokens, experts hit and the expected number ``E·(1−(1−k/E)^B)``,
+        per-expert min / median / mean / max (view ``tokens_per_expert``)."""
+        from .analyze.frames import tokens_per_expert
+
+        return tokens_per_expert(self.store, self.id)
+
+    def dummy_steps(self, by: str = "rank") -> "pl.DataFrame":
+        """Steps a rank ran with no tokens (to keep collectives aligned): ``by="rank"`` per
+        rank with their time share (view ``dummy_steps``), ``"step"`` per step
+        (``dummy_by_step``)."""
+        from .analyze.frames import dummy_steps
+
+        return dummy_steps(self.store, self.id, by)
+
+    def exposure(self) -> "Exposure":
+        """All-to-all exposure from profiler spans: how much dispatch/combine time no
+        compute kernel on the same device hid, per kind, rank, group, straggler and
+        stream mode (:class:`moetrace.analyze.exposure.Exposure`; ``has_a2a`` False when
+        the run has no all-to-all kernel at all)."""
+        from .analyze.exposure import exposure
+
+        return exposure(self.store, self.id)
+
+    def kernels(self, kind: str | None = None, limit: int | None = None,
+                name_width: int | None = None) -> "pl.DataFrame":
+        """Kernel names by kind (classifier output) with spans, ranks and total time,
+        heaviest first; ``limit`` names per kind, names cut to ``name_width`` characters."""
+        from .analyze.exposure import kernels_table
+
+        return kernels_table(self.store, self.id, kind, limit, name_width)
+
+    # ------------------------------------------------------------------ what-ifs (replay)
+    @cached_property
+    def _replay_shape(self):
+        from .replay.engine import RunShape
+
+        return RunShape.from_store(self.store, self.id)
+
+    def plan(self, policy: str, *, ranks: int | None = None, replicas: int | None = None, groups: int | None = None,
+             nodes: int | None = None, rpn: int | None = None, fit_window: tuple[int, int] | None = None,
+             plan_id: str | None = None):
+        """A placement plan of ``policy`` (``moetrace.replay.planners.PLANNERS``) fitted on
+        the run's summed load (steps ``fit_window`` = (A, B), A <= step < B; default all).
+        Returns ``(Plan, notes)``; nothing is written (``moetrace plan`` stores it)."""
+        from .replay import api
+
+        ps = self._replay_shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+        return api.fit_plan(self.store, self.id, self._replay_shape, policy, ps, fit_window, plan_id=plan_id)
+
+    def replay(self, plan=None, *, policy: str | None = None, split: str = "even", hardware: str = "H200",
+               fit_cost: bool = True, rank_rows: bool = True, write: bool = True, trace_steps=None, **plan_kw):
+        """Replay every recorded step against ``plan`` (a Plan, a stored plan id, or
+        ``"recorded"``: the run's own placement) or a ``policy`` fitted with ``plan_kw``
+        (see :meth:`plan`). Writes ``replay_layer``/``replay_rank``/``replay_runs`` unless
+        ``write=False``. Returns ``(summary, trace)`` as ``moetrace replay --json`` prints."""
+        from .replay import api
+        from .replay.engine import load_plan
+
+        notes: list[str] = []
+        if plan is None:
+            plan, notes = self.plan(policy, **plan_kw)
+        elif isinstance(plan, str):
+            plan = load_plan(self.store, self.id, plan, self._replay_shape)
+        opts = api.ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows)
+        return api.replay_plan(self.store, self.id, plan, self._replay_shape, opts, policy=policy, write=write,
+                               extra_notes=notes, trace_steps=trace_steps)
+
+    def drift(self, policy: str, every: int, window: int | None = None, *, max_moves: int | None = None,
+              static_window: tuple[int, int] | None = None, split: str = "even", hardware: str = "H200",
+              fit_cost: bool = True, rank_rows: bool = True, write: bool = True, **plan_kw) -> dict:
+        """Static plan vs re-planning every ``every`` steps from the trailing ``window``
+        steps (default ``every``; with ``max_moves`` move-aware) vs an oracle, judged on the
+        steps after the first window. Returns the summary ``moetrace replay --replan-every``
+        prints (one entry per strategy, the per-step series)."""
+        from .replay import api
+
+        ps = self._replay_shape.plan_shape(**plan_kw)
+        opts = api.ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows)
+        return api.drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every, opts,
+                         max_moves=max_moves, write=write, static_window=static_window)
+
+    def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), window: int | None = None, *,
+              ranks: int | None = None, split: str = "even", hardware: str = "H200") -> list[dict]:
+        """The operator's decision table: replica budgets and re-plan intervals against
+        predicted step time, extra memory per rank and bytes moved (one dict per row)."""
+        from .replay import api
+
+        opts = api.ReplayOptions(split=split, hardware=hardware.upper())
+        return api.sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals), window,
+                         opts, ranks=ranks)
+
+    def calibrate(self, judge=(), **kw) -> dict:
+        """Fit the replay cost model on this run's measured spans (expert time = a·tokens +
+        b·slots touched; all-to-all = latency + bytes / bandwidth) and judge it on the runs
+        ``judge`` (ids); keyword arguments as :func:`moetrace.replay.calibrate.calibrate`."""
+        from .replay.calibrate import calibrate
+
+        return calibrate(self.store, self.id, list(judge), **kw)
+
+    # ------------------------------------------------------------------ report
+    def report(self, outdir=None, **kw):
+        """Build every report section into ``outdir`` (default ``./moetrace-report-RUN``):
+        report.html (self-contained), report.md and PNGs. Keyword arguments as
+        :func:`moetrace.report.build.build_report` (``batch_steps``, ``memory_limit``,
+        ``progress``). Returns the Report (``.terminal()`` is the printed summary)."""
+        from .report.build import build_report
+
+        return build_report(self.store, self.id, outdir, **kw)
+
+
+__all__ = ["Run", "Shape", "SKEW_BY"]
