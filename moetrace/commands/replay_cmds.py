@@ -63,14 +63,16 @@ def _imbalance(plan, load):
 @shape_options
 @click.option("--plan", "plan_id_in", default=None, help="Start from a stored plan ('recorded' = the run's own).")
 @click.option("--import", "import_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Read a plan file (SGLang physical_to_logical_map / logical_count JSON, or EPLB JSON).")
+              help="Read a plan file (SGLang physical_to_logical_map / logical_count JSON, EPLB JSON, TensorRT-LLM "
+                   "EPLB config YAML, or vllm-ascend expert map JSON).")
 @click.option("--max-moves", type=int, default=None, help="Move-aware re-plan from --plan with at most K expert moves.")
 @click.option("--target-imbalance", type=float, default=None, help="Move-aware re-plan: stop at this max/mean.")
 @click.option("--plan-id", default=None, help="Id to store the plan under (default: the policy name).")
 @click.option("--no-store", is_flag=True, help="Do not write the plan into the store.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Export the plan to FILE.")
-@click.option("--out-format", type=click.Choice(["sglang", "eplb"]), default="sglang", show_default=True,
-              help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON.")
+@click.option("--out-format", type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
+              show_default=True, help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON; "
+              "trtllm: TensorRT-LLM moe_config.load_balancer YAML; vllm-ascend: expert map JSON (expert_map_path).")
 @click.option("--list", "list_plans", is_flag=True, help="List the run's stored plans and exit.")
 @click.option("--no-relabel", is_flag=True,
               help="Keep the planner's own rank numbering (default: ranks of a --policy plan are renamed to "

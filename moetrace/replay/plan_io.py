@@ -1,14 +1,28 @@
 """Plans in the store (``placement`` table) and in files.
 
-Files: SGLang ``--init-expert-location`` JSON (``{"physical_to_logical_map": [layers][slots]}``,
-one row per model layer, dense layers included), and EPLB-style JSON (``phy2log``,
-``log2phy``, ``logcnt`` plus the shape). Both read back; a SGLang file holding only
-``logical_count`` is planned with EPLB, as SGLang itself does.
+File formats (:data:`FORMATS`), each written by :func:`export_plan` and read back by
+:func:`import_plan`:
+
+- ``sglang``: SGLang ``--init-expert-location`` JSON (``{"physical_to_logical_map":
+  [layers][slots]}``, one row per model layer, dense layers included); a file holding
+  only ``logical_count`` is planned with EPLB, as SGLang itself does.
+- ``eplb``: EPLB-style JSON (``phy2log``, ``log2phy``, ``logcnt`` plus the shape).
+- ``trtllm``: TensorRT-LLM's EPLB config YAML, the file ``moe_config.load_balancer``
+  names (or the LLM-API YAML holding it inline): ``num_slots``, ``layer_updates_per_iter``
+  (0 = static placement), ``initial_global_assignments {layer: [expert per slot]}``; rank
+  r holds the consecutive slots ``[r*S/ep, (r+1)*S/ep)``. Layer keys are model layer ids.
+  Read with ``yaml.safe_load`` only.
+- ``vllm-ascend``: vllm-ascend's expert map JSON (``eplb_config.expert_map_path``):
+  ``{"moe_layer_count", "layer_list": [{"layer_id", "device_count", "device_list":
+  [{"device_id", "device_expert": [expert per local slot]}]}]}``. ``layer_id`` is the
+  MoE-layer index (dense layers not counted): on import the file's layers are matched to
+  the run's layers by id, else in order when the counts agree (and the plan says so).
 """
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +32,7 @@ from ..errors import InputError
 from .eplb import rebalance_experts
 from .planners import Plan
 
-FORMATS = ("sglang", "eplb")
+FORMATS = ("sglang", "eplb", "trtllm", "vllm-ascend")
 
 
 def plan_table(plan: Plan, plan_id: str) -> pa.Table:
@@ -101,26 +115,190 @@ def export_plan(plan: Plan, path: str | Path, fmt: str = "sglang") -> Path:
         doc = {"phy2log": plan.phy2log.tolist(), "log2phy": log2phy.tolist(), "logcnt": cnt.tolist(),
                "layers": plan.layers.tolist(), "num_experts": plan.num_experts, "num_ranks": plan.num_ranks,
                "ranks_per_node": plan.ranks_per_node, "policy": plan.policy, "params": plan.params}
+    elif fmt == "trtllm":
+        return _write(path, trtllm_yaml(plan))
+    elif fmt == "vllm-ascend":
+        R, per = plan.num_ranks, plan.slots_per_rank
+        doc = {"moe_layer_count": plan.num_layers, "layer_list": [
+            {"layer_id": i, "device_count": R,
+             "device_list": [{"device_id": r, "device_expert": row[r * per:(r + 1) * per].tolist()} for r in range(R)]}
+            for i, row in enumerate(plan.phy2log)]}
     else:
         raise InputError(None, f"unknown plan file format {fmt!r} (choose from {', '.join(FORMATS)})")
+    return _write(path, json.dumps(doc, separators=(",", ":")) + "\n")
+
+
+def _write(path: Path, text: str) -> Path:
     try:
-        path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+        path.write_text(text)
     except OSError as e:
         raise InputError(path, f"cannot write: {e.strerror}") from None
     return path
 
 
+def trtllm_yaml(plan: Plan, layer_updates_per_iter: int = 0) -> str:
+    """TensorRT-LLM EPLB config YAML of ``plan`` (static: ``layer_updates_per_iter`` 0),
+    one flow-style list of ``num_slots`` expert ids per model layer."""
+    import yaml
+
+    lines = [f"num_slots: {plan.num_slots}", f"layer_updates_per_iter: {int(layer_updates_per_iter)}",
+             "initial_global_assignments:"]
+    lines += [f"  {int(l)}: [{', '.join(map(str, row.tolist()))}]" for l, row in zip(plan.layers, plan.phy2log)]
+    text = "\n".join(lines) + "\n"
+    yaml.safe_load(text)  # the file must read back as YAML
+    return text
+
+
+@dataclass
+class TrtllmEplbConfig:
+    """A TensorRT-LLM ``moe_config.load_balancer`` config: ``layers`` (model layer ids)
+    and ``phy2log [layers, num_slots]`` (empty when the config has no initial assignments:
+    online balancing decides the placement)."""
+
+    num_slots: int
+    layer_updates_per_iter: int
+    layers: np.ndarray
+    phy2log: np.ndarray
+
+
+def looks_like_trtllm_yaml(head: bytes) -> bool:
+    return any(k in head for k in (b"initial_global_assignments", b"layer_updates_per_iter")) and \
+        b"num_slots" in head
+
+
+def read_trtllm_yaml(path: str | Path, num_experts: int | None = None) -> TrtllmEplbConfig:
+    """Read a TensorRT-LLM EPLB config YAML (top level, or under ``moe_config.load_balancer``)
+    with ``yaml.safe_load``; every problem is an InputError naming the file."""
+    import yaml
+
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise InputError(path, "not UTF-8 text") from None
+    except OSError as e:
+        raise InputError(path, f"cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1} column {mark.column + 1}" if mark is not None else None
+        raise InputError(path, f"invalid YAML: {getattr(e, 'problem', None) or e}", where) from None
+    if isinstance(doc, dict) and isinstance(doc.get("moe_config"), dict):
+        doc = doc["moe_config"].get("load_balancer")
+        if isinstance(doc, str):
+            raise InputError(path, f"moe_config.load_balancer names another file ({doc!r}): give that file")
+    if not isinstance(doc, dict) or "num_slots" not in doc:
+        raise InputError(path, "not a TensorRT-LLM EPLB config: expected num_slots (and initial_global_assignments) "
+                               "at the top level or under moe_config.load_balancer")
+
+    def count(key, v, lo):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InputError(path, f"{key} must be an integer >= {lo}, got {v!r}")
+        return v
+
+    S = count("num_slots", doc["num_slots"], 1)
+    U = count("layer_updates_per_iter", doc.get("layer_updates_per_iter", 0), 0)
+    ga = doc.get("initial_global_assignments")
+    if ga is None:
+        return TrtllmEplbConfig(S, U, np.zeros(0, np.int64), np.zeros((0, S), np.int64))
+    if not isinstance(ga, dict) or not ga:
+        raise InputError(path, "initial_global_assignments must be a mapping {layer: [expert per slot]}")
+    layers, rows = [], []
+    for key, row in ga.items():
+        if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            layer = key
+        elif isinstance(key, str) and key.strip().isdigit():
+            layer = int(key)
+        else:
+            raise InputError(path, f"initial_global_assignments key {key!r} is not a layer number")
+        where = f"initial_global_assignments[{key}]"
+        if not isinstance(row, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in row):
+            raise InputError(path, f"{where} must be a list of integer expert ids")
+        if len(row) != S:
+            raise InputError(path, f"{where} has {len(row)} slots, num_slots is {S}")
+        if row and min(row) < 0:
+            raise InputError(path, f"{where} holds a negative expert id {min(row)}")
+        if num_experts is not None and row and max(row) >= num_experts:
+            raise InputError(path, f"{where} holds expert {max(row)}, the run has {num_experts} experts")
+        layers.append(layer)
+        rows.append(row)
+    if len(set(layers)) != len(layers):
+        raise InputError(path, "initial_global_assignments names a layer twice")
+    order = np.argsort(layers, kind="stable")
+    return TrtllmEplbConfig(S, U, np.asarray(layers, np.int64)[order], np.asarray(rows, np.int64)[order])
+
+
+def _read_vllm_ascend(path: Path, doc: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """phy2log, file layer ids, devices of a vllm-ascend expert map document."""
+    ll = doc.get("layer_list")
+    n = doc.get("moe_layer_count")
+    if not isinstance(ll, list) or not ll:
+        raise InputError(path, "layer_list must be a non-empty list")
+    if isinstance(n, bool) or not isinstance(n, int) or n != len(ll):
+        raise InputError(path, f"moe_layer_count {n!r} differs from the {len(ll)} entries of layer_list")
+    rows, ids, R = [], [], None
+    for i, layer in enumerate(ll):
+        where = f"layer_list[{i}]"
+        if not isinstance(layer, dict) or not isinstance(layer.get("device_list"), list):
+            raise InputError(path, f"{where} has no device_list")
+        devs = layer["device_list"]
+        lid = layer.get("layer_id", i)
+        if isinstance(lid, bool) or not isinstance(lid, int) or lid < 0:
+            raise InputError(path, f"{where}.layer_id must be a non-negative integer, got {lid!r}")
+        cnt = layer.get("device_count", len(devs))
+        if cnt != len(devs):
+            raise InputError(path, f"{where}.device_count {cnt!r} differs from the {len(devs)} devices listed")
+        R = R if R is not None else len(devs)
+        if len(devs) != R or not R:
+            raise InputError(path, f"{where} lists {len(devs)} devices, layer_list[0] lists {R}")
+        row, per = [], None
+        for j, d in enumerate(devs):
+            ex = d.get("device_expert") if isinstance(d, dict) else None
+            if not isinstance(ex, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in ex):
+                raise InputError(path, f"{where}.device_list[{j}].device_expert must be a list of expert ids >= 0")
+            if d.get("device_id", j) != j:
+                raise InputError(path, f"{where}.device_list[{j}].device_id is {d.get('device_id')!r}, expected {j} "
+                                       "(devices in order)")
+            per = per if per is not None else len(ex)
+            if len(ex) != per or not per:
+                raise InputError(path, f"{where}.device_list[{j}] holds {len(ex)} experts, device 0 holds {per} "
+                                       "(every device needs the same number of slots)")
+            row += ex
+        rows.append(row)
+        ids.append(lid)
+    if len(set(ids)) != len(ids):
+        raise InputError(path, "layer_list names a layer_id twice")
+    widths = {len(r) for r in rows}
+    if len(widths) != 1:
+        raise InputError(path, f"layers hold different slot counts: {sorted(widths)}")
+    return np.asarray(rows, np.int64), np.asarray(ids, np.int64), int(R)
+
+
 def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_node: int,
                 layers: np.ndarray | None = None, num_groups: int = 1) -> Plan:
-    """Read a plan file (SGLang or EPLB-style JSON). Rows are taken for ``layers`` (row
-    index = layer id in a SGLang map covering every model layer)."""
+    """Read a plan file in any of :data:`FORMATS` (told apart by content; YAML by suffix
+    or content). Rows are taken for ``layers`` (row index = layer id in a SGLang map
+    covering every model layer; layer keys in a TensorRT-LLM config; see the module doc
+    for vllm-ascend). The vllm-ascend map gives its own device count (``num_ranks``)."""
     path = Path(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise InputError(path, f"cannot read: {e.strerror}") from None
+    if path.suffix.lower() in (".yaml", ".yml") or looks_like_trtllm_yaml(head) and not head.lstrip().startswith(b"{"):
+        cfg = read_trtllm_yaml(path, num_experts)
+        if not cfg.layers.size:
+            raise InputError(path, "no initial_global_assignments: the placement is left to online balancing "
+                                   f"(layer_updates_per_iter {cfg.layer_updates_per_iter}), nothing to import")
+        return _finish(path, cfg.phy2log, cfg.layers, layers, num_experts, num_ranks, ranks_per_node,
+                       "file:trtllm", {"layer_updates_per_iter": cfg.layer_updates_per_iter})
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise InputError(path, f"cannot read plan JSON: {e}") from None
     if not isinstance(doc, dict):
-        raise InputError(path, "expected a JSON object with physical_to_logical_map, phy2log or logical_count")
+        raise InputError(path, "expected a JSON object with physical_to_logical_map, phy2log, logical_count or "
+                               "layer_list")
 
     def arr(key):
         try:
@@ -155,8 +333,24 @@ def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_no
         except ValueError as e:
             raise InputError(path, f"cannot plan logical_count: {e}") from None
         policy = "file:logical_count+eplb"
+    elif "layer_list" in doc:
+        p2l, file_layers, num_ranks = _read_vllm_ascend(path, doc)
+        params = {}
+        if layers is not None and not set(np.asarray(layers).tolist()) <= set(file_layers.tolist()):
+            if len(layers) != file_layers.size:
+                raise InputError(path, f"the map covers {file_layers.size} MoE layers, the run has {len(layers)}")
+            params["layer_ids_mapped_in_order"] = {int(a): int(b) for a, b in zip(file_layers, layers)}
+            file_layers = np.asarray(layers, np.int64)
+        return _finish(path, p2l, file_layers, layers, num_experts, num_ranks, ranks_per_node, "file:vllm-ascend",
+                       params)
     else:
-        raise InputError(path, "no physical_to_logical_map, phy2log or logical_count key")
+        raise InputError(path, "no physical_to_logical_map, phy2log, logical_count or layer_list key")
+    return _finish(path, p2l, file_layers, layers, num_experts, num_ranks, ranks_per_node, policy, {})
+
+
+def _finish(path: Path, p2l: np.ndarray, file_layers: np.ndarray, layers, num_experts: int, num_ranks: int,
+            ranks_per_node: int, policy: str, params: dict) -> Plan:
+    """The rows of a plan file for ``layers`` as a Plan (errors name the file)."""
     if layers is not None:
         missing = [int(l) for l in layers if l not in set(file_layers.tolist())]
         if missing:
@@ -166,6 +360,6 @@ def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_no
     if p2l.shape[1] % num_ranks:
         raise InputError(path, f"{p2l.shape[1]} slots per layer do not divide over {num_ranks} ranks; pass --ranks")
     try:
-        return Plan(p2l, num_experts, num_ranks, ranks_per_node, layers=file_layers, policy=policy)
+        return Plan(p2l, num_experts, num_ranks, ranks_per_node, layers=file_layers, policy=policy, params=params)
     except ValueError as e:
         raise InputError(path, str(e)) from None

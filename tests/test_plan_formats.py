@@ -1,0 +1,99 @@
+"""Plan files in every format: TensorRT-LLM EPLB YAML and vllm-ascend expert map JSON
+(beside SGLang and EPLB JSON) export and read back to the same placement; the files are
+checked against the layouts the engines document, written out here by hand."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from moetrace.errors import InputError
+from moetrace.replay import plan_io
+from moetrace.replay.planners import Plan
+
+# 4 experts on 6 slots over 2 ranks (3 slots each), model layers 3 and 4 (dense 0-2)
+P2L = np.array([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 3, 3]])
+LAYERS = np.array([3, 4])
+
+
+def _plan():
+    return Plan(P2L, 4, 2, 2, layers=LAYERS, policy="hand")
+
+
+@pytest.mark.parametrize("fmt", plan_io.FORMATS)
+def test_round_trip(tmp_path, fmt):
+    f = plan_io.export_plan(_plan(), tmp_path / ("plan.yaml" if fmt == "trtllm" else "plan.json"), fmt)
+    q = plan_io.import_plan(f, 4, 2, 2, layers=LAYERS)
+    assert np.array_equal(q.phy2log, P2L) and q.layers.tolist() == [3, 4] and q.num_ranks == 2
+
+
+def test_trtllm_yaml_is_the_engine_layout(tmp_path):
+    f = plan_io.export_plan(_plan(), tmp_path / "moe_load_balancer.yaml", "trtllm")
+    doc = yaml.safe_load(f.read_text())
+    # TensorRT-LLM: num_slots, layer_updates_per_iter (0 = static), {model layer: [expert per slot]}
+    assert doc == {"num_slots": 6, "layer_updates_per_iter": 0,
+                   "initial_global_assignments": {3: [0, 1, 2, 3, 0, 1], 4: [3, 2, 1, 0, 3, 3]}}
+
+
+def test_trtllm_yaml_inline_under_moe_config(tmp_path):
+    f = tmp_path / "extra_llm_api_options.yaml"
+    f.write_text("enable_attention_dp: true\nmoe_config:\n  backend: WideEP\n  load_balancer:\n    num_slots: 6\n"
+                 "    layer_updates_per_iter: 0\n    initial_global_assignments:\n      '3': [0, 1, 2, 3, 0, 1]\n"
+                 "      '4': [3, 2, 1, 0, 3, 3]\n")
+    q = plan_io.import_plan(f, 4, 2, 2, layers=LAYERS)
+    # rank r holds consecutive slots [3r, 3r+3): rank 1 holds experts 3, 0, 1 on layer 3
+    assert q.phy2log[0, 3:].tolist() == [3, 0, 1] and q.slot_rank.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_vllm_ascend_map_is_the_engine_layout(tmp_path):
+    f = plan_io.export_plan(_plan(), tmp_path / "expert_map.json", "vllm-ascend")
+    doc = json.loads(f.read_text())
+    assert doc["moe_layer_count"] == 2
+    assert doc["layer_list"][1] == {"layer_id": 1, "device_count": 2, "device_list": [
+        {"device_id": 0, "device_expert": [3, 2, 1]}, {"device_id": 1, "device_expert": [0, 3, 3]}]}
+
+
+def test_vllm_ascend_map_written_by_hand(tmp_path):
+    # the shape vllm-ascend's own tests use (no device_id), 4 experts on 2 devices, layers 0-1
+    f = tmp_path / "map.json"
+    f.write_text(json.dumps({"moe_layer_count": 2, "layer_list": [
+        {"layer_id": 0, "device_count": 2, "device_list": [{"device_expert": [0, 1]}, {"device_expert": [2, 3]}]},
+        {"layer_id": 1, "device_count": 2, "device_list": [{"device_expert": [3, 1]}, {"device_expert": [2, 0]}]}]}))
+    q = plan_io.import_plan(f, 4, 8, 8, layers=np.array([0, 1]))
+    assert q.num_ranks == 2 and q.phy2log.tolist() == [[0, 1, 2, 3], [3, 1, 2, 0]]
+    assert q.params == {}   # ids matched directly
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("num_slots: 6\ninitial_global_assignments:\n  3: [0, 1, 2]\n", "has 3 slots, num_slots is 6"),
+    ("num_slots: 4\ninitial_global_assignments:\n  3: [0, 1, 2, 9]\n", "holds expert 9"),
+    ("num_slots: 4\ninitial_global_assignments:\n  x: [0, 1, 2, 3]\n", "is not a layer number"),
+    ("num_slots: 4\nlayer_updates_per_iter: 2\n", "online balancing"),
+    ("num_slots: [4\n", "invalid YAML"),
+    ("num_slots: !!python/object/apply:os.system ['true']\n", "invalid YAML"),
+])
+def test_bad_trtllm_yaml(tmp_path, text, msg):
+    f = tmp_path / "lb.yaml"
+    f.write_text(text)
+    with pytest.raises(InputError, match=msg) as e:
+        plan_io.import_plan(f, 4, 2, 2, layers=np.array([3]))
+    assert e.value.file == str(f)
+
+
+@pytest.mark.parametrize("doc, msg", [
+    ({"moe_layer_count": 2, "layer_list": [{"layer_id": 0, "device_list": [{"device_expert": [0, 1]}]}]},
+     "moe_layer_count 2 differs"),
+    ({"moe_layer_count": 1, "layer_list": [{"layer_id": 0, "device_count": 2, "device_list": [
+        {"device_expert": [0, 1]}, {"device_expert": [2]}]}]}, "every device needs the same number of slots"),
+    ({"moe_layer_count": 1, "layer_list": [{"layer_id": 0, "device_count": 3, "device_list": [
+        {"device_expert": [0, 1]}, {"device_expert": [2, 3]}]}]}, "device_count 3 differs"),
+    ({"moe_layer_count": 1, "layer_list": [{"layer_id": 0, "device_count": 2, "device_list": [
+        {"device_expert": [0, 1]}, {"device_expert": [1, 0]}]}]}, "without a slot"),
+])
+def test_bad_vllm_ascend_map(tmp_path, doc, msg):
+    f = tmp_path / "map.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=msg):
+        plan_io.import_plan(f, 4, 2, 2, layers=np.array([0]))
