@@ -116,12 +116,13 @@ SELECT w.run_id, w.lane, w.coll_key, w.seq, w.rank, w.kind, w.collective, w.step
 FROM w LEFT JOIN ow ON ow.run_id = w.run_id AND ow.lane = w.lane AND ow.coll_key = w.coll_key AND ow.seq = w.seq
                     AND ow.rank = w.rank;
 
--- Who waited for whom: total wait of `rank` charged to `waited_for` (self rows excluded).
+-- Who waited for whom: total wait of `rank` charged to `waited_for` (self rows and ties
+-- -- equal arrivals, no wait -- excluded).
 CREATE OR REPLACE VIEW wait_matrix AS
 SELECT run_id, rank, waited_for, count(*) AS instances, sum(wait_ns)::BIGINT AS wait_ns,
        sum(exposed_wait_ns)::BIGINT AS exposed_wait_ns
 FROM rank_waits
-WHERE rank <> waited_for
+WHERE rank <> waited_for AND wait_ns > 0
 GROUP BY run_id, rank, waited_for;
 
 -- Per rank: the wait it caused others (as last arriver), the wait it suffered, and its
