@@ -41,10 +41,8 @@ def report(store, run_id, outdir, quiet, batch_steps, memory_limit):
 
     Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
     """
-    from ..report.build import build_report
-
-    st = Store(store)
-    rep = build_report(st, run_id, outdir, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
+    rep = Store(store).run(run_id).report(outdir, batch_steps=batch_steps, memory_limit=memory_limit,
+                                          progress=_progress)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)
@@ -72,35 +70,13 @@ def skew(store, run_id, by, batch_steps, memory_limit, fmt, output):
     """
     import polars as pl
 
-    from ..analyze import configure, drop_materialized, materialize_layer_skew
-
     st = Store(store)
-    runs = [st.resolve_run(run_id)] if run_id else st.run_ids()
-    where = "WHERE run_id = ?"
-    if by == "run":
-        q = (f"SELECT run_id, layers, steps, imbalance_mean, imbalance_p50, imbalance_p99, balancedness, "
-             f"worst_layer, worst_layer_imbalance, placement_source FROM run_skew_summary {where} ORDER BY run_id")
-    elif by == "layer":
-        q = (f"SELECT run_id, layer, steps, steps_undefined, imbalance_mean, imbalance_p50, imbalance_p99, "
-             f"efficiency_mean, gini_mean, top5pct_share_mean, hottest_expert_mode, straggler_rank_mode, "
-             f"placement_source FROM skew_summary {where} ORDER BY run_id, imbalance_mean DESC NULLS LAST")
-    else:
-        q = (f"SELECT run_id, step, layer, max_rank_tokens, mean_rank_tokens, imbalance, efficiency, straggler_rank, "
-             f"gini, cv, top5pct_share, hottest_expert, hottest_share, note FROM layer_skew {where} "
-             f"ORDER BY run_id, step, layer")
-    configure(st.con, memory_limit)
-    frames = []
-    for rid in runs:
-        m = materialize_layer_skew(st, rid, batch_steps, views=("layer_skew",), progress=_progress)
-        try:
-            frames.append(st.sql(q, [rid]))
-        finally:
-            drop_materialized(st.con, m)
-    frames = [f for f in frames if f.height]
-    if frames:
-        df = pl.concat(frames, how="vertical_relaxed")
-    else:
-        df = st.sql(q.replace(where, "WHERE false"))
+    runs = [st.run(run_id)] if run_id else [st.run(r) for r in st.run_ids()]
+    if not runs:
+        click.echo("no runs")
+        return
+    frames = [r.skew(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress) for r in runs]
+    df = pl.concat([f for f in frames if f.height] or frames[:1], how="vertical_relaxed")
     emit(df, fmt, output)
 
 
