@@ -195,7 +195,7 @@ def test_skew_by_batch_matches_numpy_merging(small_synth):
             imbs.append(ranks.max() / ranks.mean())
         assert r["batches"] == cfg.steps // w
         assert r["imbalance"] == pytest.approx(np.mean(imbs))
-        assert r["tokens_per_step"] == pytest.approx(w * cfg.tokens_per_step)
+        assert r["tokens_per_batch"] == pytest.approx(w * cfg.tokens_per_step)
 
 
 # ----------------------------------------------------------------------------- seed physics

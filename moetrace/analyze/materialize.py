@@ -234,17 +234,27 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                     WHERE w > {K} AND batch < {n} // w GROUP BY layer, w, batch""")
             _empty_like(con, "skew_by_batch", "skew_by_batch")
             made.append("skew_by_batch")
-            con.execute("""
+            con.execute(f"""
                 INSERT INTO temp.skew_by_batch
-                SELECT sh.run_id, b.layer, b.w,
-                       avg(b.total / coalesce(sh.top_k, 1)),
-                       avg(b.mx / (b.total / sh.num_ranks)) FILTER (WHERE b.total > 0),
-                       count(*) FILTER (WHERE b.total > 0),
-                       CASE WHEN sh.top_k IS NULL THEN 'top_k unknown: tokens_per_step counts token-expert assignments'
-                       END
-                FROM _mt_per_batch b CROSS JOIN temp.run_shape sh
-                WHERE sh.run_id = ? AND sh.num_ranks IS NOT NULL
-                GROUP BY sh.run_id, b.layer, b.w, sh.top_k, sh.num_ranks""", [run_id])
+                WITH a AS (
+                    SELECT sh.run_id, b.layer, b.w,
+                           avg(b.total / coalesce(sh.top_k, 1)),
+                           avg(b.mx / (b.total / sh.num_ranks)) FILTER (WHERE b.total > 0) AS imbalance,
+                           count(*) FILTER (WHERE b.total > 0),
+                           CASE WHEN sh.top_k IS NULL
+                                THEN 'top_k unknown: tokens_per_batch counts token-expert assignments' END
+                    FROM _mt_per_batch b CROSS JOIN temp.run_shape sh
+                    WHERE sh.run_id = ? AND sh.num_ranks IS NOT NULL
+                    GROUP BY sh.run_id, b.layer, b.w, sh.top_k, sh.num_ranks
+                )
+                SELECT a.*, c.steps_used, c.first_step, c.last_step, c.step_imbalance_mean,
+                       a.imbalance / c.step_imbalance_mean
+                FROM a LEFT JOIN LATERAL (   -- the same steps one at a time (see 25_skew_by_batch.sql)
+                    SELECT count(*) AS steps_used, min(s.step) AS first_step, max(s.step) AS last_step,
+                           avg(ls.imbalance) AS step_imbalance_mean
+                    FROM _mt_steps s JOIN temp.layer_skew ls ON ls.step = s.step AND ls.layer = a.layer
+                    WHERE s.ord < ({n} // a.w) * a.w
+                ) c ON true""", [run_id])
         if "skew_decomposition" in views:
             # the view's structural part sums rank_load_sparse over the run: give it the batch totals
             con.execute("CREATE OR REPLACE TEMP TABLE rank_load_sparse AS "

@@ -124,3 +124,30 @@ def lines(path, series: list[tuple[str, np.ndarray, np.ndarray]], *, title: str,
         # outside the axes, on the right: inside it covered the data (often the last, largest-batch point)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     return save(fig, path)
+
+
+def plateau(path, series, *, title: str, xlabel: str, ylabel: str):
+    """Imbalance against tokens per batch: per layer, (label, tokens, merged, same_steps,
+    structural). Solid = merged batches, dotted = the same steps one at a time, dashed =
+    structural level. The y axis starts at 1.0 (perfect balance), so a 3% wiggle on an
+    8-step run looks like 3%, not like a cliff."""
+    fig, ax = figure(8.0, 4.4)
+    _apply_style(ax)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    top = 1.0
+    for i, (label, x, merged, same, structural) in enumerate(series):
+        c = colors[i % len(colors)]
+        ax.plot(x, merged, marker="o", markersize=4, color=c, label=f"{label}: merged batches")
+        ax.plot(x, same, linestyle=":", linewidth=1.2, color=c, label=f"{label}: same steps one at a time")
+        top = max(top, float(np.nanmax(merged)), float(np.nanmax(same)))
+        if structural is not None:
+            ax.axhline(structural, color=c, linestyle="--", linewidth=1, alpha=0.8, label=f"{label}: structural")
+            top = max(top, structural)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(1.0 - 0.02 * max(top - 1.0, 0.05), top + 0.08 * max(top - 1.0, 0.05))
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if series:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    return save(fig, path)
