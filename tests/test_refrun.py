@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("refrun")
     plan_file = root / "plan.json"
     plan_file.write_text(json.dumps({"phy2log": [REPLICATED] * L}))
-    run(_cfg(), root / "a")
+    run(_cfg(repeats=3, warmup=1), root / "a")
     run(_cfg(placement=str(plan_file), profile=False), root / "b")
     st = Store(root / "st", create=True)
     ra = ingest(st, [root / "a"])[0].run_id
@@ -197,3 +197,63 @@ def test_report_reads_the_reference_run(runs, runner, tmp_path):
     assert "Per-layer skew" in out
     assert "All-to-all exposure" in out
     assert (tmp_path / "rep" / "report.html").stat().st_size > 0
+
+
+def _p(v, q):
+    """Percentile by linear interpolation, written out (numpy's default method)."""
+    v = sorted(v)
+    x = (len(v) - 1) * q
+    lo = int(x)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (x - lo)
+
+
+def test_cell_times_are_medians_of_the_timed_passes(runs):
+    """cell_times = per (step, layer, rank) median over the 3 timed passes, recomputed here
+    from the raw per-pass timestamps; the layer time is the per-pass max over ranks."""
+    root, st, ra, rb = runs
+    raw = pl.concat([pl.read_parquet(root / "a" / f"timing_rank{r}.parquet") for r in range(R)])
+    assert sorted(raw["pass"].unique().to_list()) == [0, 1, 2]       # warm-up and profiled pass not timed
+    assert raw.height == 3 * STEPS * L * R
+    per = {}
+    for row in raw.iter_rows(named=True):
+        k = (row["step"], row["layer"], row["rank"])
+        per.setdefault(k, []).append(row)
+    got = st.sql("SELECT * FROM cell_times WHERE run_id = ? ORDER BY step, layer, rank", [ra])
+    assert got.height == STEPS * L * R
+    for g in got.iter_rows(named=True):
+        rows = per[(g["step"], g["layer"], g["rank"])]
+        ex = [r["expert_end_ns"] - r["expert_start_ns"] for r in rows]
+        moe = [r["combine_end_ns"] - r["dispatch_start_ns"] for r in rows]
+        comm = [m - e for m, e in zip(moe, ex)]
+        assert g["passes"] == 3
+        assert g["expert_ns"] == sorted(ex)[1] and g["moe_ns"] == sorted(moe)[1] and g["comm_ns"] == sorted(comm)[1]
+        assert g["expert_spread"] == pytest.approx((_p(ex, .75) - _p(ex, .25)) / sorted(ex)[1])
+        lay = []
+        for p in range(3):
+            lay.append(max(r["combine_end_ns"] - r["dispatch_start_ns"] for rk in range(R)
+                           for r in per[(g["step"], g["layer"], rk)] if r["pass"] == p))
+        assert g["layer_ns"] == sorted(lay)[1]
+    meta = json.loads(st.sql("SELECT meta_json FROM runs WHERE run_id = ?", [ra])["meta_json"][0])
+    spreads = sorted(v for v in got["expert_spread"].to_list() if v is not None)
+    assert meta["noise"]["passes"] == 3
+    assert meta["noise"]["expert_spread_p50"] == pytest.approx(float(np.median(spreads)), abs=1e-4)
+    # one pass: medians are the values, no spread
+    one = st.sql("SELECT passes, expert_spread FROM cell_times WHERE run_id = ?", [rb])
+    assert set(one["passes"].to_list()) == {1} and one["expert_spread"].null_count() == one.height
+
+
+def test_cli_prints_noise_progress_and_no_profiler_chatter(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "moetrace", "refrun", str(tmp_path / "o"), "--ranks", "3",
+                          "--experts", "6", "--layers", "1", "--hidden", "16", "--ffn", "16", "--steps", "1",
+                          "--tokens-per-rank", "4", "--repeats", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "noise over 2 timed pass(es)" in res.stdout
+    assert "pass 3/3 done (profiled" in res.stderr
+    import os
+    if len(os.sched_getaffinity(0)) < 3:
+        assert "OVERSUBSCRIBED" in res.stderr
+    assert "USDT" not in res.stdout + res.stderr

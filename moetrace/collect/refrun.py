@@ -5,8 +5,11 @@ A folder holding ``moetrace-refrun.json`` is claimed whole: the routing
 per (source rank, slot) (``received_rank{r}.parquet``: the measured load, written to
 ``expert_load`` with slot and source rank, checked against the routing), the step
 boundaries (``steps_rank{r}.parquet``: a rank with no tokens is a dummy step), the
-recorded placement, and the per-rank profiler traces (``rank{r}_trace.json.gz``) through
-the Kineto collector, merged into the same run.
+recorded placement, the per-rank timings of the timed passes (``timing_rank{r}.parquet``,
+summarized per (step, layer, rank) by the median and its spread into ``cell_times``, the
+noise level into ``runs.meta_json``; folders written before timing existed have none), and
+the per-rank profiler traces (``rank{r}_trace.json.gz``) through the Kineto collector,
+merged into the same run.
 """
 from __future__ import annotations
 
@@ -86,6 +89,29 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
     approx: list[str] = []
     meta: dict = {"format": "refrun", "config": cfg, "replica_choice": man.get("replica_choice"),
                   "wall_s": man.get("wall_s"), "torch": man.get("torch")}
+    timing_files = [folder / f"timing_rank{r}.parquet" for r in range(R)]
+    if all(p.is_file() for p in timing_files):
+        from ..produce.refrun import summarize_timing
+
+        timing = pl.concat([_read_parquet(p) for p in timing_files])
+        need_cols = {"pass", "step", "layer", "rank", "dispatch_start_ns", "expert_start_ns", "expert_end_ns",
+                     "combine_end_ns"}
+        if not need_cols <= set(timing.columns):
+            raise InputError(timing_files[0], f"timing file lacks {', '.join(sorted(need_cols - set(timing.columns)))}")
+        bad_t = timing.filter((pl.col("expert_end_ns") < pl.col("expert_start_ns"))
+                              | (pl.col("expert_start_ns") < pl.col("dispatch_start_ns"))
+                              | (pl.col("combine_end_ns") < pl.col("expert_end_ns")))
+        if bad_t.height:
+            r = bad_t.row(0, named=True)
+            raise InputError(folder / f"timing_rank{r['rank']}.parquet",
+                             f"timestamps out of order at pass {r['pass']}, step {r['step']}, layer {r['layer']}")
+        cells, noise = summarize_timing(timing)
+        tables["cell_times"] = cells
+        meta["noise"] = {**(man.get("noise") or {}), **noise}
+    elif any(p.is_file() for p in timing_files):
+        raise InputError(folder, "refrun output is incomplete: some timing_rank*.parquet files are missing")
+    else:
+        approx.append("no timing files in the folder (written before refrun timed its passes): no cell_times")
     traces = sorted(p for p in files if p.name.endswith((".json.gz", ".json")) and p.name != MANIFEST)
     time_base = "epoch"
     if traces:

@@ -46,10 +46,22 @@ def _ints(ctx, param, value):
 @click.option("--seed", default=0, show_default=True, help="Seed of tokens and weights (same seed: same routing "
                                                            "under any placement).")
 @click.option("--no-profile", is_flag=True, help="Do not run the PyTorch profiler.")
+@click.option("--delay-rank", default=-1, show_default=True,
+              help="Hold this rank's compute --delay-us per layer (a known cause for `moetrace waits`; -1: none).")
+@click.option("--delay-us", default=0.0, show_default=True, help="Injected delay per layer, µs.")
+@click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="2: two micro-batches per step, the all-to-all of one in flight while the other computes.")
+@click.option("--repeats", default=1, show_default=True,
+              help="Timed passes over all steps; per (step, layer, rank) the median and its spread are stored "
+                   "(table cell_times). With more than 1 the profiler records an extra pass of its own.")
+@click.option("--warmup", default=1, show_default=True, help="Untimed iterations of the first step before timing.")
+@click.option("--threads-per-rank", default=1, show_default=True,
+              help="Torch threads per rank process (1: one core per rank, the low-noise setting).")
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @click.option("--store", "store_path", type=click.Path(file_okay=False), default=None,
               help="Also ingest the output into this store.")
 @click.option("--run-id", default=None, help="Run id when ingesting.")
-def refrun(outdir, store_path, run_id, no_profile, **kw):
+def refrun(outdir, store_path, run_id, no_profile, quiet, **kw):
     """Run a real expert-parallel MoE on CPU (torch.distributed gloo, one process per
     rank, all_to_all_single dispatch and combine) with the PyTorch profiler on; write
     per-rank Kineto traces, the routing, the measured per-slot load and the steps.
@@ -61,10 +73,16 @@ def refrun(outdir, store_path, run_id, no_profile, **kw):
     """
     from ..produce.refrun import RefRunConfig, run
 
-    cfg = RefRunConfig(profile=not no_profile, **kw)
+    cfg = RefRunConfig(profile=not no_profile, progress=not quiet, **kw)
     man = run(cfg, outdir)
     click.echo(f"{outdir}: {cfg.ranks} ranks x {cfg.steps} steps in {man['wall_s']:.1f} s "
                f"({len(man['files'])} files)")
+    nz = man["noise"]
+    pct = lambda v: "n/a (1 pass)" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    click.echo(f"noise over {nz['passes']} timed pass(es), median relative spread (p75-p25)/median per cell: "
+               f"expert {pct(nz['expert_spread_p50'])}, MoE {pct(nz['moe_spread_p50'])}, "
+               f"layer {pct(nz['layer_spread_p50'])}" + ("; ranks oversubscribed the CPU cores"
+                                                         if nz["oversubscribed"] else ""))
     if store_path:
         from ..collect import collect
         from ..store import Store

@@ -16,6 +16,16 @@ rank no tokens in that step: it still joins every collective (a dummy step). The
 seed gives the same tokens and weights under any placement, so a replay of one run's
 routing against another placement can be checked against a second real run.
 
+Fit for measurement on a small machine: one thread per rank (a warning when there are
+more ranks than CPU cores), ``warmup`` untimed iterations first, then ``repeats`` timed
+passes over the same steps (the tokens of a (step, rank) are seeded, so every pass runs
+the same traffic). Every rank times its dispatch, its local experts and its combine with
+a monotonic clock (``timing_rank{r}.parquet``, one row per pass, step and layer); the
+collector summarizes them per (step, layer, rank) by the median and its spread (table
+``cell_times``) and the run's noise level (:func:`summarize_timing`) goes to the manifest
+and ``runs.meta_json``. With ``repeats > 1`` the profiler records one extra pass, so the
+timed passes run without its overhead.
+
 The output folder is one run for ``moetrace ingest`` (collector ``refrun``).
 """
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from . import refrun_timeline
 
 MANIFEST = "moetrace-refrun.json"
 
@@ -40,8 +52,8 @@ class RefRunConfig:
     experts: int = 8
     top_k: int = 2
     layers: int = 2
-    hidden: int = 64
-    ffn: int = 128
+    hidden: int = 256                 # big enough that expert GEMMs dominate the per-call overhead
+    ffn: int = 512
     steps: int = 6
     tokens_per_rank: int = 32
     prefill_tokens: int = 0           # >0: step 0 is a prefill of this many tokens per rank
@@ -53,6 +65,12 @@ class RefRunConfig:
     profile: bool = True
     threads_per_rank: int = 1
     timeout_s: float = 300.0
+    delay_rank: int = -1              # this rank's compute is held delay_us per layer (-1: none)
+    delay_us: float = 0.0
+    micro_batches: int = 1            # 2: two micro-batches, a2a of one while the other computes
+    repeats: int = 1                  # timed passes over all steps (median and spread per cell)
+    warmup: int = 1                   # untimed iterations of the first step before the timed passes
+    progress: bool = True             # progress lines on stderr
 
     def validate(self) -> None:
         def bad(msg):
@@ -64,6 +82,16 @@ class RefRunConfig:
                 bad(f"--{k.replace('_', '-')} must be >= 1")
         if self.top_k > self.experts:
             bad("--top-k exceeds --experts")
+        if self.repeats < 1:
+            bad("--repeats must be >= 1")
+        if self.warmup < 0:
+            bad("--warmup must be >= 0")
+        if self.threads_per_rank < 1:
+            bad("--threads-per-rank must be >= 1")
+        if self.delay_rank >= self.ranks or self.delay_us < 0:
+            bad("--delay-rank must be < --ranks and --delay-us >= 0")
+        if self.micro_batches not in (1, 2):
+            bad("--micro-batches must be 1 or 2")
         if self.tokens_per_rank < 0 or self.prefill_tokens < 0:
             bad("token counts must be >= 0")
         if self.hot is not None and sorted(set(self.hot)) != sorted(self.hot):
@@ -236,19 +264,20 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                 local[(layer, s)] = (torch.randn(2 * FF, H, generator=g) / H ** 0.5,
                                      torch.randn(H, FF, generator=g) / FF ** 0.5)
         routing, received, steps = [], [], []
+        # issue 16: injected delay and two-micro-batch layers (produce/refrun_timeline.py)
+        tl = refrun_timeline.LayerEnv(torch, dist, F, rank, R, K, P, H, prior, w_router, w_attn, local, l2p, cnt,
+                                      slot_rank, expert_mlp, cfg.delay_us if rank == cfg.delay_rank else 0.0)
 
         def a2a(t, out_rows, in_splits, out_splits):
             out = t.new_empty((out_rows,) + tuple(t.shape[1:]))
             dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits)
             return out
 
-        prof = None
-        if cfg.profile:
-            from torch.profiler import ProfilerActivity, profile
-            prof = profile(activities=[ProfilerActivity.CPU])
-            prof.__enter__()
-        dist.barrier()
-        for step in range(cfg.steps):
+        timing = []   # (pass, step, layer, dispatch start, expert start, expert end, combine end), monotonic ns
+
+        def one_step(step, record, tpass):
+            """Run ``step`` on this rank; ``record``: keep routing, load and step bounds;
+            ``tpass`` >= 0: keep the timing of this pass."""
             n_all = [tokens_of(cfg, step, r) for r in range(R)]
             T = n_all[rank]
             base = sum(n_all[:rank])
@@ -258,8 +287,16 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             step_rf.__enter__()
             x = torch.randn(T, H, generator=_seeded(torch, cfg.seed, 4, step, rank))
             for layer in range(L):
+                if cfg.micro_batches == 2:
+                    x, recs, tt = refrun_timeline.two_micro_batch_layer(tl, layer, x, tok_ids, choose_slots)
+                    if record:
+                        refrun_timeline.keep(recs, step, layer, R, P, routing, received)
+                    if tpass >= 0:
+                        timing.append((tpass, step, layer, *tt))
+                    continue
                 with torch.profiler.record_function(f"attention layer {layer}"):
                     x = x + torch.tanh(x @ w_attn[layer]) * 0.5
+                    refrun_timeline.delay(tl.delay_us)
                 with torch.profiler.record_function(f"router layer {layer}"):
                     logits = x @ w_router[layer].T + prior
                     probs = F.softmax(logits, dim=-1)
@@ -270,6 +307,7 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                 dest = slot_rank[slots.ravel()]
                 order = np.argsort(dest, kind="stable")
                 send = np.bincount(dest, minlength=R).astype(np.int64)
+                td0 = time.monotonic_ns()
                 with torch.profiler.record_function(f"dispatch layer {layer}"):
                     recv = torch.empty(R, dtype=torch.int64)
                     dist.all_to_all_single(recv, torch.from_numpy(send))
@@ -277,35 +315,79 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                     rows = x.repeat_interleave(K, dim=0)[torch.from_numpy(order)] if T else x.new_zeros((0, H))
                     rx = a2a(rows, sum(recv_l), send.tolist(), recv_l)
                     rslot = a2a(torch.from_numpy(slots.ravel()[order]), sum(recv_l), send.tolist(), recv_l)
+                te0 = time.monotonic_ns()
                 with torch.profiler.record_function(f"experts layer {layer}"):
-                    y = torch.zeros_like(rx)
                     rs = rslot.numpy()
-                    for s in np.unique(rs):
-                        m = torch.from_numpy(rs == s)
+                    # rows grouped by slot (stable: each slot's rows keep their order), one call per slot
+                    perm = np.argsort(rs, kind="stable")
+                    uniq, first = np.unique(rs[perm], return_index=True)
+                    bounds = list(first) + [len(rs)]
+                    perm_t = torch.from_numpy(perm)
+                    xs = rx[perm_t]
+                    ys = torch.empty_like(xs)
+                    for i, s in enumerate(uniq):
                         wg, wd = local[(layer, int(s))]
-                        y[m] = expert_mlp(rx[m], wg, wd)
+                        ys[bounds[i]:bounds[i + 1]] = expert_mlp(xs[bounds[i]:bounds[i + 1]], wg, wd)
+                    y = torch.empty_like(rx)
+                    y[perm_t] = ys
+                te1 = time.monotonic_ns()
+                if record and len(rs):
                     # tokens received per (source rank, slot): the measured load of this rank
                     src = np.repeat(np.arange(R), recv_l)
-                    if len(rs):
-                        key = src * P + rs
-                        c = np.bincount(key, minlength=R * P).reshape(R, P)
-                        sr, ss = np.nonzero(c)
-                        received.append((np.full(len(sr), step), np.full(len(sr), layer), sr, ss, c[sr, ss]))
+                    c = np.bincount(src * P + rs, minlength=R * P).reshape(R, P)
+                    sr, ss = np.nonzero(c)
+                    received.append((np.full(len(sr), step), np.full(len(sr), layer), sr, ss, c[sr, ss]))
                 with torch.profiler.record_function(f"combine layer {layer}"):
                     back = a2a(y, T * K, recv_l, send.tolist())
+                tc1 = time.monotonic_ns()
+                if tpass >= 0:
+                    timing.append((tpass, step, layer, td0, te0, te1, tc1))
                 if T:
                     out = torch.empty_like(back)
                     out[torch.from_numpy(order)] = back
                     x = x + (gate.unsqueeze(-1) * out.view(T, K, H)).sum(dim=1)
-                    routing.append((np.full(T * K, step), np.full(T * K, layer), np.repeat(tok_ids, K),
-                                    np.tile(np.arange(K), T), ch.ravel(), slots.ravel(),
-                                    gate.detach().numpy().ravel()))
+                    if record:
+                        routing.append((np.full(T * K, step), np.full(T * K, layer), np.repeat(tok_ids, K),
+                                        np.tile(np.arange(K), T), ch.ravel(), slots.ravel(),
+                                        gate.detach().numpy().ravel()))
             step_rf.__exit__(None, None, None)
             t1 = time.time_ns()
-            steps.append((step, T, t0, t1))
+            if record:
+                steps.append((step, T, t0, t1))
+
+        def say(msg):
+            if cfg.progress and rank == 0:
+                print(f"refrun: {msg}", file=sys.stderr, flush=True)
+
+        dist.barrier()
+        t_start = time.monotonic()
+        for _ in range(cfg.warmup):
+            one_step(0, False, -1)
+        if cfg.warmup:
+            say(f"{cfg.warmup} warm-up iteration(s) done ({time.monotonic() - t_start:.1f} s)")
+        # with several timed passes the profiler gets a pass of its own (no overhead in the timings)
+        extra = cfg.profile and cfg.repeats > 1
+        passes = cfg.repeats + (1 if extra else 0)
+        prof = None
+        for p in range(passes):
+            timed = p < cfg.repeats
+            record = p == (passes - 1 if extra else 0)
+            profiled = cfg.profile and p == passes - 1
+            if profiled:
+                from torch.profiler import ProfilerActivity, profile
+                prof = profile(activities=[ProfilerActivity.CPU])
+                with _quiet_fds():     # Kineto prints 'USDT: profiler_start' on the raw descriptors
+                    prof.__enter__()
+            for step in range(cfg.steps):
+                one_step(step, record, p if timed else -1)
+            if profiled:
+                dist.barrier()
+                with _quiet_fds():
+                    prof.__exit__(None, None, None)
+            say(f"pass {p + 1}/{passes} done ({'timed' if timed else 'profiled'}; {cfg.steps} steps; "
+                f"{time.monotonic() - t_start:.1f} s)")
         dist.barrier()
         if prof is not None:
-            prof.__exit__(None, None, None)
             raw = os.path.join(outdir, f".rank{rank}_trace.json")
             prof.export_chrome_trace(raw)
             _finish_trace(raw, os.path.join(outdir, f"rank{rank}_trace.json.gz"))
@@ -325,8 +407,95 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             "num_tokens": np.array([s[1] for s in steps], np.int64),
             "start_ns": np.array([s[2] for s in steps], np.int64),
             "end_ns": np.array([s[3] for s in steps], np.int64)}), os.path.join(outdir, f"steps_rank{rank}.parquet"))
+        tm = np.array(timing, np.int64).reshape(-1, 7)
+        pq.write_table(pa.table({
+            "pass": tm[:, 0].astype(np.int32), "step": tm[:, 1], "layer": tm[:, 2].astype(np.int32),
+            "rank": np.full(len(tm), rank, np.int32), "dispatch_start_ns": tm[:, 3], "expert_start_ns": tm[:, 4],
+            "expert_end_ns": tm[:, 5], "combine_end_ns": tm[:, 6]}), os.path.join(outdir, f"timing_rank{rank}.parquet"))
     finally:
         dist.destroy_process_group()
+
+
+class _quiet_fds:
+    """Send the process's stdout and stderr descriptors to /dev/null for a while (C++
+    libraries print there directly, past Python's sys.stdout)."""
+
+    def __enter__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.saved = [os.dup(1), os.dup(2)]
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc):
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+# ----------------------------------------------------------------------------- timing
+def _rel_spread(v: np.ndarray) -> float | None:
+    """(p75 - p25) / median of the values (None with fewer than 2 values or a zero median)."""
+    med = float(np.median(v))
+    if v.size < 2 or med <= 0:
+        return None
+    q75, q25 = np.percentile(v, [75, 25])
+    return float((q75 - q25) / med)
+
+
+def summarize_timing(timing):
+    """Per (step, layer, rank) medians and spreads of the timed passes (the ``cell_times``
+    table, as a dict of columns) and the run's noise level.
+
+    ``timing``: rows (pass, step, layer, rank, dispatch_start_ns, expert_start_ns,
+    expert_end_ns, combine_end_ns) as a polars frame. Per pass, a rank's expert time is
+    expert end − start, its all-to-all time dispatch + combine, its MoE time combine end −
+    dispatch start, and the layer's time the max over ranks of the MoE time. The noise
+    level is the median over cells of the relative spread ((p75 − p25) / median over
+    passes) of the expert time, of the MoE time and of the layer time."""
+    import polars as pl
+
+    t = timing.with_columns(
+        (pl.col("expert_end_ns") - pl.col("expert_start_ns")).alias("ex"),
+        (pl.col("expert_start_ns") - pl.col("dispatch_start_ns") + pl.col("combine_end_ns")
+         - pl.col("expert_end_ns")).alias("cm"),
+        (pl.col("combine_end_ns") - pl.col("dispatch_start_ns")).alias("moe"))
+    lay = t.group_by(["pass", "step", "layer"]).agg(pl.col("moe").max().alias("lay"))
+    lay_cells = lay.group_by(["step", "layer"]).agg(pl.col("lay")).sort(["step", "layer"])
+    lay_med = {}
+    for s, layer, v in lay_cells.iter_rows():
+        v = np.asarray(v, np.float64)
+        lay_med[(s, layer)] = (int(round(float(np.median(v)))), _rel_spread(v))
+    cells = t.group_by(["step", "layer", "rank"]).agg(pl.col("ex"), pl.col("cm"), pl.col("moe")).sort(
+        ["step", "layer", "rank"])
+    cols = {k: [] for k in ("step", "layer", "rank", "passes", "expert_ns", "expert_spread", "comm_ns", "moe_ns",
+                            "moe_spread", "layer_ns", "layer_spread")}
+    for s, layer, r, ex, cm, moe in cells.iter_rows():
+        ex, cm, moe = (np.asarray(v, np.float64) for v in (ex, cm, moe))
+        ln, lsp = lay_med[(s, layer)]
+        for k, v in (("step", s), ("layer", layer), ("rank", r), ("passes", ex.size),
+                     ("expert_ns", int(round(float(np.median(ex))))), ("expert_spread", _rel_spread(ex)),
+                     ("comm_ns", int(round(float(np.median(cm))))), ("moe_ns", int(round(float(np.median(moe))))),
+                     ("moe_spread", _rel_spread(moe)), ("layer_ns", ln), ("layer_spread", lsp)):
+            cols[k].append(v)
+
+    def p50(vals):
+        v = [x for x in vals if x is not None]
+        return round(float(np.median(v)), 4) if v else None
+    noise = {"passes": int(t["pass"].n_unique()) if t.height else 0,
+             "expert_spread_p50": p50(cols["expert_spread"]), "moe_spread_p50": p50(cols["moe_spread"]),
+             "layer_spread_p50": p50([v[1] for v in lay_med.values()]),
+             "definition": "median over (step, layer, rank) cells of (p75 - p25) / median over the timed passes"}
+    return cols, noise
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _finish_trace(raw: str, dest: str) -> None:
@@ -361,6 +530,15 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     phy2log = parse_placement(cfg.placement, cfg.layers, cfg.experts, cfg.ranks)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cores = cpu_cores()
+    threads = cfg.ranks * cfg.threads_per_rank
+    oversubscribed = threads > cores
+    if cfg.progress:
+        print(f"refrun: {cfg.ranks} ranks x {cfg.threads_per_rank} thread(s) on {cores} CPU core(s)"
+              + (": OVERSUBSCRIBED, ranks share cores and the timings are noisier" if oversubscribed else "")
+              + f"; {cfg.warmup} warm-up iteration(s), {cfg.repeats} timed pass(es) of {cfg.steps} steps"
+              + ("" if not cfg.profile else ", profiler on" + (" (one extra pass)" if cfg.repeats > 1 else ""))
+              + "; starting the rank processes", file=sys.stderr, flush=True)
     t0 = time.time()
     cfg_dict = asdict(cfg)
     cfg_dict["placement"] = cfg.placement if isinstance(cfg.placement, str) else "custom"
@@ -373,6 +551,12 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
                 if p.is_alive():
                     p.terminate()
             raise RuntimeError(f"reference run did not finish within {cfg.timeout_s:.0f} s")
+    import polars as pl
+
+    timing = pl.concat([pl.read_parquet(out / f"timing_rank{r}.parquet") for r in range(cfg.ranks)])
+    _, noise = summarize_timing(timing)
+    noise.update({"cpu_cores": cores, "oversubscribed": oversubscribed,
+                  "loadavg_1m_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None})
     manifest = {
         "moetrace_refrun": 1,
         # a placement file is named, not located: the manifest travels with the traces
@@ -381,7 +565,7 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
         "phy2log": phy2log.tolist(),
         "num_slots": int(phy2log.shape[1]), "slots_per_rank": int(phy2log.shape[1] // cfg.ranks),
         "replica_choice": "(token_id * 2654435761 mod 2^32) mod copies, copies in slot order", "router_prior": router_prior(cfg).tolist(),
-        "torch": torch.__version__, "wall_s": round(time.time() - t0, 3),
+        "torch": torch.__version__, "wall_s": round(time.time() - t0, 3), "noise": noise,
         "files": sorted(p.name for p in out.iterdir()),
     }
     (out / MANIFEST).write_text(json.dumps(manifest) + "\n")
