@@ -25,6 +25,7 @@ _TYPES: dict[str, pa.DataType] = {
     "int64": pa.int64(),
     "float32": pa.float32(),
     "float64": pa.float64(),
+    "int64[]": pa.list_(pa.int64()),   # a list of counts (expert_counts.tokens, index = expert id)
 }
 
 META_VERSION = b"moetrace.schema_version"
@@ -114,6 +115,9 @@ def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
         return pa.types.is_string(src) or pa.types.is_large_string(src) or pa.types.is_dictionary(src)
     if pa.types.is_boolean(dst):
         return pa.types.is_boolean(src)
+    if pa.types.is_list(dst):
+        return ((pa.types.is_list(src) or pa.types.is_large_list(src) or pa.types.is_fixed_size_list(src))
+                and _compatible(src.value_type, dst.value_type))
     return False
 
 

@@ -219,15 +219,19 @@ class Store:
             return (f"CREATE OR REPLACE VIEW \"{table}\" AS SELECT {cols} FROM read_parquet('{glob}', "
                     f"hive_partitioning=true, hive_types={{'run_id': VARCHAR}}, union_by_name=true)")
         duck = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT",
-                "int32": "INTEGER", "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE"}
+                "int32": "INTEGER", "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE",
+                "int64[]": "BIGINT[]"}
         cols = ", ".join(f"CAST(NULL AS {duck[c.type]}) AS \"{c.name}\"" for c in ts.columns)
         return f"CREATE OR REPLACE VIEW \"{table}\" AS SELECT {cols} WHERE false"
 
     def view_statements(self, relative: bool = False) -> list[str]:
         """CREATE VIEW statements: one per contract table, then the analysis views."""
         from .analyze import view_statements as analysis_views
+        from .analyze.dense import expert_load_views
 
         stmts = [self._view_sql(t, relative) for t in schema.load_all()]
+        # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
+        stmts += expert_load_views(self._view_sql("expert_load", relative))
         return stmts + analysis_views()
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:

@@ -1,0 +1,223 @@
+"""The dense expert-count layout and its readers.
+
+``expert_counts`` (schemas/expert_counts.json) stores one row per (run, step, layer) with
+the tokens of every logical expert as one list (index = expert id). It holds exactly the
+rows a complete ``expert_load`` would hold (every expert of the layer present, no slot,
+no source rank), in 1/E of the rows: 116,000 rows instead of 29.7M for 2,000 steps x 58
+layers x 256 experts. Why this layout (measured alternatives): docs/scale.md.
+
+- ``expert_load`` stays the contract everyone queries: the store defines it as the long
+  rows plus ``expert_counts`` unnested (:func:`expert_load_views`), so every SQL query
+  over ``expert_load`` sees the same rows whichever layout a run was written in.
+- The metric views (``analyze/sql``) read ``expert_counts`` directly with list functions
+  (no unnest) and the long rows as before.
+- :func:`read_counts` reads a run's counts as one contiguous ``[T, L, E]`` array (dense
+  runs: Parquet list values straight into numpy; long runs: one SQL scan and a bincount).
+- :func:`dense_table` / :func:`dense_chunks` turn complete long rows into dense rows.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+EXPERT_LOAD_COLUMNS = ("run_id", "step", "layer", "expert", "slot", "src_rank", "tokens")
+
+
+def expert_load_views(long_view_sql: str) -> list[str]:
+    """Given the store's view of the long ``expert_load`` Parquet rows, the statements that
+    rename it ``expert_load_long`` and define ``expert_load`` as those rows plus the dense
+    ``expert_counts`` rows unnested (same columns and types, expert = list index)."""
+    long_sql, n = re.subn(r'^CREATE OR REPLACE VIEW\s+"?expert_load"?\s+AS',
+                          "CREATE OR REPLACE VIEW expert_load_long AS", long_view_sql.strip())
+    if n != 1:
+        raise ValueError("unexpected expert_load view statement")
+    union = ("CREATE OR REPLACE VIEW expert_load AS "
+             "SELECT run_id, step, layer, expert, slot, src_rank, tokens FROM expert_load_long "
+             "UNION ALL "
+             "SELECT run_id, step, layer, CAST(generate_subscripts(tokens, 1) - 1 AS INTEGER) AS expert, "
+             "CAST(NULL AS INTEGER) AS slot, CAST(NULL AS INTEGER) AS src_rank, unnest(tokens) AS tokens "
+             "FROM expert_counts")
+    return [long_sql, union]
+
+
+# ----------------------------------------------------------------------------- writing
+def _list_array(values: np.ndarray, width: int) -> pa.ListArray:
+    n = values.size // width if width else 0
+    offsets = pa.array(np.arange(0, n * width + 1, width, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(values, dtype=np.int64)))
+
+
+def dense_table(steps: np.ndarray, layers: np.ndarray, counts: np.ndarray) -> pa.Table:
+    """expert_counts rows from ``counts [n, E]`` of (steps[i], layers[i]) (no run_id)."""
+    counts = np.asarray(counts)
+    E = counts.shape[1] if counts.ndim == 2 else 0
+    return pa.table({"step": pa.array(np.asarray(steps, np.int64)), "layer": pa.array(np.asarray(layers, np.int32)),
+                     "tokens": _list_array(counts.reshape(-1), E)})
+
+
+def grid_table(step_ids: np.ndarray, layer_ids: np.ndarray, counts: np.ndarray) -> pa.Table:
+    """expert_counts rows of a full grid ``counts [T, L, E]`` (steps x layers, step-major)."""
+    T, L, E = counts.shape
+    return dense_table(np.repeat(np.asarray(step_ids, np.int64), L), np.tile(np.asarray(layer_ids, np.int32), T),
+                       counts.reshape(T * L, E))
+
+
+class NotDense(Exception):
+    """Long rows that cannot be stored densely (a gap, a slot, a source rank, an order)."""
+
+
+def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Table]:
+    """expert_counts rows from long expert_load chunks (``step, layer, expert, tokens``,
+    optional all-null ``slot``/``src_rank``) ordered by (step, layer) with every expert
+    0..E-1 once per (step, layer), in expert order. A (step, layer) may straddle two
+    chunks. Raises :class:`NotDense` on the first row that breaks this (nothing is lost:
+    the caller writes the long rows instead)."""
+    E = int(num_experts)
+    carry: pa.Table | None = None
+    last_key = None
+    for c in chunks:
+        for col in ("slot", "src_rank"):
+            if col in c.column_names and c.column(col).null_count != c.num_rows:
+                raise NotDense(f"{col} is set")
+        c = c.select(["step", "layer", "expert", "tokens"])
+        if carry is not None and carry.num_rows:
+            c = pa.concat_tables([carry, c.cast(carry.schema)])
+        full = (c.num_rows // E) * E
+        carry = c.slice(full)
+        if not full:
+            continue
+        body = c.slice(0, full)
+        step = body.column("step").to_numpy().reshape(-1, E)
+        layer = body.column("layer").to_numpy().reshape(-1, E)
+        expert = body.column("expert").to_numpy().reshape(-1, E)
+        if not ((expert == np.arange(E)).all() and (step == step[:, :1]).all() and (layer == layer[:, :1]).all()):
+            raise NotDense("rows are not complete (step, layer) groups in expert order")
+        key = step[:, 0].astype(np.int64) * (1 << 32) + layer[:, 0].astype(np.int64)
+        if (np.diff(key) <= 0).any() or (last_key is not None and key[0] <= last_key):
+            raise NotDense("(step, layer) groups are not in increasing order")
+        last_key = int(key[-1])
+        yield dense_table(step[:, 0], layer[:, 0], body.column("tokens").to_numpy())
+    if carry is not None and carry.num_rows:
+        raise NotDense("the last (step, layer) group is incomplete")
+
+
+# ----------------------------------------------------------------------------- reading
+def _run_files(store, table: str, run_id: str) -> list[Path]:
+    d = Path(store.path) / table / f"run_id={run_id}"
+    return sorted(d.glob("*.parquet")) if d.is_dir() else []
+
+
+def has_dense(store, run_id: str) -> bool:
+    """Whether ``run_id`` stores (some of) its expert counts in the dense layout."""
+    return bool(_run_files(store, "expert_counts", run_id))
+
+
+def _row_groups(pf, lo, hi) -> list[int]:
+    """Row groups of ``pf`` that may hold steps in [lo, hi] (by their min/max statistics)."""
+    if lo is None and hi is None:
+        return list(range(pf.metadata.num_row_groups))
+    idx = pf.schema_arrow.get_field_index("step")
+    keep = []
+    for g in range(pf.metadata.num_row_groups):
+        st = pf.metadata.row_group(g).column(idx).statistics
+        if st is None or not st.has_min_max or ((lo is None or st.max >= lo) and (hi is None or st.min <= hi)):
+            keep.append(g)
+    return keep
+
+
+def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step ids [T], layer ids [L], counts int64 [T, L, E]) of one run: tokens per logical
+    expert, summed over slots and source ranks; a (step, layer) without rows is zero.
+
+    ``steps``: None (every step of the run), an (lo, hi) pair (lo <= step < hi) or an array
+    of step ids (the steps returned are those of the run among them). Dense runs are read
+    from ``expert_counts`` without SQL (row groups outside the steps are skipped); long
+    rows (``expert_load_long``) are added by one SQL scan. E is ``runs.num_experts`` or the
+    highest expert seen + 1.
+    """
+    import pyarrow.parquet as pq
+
+    want = None
+    lo = hi = None
+    if isinstance(steps, tuple):
+        lo, hi = int(steps[0]), int(steps[1]) - 1
+    elif steps is not None:
+        want = np.unique(np.asarray(steps, np.int64))
+        if want.size:
+            lo, hi = int(want[0]), int(want[-1])
+    parts = []                      # (step, layer, values [n, E])
+    for f in _run_files(store, "expert_counts", run_id):
+        pf = pq.ParquetFile(f)
+        groups = _row_groups(pf, lo, hi)
+        if not groups:
+            continue
+        t = pf.read_row_groups(groups, columns=["step", "layer", "tokens"])
+        tok = t.column("tokens").combine_chunks()
+        off = tok.offsets.to_numpy()
+        width = np.diff(off)
+        E = int(width[0]) if width.size else 0
+        if width.size and (width != E).any():
+            raise ValueError(f"{f}: expert_counts lists of different lengths")
+        vals = tok.values.to_numpy()[off[0]:off[-1]].reshape(-1, E) if width.size else np.zeros((0, 0), np.int64)
+        parts.append((t.column("step").to_numpy(), t.column("layer").to_numpy(), vals))
+    long_rows = None
+    if store.has_files("expert_load"):
+        q = "SELECT step, layer, expert, tokens FROM expert_load_long WHERE run_id = ?"
+        args: list = [run_id]
+        if lo is not None:
+            q += " AND step >= ?"
+            args.append(lo)
+        if hi is not None:
+            q += " AND step <= ?"
+            args.append(hi)
+        tbl = store.arrow(q, args)
+        if tbl.num_rows:
+            long_rows = tbl
+    step_all = [p[0] for p in parts] + ([long_rows.column("step").to_numpy()] if long_rows is not None else [])
+    layer_all = [p[1] for p in parts] + ([long_rows.column("layer").to_numpy()] if long_rows is not None else [])
+    if not step_all:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 0, 0), np.int64)
+    step_ids = np.unique(np.concatenate(step_all))
+    if lo is not None:
+        step_ids = step_ids[step_ids >= lo]
+    if hi is not None:
+        step_ids = step_ids[step_ids <= hi]
+    if want is not None:
+        step_ids = np.intersect1d(step_ids, want)
+    layer_ids = np.unique(np.concatenate(layer_all)).astype(np.int64)
+    E = max([p[2].shape[1] for p in parts] + [0])
+    if long_rows is not None:
+        E = max(E, int(long_rows.column("expert").to_numpy().max()) + 1)
+    try:
+        ne = store.run(run_id).get("num_experts")
+    except Exception:
+        ne = None
+    if ne:
+        E = max(E, int(ne))
+    T, L = step_ids.size, layer_ids.size
+    out = np.zeros((T, L, E), np.int64)
+    for s, layer, vals in parts:
+        if vals.shape[0] == T * L and np.array_equal(s, np.repeat(step_ids, L)) \
+                and np.array_equal(layer, np.tile(layer_ids, T)) and vals.shape[1] == E:
+            out += vals.reshape(T, L, E)       # the common case: the whole grid, in order
+            continue
+        ti = np.searchsorted(step_ids, s)
+        ok = (ti < T) & (step_ids[np.minimum(ti, T - 1)] == s)
+        li = np.searchsorted(layer_ids, layer)
+        # one dense row per (step, layer) and run (the writers' rule), so no index repeats
+        out[ti[ok], li[ok], :vals.shape[1]] += vals[ok]
+    if long_rows is not None:
+        s = long_rows.column("step").to_numpy()
+        ti = np.searchsorted(step_ids, s)
+        ok = (ti < T) & (step_ids[np.minimum(ti, T - 1)] == s)
+        li = np.searchsorted(layer_ids, long_rows.column("layer").to_numpy())
+        ex = long_rows.column("expert").to_numpy()
+        cell = (ti[ok] * L + li[ok]) * E + ex[ok]
+        out += np.bincount(cell, weights=long_rows.column("tokens").to_numpy()[ok],
+                           minlength=T * L * E).astype(np.int64).reshape(T, L, E)
+    return step_ids, layer_ids, out
