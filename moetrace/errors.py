@@ -44,3 +44,10 @@ class StoreError(MoetraceError):
     """The store cannot be read or written (permissions, locked, missing)."""
 
     exit_code = 2
+
+
+class UsageError(MoetraceError):
+    """An option or environment value is invalid (a size that is not a size, a count out
+    of range): one line, exit code 2, nothing written."""
+
+    exit_code = 2

@@ -14,6 +14,14 @@ removed. A crash leaves either a journal (rolled back, or forward when the ``run
 made it, on the next write) or nothing: never a half-written partition. Readers only see
 complete files because a rename is atomic. Validation happens before anything touches the
 disk, so bad input leaves the store byte-for-byte as it was.
+
+Hostile stores (docs/hardening.md): readers never write and never recover; their views
+show only committed runs (rows whose ``runs`` row is in place), so a reader polling during
+a slow write, or after a crash, never sees part of a run. Writers recover first, and
+recovery only ever removes files it can recognise as its own: journals named
+``.txn/<txid>.json`` whose every entry is ``<table>/run_id=<id>/part-<txid>.parquet`` of a
+known table, and ``.staging/<txid>/`` folders; no path component may be a symlink. A
+journal that does not match is refused with one line and nothing is changed.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -38,15 +47,19 @@ import pyarrow.parquet as pq
 
 from . import __version__, schema
 from .errors import SchemaError, StoreError
+from .safety import sql_identifier, sql_literal
 
 STORE_MARKER = "moetrace-store.json"
 STORE_FORMAT = 1
 _RUN_ID_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
+RUN_ID_MAX = 80
+_TXID_RE = re.compile(r"[0-9a-f]{12}")
+_SAFE_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 def sanitize_run_id(text: str) -> str:
     rid = _RUN_ID_RE.sub("_", text).strip("._-")
-    return rid[:80] or "run"
+    return rid[:RUN_ID_MAX].rstrip("._-") or "run"
 
 
 def sha256_files(paths: Iterable[str | os.PathLike]) -> str:
@@ -105,18 +118,25 @@ class Store:
 
     def __init__(self, path: str | os.PathLike, create: bool = False):
         self.path = Path(path)
+        self._con: duckdb.DuckDBPyConnection | None = None
         marker = self.path / STORE_MARKER
         if not marker.exists():
             if not create:
-                if self.path.exists() and any(self.path.iterdir()):
-                    raise StoreError(f"{self.path}: not a moetrace store (no {STORE_MARKER})")
                 if not self.path.exists():
                     raise StoreError(f"{self.path}: no such store")
+                if not self.path.is_dir():
+                    raise StoreError(f"{self.path}: not a folder")
+                if any(self.path.iterdir()):
+                    raise StoreError(f"{self.path}: not a moetrace store (no {STORE_MARKER})")
+                return  # an empty folder reads as an empty store; a read never writes
             self._init()
-        self._con: duckdb.DuckDBPyConnection | None = None
+        elif create:
+            self._recover_if_abandoned()  # a writer's open: crash leftovers go now
 
     # ------------------------------------------------------------------ creation, locking
     def _init(self) -> None:
+        if (self.path / STORE_MARKER).exists():
+            return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / f".{STORE_MARKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # unique: racing creators
@@ -127,9 +147,11 @@ class Store:
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
+        self._check_no_symlinks()
+        self.journals()  # a malformed journal is refused before anything (even .lock) is created
         lock_path = self.path / ".lock"
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
             raise StoreError(f"{self.path}: store is not writable ({e.strerror})") from None
         try:
@@ -145,13 +167,17 @@ class Store:
 
     # ------------------------------------------------------------------ recovery
     def _recover_if_abandoned(self) -> None:
-        """On open: a journal whose writer no longer holds the lock was left by a crash;
-        finish or roll it back now so readers never see part of a run. A journal of a
-        live writer (lock held) is left alone; a store we cannot write is left as is."""
+        """On a writer's open: a journal whose writer no longer holds the lock was left by
+        a crash; finish or roll it back now. A journal of a live writer (lock held) is left
+        alone; a store we cannot write, or without any leftovers, is left as is."""
         if not os.access(self.path, os.W_OK):
             return
+        if not any((self.path / d).is_symlink() or (self.path / d).exists() for d in (".txn", ".staging")):
+            return
+        self._check_no_symlinks()
+        self.journals()
         try:
-            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
             return
         try:
@@ -166,41 +192,116 @@ class Store:
         finally:
             os.close(fd)
 
+    def _check_no_symlinks(self) -> None:
+        """The transaction folders are ours: a symlink there would redirect our deletes
+        and writes outside the store, so it is refused."""
+        for d in (".txn", ".staging", ".lock"):
+            if (self.path / d).is_symlink():
+                raise StoreError(f"{self.path / d}: is a symlink; refused (moetrace never follows links "
+                                 f"in its transaction folders); remove it to use this store")
+
+    def journals(self) -> dict[str, dict]:
+        """Pending journals, validated: {txid: {"files": [...], "commit_file": str|None}}.
+        Files in .txn with other names are not ours and are left alone. Raises StoreError
+        (naming the journal) for one whose content is not exactly what a writer writes."""
+        txn_dir = self.path / ".txn"
+        out: dict[str, dict] = {}
+        if not txn_dir.is_dir() or txn_dir.is_symlink():
+            return out
+        for j in sorted(txn_dir.iterdir()):
+            if not (j.name.endswith(".json") and _TXID_RE.fullmatch(j.name[:-5])):
+                continue
+            txid = j.name[:-5]
+            if j.is_symlink() or not j.is_file():
+                raise StoreError(f"{j}: malformed journal (not a regular file); nothing was changed")
+            try:
+                raw = j.read_bytes()
+                doc = json.loads(raw) if len(raw) < (64 << 20) else None
+            except (OSError, ValueError, RecursionError):
+                doc = None
+            why = self._journal_problem(doc, txid)
+            if why:
+                raise StoreError(f"{j}: malformed journal ({why}); nothing was changed; a moetrace "
+                                 f"writer never writes this, remove the file after checking the store")
+            out[txid] = doc
+        return out
+
+    def _journal_problem(self, doc, txid: str) -> str | None:
+        if not isinstance(doc, dict) or set(doc) != {"files", "commit_file"}:
+            return 'not an object {"files": [...], "commit_file": ...}'
+        files, commit = doc["files"], doc["commit_file"]
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            return "files is not a list of paths"
+        known = set(schema.load_all())
+        for f in files:
+            parts = f.split("/")
+            if (len(parts) != 3 or parts[0] not in known or not parts[1].startswith("run_id=")
+                    or not _SAFE_ID_RE.fullmatch(parts[1][7:]) or parts[2] != f"part-{txid}.parquet"):
+                return f"entry {f[:100]!r} is not <table>/run_id=<id>/part-{txid}.parquet"
+        if commit is not None and commit not in files:
+            return "commit_file is not one of its files"
+        return None
+
+    def _safe_unlink(self, rel: str) -> None:
+        """Remove STORE/rel (a validated journal entry) and its emptied partition and table
+        folders, never through a symlinked folder."""
+        p = self.path / rel
+        if (self.path / rel.split("/")[0]).is_symlink() or p.parent.is_symlink():
+            raise StoreError(f"{p.parent}: is a symlink; refused; nothing was changed")
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        for parent in (p.parent, p.parent.parent):
+            with contextlib.suppress(OSError):
+                parent.rmdir()  # only when empty: partition, then table folder
+
     def recover(self) -> list[str]:
-        """Finish or roll back transactions a crash left behind. Returns what was done."""
+        """Finish or roll back transactions a crash left behind (writers only; hold the
+        lock or be alone). Returns what was done. Touches only journals, staging folders
+        and data files it can recognise as its own; raises StoreError, changing nothing,
+        when a journal or a transaction folder is not what moetrace writes."""
+        self._check_no_symlinks()
+        journals = self.journals()  # validates every journal before anything is removed
+        for txid, doc in journals.items():
+            for rel in doc["files"]:
+                p = self.path / rel
+                if (self.path / rel.split("/")[0]).is_symlink() or p.parent.is_symlink():
+                    raise StoreError(f"{p.parent}: is a symlink; refused; nothing was changed")
         done = []
         txn_dir = self.path / ".txn"
+        for txid, doc in journals.items():
+            commit = doc["commit_file"]
+            if commit and (self.path / commit).is_file():
+                done.append(f"rolled forward {txid}")
+            else:
+                for rel in doc["files"]:
+                    self._safe_unlink(rel)
+                done.append(f"rolled back {txid}")
+            (txn_dir / f"{txid}.json").unlink()
+            self._remove_staging(txid)
         if txn_dir.is_dir():
-            for j in sorted(txn_dir.glob("*.json")):
-                try:
-                    doc = json.loads(j.read_text())
-                except (OSError, ValueError):
-                    doc = {"files": [], "commit_file": None}
-                commit = doc.get("commit_file")
-                if commit and (self.path / commit).exists():
-                    done.append(f"rolled forward {j.stem}")
-                else:
-                    for rel in doc.get("files", []):
-                        with contextlib.suppress(FileNotFoundError):
-                            (self.path / rel).unlink()
-                        for parent in ((self.path / rel).parent, (self.path / rel).parent.parent):
-                            with contextlib.suppress(OSError):
-                                parent.rmdir()  # only when empty: partition, then table folder
-                    done.append(f"rolled back {j.stem}")
-                j.unlink()
-                shutil.rmtree(self.path / ".staging" / j.stem, ignore_errors=True)
-            for t in txn_dir.glob("*.json.tmp"):  # a journal that was never renamed into place
-                t.unlink()
-                done.append(f"dropped unfinished journal {t.name.split('.')[0]}")
+            for t in txn_dir.iterdir():  # a journal that was never renamed into place
+                if t.name.endswith(".json.tmp") and _TXID_RE.fullmatch(t.name[:-9]) and t.is_file() \
+                        and not t.is_symlink():
+                    t.unlink()
+                    done.append(f"dropped unfinished journal {t.name[:-9]}")
         staging = self.path / ".staging"
         if staging.is_dir():
             for d in staging.iterdir():
-                if not (txn_dir / f"{d.name}.json").exists():
-                    shutil.rmtree(d, ignore_errors=True)
+                if _TXID_RE.fullmatch(d.name) and not (txn_dir / f"{d.name}.json").exists():
+                    if self._remove_staging(d.name):
+                        done.append(f"removed staging {d.name}")
         for d in (staging, txn_dir):
             with contextlib.suppress(OSError):
                 d.rmdir()
         return done
+
+    def _remove_staging(self, txid: str) -> bool:
+        """Remove .staging/<txid> when it is a real folder (rmtree never follows links)."""
+        d = self.path / ".staging" / txid
+        if d.is_symlink() or not d.is_dir():
+            return False
+        shutil.rmtree(d, ignore_errors=True)
+        return True
 
     # ------------------------------------------------------------------ reading
     def table_glob(self, table: str, relative: bool = False) -> str:
@@ -212,40 +313,50 @@ class Store:
         return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
 
     def _view_sql(self, table: str, relative: bool) -> str:
+        """A table's view. Tables other than ``runs`` show only committed runs (whose
+        ``runs`` row is in place: it is renamed last), so a reader never sees part of a run
+        being written or left by a crash; readers never recover."""
         ts = schema.get(table)
+        name = sql_identifier(table)
         if self.has_files(table):
-            glob = self.table_glob(table, relative).replace("'", "''")
-            cols = ", ".join(f'"{c}"' for c in ts.column_names)
-            return (f"CREATE OR REPLACE VIEW \"{table}\" AS SELECT {cols} FROM read_parquet('{glob}', "
-                    f"hive_partitioning=true, hive_types={{'run_id': VARCHAR}}, union_by_name=true)")
+            glob = sql_literal(self.table_glob(table, relative))
+            cols = ", ".join(sql_identifier(c) for c in ts.column_names)
+            committed = "" if table == "runs" else " WHERE run_id IN (SELECT run_id FROM \"runs\")"
+            return (f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} FROM read_parquet({glob}, "
+                    f"hive_partitioning=true, hive_types={{'run_id': VARCHAR}}, union_by_name=true){committed}")
         duck = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT",
                 "int32": "INTEGER", "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE",
                 "int64[]": "BIGINT[]"}
-        cols = ", ".join(f"CAST(NULL AS {duck[c.type]}) AS \"{c.name}\"" for c in ts.columns)
-        return f"CREATE OR REPLACE VIEW \"{table}\" AS SELECT {cols} WHERE false"
+        cols = ", ".join(f"CAST(NULL AS {duck[c.type]}) AS {sql_identifier(c.name)}" for c in ts.columns)
+        return f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} WHERE false"
 
     def view_statements(self, relative: bool = False) -> list[str]:
-        """CREATE VIEW statements: one per contract table, then the analysis views."""
+        """CREATE VIEW statements: one per contract table (``runs`` first: the others
+        filter on it), then the analysis views."""
         from .analyze import view_statements as analysis_views
+
         from .analyze.dense import expert_load_views
 
-        stmts = [self._view_sql(t, relative) for t in schema.load_all()]
+        tables = sorted(schema.load_all(), key=lambda t: t != "runs")
+        stmts = [self._view_sql(t, relative) for t in tables]
         # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
         stmts += expert_load_views(self._view_sql("expert_load", relative))
         return stmts + analysis_views()
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
-        """A fresh in-memory DuckDB connection with every view defined."""
-        if (self.path / ".txn").is_dir():
-            self._recover_if_abandoned()  # never show readers part of a crashed write
+        """A fresh in-memory DuckDB connection with every view defined. Never writes:
+        no recovery (the views hide uncommitted runs), spills go to the store's
+        ``.duckdb_tmp`` only when DuckDB needs to spill."""
+        from .safety import memory_limit as check_memory_limit
+
         con = duckdb.connect(":memory:")
         if threads:
             con.execute(f"SET threads={int(threads)}")
         if memory_limit:
-            con.execute(f"SET memory_limit='{memory_limit}'")
+            con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit))}")
         tmp = self.path / ".duckdb_tmp"
-        if os.access(self.path, os.W_OK):
-            con.execute(f"SET temp_directory='{str(tmp)}'")
+        if os.access(self.path, os.W_OK) and not tmp.is_symlink():
+            con.execute(f"SET temp_directory={sql_literal(tmp)}")
         for stmt in self.view_statements():
             con.execute(stmt)
         return con
@@ -335,9 +446,12 @@ class Store:
         if base not in taken:
             return base
         i = 2
-        while f"{base}-{i}" in taken:
+        while True:  # the suffix always fits: an id cut at RUN_ID_MAX is cut shorter instead
+            suffix = f"-{i}"
+            cand = base[:RUN_ID_MAX - len(suffix)].rstrip("._-") + suffix
+            if cand not in taken:
+                return cand
             i += 1
-        return f"{base}-{i}"
 
     @staticmethod
     def _chunks(data) -> Iterator:
@@ -362,6 +476,7 @@ class Store:
             existing = self.find_by_sha(sha)
             if existing is not None:
                 return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
+        self._init()  # a store opened read-only on an empty folder is created by its first write
         with self._lock():
             self._check_writable()
             self.recover()
@@ -382,8 +497,8 @@ class Store:
             runs_tbl = schema.conform("runs", pa.Table.from_pylist([run]))
             rows = self._transaction(rid, {**tables, "runs": runs_tbl}, commit_table="runs")
         self.refresh()
-        self._refresh_catalog()
-        return WriteResult(rid, rows=rows)
+        warning = self._refresh_catalog()
+        return WriteResult(rid, rows=rows, message=warning or "")
 
     def append(self, run_id: str, tables: dict[str, object]) -> dict[str, int]:
         """Add rows to an existing run (plans, replay results) as one transaction."""
@@ -399,6 +514,7 @@ class Store:
 
     def _transaction(self, run_id: str, tables: dict[str, object], commit_table: str | None) -> dict[str, int]:
         txid = uuid.uuid4().hex[:12]
+        self._check_no_symlinks()
         staging = self.path / ".staging" / txid
         moves: list[tuple[Path, str]] = []
         rows: dict[str, int] = {}
@@ -443,9 +559,11 @@ class Store:
             for tmp_file, final in moves:
                 dst = self.path / final
                 dst.parent.mkdir(parents=True, exist_ok=True)
+                if dst.parent.is_symlink() or dst.parent.parent.is_symlink():
+                    raise StoreError(f"{dst.parent}: is a symlink; refused; nothing was written")
                 os.replace(tmp_file, dst)
             (txn_dir / f"{txid}.json").unlink()
-        except BaseException:
+        except BaseException as exc:
             # undo: remove anything renamed into place, then the staging area
             for _, final in moves:
                 with contextlib.suppress(FileNotFoundError):
@@ -456,6 +574,9 @@ class Store:
                     (self.path / final).parent.parent.rmdir()
             with contextlib.suppress(FileNotFoundError):
                 (self.path / ".txn" / f"{txid}.json").unlink()
+            if isinstance(exc, (OSError, pa.ArrowException)) and not isinstance(exc, StoreError):
+                why = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0][:200]
+                raise StoreError(f"{self.path}: cannot write ({why}); nothing was written") from None
             raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -475,33 +596,51 @@ class Store:
         target = self.path / "catalog.duckdb"
         tmp = self.path / f".catalog-{uuid.uuid4().hex[:8]}.duckdb"
         try:
+            if not (self.path / STORE_MARKER).exists():
+                raise StoreError(f"{self.path}: the store holds nothing yet; catalog not written")
+            if target.is_symlink():
+                raise StoreError(f"{target}: is a symlink; refused; catalog not written")
             con = duckdb.connect(":memory:")
-            quoted = str(tmp).replace("'", "''")
             try:  # readable by older duckdb CLIs too
-                con.execute(f"ATTACH '{quoted}' AS cat (STORAGE_VERSION 'v1.0.0')")
-            except duckdb.Error:
-                con.execute(f"ATTACH '{quoted}' AS cat")
+                con.execute(f"ATTACH {sql_literal(tmp)} AS cat (STORAGE_VERSION 'v1.0.0')")
+            except duckdb.Error as e:
+                if "storage" not in str(e).lower() and "version" not in str(e).lower():
+                    raise
+                con.execute(f"ATTACH {sql_literal(tmp)} AS cat")
             con.execute("USE cat")
-            con.execute(f"SET file_search_path='{str(self.path.resolve())}'".replace("'", "'", 1))
+            con.execute(f"SET file_search_path={sql_literal(self.path.resolve())}")
             for stmt in self.view_statements(relative=True):
                 con.execute(stmt)
             con.execute("USE memory")
             con.execute("DETACH cat")
             con.close()
             os.replace(tmp, target)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        except (OSError, duckdb.Error) as e:
+            if isinstance(e, StoreError):
+                raise
+            if not os.access(self.path, os.W_OK) or getattr(e, "errno", None) in (errno.EACCES, errno.EROFS,
+                                                                                    errno.EPERM):
                 raise StoreError(f"{self.path}: store is read-only; catalog not written") from None
-            raise
+            why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:200]
+            raise StoreError(f"{self.path}: cannot write catalog.duckdb ({why}); catalog not written") from None
         finally:
             for f in (tmp, Path(str(tmp) + ".wal")):
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
         return target
 
-    def _refresh_catalog(self) -> None:
-        if (self.path / "catalog.duckdb").exists():
+    def _refresh_catalog(self) -> str | None:
+        """Rewrite catalog.duckdb when there is one. Runs after a commit: a failure is a
+        warning (on stderr and returned), never an error for a write that landed."""
+        if not (self.path / "catalog.duckdb").exists():
+            return None
+        try:
             self.write_catalog()
+        except (StoreError, OSError, duckdb.Error) as e:
+            msg = f"catalog.duckdb not refreshed ({e}); the data was written; rerun `moetrace catalog {self.path}`"
+            print(f"moetrace: warning: {msg}", file=sys.stderr)
+            return msg
+        return None
 
     def close(self) -> None:
         if self._con is not None:

@@ -152,15 +152,18 @@ def test_journal_left_by_a_killed_process_is_rolled_back(tmp_path):
     st = Store(tmp_path / "st", create=True)
     st.write_run(_run("a"), {"expert_load": _load()}, run_id="a")
     # what a SIGKILL after the first rename leaves: a data file in place, a journal, no runs row
-    orphan = tmp_path / "st" / "expert_load" / "run_id=b" / "part-dead.parquet"
+    orphan = tmp_path / "st" / "expert_load" / "run_id=b" / "part-00000000dead.parquet"
     orphan.parent.mkdir(parents=True)
     shutil.copy(next((tmp_path / "st" / "expert_load" / "run_id=a").glob("*.parquet")), orphan)
     (tmp_path / "st" / ".txn").mkdir()
-    (tmp_path / "st" / ".txn" / "dead.json").write_text(
-        '{"files": ["expert_load/run_id=b/part-dead.parquet", "runs/run_id=b/part-dead.parquet"], '
-        '"commit_file": "runs/run_id=b/part-dead.parquet"}')
+    (tmp_path / "st" / ".txn" / "00000000dead.json").write_text(
+        '{"files": ["expert_load/run_id=b/part-00000000dead.parquet", "runs/run_id=b/part-00000000dead.parquet"], '
+        '"commit_file": "runs/run_id=b/part-00000000dead.parquet"}')
+    # a reader never recovers, and never shows the uncommitted run
+    assert Store(tmp_path / "st").sql("SELECT count(*) AS n FROM expert_load")["n"][0] == 16
+    assert orphan.exists()
     done = Store(tmp_path / "st").recover()
-    assert done == ["rolled back dead"]
+    assert done == ["rolled back 00000000dead"]
     assert not orphan.exists() and not (tmp_path / "st" / ".txn").exists()
     assert Store(tmp_path / "st").sql("SELECT count(*) AS n FROM expert_load")["n"][0] == 16
 

@@ -1,0 +1,333 @@
+"""Hostile-input helpers: the one place for SQL/URI quoting, input-file checks and
+resource limits.
+
+- :func:`sql_literal` / :func:`sql_identifier`: the only way user-supplied text (a store
+  path, a memory size, a table name found in a file) reaches SQL.
+- :func:`sqlite_ro_uri`: a percent-encoded ``file:`` URI opening a SQLite file read-only
+  and immutable (no ``-wal``/``-shm`` next to the input, ``#``/``?``/``%`` in names safe).
+- :func:`check_regular_file`: inputs must be regular files (a FIFO, ``/dev/zero`` or a
+  socket is refused before anything reads it).
+- Limits (:data:`LIMITS`): defaults a user raises with an environment variable
+  ``MOETRACE_<NAME>`` or ``--set <name>=VALUE`` on ``ingest``. Hitting one is an
+  :class:`~moetrace.errors.InputError` naming the file, the limit and how to raise it.
+- :func:`bounded_gunzip` / :func:`check_inflated_size`: inflation capped by
+  ``max_inflate_ratio`` x the compressed size and by ``max_inflated_bytes``.
+- :func:`check_array_elements`: an array's declared size checked before allocation.
+- :func:`json_loads`: a JSON document nested too deeply is one line, not a traceback.
+- :func:`excerpt`: at most a short, printable excerpt of file text for an error message.
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat
+import urllib.parse
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError, UsageError
+
+
+# ----------------------------------------------------------------------------- SQL and URIs
+def sql_literal(text: str | os.PathLike) -> str:
+    """``text`` as a SQL string literal: single-quoted, quotes doubled, NUL refused."""
+    s = os.fspath(text) if isinstance(text, os.PathLike) else str(text)
+    if "\x00" in s:
+        raise UsageError(f"{s!r}: NUL character in a value used in SQL")
+    return "'" + s.replace("'", "''") + "'"
+
+
+def sql_identifier(name: str) -> str:
+    """``name`` as a double-quoted SQL identifier (quotes doubled, NUL refused)."""
+    if "\x00" in name:
+        raise UsageError(f"{name!r}: NUL character in an identifier")
+    return '"' + name.replace('"', '""') + '"'
+
+
+def sqlite_ro_uri(path: str | os.PathLike) -> str:
+    """``file:`` URI for sqlite3.connect(uri=True): absolute, percent-encoded (``#``, ``?``,
+    ``%`` in names are data), ``mode=ro&immutable=1`` so SQLite never writes a journal,
+    ``-wal`` or ``-shm`` file next to the input and never takes locks on it."""
+    p = os.path.abspath(os.fspath(path))
+    return "file:" + urllib.parse.quote(p, safe="/") + "?mode=ro&immutable=1"
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB|K|M|G|T|%)?\s*$", re.IGNORECASE)
+
+
+def memory_limit(value: str | None, what: str = "--memory-limit") -> str | None:
+    """Validate a DuckDB memory size ('8GB', '512MiB', '50%'); returns it normalised."""
+    if value is None:
+        return None
+    m = _SIZE_RE.match(str(value))
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"{what} {value!r} is not a size (examples: 8GB, 512MiB, 50%)")
+    unit = (m.group(2) or "B").upper()
+    unit = {"K": "KB", "M": "MB", "G": "GB", "T": "TB", "KIB": "KiB", "MIB": "MiB", "GIB": "GiB",
+            "TIB": "TiB"}.get(unit, unit)
+    return f"{m.group(1)}{unit}"
+
+
+# ----------------------------------------------------------------------------- limits
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+@dataclass(frozen=True)
+class Limit:
+    name: str
+    description: str
+    default: object  # int, or a callable computing the default
+
+    @property
+    def env(self) -> str:
+        return "MOETRACE_" + self.name.upper()
+
+
+LIMITS = {lim.name: lim for lim in (
+    Limit("max_inflate_ratio", "inflated size of a .gz / .zip / .pt / .npz member, as a multiple of its "
+                               "compressed size", 200),
+    Limit("max_inflated_bytes", "inflated size of one compressed input or member, in bytes (default: the "
+                                "memory available when moetrace starts)", lambda: max(64 << 20, _mem_available())),
+    Limit("max_array_elements", "elements of one array in a .npy / .npz / .pt dump, checked before it is "
+                                "allocated (default: available memory / 8)", lambda: max(1 << 20, _mem_available() // 8)),
+    Limit("max_line_bytes", "bytes of one server-log line that is parsed (longer lines are counted, not parsed)",
+          64 << 10),
+    Limit("max_name_bytes", "bytes of one event / kernel / range name in a profiler trace", 64 << 10),
+)}
+
+# --set values given to ingest (collect() installs them for the duration of a call)
+_OVERRIDES: dict[str, int] = {}
+
+
+def set_overrides(options: dict | None) -> None:
+    """Take ``max_*`` keys from collector options (``--set max_line_bytes=1000000``)."""
+    _OVERRIDES.clear()
+    for k, v in (options or {}).items():
+        if k in LIMITS:
+            _OVERRIDES[k] = _as_int(v, f"--set {k}")
+
+
+def _as_int(v, what: str) -> int:
+    try:
+        n = int(float(v)) if not isinstance(v, int) else v
+    except (TypeError, ValueError, OverflowError):
+        raise UsageError(f"{what}={v!r} is not a number") from None
+    if n <= 0:
+        raise UsageError(f"{what}={v!r} must be positive")
+    return n
+
+
+def limit(name: str) -> int:
+    """The current value of limit ``name``: --set, else $MOETRACE_<NAME>, else the default."""
+    lim = LIMITS[name]
+    if name in _OVERRIDES:
+        return _OVERRIDES[name]
+    env = os.environ.get(lim.env)
+    if env:
+        return _as_int(env, lim.env)
+    return lim.default() if callable(lim.default) else lim.default
+
+
+def how_to_raise(name: str) -> str:
+    return f"raise it with --set {name}=N or {LIMITS[name].env}=N"
+
+
+def limit_error(path, name: str, what: str, position: str | None = None) -> InputError:
+    return InputError(path, f"{what} exceeds the limit {name}={limit(name)}; {how_to_raise(name)}", position)
+
+
+# ----------------------------------------------------------------------------- files
+def check_regular_file(path: str | os.PathLike) -> None:
+    """Refuse a FIFO, device, socket (reading one hangs or never ends) before opening it."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise InputError(path, f"cannot read: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
+                "a character device" if stat.S_ISCHR(st.st_mode) else
+                "a block device" if stat.S_ISBLK(st.st_mode) else
+                "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise InputError(path, f"is {kind}; moetrace reads regular files only")
+
+
+def max_inflated(path: str | os.PathLike, compressed_bytes: int | None = None) -> int:
+    """Largest inflated size allowed for a compressed input of ``compressed_bytes``."""
+    if compressed_bytes is None:
+        compressed_bytes = os.stat(path).st_size
+    return min(limit("max_inflated_bytes"), max(1 << 20, compressed_bytes * limit("max_inflate_ratio")))
+
+
+def _inflate_error(path, size: int, compressed: int) -> InputError:
+    cap = max_inflated(path, compressed)
+    which = "max_inflated_bytes" if cap == limit("max_inflated_bytes") else "max_inflate_ratio"
+    return InputError(path, f"inflates to more than {cap} bytes (compressed {compressed} bytes; limit "
+                            f"max_inflate_ratio={limit('max_inflate_ratio')}, max_inflated_bytes="
+                            f"{limit('max_inflated_bytes')}); {how_to_raise(which)}")
+
+
+def check_inflated_size(path, inflated: int, compressed: int) -> None:
+    """Refuse a member whose declared inflated size is beyond the limits."""
+    if inflated > max_inflated(path, compressed):
+        raise _inflate_error(path, inflated, compressed)
+
+
+def bounded_gunzip(path: str | os.PathLike, data: bytes | None = None, out=None) -> bytes | None:
+    """Inflate a gzip file (all members) with the size cap. Returns the bytes, or writes
+    them to ``out`` (a binary file) and returns None. Raises InputError for a corrupt or
+    truncated stream and for a stream that inflates beyond the limit."""
+    if data is None:
+        with open(path, "rb") as f:
+            data = f.read()
+    cap = max_inflated(path, len(data))
+    chunks: list[bytes] = []
+    total = 0
+    pos = 0
+    try:
+        while True:
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            buf = memoryview(data)[pos:]
+            while True:
+                piece = d.decompress(buf, 1 << 20)
+                total += len(piece)
+                if total > cap:
+                    raise _inflate_error(path, total, len(data))
+                if out is not None:
+                    out.write(piece)
+                else:
+                    chunks.append(piece)
+                buf = d.unconsumed_tail
+                if d.eof or not buf and not piece:
+                    break
+            if not d.eof:
+                raise InputError(path, "corrupt or truncated gzip: stream ends before its end marker")
+            rest = d.unused_data
+            pos = len(data) - len(rest)
+            if not rest.strip(b"\x00"):
+                break
+            if rest[:2] != b"\x1f\x8b":
+                raise InputError(path, "corrupt gzip: trailing garbage after the stream")
+    except zlib.error as e:
+        raise InputError(path, f"corrupt or truncated gzip: {e}") from None
+    return None if out is not None else b"".join(chunks)
+
+
+def check_zip_members(path: str | os.PathLike) -> None:
+    """A zip archive (.pt, .npz): every member's declared inflated size within the limits,
+    checked from the central directory before anything is inflated."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise InputError(path, f"not a readable zip archive (truncated or corrupt): {e}") from None
+    total_c = os.stat(path).st_size
+    total = sum(i.file_size for i in infos)
+    check_inflated_size(path, total, total_c)
+
+
+def check_array_elements(path, shape, what: str = "array") -> None:
+    n = 1
+    for d in shape:
+        if d < 0:
+            raise InputError(path, f"{what} declares a negative dimension {tuple(shape)}")
+        n *= int(d)
+    if n > limit("max_array_elements"):
+        raise limit_error(path, "max_array_elements", f"{what} of shape {tuple(shape)} ({n} elements)")
+
+
+def check_npy_headers(path: str | os.PathLike) -> None:
+    """Read the header of a .npy (or every .npy inside a .npz) and check the declared
+    shape and dtype before numpy allocates anything."""
+    import zipfile
+
+    import numpy as np
+    from numpy.lib import format as npf
+
+    def one(f, what):
+        try:
+            version = npf.read_magic(f)
+            shape, _fortran, dtype = (npf.read_array_header_1_0(f) if version == (1, 0)
+                                      else npf.read_array_header_2_0(f))
+        except Exception as e:  # noqa: BLE001 - any malformed header
+            raise InputError(path, f"{what}: malformed .npy header ({excerpt(str(e), 80)})") from None
+        if dtype.hasobject:
+            raise InputError(path, f"{what}: object arrays (pickles) are refused; moetrace loads .npy with "
+                                   "allow_pickle=False")
+        check_array_elements(path, shape, what)
+        return np.dtype(dtype).itemsize * int(np.prod(shape, dtype=object))
+
+    with open(path, "rb") as fh:
+        magic = fh.read(6)
+        fh.seek(0)
+        if magic == b"\x93NUMPY":
+            one(fh, "array")
+            return
+    if magic[:4] == b"PK\x03\x04":
+        check_zip_members(path)
+        try:
+            with zipfile.ZipFile(path) as z:
+                for info in z.infolist():
+                    if info.filename.endswith(".npy"):
+                        with z.open(info) as f:
+                            one(f, info.filename[:-4])
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise InputError(path, f"not a readable .npz (truncated or corrupt): {e}") from None
+
+
+# ----------------------------------------------------------------------------- JSON
+def json_loads(path, text, position: str | None = None):
+    """json.loads with the failures a crafted document causes turned into one line:
+    nesting too deep for the parser (RecursionError), numbers beyond any range."""
+    import json
+
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InputError(path, "JSON nested too deeply to parse (more than the parser's recursion limit)",
+                         position) from None
+    except ValueError as e:
+        msg = getattr(e, "msg", None) or excerpt(str(e), 80)
+        line = getattr(e, "lineno", None)
+        raise InputError(path, f"invalid JSON: {msg}", position or (f"line {line}" if line else None)) from None
+
+
+# ----------------------------------------------------------------------------- messages
+_PRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def excerpt(text: str, n: int = 40) -> str:
+    """At most ``n`` printable ASCII characters of ``text`` (others as '?'), '...' when cut."""
+    s = _PRINTABLE.sub("?", str(text))
+    return s if len(s) <= n else s[: max(0, n - 3)] + "..."
+
+
+def plausible_header(names) -> bool:
+    """True when column names look like a CSV header (identifiers), so they may be quoted
+    back in a message; anything else (a secret file's first line) is never echoed."""
+    return all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_ .\-]{0,63}", str(c)) for c in names) and len(names) <= 64
+
+
+def is_symlink_anywhere(root: Path, rel: Path) -> bool:
+    """True when any component of root/rel (below root) is a symlink."""
+    p = root
+    for part in rel.parts:
+        p = p / part
+        if p.is_symlink():
+            return True
+    return False
