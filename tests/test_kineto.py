@@ -142,9 +142,13 @@ def test_steps_layers_collectives_from_annotations(tmp_path):
     ]
     assert {r["rank"] for r in s} == {3}
     steps = sorted(run.tables["steps"].to_pylist(), key=lambda r: r["step"])
-    assert [(r["step"], r["rank"], r["start_ns"]) for r in steps] == [(3, 3, 1_000_000), (4, 3, 2_000_000)]
-    # step end: the later of the CPU range and the last GPU span launched in it
-    assert steps[0]["end_ns"] == 2_000_000 and steps[1]["end_ns"] == 3_000_000
+    # a step on a GPU trace is its GPU activity: first to last kernel launched in ProfilerStep#N
+    # (step 3: kernels at 1100..1150, 1160..1260, 1300..1340, 1500..1570 us; step 4: 2100..2150, 2200..2260 us)
+    assert [(r["step"], r["rank"], r["start_ns"]) for r in steps] == [(3, 3, 1_100_000), (4, 3, 2_100_000)]
+    assert steps[0]["end_ns"] == 1_570_000 and steps[1]["end_ns"] == 2_260_000
+    host = sorted(run.tables["host_steps"].to_pylist(), key=lambda r: r["step"])   # the CPU ranges, kept apart
+    assert [(r["step"], r["start_ns"], r["end_ns"]) for r in host] == [(3, 1_000_000, 2_000_000),
+                                                                        (4, 2_000_000, 3_000_000)]
     approx = json.loads(run.run["approximations"])
     assert any("inferred from the order" in a for a in approx)
 

@@ -183,23 +183,46 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
         pts = pts.with_columns(pl.lit(0, pl.Int64).alias("step"))
     pts = _resolve_a2a(pts)
     pts = pts.with_columns((pl.col("_inf") | pl.lit(not has_steps)).alias("inferred"))
-    steps = []  # (step, start_ns, end_ns, inferred)
-    if has_steps:
-        st = fams["step"].group_by("val").agg(pl.col("start_ns").min(), pl.col("end_ns").max())
-        gpu_end = pts.group_by("step").agg(pl.col("end_ns").max().alias("gend"))
-        st = st.join(gpu_end, left_on="val", right_on="step", how="left")
-        for s_, a, b, ge in st.sort("val").iter_rows():
-            steps.append((s_, a, max(b, ge or b), False))
-    elif pts.height:
+    steps, host_steps, clipped = step_windows(fams["step"], pts, host_mode) if has_steps else ([], [], 0)
+    if not has_steps and pts.height:
         steps.append((0, int(pts["start_ns"].min()), int(pts["end_ns"].max()), True))
-    return {"pts": pts, "has_steps": has_steps, "steps": steps, "host_mode": host_mode}
+    return {"pts": pts, "has_steps": has_steps, "steps": steps, "host_mode": host_mode, "host_steps": host_steps,
+            "clipped_ns": clipped}
+
+
+def step_windows(step_ranges: pl.DataFrame, pts: pl.DataFrame, host_mode: bool):
+    """The steps of one rank from its ``ProfilerStep#N`` CPU ranges and its labeled spans.
+
+    On a GPU trace a step is its GPU activity: from the first to the last kernel (memcpy,
+    memset) launched inside ``ProfilerStep#N``. The CPU range is not the step: the GPU
+    runs behind the host (often by more than a step), so "CPU start to last kernel end"
+    windows overlap and their sum exceeds the trace. A step that launched nothing keeps
+    its CPU range. Windows are then made disjoint in step order (a window never starts
+    before the previous one ends; the clipped ns are returned), so summed step time never
+    exceeds the span of the trace. On a CPU-only trace (``host_mode``) the CPU range is
+    the step. Returns (steps [(step, start, end, inferred)], host_steps [(step, start,
+    end, gpu_lag_ns)], clipped_ns)."""
+    st = step_ranges.group_by("val").agg(pl.col("start_ns").min(), pl.col("end_ns").max()).sort("val")
+    gpu = pts.filter(pl.col("device") >= 0) if not host_mode and "device" in pts.columns else pts.clear()
+    win = gpu.group_by("step").agg(pl.col("start_ns").min().alias("gs"), pl.col("end_ns").max().alias("ge"))
+    st = st.join(win, left_on="val", right_on="step", how="left").sort("val")
+    steps, host, clipped, prev_end = [], [], 0, None
+    for s_, a, b, gs, ge in st.iter_rows():
+        host.append((s_, a, b, None if ge is None else ge - b))
+        lo, hi = (a, b) if host_mode or gs is None else (gs, ge)
+        if prev_end is not None and lo < prev_end:
+            clipped += min(prev_end, hi) - lo
+            lo = min(prev_end, hi)
+        steps.append((s_, lo, hi, False))
+        prev_end = hi
+    return steps, host, clipped
 
 
 def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl.DataFrame], list[str], dict]:
     """The canonical tables of one run from its ranks. Returns (tables, approximations, meta)."""
     approx: list[str] = []
     meta: dict = {"ranks": {}}
-    parts, step_rows = [], []
+    parts, step_rows, host_rows, clipped = [], [], [], 0
     host_mode = all(r.gpu.height == 0 for r in ranks)
     if host_mode:
         approx.append("no GPU activity in the trace: host collective ops (e.g. gloo all_to_all) are the "
@@ -215,6 +238,9 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         parts.append(pts)
         step_rows.extend({"step": s_, "rank": ev.rank, "start_ns": a, "end_ns": b, "inferred": inf}
                          for s_, a, b, inf in part["steps"])
+        host_rows.extend({"step": s_, "rank": ev.rank, "start_ns": a, "end_ns": b, "gpu_lag_ns": lag}
+                         for s_, a, b, lag in part.get("host_steps", ()))
+        clipped += part.get("clipped_ns", 0)
         meta["ranks"][str(ev.rank)] = {"source": ev.source, "rank_inferred": ev.rank_inferred,
                                        "spans": pts.height}
         if ev.rank_inferred:
@@ -222,6 +248,20 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         approx.extend(ev.notes)
     if not any_step_annot and ranks:
         approx.append("no ProfilerStep#N annotations: the whole capture is step 0")
+    tables_extra = {}
+    if host_rows and not host_mode:
+        host = pl.DataFrame(host_rows, schema={"step": pl.Int64, "rank": pl.Int32, "start_ns": pl.Int64,
+                                               "end_ns": pl.Int64, "gpu_lag_ns": pl.Int64})
+        tables_extra["host_steps"] = host
+        lag = host["gpu_lag_ns"].drop_nulls()
+        msg = ("steps are GPU windows: first to last kernel launched inside ProfilerStep#N (the CPU ranges are in "
+               "host_steps)")
+        if lag.len() and lag.max() > 0:
+            msg += f"; the GPU ended up to {lag.max() / 1e6:.1f} ms after the CPU range of its step"
+        if clipped:
+            msg += (f"; {clipped / 1e6:.3f} ms where a step's kernels ran past the next step's first kernel are "
+                    "counted in the earlier step only (windows kept disjoint)")
+        approx.append(msg)
     allp = pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame()
     if allp.height == 0:
         names = pl.DataFrame(schema={"name_id": pl.Int32, "name": pl.Utf8, "kind": pl.Utf8})
@@ -248,7 +288,7 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         if spans.filter(pl.col("kind").is_in(["dispatch", "combine"]) & pl.col("inferred")).height:
             approx.append("all-to-all layer (and, for plain all-to-alls, direction) inferred from the order of "
                           "dispatches within each (rank, step, micro-batch) where no annotation gave it")
-    return {"spans": spans, "kernel_names": names, "steps": steps}, approx, meta
+    return {"spans": spans, "kernel_names": names, "steps": steps, **tables_extra}, approx, meta
 
 
 def _resolve_a2a(pts: pl.DataFrame) -> pl.DataFrame:
