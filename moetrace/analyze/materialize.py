@@ -70,13 +70,15 @@ def configure(con, memory_limit: str | None = None, temp_directory: str | None =
     """Cap DuckDB's memory (``memory_limit``, default :func:`default_memory_limit`) and make
     sure it has somewhere to spill (the store's ``.duckdb_tmp`` is set by ``Store.connect``
     when the store is writable; otherwise a folder under the system temp dir)."""
-    con.execute(f"SET memory_limit='{memory_limit or default_memory_limit()}'")
+    from ..safety import memory_limit as checked, sql_literal
+
+    con.execute(f"SET memory_limit={sql_literal(checked(memory_limit) or checked(default_memory_limit(), 'MOETRACE_MEMORY_LIMIT'))}")
     if temp_directory is None:
         cur = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
         if cur and os.access(os.path.dirname(cur.rstrip("/")) or ".", os.W_OK):
             return
         temp_directory = os.path.join(tempfile.gettempdir(), f"moetrace-duckdb-{os.getpid()}")
-    con.execute(f"SET temp_directory='{str(temp_directory).replace(chr(39), chr(39) * 2)}'")
+    con.execute(f"SET temp_directory={sql_literal(temp_directory)}")
 
 
 def choose_batch_steps(rows: int, steps: int, target_rows: int = TARGET_BATCH_ROWS) -> int:
