@@ -45,4 +45,5 @@ def runner():
 def cli():
     from moetrace.cli import cli as group
 
+    group.load_all()   # commands are imported on demand; tests walk cli.commands
     return group
