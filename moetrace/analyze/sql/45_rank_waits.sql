@@ -160,3 +160,26 @@ SELECT run_id, count(*) AS positions,
        count(DISTINCT (lane, coll_key)) AS lanes,
        count(DISTINCT (lane, coll_key)) FILTER (WHERE lane_counts_differ) AS lanes_counts_differ
 FROM coll_match GROUP BY run_id;
+
+-- Per (step, layer, rank): the wait this rank caused (others' wait charged to it, per
+-- waiting peer) and the wait it suffered; net = caused - suffered. A rank whose compute
+-- runs d late in every layer shows net ~ d in every (step, layer).
+CREATE OR REPLACE VIEW layer_waits AS
+WITH r AS (
+    SELECT run_id, step, layer, rank, count(DISTINCT rank) OVER (PARTITION BY run_id) AS ranks,
+           wait_ns, waited_for
+    FROM rank_waits
+), caused AS (
+    SELECT run_id, step, layer, waited_for AS rank, sum(wait_ns) AS caused_ns
+    FROM r WHERE rank <> waited_for GROUP BY ALL
+), suffered AS (
+    SELECT run_id, step, layer, rank, any_value(ranks) AS ranks, sum(wait_ns) AS waited_ns
+    FROM r GROUP BY run_id, step, layer, rank
+)
+SELECT s.run_id, s.step, s.layer, s.rank,
+       (coalesce(c.caused_ns, 0) / greatest(s.ranks - 1, 1))::BIGINT AS caused_per_peer_ns,
+       s.waited_ns::BIGINT AS waited_ns,
+       (coalesce(c.caused_ns, 0) / greatest(s.ranks - 1, 1) - s.waited_ns)::BIGINT AS net_ns
+FROM suffered s
+LEFT JOIN caused c ON c.run_id = s.run_id AND c.step IS NOT DISTINCT FROM s.step
+                  AND c.layer IS NOT DISTINCT FROM s.layer AND c.rank = s.rank;
