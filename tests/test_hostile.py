@@ -1,0 +1,362 @@
+"""Hostile stores, hostile files and faults (issue #12).
+
+Every case asserts the exit code, the one-line message (naming the file) and that the
+store is byte-for-byte unchanged (``tree_hash``); the dangerous ones also assert that a
+file outside the store was not touched.
+"""
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from moetrace.errors import StoreError
+from moetrace.store import Store
+
+from .conftest import REPO, tree_hash
+
+
+# ----------------------------------------------------------------------------- helpers
+def _csv_text(steps=2, layers=2, experts=4, scale=1) -> str:
+    rows = ["step,layer,expert,tokens"]
+    rows += [f"{s},{l},{e},{scale * (s + 1) * (e + 2) + l}" for s in range(steps) for l in range(layers)
+             for e in range(experts)]
+    return "\n".join(rows) + "\n"
+
+
+def _seeded(path: Path) -> Path:
+    src = path.parent / f"seed-{path.name}.csv"
+    src.write_text(_csv_text())
+    from moetrace.collect import ingest
+
+    ingest(Store(path, create=True), [src])
+    return path
+
+
+@pytest.fixture
+def store(tmp_path):
+    return _seeded(tmp_path / "store")
+
+
+def _cli(runner, cli, *args):
+    return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
+
+
+def one_line_error(res, code: int, *needles: str) -> str:
+    """Exit ``code``, exactly one line on stderr starting 'moetrace: error:' holding the needles."""
+    out = res.stderr if hasattr(res, "stderr") and res.stderr is not None else res.output
+    assert res.exit_code == code, f"exit {res.exit_code}: {res.output!r} {res.exception!r}"
+    assert "Traceback" not in res.output
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moetrace: error:"), lines
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _outside(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder outside the store holding a file that must survive."""
+    d = tmp_path / "outside"
+    (d / "sub" / "deeper").mkdir(parents=True)
+    victim = d / "sub" / "precious.parquet"
+    victim.write_bytes(b"do not delete")
+    (d / "sub" / "deeper" / "x.txt").write_text("keep")
+    return d, victim
+
+
+# ----------------------------------------------------------------------------- 1. recovery is confined to the store
+@pytest.mark.parametrize("entries", [
+    "absolute", "dotdot", "table-dotdot", "unknown-table", "other-txid"])
+def test_crafted_journal_cannot_touch_files_outside_the_store(runner, cli, store, tmp_path, entries):
+    out, victim = _outside(tmp_path)
+    rel_victim = os.path.relpath(victim, store)
+    files = {"absolute": [str(victim)],
+             "dotdot": [rel_victim],
+             "table-dotdot": ["expert_load/run_id=x/../../../outside/sub/precious.parquet"],
+             "unknown-table": ["../outside/run_id=x/part-0123456789ab.parquet"],
+             "other-txid": ["expert_load/run_id=seed-store/part-ffffffffffff.parquet"]}[entries]
+    (store / ".txn").mkdir()
+    journal = store / ".txn" / "0123456789ab.json"
+    journal.write_text(json.dumps({"files": files, "commit_file": None}))
+    before, before_out = tree_hash(store), tree_hash(out)
+    # a read ignores the journal, shows the committed data, writes nothing
+    res = _cli(runner, cli, "sql", store, "SELECT count(*) AS n FROM expert_load", "--format", "csv")
+    assert res.exit_code == 0, res.output
+    assert res.output.strip().splitlines()[-1] == str(2 * 2 * 4)
+    # a write refuses the journal with one line naming it, and changes nothing
+    src = tmp_path / "more.csv"
+    src.write_text(_csv_text(scale=3))
+    msg = one_line_error(_cli(runner, cli, "ingest", src, "--store", store), 2, str(journal), "malformed journal")
+    assert "nothing was changed" in msg
+    with pytest.raises(StoreError, match="malformed journal"):
+        Store(store).recover()
+    assert victim.read_bytes() == b"do not delete"
+    assert tree_hash(store) == before and tree_hash(out) == before_out
+
+
+@pytest.mark.parametrize("doc", ["[]", '{"files": null}', '{"files": null, "commit_file": null}',
+                                 '{"files": [1, 2], "commit_file": null}', "not json", "",
+                                 '{"files": [], "commit_file": "runs/run_id=a/part-0123456789ab.parquet"}',
+                                 "[" * 100000 + "]" * 100000])
+def test_malformed_journal_is_one_line_and_no_change(runner, cli, store, tmp_path, doc):
+    (store / ".txn").mkdir()
+    journal = store / ".txn" / "0123456789ab.json"
+    journal.write_text(doc)
+    before = tree_hash(store)
+    res = _cli(runner, cli, "runs", store)  # reads are not affected
+    assert res.exit_code == 0 and "seed-store" in res.output, res.output
+    src = tmp_path / "more.csv"
+    src.write_text(_csv_text(scale=5))
+    one_line_error(_cli(runner, cli, "ingest", src, "--store", store), 2, str(journal))
+    one_line_error(_cli(runner, cli, "synth", store, "--steps", 2, "--layers", 1), 2, str(journal))
+    assert tree_hash(store) == before
+
+
+def test_symlinked_staging_is_refused_and_its_target_untouched(runner, cli, store, tmp_path):
+    out, victim = _outside(tmp_path)
+    (out / "0123456789ab").mkdir()  # looks like a staging folder of ours
+    (out / "0123456789ab" / "f").write_text("keep")
+    os.symlink(out, store / ".staging")
+    before, before_out = tree_hash(store), tree_hash(out)
+    src = tmp_path / "more.csv"
+    src.write_text(_csv_text(scale=7))
+    one_line_error(_cli(runner, cli, "ingest", src, "--store", store), 2, str(store / ".staging"), "symlink")
+    with pytest.raises(StoreError, match="symlink"):
+        Store(store).recover()
+    res = _cli(runner, cli, "runs", store)
+    assert res.exit_code == 0, res.output
+    assert tree_hash(store) == before and tree_hash(out) == before_out
+    assert (out / "0123456789ab" / "f").read_text() == "keep"
+
+
+def test_symlinked_journal_folder_and_lock_are_refused(runner, cli, store, tmp_path):
+    out, _ = _outside(tmp_path)
+    os.symlink(out, store / ".txn")
+    before, before_out = tree_hash(store), tree_hash(out)
+    src = tmp_path / "more.csv"
+    src.write_text(_csv_text(scale=9))
+    one_line_error(_cli(runner, cli, "ingest", src, "--store", store), 2, str(store / ".txn"), "symlink")
+    os.unlink(store / ".txn")
+    (store / ".lock").unlink()
+    os.symlink(out / "sub" / "precious.parquet", store / ".lock")
+    one_line_error(_cli(runner, cli, "ingest", src, "--store", store), 2, "symlink")
+    assert (out / "sub" / "precious.parquet").read_bytes() == b"do not delete"
+    assert tree_hash(out) == before_out
+
+
+def test_foreign_files_in_transaction_folders_are_left_alone(store):
+    (store / ".txn").mkdir()
+    (store / ".txn" / "notes.json").write_text("[]")  # not a journal name of ours: ignored, kept
+    (store / ".staging").mkdir()
+    (store / ".staging" / "mine").mkdir()
+    (store / ".staging" / "0123456789ab").mkdir()  # a crash leftover: ours, no journal
+    (store / ".staging" / "0123456789ab" / "part.parquet").write_bytes(b"x")
+    Store(store, create=True)  # a writer's open cleans leftovers it recognises
+    assert not (store / ".staging" / "0123456789ab").exists()
+    assert (store / ".txn" / "notes.json").read_text() == "[]" and (store / ".staging" / "mine").is_dir()
+
+
+def test_crash_leftovers_in_staging_are_cleaned_at_the_next_writer_open(store):
+    before = tree_hash(store)
+    leftover = store / ".staging" / "0123456789ab" / "expert_load"
+    leftover.mkdir(parents=True)
+    (leftover / "part-0123456789ab.parquet").write_bytes(b"half a file")
+    Store(store)  # a reader leaves it
+    assert leftover.exists()
+    Store(store, create=True)
+    assert not (store / ".staging").exists()
+    assert tree_hash(store) == before
+
+
+def test_a_read_never_writes(runner, cli, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args in (["runs", empty], ["sql", empty, "SELECT count(*) AS n FROM runs"]):
+        res = _cli(runner, cli, *args)
+        assert res.exit_code == 0, res.output
+    assert list(empty.iterdir()) == []
+    # and a reader does not roll back a pending journal (a writer does)
+    st = _seeded(tmp_path / "st")
+    (st / ".txn").mkdir()
+    (st / ".txn" / "0123456789ab.json").write_text(json.dumps(
+        {"files": ["expert_load/run_id=ghost/part-0123456789ab.parquet"], "commit_file": None}))
+    ghost = st / "expert_load" / "run_id=ghost" / "part-0123456789ab.parquet"
+    ghost.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"step": [0], "layer": [0], "expert": [0], "slot": pa.nulls(1, pa.int32()),
+                             "src_rank": pa.nulls(1, pa.int32()), "tokens": [99]}), ghost)
+    before = tree_hash(st)
+    res = _cli(runner, cli, "sql", st, "SELECT count(*) AS n, sum(tokens) AS t FROM expert_load", "--format", "csv")
+    assert res.exit_code == 0, res.output
+    want = sum((s + 1) * (e + 2) + l for s in range(2) for l in range(2) for e in range(4))
+    assert res.output.strip().splitlines()[-1] == f"16,{want}"  # the ghost row is not shown
+    assert tree_hash(st) == before
+    assert Store(st, create=True) and not ghost.exists()  # the writer's open rolls it back
+
+
+SLOW_WRITER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    import pyarrow as pa
+    from moetrace.store import Store
+    real = os.replace
+    def slow(a, b):
+        time.sleep(0.4)
+        return real(a, b)
+    os.replace = slow
+    st = Store(sys.argv[1])
+    n = 200
+    el = pa.table({{"step": [0] * n, "layer": [0] * n, "expert": list(range(n)), "slot": pa.nulls(n, pa.int32()),
+                    "src_rank": pa.nulls(n, pa.int32()), "tokens": [1] * n}})
+    pl_ = pa.table({{"plan_id": ["recorded"], "layer": [0], "slot": [0], "rank": [0], "node": [0], "expert": [0]}})
+    st.write_run({{"source": "slow", "source_sha256": "slow", "collector": "t", "time_base": "none",
+                  "num_layers": 1, "num_experts": n, "top_k": 1}}, {{"expert_load": el, "placement": pl_}},
+                 run_id="slow")
+""")
+
+
+def test_reader_polling_during_slow_renames_never_sees_part_of_a_run(store):
+    import duckdb
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER.format(repo=str(REPO)), str(store)],
+                            stderr=subprocess.PIPE, text=True)
+    seen, raw_partial = [], False
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        st = Store(store)
+        n_el = st.sql("SELECT count(*) AS n FROM expert_load WHERE run_id = 'slow'")["n"][0]
+        n_runs = st.sql("SELECT count(*) AS n FROM runs WHERE run_id = 'slow'")["n"][0]
+        st.close()
+        seen.append((n_el, n_runs))
+        files = list((store / "expert_load").glob("run_id=slow/*.parquet"))
+        if files and not list((store / "runs").glob("run_id=slow/*.parquet")):
+            raw_partial = True  # the files alone would show part of the run here
+        time.sleep(0.05)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert all(s in ((0, 0), (200, 1)) for s in seen), seen
+    assert raw_partial, "the writer never exposed a partial state: the test did not exercise the race"
+    assert duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{store}/expert_load/*/*.parquet')").fetchone()[0] == 216
+
+
+# ----------------------------------------------------------------------------- 2. no user text in SQL
+def test_store_path_with_sql_injection_is_data(runner, cli, tmp_path):
+    pwned = tmp_path / "PWNED.csv"
+    evil = tmp_path / f"x';COPY (SELECT 42) TO '{pwned}';--"
+    src = tmp_path / "load.csv"
+    src.write_text(_csv_text())
+    res = _cli(runner, cli, "ingest", src, "--store", evil)
+    assert res.exit_code == 0, res.output
+    for args in (["runs", evil], ["sql", evil, "SELECT sum(tokens) AS t FROM expert_load", "--format", "csv"],
+                 ["skew", evil], ["catalog", evil]):
+        res = _cli(runner, cli, *args)
+        assert res.exit_code == 0, (args, res.output)
+        assert not pwned.exists(), args
+    res = _cli(runner, cli, "sql", evil, "SELECT sum(tokens) AS t FROM expert_load", "--format", "csv")
+    want = sum((s + 1) * (e + 2) + l for s in range(2) for l in range(2) for e in range(4))
+    assert res.output.strip().splitlines()[-1] == str(want)
+
+
+def test_quote_in_store_path_and_catalog(runner, cli, tmp_path):
+    import duckdb
+
+    st = tmp_path / "it's o'clock"
+    src = tmp_path / "load.csv"
+    src.write_text(_csv_text())
+    assert _cli(runner, cli, "ingest", src, "--store", st).exit_code == 0
+    res = _cli(runner, cli, "catalog", st)
+    assert res.exit_code == 0, res.output
+    con = duckdb.connect(str(st / "catalog.duckdb"), read_only=True)
+    con.execute("SET file_search_path = ?", [str(st)]) if False else None
+    con.execute(f"SET file_search_path='{str(st).replace(chr(39), chr(39) * 2)}'")
+    assert con.execute("SELECT count(*) FROM expert_load").fetchone()[0] == 16
+    con.close()
+
+
+def test_memory_limit_is_validated(runner, cli, store):
+    before = tree_hash(store)
+    for bad in ("abc", "8GB'; COPY (SELECT 1) TO 'x.csv", "-3GB"):
+        msg = one_line_error(_cli(runner, cli, "skew", store, "--memory-limit", bad), 2, "--memory-limit")
+        assert "not a size" in msg
+    res = _cli(runner, cli, "skew", store, "--memory-limit", "512MB")
+    assert res.exit_code == 0, res.output
+    assert tree_hash(store) == before
+
+
+# ----------------------------------------------------------------------------- faults while writing
+def test_enospc_during_a_write_is_one_line_and_no_change(runner, cli, store, tmp_path, monkeypatch):
+    real = pq.ParquetWriter.write_table
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", full)
+    before = tree_hash(store)
+    src = tmp_path / "more.csv"
+    src.write_text(_csv_text(scale=11))
+    one_line_error(_cli(runner, cli, "ingest", src, "--store", store), 2, str(store), "No space left on device",
+                   "nothing was written")
+    assert tree_hash(store) == before
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", real)
+    assert _cli(runner, cli, "ingest", src, "--store", store).exit_code == 0
+
+
+def test_catalog_on_a_read_only_file_system(runner, cli, store, monkeypatch):
+    real = os.replace
+
+    def erofs(a, b):
+        if str(b).endswith("catalog.duckdb"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", erofs)
+    before = tree_hash(store)
+    one_line_error(_cli(runner, cli, "catalog", store), 2, str(store), "catalog not written")
+    assert tree_hash(store) == before
+
+
+def test_ingest_does_not_fail_after_commit_when_the_catalog_refresh_fails(runner, cli, store, tmp_path, monkeypatch):
+    assert _cli(runner, cli, "catalog", store).exit_code == 0
+    monkeypatch.setattr(Store, "write_catalog", lambda self: (_ for _ in ()).throw(
+        StoreError(f"{self.path}: store is read-only; catalog not written")))
+    src = tmp_path / "more.csv"
+    src.write_text(_csv_text(scale=13))
+    res = _cli(runner, cli, "ingest", src, "--store", store)
+    assert res.exit_code == 0, res.output
+    assert "warning" in res.output and "catalog" in res.output
+    assert "more" in Store(store).run_ids()
+
+
+def test_ids_cut_at_80_characters_get_a_suffix(runner, cli, tmp_path):
+    name = "incident_" + "x" * 100 + ".csv"
+    for i, d in enumerate(("a", "b", "c")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / name).write_text(_csv_text(scale=i + 1))
+        res = _cli(runner, cli, "ingest", tmp_path / d / name, "--store", tmp_path / "st")
+        assert res.exit_code == 0, res.output
+    ids = Store(tmp_path / "st").run_ids()
+    base = ("incident_" + "x" * 100)[:80]
+    assert sorted(ids) == sorted([base, base[:78] + "-2", base[:78] + "-3"]) and all(len(i) <= 80 for i in ids)
+
+
+def test_internal_error_is_one_line_exit_1_and_debug_shows_it(runner, cli, store, monkeypatch):
+    def boom(self, *a, **k):
+        raise ValueError("unexpected\nmulti-line")
+
+    monkeypatch.setattr(Store, "runs", boom)
+    res = runner.invoke(cli, ["runs", str(store)])
+    assert res.exit_code == 1
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "internal error: ValueError: unexpected multi-line" in lines[0]
+    assert "--debug" in lines[0]
+    res = runner.invoke(cli, ["--debug", "runs", str(store)])
+    assert isinstance(res.exception, ValueError)
