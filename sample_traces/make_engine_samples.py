@@ -11,6 +11,9 @@ Writes:
 - trtllm_moe_load_balancer.yaml: a static TensorRT-LLM EPLB config for it (20 slots, hot
   experts replicated), the placement the statistics were "recorded" under.
 - vllm_ascend_expert_map.json: a vllm-ascend expert map (2 MoE layers, 4 devices x 5 slots).
+- routing_wide/layer_{1,2}.parquet: per-token routing in the public-dataset layout, one file
+  per layer, a row per token with `indices list<int16>[2]` and `scores list<float16>[2]`
+  (256 tokens; ingest with --set tokens_per_step=64 for 4 steps).
 """
 from __future__ import annotations
 
@@ -79,12 +82,26 @@ def vllm_ascend_map() -> None:
         json.dumps({"moe_layer_count": len(LAYERS), "layer_list": layers}, indent=1) + "\n")
 
 
+def routing_wide(rng: np.random.Generator) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = HERE / "routing_wide"
+    out.mkdir(exist_ok=True)
+    for layer in LAYERS:
+        idx, gates = routing(rng, 256, layer)
+        pq.write_table(pa.table({"indices": pa.array(list(idx.astype(np.int16)), pa.list_(pa.int16())),
+                                 "scores": pa.array(list(gates.astype(np.float16)), pa.list_(pa.float16()))}),
+                       out / f"layer_{layer}.parquet", compression="zstd")
+
+
 def main() -> None:
     rng = np.random.default_rng(15)
     t = trtllm(rng)
     trtllm_yaml(t["total"])
     vllm_ascend_map()
-    for f in sorted(HERE.glob("trtllm*")) + [HERE / "vllm_ascend_expert_map.json"]:
+    routing_wide(rng)
+    for f in sorted(HERE.glob("trtllm*")) + [HERE / "vllm_ascend_expert_map.json", HERE / "routing_wide"]:
         size = sum(x.stat().st_size for x in f.rglob("*")) if f.is_dir() else f.stat().st_size
         print(f"{f.name}: {size / 1e3:.1f} kB")
 

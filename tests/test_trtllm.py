@@ -117,7 +117,8 @@ def test_eplb_yaml_is_the_recorded_placement_in_skew_and_replay(tmp_path, runner
     r = runner.invoke(cli, ["replay", str(tmp_path / "st"), "--plan", "recorded", "--json"])
     assert r.exit_code == 0, r.output
     rid = json.loads(r.output)["replay_id"]
-    lay = st.sql("SELECT step, layer, imbalance FROM replay_layer WHERE replay_id = ? ORDER BY step, layer", [rid])
+    lay = Store(tmp_path / "st").sql("SELECT step, layer, imbalance FROM replay_layer WHERE replay_id = ? "
+                                     "ORDER BY step, layer", [rid])
     for it, l, imb in lay.iter_rows():
         t = _rank_tokens(ch, rows, it, l)
         assert imb == pytest.approx(t.max() / t.mean())
