@@ -91,11 +91,35 @@ def test_straggler_is_the_rank_others_waited_for(tmp_path, runner, cli):
     st = ingest(runner, cli, tmp_path / "st", d)
     s = st.sql("SELECT * FROM a2a_stragglers").row(0, named=True)
     assert s["step"] == 7 and s["ranks"] == 2
-    assert s["straggler_rank"] == 1
-    assert s["straggler_combine_exposed_ns"] == 20_000
+    assert s["last_arrival_rank"] == 1
+    assert s["last_arrival_combine_exposed_ns"] == 20_000
     assert s["wait_ns"] == (200_000 + 20_000) // 2 - 20_000
+    # the longest step (GPU window: first to last kernel) is rank 1's: 10..320 us against rank 0's 10..320 us
+    # -> equal; ties go to the lower rank
+    assert (s["longest_step_rank"], s["longest_step_ns"]) == (0, 310_000)
+    assert s["token_straggler_rank"] is None          # no expert_load in a profiler trace
     res = runner.invoke(cli, ["exposure", str(tmp_path / "st"), "--by", "straggler", "--format", "json"])
-    assert json.loads(res.output)[0]["straggler_rank"] == 1
+    assert json.loads(res.output)[0]["last_arrival_rank"] == 1
+
+
+def test_collectives_without_a_cpu_op_are_counted_not_dropped(tmp_path, runner, cli):
+    """A SendRecv kernel with no launch record cannot be told apart (all-to-all or not): it is
+    counted in a2a_presence and the report says so."""
+    send = "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)"
+    ev = [ev_x("user_annotation", "ProfilerStep#1", 0, 10000), launch(1, 1), launch(2, 2),
+          ev_x("cpu_op", "nccl:all_to_all", 1, 5), launch(3, 3),
+          kernel(GEMM, 20, 100, 1), kernel(DISPATCH, 130, 40, 3, stream=20),
+          kernel(send, 200, 25, 77, stream=21), kernel(send, 300, 5, 78, stream=21)]   # correlation 77, 78: no launch
+    p = tmp_path / "t.json"
+    from .test_kineto import write_trace as wt
+    wt(p, ev, rank=0, world=1)
+    st = ingest(runner, cli, tmp_path / "st", p)
+    pres = st.sql("SELECT * FROM a2a_presence").row(0, named=True)
+    assert (pres["unlabelled_comm_spans"], pres["unlabelled_comm_ns"], pres["unlabelled_comm_max_ns"]) == \
+        (2, 30_000, 25_000)
+    res = runner.invoke(cli, ["report", str(tmp_path / "st"), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    assert "2 collective kernel(s) (0.03 ms in all, the longest 0.03 ms) have no CPU-side collective op" in res.output
 
 
 def test_deepseek_exposure_matches_an_independent_sweep(tmp_path, runner, cli):

@@ -7,7 +7,15 @@ SELECT r.run_id,
        count(s.kind) FILTER (WHERE s.kind IN ('dispatch', 'combine', 'a2a_other')) AS a2a_spans,
        count(s.kind) AS spans,
        count(s.kind) FILTER (WHERE s.kind = 'comm_other') AS other_comm_spans,
-       count(s.kind) FILTER (WHERE s.kind IN ('dispatch', 'combine', 'a2a_other')) > 0 AS has_a2a
+       count(s.kind) FILTER (WHERE s.kind IN ('dispatch', 'combine', 'a2a_other')) > 0 AS has_a2a,
+       -- collective kernels whose CPU op was not found (no launch record, or launched outside any
+       -- collective op): which collective they belong to is unknown, so they are not in a2a_exposure
+       -- (an NCCL SendRecv among them may be an all-to-all). Counted so a report can say so.
+       count(s.kind) FILTER (WHERE s.kind = 'comm_other' AND s.collective IS NULL) AS unlabelled_comm_spans,
+       coalesce(sum(s.end_ns - s.start_ns) FILTER (WHERE s.kind = 'comm_other' AND s.collective IS NULL), 0)::BIGINT
+           AS unlabelled_comm_ns,
+       max(s.end_ns - s.start_ns) FILTER (WHERE s.kind = 'comm_other' AND s.collective IS NULL)::BIGINT
+           AS unlabelled_comm_max_ns
 FROM runs r
 LEFT JOIN spans s ON s.run_id = r.run_id
 GROUP BY r.run_id;
@@ -46,9 +54,13 @@ SELECT run_id, rank,
 FROM a2a_step_rank
 GROUP BY run_id, rank;
 
--- The straggler of a step is the rank the others waited for at the combine: it arrives
--- last, so its own combine waits least (smallest exposed combine time). wait_ns is how
--- much longer the median rank's exposed combine was. slowest_rank has the longest step.
+-- Three notions of "the straggler of a step", named apart (they need not agree):
+--   last_arrival_rank   the rank the others waited for at the combine: it arrives last, so its
+--                       own combine waits least (smallest exposed combine time). wait_ns is how
+--                       much longer the median rank's exposed combine was.
+--   longest_step_rank   the rank with the longest step window (steps.start_ns..end_ns).
+--   token_straggler_rank the rank that received the most tokens in the step, summed over layers
+--                       (rank_load_sparse; NULL when the run has no expert_load).
 CREATE OR REPLACE VIEW a2a_stragglers AS
 WITH r AS (
     SELECT *,
@@ -58,17 +70,26 @@ WITH r AS (
            median(combine_exposed_ns) OVER (PARTITION BY run_id, step) AS median_combine_exposed_ns
     FROM a2a_step_rank
     WHERE combine_ns > 0
+), a AS (
+    SELECT run_id, step, max(ranks) AS ranks,
+           max(rank) FILTER (WHERE by_wait = 1) AS last_arrival_rank,
+           max(combine_exposed_ns) FILTER (WHERE by_wait = 1) AS last_arrival_combine_exposed_ns,
+           max(median_combine_exposed_ns)::BIGINT AS median_combine_exposed_ns,
+           (max(median_combine_exposed_ns) - max(combine_exposed_ns) FILTER (WHERE by_wait = 1))::BIGINT AS wait_ns,
+           max(rank) FILTER (WHERE by_len = 1) AS longest_step_rank,
+           max(step_ns) FILTER (WHERE by_len = 1) AS longest_step_ns
+    FROM r
+    GROUP BY run_id, step
+    HAVING count(*) > 1
+), tok AS (
+    SELECT run_id, step, arg_max(rank, struct_pack(t := tokens, neg := -rank)) AS token_straggler_rank,
+           max(tokens) AS token_straggler_tokens
+    FROM (SELECT run_id, step, rank, sum(tokens) AS tokens FROM rank_load_sparse
+          WHERE run_id IN (SELECT run_id FROM a) GROUP BY ALL)
+    GROUP BY run_id, step
 )
-SELECT run_id, step, max(ranks) AS ranks,
-       max(rank) FILTER (WHERE by_wait = 1) AS straggler_rank,
-       max(combine_exposed_ns) FILTER (WHERE by_wait = 1) AS straggler_combine_exposed_ns,
-       max(median_combine_exposed_ns)::BIGINT AS median_combine_exposed_ns,
-       (max(median_combine_exposed_ns) - max(combine_exposed_ns) FILTER (WHERE by_wait = 1))::BIGINT AS wait_ns,
-       max(rank) FILTER (WHERE by_len = 1) AS slowest_rank,
-       max(step_ns) FILTER (WHERE by_len = 1) AS slowest_step_ns
-FROM r
-GROUP BY run_id, step
-HAVING count(*) > 1;
+SELECT a.*, tok.token_straggler_rank, tok.token_straggler_tokens
+FROM a LEFT JOIN tok ON tok.run_id = a.run_id AND tok.step = a.step;
 
 -- How the all-to-all ran, per (rank, device, stream) holding all-to-all spans:
 -- 'deepep_ll_hook' when DeepEP low-latency kernels run on a stream that also runs compute

@@ -34,8 +34,9 @@ def build(ctx: ReportContext) -> Section | None:
         return None  # not a profiler run: nothing to say
     t = exposure_tables(ctx.store, rid)
     notes = []  # the run's approximations are printed by the report header already
+    unl = unlabelled_sentence(t["presence"])
     if not t["presence"]["has_a2a"]:
-        msg = no_a2a_message(rid, t["presence"])
+        msg = no_a2a_message(rid, t["presence"]) + (" " + unl if unl else "")
         return Section("exposure", "All-to-all exposure", markdown=msg, terminal=msg, notes=notes)
     by_kind, ranks = t["by_kind"], t["ranks"]
     tot_comm = int(by_kind["comm_ns"].sum())
@@ -47,20 +48,29 @@ def build(ctx: ReportContext) -> Section | None:
         worst = ranks.sort("exposed_share_of_step", descending=True, nulls_last=True).row(0, named=True)
         head += (f" Worst rank: {worst['rank']}, exposed all-to-all is "
                  f"{100 * (worst['exposed_share_of_step'] or 0):.1f}% of its step time.")
+    if unl:
+        head += " " + unl
     md = [head, "", "Per kind:", "", md_table(_ms_cols(by_kind))]
     term = [head.replace("**", ""), "", _plain(_ms_cols(by_kind))]
     md += ["", "Per rank (share of comm = exposed / comm; share of step = exposed / step time):", "",
            md_table(_ms_cols(ranks))]
     term += ["", _plain(_ms_cols(ranks).head(16))]
     if t["stragglers"].height:
-        md += ["", "Straggler per step (the rank whose own combine waited least: the others waited for it):", "",
-               md_table(_ms_cols(t["stragglers"]))]
+        sent = straggler_sentence(t["stragglers"])
+        md += ["", sent, "", md_table(_ms_cols(t["stragglers"].sort("step")))]
+        term += ["", sent]
     hook = hook_mode_message(t["modes"])
     if hook:
         notes.append(hook)
     if t["groups"]["inferred"].any():
         notes.append("Layer (and, for plain all-to-alls, direction) of some groups was inferred from the order of "
-                     "dispatches within the step; 'inferred' marks them in a2a_exposure.")
+                     "dispatches within the step; 'inferred' marks them in a2a_exposure and in the figure titles.")
+        lone = lone_layers(t["groups"])
+        if lone:
+            notes.append(f"{len(lone)} inferred layer(s) ({', '.join(map(str, lone[:8]))}"
+                         f"{', ...' if len(lone) > 8 else ''}) have only a dispatch or only a combine in some step: "
+                         "the all-to-alls do not come in dispatch/combine pairs, so these 'layers' are positions in "
+                         "the step, not MoE layers (a non-MoE all-to-all, e.g. embedding exchange, looks like this).")
     figs = []
     p = _timeline(ctx)
     if p is not None:
@@ -93,7 +103,7 @@ def _timeline(ctx: ReportContext) -> Figure | None:
     if pick.height == 0:
         return None
     step = pick["step"][0]
-    spans = ctx.sql("""SELECT rank, kind, start_ns, end_ns FROM spans
+    spans = ctx.sql("""SELECT rank, kind, start_ns, end_ns, inferred, name_id, collective FROM spans
                        WHERE run_id = ? AND step IS NOT DISTINCT FROM ? AND list_contains(?, kind)
                        AND rank IN (SELECT DISTINCT rank FROM spans WHERE run_id = ? ORDER BY rank LIMIT ?)""",
                     [rid, step, list(COMPUTE_KINDS + A2A_KINDS), rid, MAX_TIMELINE_RANKS])
@@ -119,10 +129,14 @@ def _timeline(ctx: ReportContext) -> Figure | None:
     ax.set_yticklabels(yl, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the first span of the step")
-    ax.set_title(f"Step {step}: compute vs dispatch vs combine per rank")
+    inferred = direction_inferred(ctx, spans.filter(pl.col("kind").is_in(["dispatch", "combine"])))
+    ax.set_title(f"Step {step}: compute vs dispatch vs combine per rank"
+                 + ("\n(dispatch/combine labels INFERRED from order)" if inferred else ""))
     path = plots.save(fig, ctx.outdir / f"exposure_timeline_{rid}.png")
     return Figure(path, f"Timeline of step {step} (first {MAX_TIMELINE_RANKS} ranks): "
-                        + ", ".join(ln[3] for ln in lanes) + ".")
+                        + ", ".join(ln[3] for ln in lanes) + "."
+                        + (" Dispatch/combine of plain all-to-alls inferred from their order (alternation)."
+                           if inferred else ""))
 
 
 def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
@@ -137,8 +151,9 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
     x = np.arange(per.height)
     hid = per["overlapped_ns"].to_numpy() / 1e6
     exp = per["exposed_ns"].to_numpy() / 1e6
-    ax.bar(x, exp, color="#C44E52", label="exposed")
-    ax.bar(x, hid, bottom=exp, color="#8C8C8C", alpha=0.6, label="hidden behind compute")
+    # a legend entry only for a series with bars
+    ax.bar(x, exp, color="#C44E52", label="exposed" if exp.any() else None)
+    ax.bar(x, hid, bottom=exp, color="#8C8C8C", alpha=0.6, label="hidden behind compute" if hid.any() else None)
     top = float((exp + hid).max()) if per.height else 0.0
     ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)   # the bars' sticky edges would clip the tallest one
     ax.set_xticks(x)
@@ -146,12 +161,67 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
     inferred = bool(per["inferred"].any())
     ax.set_xlabel("layer" + (" (order of dispatch within the step: inferred)" if inferred else ""))
     ax.set_ylabel("all-to-all time, ms (all ranks, steps)")
-    ax.set_title("All-to-all time per layer: exposed vs hidden")
-    ax.legend(fontsize=8)
+    ax.set_title("All-to-all time per layer: exposed vs hidden"
+                 + ("\n(layers INFERRED from the order of all-to-alls in the step)" if inferred else ""))
+    if exp.any() or hid.any():
+        ax.legend(fontsize=8)
     path = plots.save(fig, ctx.outdir / f"exposure_layers_{rid_safe(ctx.run_id)}.png")
-    return Figure(path, "Exposed (red) and hidden (grey) all-to-all time per layer, summed over ranks, steps, "
-                        "micro-batches and kinds.")
+    what = " and ".join(w for w, v in (("exposed (red)", exp.any()), ("hidden (grey)", hid.any())) if v)
+    return Figure(path, f"{what[0].upper() + what[1:] if what else 'No'} all-to-all time per layer, summed over ranks, "
+                        "steps, micro-batches and kinds"
+                        + ("; layer numbers inferred from order, not annotated." if inferred else "."))
 
 
 def rid_safe(rid: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in rid)
+
+
+def unlabelled_sentence(pres: dict) -> str | None:
+    """Collective kernels with no CPU op: counted and said, never silently left out."""
+    n = pres.get("unlabelled_comm_spans") or 0
+    if not n:
+        return None
+    return (f"{n} collective kernel(s) ({_ms(pres.get('unlabelled_comm_ns'))} in all, the longest "
+            f"{_ms(pres.get('unlabelled_comm_max_ns'))}) have no CPU-side collective op (no launch record), so which "
+            "collective they belong to is unknown: they are left out of the exposure above (an NCCL SendRecv among "
+            "them may be an all-to-all).")
+
+
+def straggler_sentence(strag: pl.DataFrame) -> str:
+    """The three straggler notions of a2a_stragglers, named, and how often they agree."""
+    n = strag.height
+    la, ls = strag["last_arrival_rank"], strag["longest_step_rank"]
+    s = (f"Straggler per step, three notions: **last arrival** (last_arrival_rank: the rank whose own combine waited "
+         f"least, so the others waited for it), **longest step** (longest_step_rank) and **most tokens** "
+         f"(token_straggler_rank). Last arrival and longest step agree in {int((la == ls).sum())} of {n} steps")
+    tok = strag["token_straggler_rank"]
+    if tok.null_count() < n:
+        s += (f"; last arrival and most tokens in {int((la == tok).fill_null(False).sum())} of {n}; longest step "
+              f"and most tokens in {int((ls == tok).fill_null(False).sum())} of {n}.")
+    else:
+        s += "; tokens per rank were not recorded, so the token straggler is unknown."
+    return s
+
+
+def lone_layers(groups: pl.DataFrame) -> list[int]:
+    """Inferred layers that, in some (rank, step, micro-batch), have a dispatch but no combine or
+    the other way round."""
+    g = groups.filter(pl.col("inferred") & pl.col("layer").is_not_null() & pl.col("kind").is_in(["dispatch", "combine"]))
+    if g.height == 0:
+        return []
+    k = g.group_by(["rank", "step", "micro_batch", "layer"]).agg(pl.col("kind").n_unique().alias("n"))
+    return sorted(set(k.filter(pl.col("n") < 2)["layer"].to_list()))
+
+
+def direction_inferred(ctx: ReportContext, a2a: pl.DataFrame) -> bool:
+    """Whether any of these dispatch/combine spans got its direction from the order of
+    all-to-alls: its kernel name says no direction (the classifier gives 'a2a', e.g. an
+    NCCL SendRecv) and no annotation gave one (the span is marked inferred)."""
+    from ...collect.classify import classify
+
+    a2a = a2a.filter(pl.col("inferred"))
+    if a2a.height == 0:
+        return False
+    names = ctx.sql("SELECT name_id, name FROM kernel_names WHERE run_id = ?", [ctx.run_id])
+    pairs = a2a.select("name_id", "collective").unique().join(names, on="name_id", how="left")
+    return any(classify(n or "", c) == "a2a" for _, c, n in pairs.iter_rows())
