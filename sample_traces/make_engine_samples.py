@@ -14,6 +14,9 @@ Writes:
 - routing_wide/layer_{1,2}.parquet: per-token routing in the public-dataset layout, one file
   per layer, a row per token with `indices list<int16>[2]` and `scores list<float16>[2]`
   (256 tokens; ingest with --set tokens_per_step=64 for 4 steps).
+- metrics_scrapes/metrics_{unix time}.prom: five Prometheus text scrapes a minute apart with
+  vLLM's EPLB gauges and rearrangement counter and SGLang's eplb_balancedness summary, plus
+  two unrelated families (counted by the collector, not read).
 """
 from __future__ import annotations
 
@@ -95,13 +98,43 @@ def routing_wide(rng: np.random.Generator) -> None:
                        out / f"layer_{layer}.parquet", compression="zstd")
 
 
+def metrics_scrapes() -> None:
+    out = HERE / "metrics_scrapes"
+    out.mkdir(exist_ok=True)
+    for f in out.glob("*"):
+        f.unlink()
+    t0, rearr, cnt, tot = 1764547200, 0, 0, 0.0
+    for i in range(5):
+        avg = 0.62 + 0.06 * i                    # balancedness improving as EPLB rearranges
+        rearr += 1 if i in (1, 3) else 0
+        cnt += 120
+        tot += 120 * (0.55 + 0.07 * i)
+        lab = 'engine="0",model_name="deepseek-ai/DeepSeek-V3"'
+        text = [f"# HELP vllm:eplb_balancedness_avg Mean EPLB balancedness across MoE layers.",
+                "# TYPE vllm:eplb_balancedness_avg gauge", f"vllm:eplb_balancedness_avg{{{lab}}} {avg:.4f}",
+                "# TYPE vllm:eplb_balancedness_min gauge", f"vllm:eplb_balancedness_min{{{lab}}} {avg - 0.2:.4f}",
+                "# TYPE vllm:eplb_balancedness_p50 gauge", f"vllm:eplb_balancedness_p50{{{lab}}} {avg + 0.02:.4f}",
+                "# TYPE vllm:eplb_balancedness_p90 gauge", f"vllm:eplb_balancedness_p90{{{lab}}} {avg - 0.1:.4f}",
+                "# TYPE vllm:eplb_rearrangements_total counter", f"vllm:eplb_rearrangements_total{{{lab}}} {rearr}.0",
+                "# TYPE vllm:eplb_rearrangement_seconds gauge",
+                f"vllm:eplb_rearrangement_seconds{{{lab}}} {1.2 + 0.1 * rearr:.2f}",
+                "# TYPE sglang:eplb_balancedness summary",
+                f'sglang:eplb_balancedness_count{{forward_mode="decode",moe_ep_rank="0"}} {cnt}.0',
+                f'sglang:eplb_balancedness_sum{{forward_mode="decode",moe_ep_rank="0"}} {tot:.4f}',
+                "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{lab}}} {8 + i}.0",
+                "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {30.5 + 60 * i:.1f}"]
+        (out / f"metrics_{t0 + 60 * i}.prom").write_text("\n".join(text) + "\n")
+
+
 def main() -> None:
     rng = np.random.default_rng(15)
     t = trtllm(rng)
     trtllm_yaml(t["total"])
     vllm_ascend_map()
     routing_wide(rng)
-    for f in sorted(HERE.glob("trtllm*")) + [HERE / "vllm_ascend_expert_map.json", HERE / "routing_wide"]:
+    metrics_scrapes()
+    for f in sorted(HERE.glob("trtllm*")) + [HERE / "vllm_ascend_expert_map.json", HERE / "routing_wide",
+                                              HERE / "metrics_scrapes"]:
         size = sum(x.stat().st_size for x in f.rglob("*")) if f.is_dir() else f.stat().st_size
         print(f"{f.name}: {size / 1e3:.1f} kB")
 
