@@ -1,0 +1,75 @@
+"""What-ifs on the recorded timeline (replay/whatif.py): each model against numbers worked
+out by hand, then the store adapter, the command and the report section on a real run."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moetrace.replay.whatif import disaggregation, domain_sweep, overlap_two_micro_batches
+
+
+def test_overlap_hand_worked():
+    # one step, two layers, two ranks; step 100 ns on both ranks
+    # rank 0: exposed [20, 30], combine part [10, 10]; rank 1: exposed [40, 10], combine [20, 4]
+    e = np.array([[[20, 40], [30, 10]]], float)          # [S=1, L=2, R=2]
+    b = np.array([[[10, 20], [10, 4]]], float)
+    step = np.array([[100, 100]], float)
+    r = overlap_two_micro_batches([7], step, e, b)
+    # compute per layer c = (100 - 50) / 2 = 25 on both ranks
+    # rank 0: layer 0 max(0, 20-25) = 0; layer 1 max(0, 30 - 5 - 25) = 0, + 5 (half the last combine) -> 5; step 55
+    # rank 1: layer 0 15; layer 1 max(0, 10 - 2 - 25) = 0, + 2 -> 17; step 67
+    assert r.before_ns.tolist() == [100.0] and r.after_ns.tolist() == [67.0]
+    assert r.exposed_before_ns.tolist() == [50.0] and r.exposed_after_ns.tolist() == [11.0]
+    # each expert run twice on half the tokens: +5 ns per layer -> c' = 30
+    r = overlap_two_micro_batches([7], step, e, b, split_extra_ns=5)
+    # rank 0: 0 + 0 + 5 -> 60 + 5 = 65; rank 1: 10 + 0 + 2 -> 60 + 12 = 72
+    assert r.after_ns.tolist() == [72.0] and r.exposed_after_ns.tolist() == [8.5]
+    assert "two equal micro-batches" in r.assumptions
+
+
+def test_overlap_never_hides_more_than_there_is():
+    # all compute, no all-to-all: nothing changes; all all-to-all, no compute: nothing hides
+    e0 = np.zeros((2, 3, 4))
+    r = overlap_two_micro_batches([0, 1], np.full((2, 4), 90.0), e0, e0)
+    assert r.after_ns.tolist() == [90.0, 90.0] and r.exposed_after_ns.tolist() == [0.0, 0.0]
+    e = np.full((1, 3, 4), 30.0)
+    r = overlap_two_micro_batches([0], np.full((1, 4), 90.0), e, e / 2)
+    assert r.after_ns.tolist() == [90.0]
+
+
+def test_disaggregation_hand_worked():
+    # B = 1024 tokens, 4 GPUs, attention 1 ns/token, experts 3 ns/token, transfer 0.5 ns/token
+    # co-located: 1024/4 * (1 + 3 + 2*0.5) = 1280 ns per layer -> 1024 / 1280 ns / 4 GPUs = 2.0e8 tok/s/GPU
+    # M=1, N=3: Ta = Te = 1024/m, Tc = 512/m; round trip 3072/m; layer max(1024, 3072/m) -> 1024 from m = 3
+    #   -> 1024 / 1024 ns / 4 = 2.5e8 tok/s/GPU (1.25x). M=2,N=2: Te = 1536/m -> 1536; M=3,N=1: 3072.
+    r = disaggregation(1024, 4, ta_ns=1.0, te_ns=3.0, tc_ns=0.5)
+    assert (r.best.attn_gpus, r.best.expert_gpus, r.best.micro_batches) == (1, 3, 3)
+    assert r.best.layer_ns == pytest.approx(1024.0)
+    assert r.colocated_layer_ns == pytest.approx(1280.0)
+    assert r.colocated_tokens_per_gpu_s == pytest.approx(2.0e8)
+    assert r.best.tokens_per_gpu_s == pytest.approx(2.5e8)
+    assert r.gain == pytest.approx(1.25) and r.min_micro_batches == 3
+    two = [c for c in r.candidates if (c.attn_gpus, c.micro_batches) == (1, 2)][0]
+    assert two.layer_ns == pytest.approx(1536.0)          # m = 2 cannot cover the round trip 512+512+2*256
+
+
+def test_disaggregation_fixed_costs_favour_fewer_micro_batches():
+    # a fixed 100 ns per micro-batch on each side: M=1, N=3, m=3 -> Ta = Te = 441.33, Tc = 170.67,
+    # layer max(3 * 441.33, 441.33*2 + 341.33) = 1324; m=2 -> Ta = Te = 612, Tc = 256: max(1224, 1736) = 1736
+    r = disaggregation(1024, 4, 1.0, 3.0, 0.5, fa_ns=100.0, fe_ns=100.0)
+    c = {(x.attn_gpus, x.micro_batches): x for x in r.candidates}
+    assert c[(1, 3)].layer_ns == pytest.approx(3 * (100 + 1024 / 3))
+    assert c[(1, 2)].layer_ns == pytest.approx(612 + 612 + 2 * 256)
+    assert r.colocated_layer_ns == pytest.approx(200 + 1280)
+
+
+def test_domain_sweep_hand_worked():
+    # 4 ranks each send 10 tokens to every other rank, 100 bytes per token; NVLink 1 B/ns, NIC 0.1 B/ns
+    tr = np.full((1, 1, 4, 4), 10.0)
+    res = {d.domain_size: d for d in domain_sweep(tr, 100, [1, 2, 4, 8], 1e9, 1e8)}
+    # D=2: 1000 B inside, 2000 B across per rank -> 1000 + 20000 ns, x2 (combine) = 42000
+    assert (res[2].intra_bytes, res[2].inter_bytes) == (4000.0, 8000.0)
+    assert res[2].a2a_ns_per_step == pytest.approx(42000.0) and res[2].inter_share == pytest.approx(2 / 3)
+    assert res[1].a2a_ns_per_step == pytest.approx(60000.0) and res[1].domains == 4
+    assert res[4].a2a_ns_per_step == pytest.approx(6000.0) and res[4].inter_bytes == 0.0
+    assert res[8].a2a_ns_per_step == pytest.approx(6000.0) and res[8].domains == 1
