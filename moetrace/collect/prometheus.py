@@ -33,6 +33,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ..errors import InputError
+from ..safety import limit, limit_error
 from ..store import sha256_files
 from . import Collector, RunData, register
 from .logs import COLUMNS, _TYPES
@@ -60,8 +61,9 @@ def _sniff(path: Path, head: bytes) -> bool:
     if b"\x00" in head:
         return False
     text = head.decode("utf-8", "replace")
-    if not (re.search(r"^# (?:TYPE|HELP) [a-zA-Z_:]", text, re.M) or
-            any(_SAMPLE.match(l) for l in text.splitlines()[:5] if l and not l.startswith("#"))):
+    whole = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]   # a cut last line is not judged
+    lines = [l.strip() for l in whole if l.strip() and not l.startswith("#")][:5]
+    if not (re.search(r"^# (?:TYPE|HELP) [a-zA-Z_:]", text, re.M) or (lines and all(_SAMPLE.match(l) for l in lines))):
         return False
     if b"eplb_" in head:
         return True
@@ -117,7 +119,10 @@ def parse(path: Path) -> list[dict]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputError(path, "not UTF-8 text", f"byte {e.start}") from None
+    max_line = limit("max_line_bytes")
     for n, line in enumerate(text.splitlines(), 1):
+        if len(line) > max_line:
+            raise limit_error(path, "max_line_bytes", f"a line of {len(line)} characters", f"line {n}")
         s = line.strip()
         if not s or s.startswith("#"):
             continue

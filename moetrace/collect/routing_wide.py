@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InputError
+from ..safety import json_loads
 from ..store import sha256_files
 from . import Collector, RunData, register
 
@@ -114,10 +115,7 @@ def _read_jsonl(path: Path) -> pa.Table:
             line = line.strip()
             if not line:
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise InputError(path, f"invalid JSON: {e.msg}", f"line {i}") from None
+            obj = json_loads(path, line, f"line {i}")
             if not isinstance(obj, dict):
                 raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
             rows.append(obj)

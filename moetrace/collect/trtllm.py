@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..replay.plan_io import looks_like_trtllm_yaml, read_trtllm_yaml
+from ..safety import check_array_elements, json_loads
 from ..store import sha256_files
 from . import Collector, RunData, register
 
@@ -58,11 +59,9 @@ def _sniff(path: Path, head: bytes) -> bool:
 
 def _meta(path: Path) -> tuple[int, int]:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json_loads(path, path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise InputError(path, "not UTF-8 text") from None
-    except ValueError as e:
-        raise InputError(path, f"invalid JSON: {e.msg}", f"line {e.lineno} column {e.colno}") from None
     vals = []
     for key in ("num_experts", "num_experts_per_token"):
         v = doc.get(key) if isinstance(doc, dict) else None
@@ -91,6 +90,7 @@ def _rank_counts(path: Path, E: int) -> dict[tuple[int, int], np.ndarray]:
                 m = _KEY.match(key)
                 if not m:
                     raise InputError(path, f"tensor key {key!r} is not '{{iter}}_{{layer}}'")
+                check_array_elements(path, f.get_slice(key).get_shape(), f"tensor {key!r}")
                 t = f.get_tensor(key)
                 if t.ndim != 1 or t.shape[0] != E:
                     raise InputError(path, f"tensor {key!r} has shape {list(t.shape)}, expected [{E}] "

@@ -292,9 +292,11 @@ def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_no
                                    f"(layer_updates_per_iter {cfg.layer_updates_per_iter}), nothing to import")
         return _finish(path, cfg.phy2log, cfg.layers, layers, num_experts, num_ranks, ranks_per_node,
                        "file:trtllm", {"layer_updates_per_iter": cfg.layer_updates_per_iter})
+    from ..safety import json_loads
+
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        doc = json_loads(path, path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
         raise InputError(path, f"cannot read plan JSON: {e}") from None
     if not isinstance(doc, dict):
         raise InputError(path, "expected a JSON object with physical_to_logical_map, phy2log, logical_count or "
