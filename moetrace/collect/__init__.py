@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
+from ..safety import check_regular_file, set_overrides
 
 
 @dataclass
@@ -74,6 +75,7 @@ def _expand(paths: Sequence[str | Path]) -> list[tuple[Path, bool]]:
                 raise InputError(p, "folder holds no files")
             out.extend((f, True) for f in files)
         else:
+            check_regular_file(p)  # a FIFO or a device would hang or never end
             out.append((p, False))
     return out
 
@@ -111,6 +113,7 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
     from .checks import validate_run
 
     options = dict(options or {})
+    set_overrides(options)  # --set max_*=N raises a resource limit (safety.LIMITS)
     entries = _expand(paths)
     files = [f for f, _ in entries]
     groups: dict[str, list[Path]] = {}
