@@ -149,6 +149,7 @@ def _placement(cfg, path: Path, R: int, rpn: int, layers: list[int], E: int) -> 
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
+    paths = sorted(set(paths))   # a folder and a file inside it, both named
     metas = [p for p in paths if p.name == META]
     ranks = [p for p in paths if _RANK.match(p.name)]
     yamls = [p for p in paths if p.name.lower().endswith((".yaml", ".yml"))]
