@@ -15,8 +15,6 @@ all-to-all, as for Kineto traces.
 """
 from __future__ import annotations
 
-import gzip
-import shutil
 import sqlite3
 import sys
 import tempfile
@@ -26,6 +24,7 @@ from pathlib import Path
 import polars as pl
 
 from ..errors import InputError
+from ..safety import bounded_gunzip, check_regular_file, sql_identifier, sqlite_ro_uri
 from ..store import sha256_files
 from . import Collector, RunData, register
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, run_data
@@ -49,18 +48,19 @@ def _sniff(path: Path, head: bytes) -> bool:
 
 
 def _open(path: Path, tmpdir: Path) -> sqlite3.Connection:
+    """Open an export read-only and immutable through a percent-encoded URI: nothing is
+    ever written next to the input (no -wal / -shm / journal, even for a WAL-mode export);
+    a .gz is inflated (size-capped, safety.max_inflated) into a private temp folder."""
+    check_regular_file(path)
     src = path
     with open(path, "rb") as f:
         magic = f.read(2)
     if magic == b"\x1f\x8b":
-        src = tmpdir / (path.name[:-3] if path.name.endswith(".gz") else path.name + ".sqlite")
-        try:
-            with gzip.open(path, "rb") as fi, open(src, "wb") as fo:
-                shutil.copyfileobj(fi, fo, 1 << 20)
-        except (OSError, EOFError, zlib.error) as e:
-            raise InputError(path, f"corrupt or truncated gzip: {e}") from None
+        src = tmpdir / "export.sqlite"
+        with open(src, "wb") as fo:
+            bounded_gunzip(path, out=fo)
     try:
-        con = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+        con = sqlite3.connect(sqlite_ro_uri(src), uri=True)
         con.text_factory = lambda b: b.decode("utf-8", "replace")
         con.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
     except (sqlite3.Error, UnicodeError) as e:
@@ -68,11 +68,36 @@ def _open(path: Path, tmpdir: Path) -> sqlite3.Connection:
     return con
 
 
-def _tables(con: sqlite3.Connection) -> dict[str, set[str]]:
+def _tables(con: sqlite3.Connection, path: Path) -> dict[str, set[str]]:
+    """Tables of the export and their columns. Only real tables: a VIEW (which could be
+    an endless recursive query) or a virtual table under an nsys table name is refused."""
     out = {}
-    for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"):
-        out[t] = {r[1] for r in con.execute(f'PRAGMA table_info("{t}")')}
+    for t, typ, sql in con.execute("SELECT name, type, sql FROM sqlite_master WHERE type IN ('table', 'view')"):
+        if not isinstance(t, str):
+            continue
+        wanted = t == "StringIds" or t == "NVTX_EVENTS" or t.startswith(("CUPTI_ACTIVITY_KIND_", "TARGET_INFO_"))
+        if typ != "table" or (isinstance(sql, str) and sql.lstrip().upper().startswith("CREATE VIRTUAL")):
+            if wanted:
+                raise InputError(path, f"{t[:60]!r} is a {typ if typ != 'table' else 'virtual table'}, not a table; "
+                                       "an Nsight export holds plain tables only")
+            continue
+        out[t] = {r[1] for r in con.execute(f"PRAGMA table_info({sql_identifier(t)})")}
     return out
+
+
+def _check_row_counts(con: sqlite3.Connection, tabs: dict, path: Path, size: int) -> None:
+    """Row counts of the tables read, against what the file's bytes can hold (a row takes
+    at least a few bytes of a page): a crafted count is refused before any row is read."""
+    for t in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET",
+              "CUPTI_ACTIVITY_KIND_RUNTIME", "NVTX_EVENTS", "StringIds"):
+        if t in tabs:
+            n = con.execute(f"SELECT count(*) FROM {sql_identifier(t)}").fetchone()[0]
+            if n > size // 2 + 1000:
+                raise InputError(path, f"table {t} claims {n} rows, more than a {size}-byte file can hold")
+    if "StringIds" in tabs and "id" in tabs["StringIds"]:
+        dup = con.execute("SELECT id FROM StringIds GROUP BY id HAVING count(*) > 1 LIMIT 1").fetchone()
+        if dup is not None:
+            raise InputError(path, f"StringIds holds the id {dup[0]!r} twice (a join on it would multiply rows)")
 
 
 def _df(con, sql: str, schema: dict, path: Path) -> pl.DataFrame:
@@ -87,10 +112,12 @@ def read_export(path: Path, tmpdir: Path) -> tuple[list[dict], int | None]:
     """Per-rank frames of one export: list of {gpu, launch, cpu, key}, and the epoch offset."""
     con = _open(path, tmpdir)
     try:
-        tabs = _tables(con)
+        tabs = _tables(con, path)
         if "StringIds" not in tabs or not any(t.startswith("CUPTI_ACTIVITY_KIND_") or t == "NVTX_EVENTS" for t in tabs):
             raise InputError(path, "SQLite file is not an Nsight Systems export (no StringIds / CUPTI_ACTIVITY_KIND_* "
                                    "tables)")
+        inflated = tmpdir / "export.sqlite"
+        _check_row_counts(con, tabs, path, (inflated if inflated.exists() else path).stat().st_size)
         epoch = None
         if "TARGET_INFO_SESSION_START_TIME" in tabs and "utcEpochNs" in tabs["TARGET_INFO_SESSION_START_TIME"]:
             r = con.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME LIMIT 1").fetchone()
@@ -138,6 +165,7 @@ def read_export(path: Path, tmpdir: Path) -> tuple[list[dict], int | None]:
             cpu = pl.DataFrame(schema=cschema)
     finally:
         con.close()
+        (tmpdir / "export.sqlite").unlink(missing_ok=True)
     # globalTid / globalPid: pid in bits 24..47, tid in the low 24 bits
     launch = launch.with_columns((pl.col("gtid") // (1 << 24) % (1 << 24)).alias("pid"),
                                  (pl.col("gtid") % (1 << 24)).alias("tid"))
