@@ -51,14 +51,16 @@ def _apply_style(ax):
 def bars(path, labels, values, *, title: str, xlabel: str, ylabel: str, ref_line: float | None = None,
          ref_label: str | None = None, highlight: int | None = None, errors=None, color: str = "#4C72B0",
          width: float | None = None, annotate: bool = False):
-    """Vertical bars, one per label; ``highlight`` (index) draws one bar in red."""
+    """Vertical bars, one per label; ``highlight`` (an index, a list of indices, or "max")
+    draws those bars in red. "max" marks every bar tied for the largest value, so two equal
+    bars never get two colours."""
     n = len(values)
     fig, ax = figure(width or min(14.0, max(6.0, 0.22 * n + 3)), 4.0)
     _apply_style(ax)
     x = np.arange(n)
     colors = [color] * n
-    if highlight is not None and 0 <= highlight < n:
-        colors[highlight] = "#C44E52"
+    for i in highlighted(values, highlight):
+        colors[i] = "#C44E52"
     ax.bar(x, values, color=colors, yerr=errors, capsize=2 if errors is not None else 0, width=0.8)
     if ref_line is not None:
         ax.axhline(ref_line, color="black", linestyle="--", linewidth=1, label=ref_label)
@@ -80,15 +82,45 @@ def bars(path, labels, values, *, title: str, xlabel: str, ylabel: str, ref_line
     return save(fig, path)
 
 
+def highlighted(values, highlight) -> list[int]:
+    """Indices to draw in red: ``highlight`` as an index, indices, or "max" (all ties)."""
+    n = len(values)
+    if highlight is None or n == 0:
+        return []
+    if isinstance(highlight, str):
+        v = np.asarray(values, dtype=float)
+        if highlight != "max" or not np.isfinite(v).any():
+            return []
+        return [int(i) for i in np.flatnonzero(v == np.nanmax(v))]
+    idx = [highlight] if np.isscalar(highlight) else list(highlight)
+    return [int(i) for i in idx if 0 <= int(i) < n]
+
+
 def heatmap(path, matrix: np.ndarray, *, title: str, xlabel: str, ylabel: str, cbar_label: str,
-            x_ticks=None, y_ticks=None):
-    """A [rows, cols] matrix; rows go up the y axis (steps), cols along x (experts)."""
-    fig, ax = figure(9.0, 4.2)
+            x_ticks=None, y_ticks=None, y_range: tuple[float, float] | None = None,
+            groups: list[tuple[int, str]] | None = None, mark_group: int | None = None):
+    """A [rows, cols] matrix; rows go up the y axis (steps), cols along x (experts).
+
+    ``y_range`` (first, last): the rows' values (e.g. steps) so that the y ticks are round
+    numbers of that unit rather than row indices. ``groups``: (first column, label) of
+    consecutive column groups (experts of one rank): drawn as boundaries with the labels
+    on the top axis; ``mark_group`` outlines one group (e.g. the straggler rank)."""
+    fig, ax = figure(9.0, 4.4)
     ax.grid(False)
     m = np.asarray(matrix, dtype=float)
     vmax = np.nanpercentile(m, 99.5) if np.isfinite(m).any() and np.nanmax(m) > 0 else 1.0
+    rows, cols = m.shape
+    extent = None
+    if y_range is not None:
+        a, b = float(y_range[0]), float(y_range[1])
+        half = (b - a) / max(rows - 1, 1) / 2 if rows > 1 else 0.5
+        extent = (-0.5, cols - 0.5, a - half, b + half)
     im = ax.imshow(m, aspect="auto", origin="lower", interpolation="nearest", cmap="magma",
-                   vmin=0, vmax=max(vmax, 1e-12))
+                   vmin=0, vmax=max(vmax, 1e-12), extent=extent)
+    if y_range is not None:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
     cb = fig.colorbar(im, ax=ax, pad=0.01)
     cb.set_label(cbar_label)
     if x_ticks is not None:
@@ -97,6 +129,19 @@ def heatmap(path, matrix: np.ndarray, *, title: str, xlabel: str, ylabel: str, c
     if y_ticks is not None:
         ax.set_yticks(y_ticks[0])
         ax.set_yticklabels(y_ticks[1])
+    if groups:
+        edges = [g[0] for g in groups] + [cols]
+        for e in edges[1:-1]:
+            ax.axvline(e - 0.5, color="#00E5FF", linewidth=0.5, alpha=0.7)
+        top = ax.secondary_xaxis("top")
+        step = max(1, int(np.ceil(len(groups) / 16)))
+        centers = [(edges[i] + edges[i + 1] - 1) / 2 for i in range(len(groups))]
+        top.set_xticks(centers[::step])
+        top.set_xticklabels([g[1] for g in groups][::step], fontsize=7)
+        top.tick_params(length=0)
+        if mark_group is not None and 0 <= mark_group < len(groups):
+            lo, hi = edges[mark_group] - 0.5, edges[mark_group + 1] - 0.5
+            ax.axvspan(lo, hi, fill=False, edgecolor="#00FF7F", linewidth=1.8)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

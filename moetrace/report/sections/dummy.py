@@ -14,6 +14,10 @@ def build(ctx: ReportContext) -> Section | None:
     df = ctx.sql("SELECT * FROM dummy_steps WHERE run_id = ? ORDER BY rank", [rid])
     if df.height == 0:
         return None
+    why = unknown_reason(ctx)
+    if why:
+        text = f"Dummy steps: unknown — {why}"
+        return Section(key="dummy", title="Dummy steps", markdown=text, terminal=text)
     total_steps = int(df["steps"].sum())
     total_dummy = int(df["dummy_steps"].sum())
     notes = []
@@ -42,8 +46,26 @@ def build(ctx: ReportContext) -> Section | None:
             ctx.outdir / "dummy_share_per_rank.png", df["rank"].to_list(), vals,
             title="Dummy steps per rank (ran the forward with no tokens)", xlabel="rank",
             ylabel="dummy steps (% of the rank's steps)", ref_line=100 * share,
-            ref_label=f"all ranks {100 * share:.1f}%", highlight=int(np.argmax(vals))),
+            ref_label=f"all ranks {100 * share:.1f}%", highlight="max"),
             "Share of each rank's steps that were dummy steps (no tokens, forward run only to keep the "
-            "collectives aligned); dashed: the average over ranks."))
+            "collectives aligned); dashed: the average over ranks; red: the rank(s) with the largest share"
+            + (" (tied)" if len(plots.highlighted(vals, "max")) > 1 else "") + "."))
     return Section(key="dummy", title="Dummy steps", markdown="\n".join(md), terminal="\n".join(term),
                    figures=figs, notes=notes)
+
+
+def unknown_reason(ctx: ReportContext) -> str | None:
+    """Why this run cannot say which steps were dummy steps (None when it can): a dummy step
+    is a rank running the forward with no tokens while other ranks work, so it needs more
+    than one rank and a source that records tokens per (step, rank) or flags idle passes."""
+    s = ctx.sql("SELECT count(DISTINCT rank) AS ranks, count(num_tokens) AS with_tokens, "
+                "count(*) FILTER (WHERE is_dummy) AS flagged FROM steps WHERE run_id = ?", [ctx.run_id]).row(0, named=True)
+    if s["flagged"]:
+        return None
+    if s["ranks"] <= 1:
+        return ("the run has one rank: a dummy step is a rank idling while the others work, so there is no other "
+                "rank to tell it from.")
+    if not s["with_tokens"]:
+        return ("this source records neither the tokens of each (step, rank) nor idle passes, so a rank that ran a "
+                "step with no tokens cannot be told apart (not zero: unknown).")
+    return None

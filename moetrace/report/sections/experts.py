@@ -8,8 +8,14 @@ from ..base import Figure, ReportContext, Section, md_table
 from .. import plots
 
 ORDER = 20
-# below a few hundred tokens per expert the expert GEMM reads weights rather than computes
-WEIGHT_BOUND_TOKENS = 256
+# Below a few hundred tokens per expert the expert GEMM reads weights rather than computes.
+# The crossover depends on the GPU and the weights' dtype: a GEMM over T tokens does 2 FLOP
+# per weight per token and reads each weight once (BYTES per weight), so it is bound by
+# memory while T < (peak FLOP/s / HBM bytes/s) x BYTES / 2. Named here, said wherever used.
+BOUND_GPU, BOUND_DTYPE, BOUND_TFLOPS, BOUND_TBPS, BOUND_BYTES = "H100 SXM", "BF16", 989.0, 3.35, 2
+WEIGHT_BOUND_TOKENS = int(round(BOUND_TFLOPS / BOUND_TBPS * BOUND_BYTES / 2))   # 295
+BOUND_WHO = (f"an {BOUND_GPU} with {BOUND_DTYPE} weights ({BOUND_TFLOPS:.0f} dense TFLOP/s over {BOUND_TBPS} TB/s "
+             f"of HBM: about {WEIGHT_BOUND_TOKENS} tokens)")
 
 
 def quantile_from_counts(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:
@@ -37,6 +43,8 @@ def build(ctx: ReportContext) -> Section | None:
         "ORDER BY layer", [rid])
     if per_layer.height == 0:
         return None
+    # one (pseudo-)step: counts over the whole recording, not per forward pass: a per-step bound means nothing
+    whole = int(ctx.sql("SELECT count(DISTINCT step) AS n FROM tokens_per_expert WHERE run_id = ?", [rid])["n"][0]) <= 1
     shape = ctx.sql("SELECT num_experts, top_k FROM run_shape WHERE run_id = ?", [rid]).row(0, named=True)
     E, k = shape["num_experts"], shape["top_k"]
     notes = []
@@ -49,17 +57,26 @@ def build(ctx: ReportContext) -> Section | None:
                      "derived (only token-expert assignments are known).")
     if overall["m"] is not None:
         b = f"{overall['b']:.0f} tokens per step, so each" if overall["b"] is not None else "Each"
-        text = (f"{b} of the {E} experts got **{overall['m']:.1f}** tokens per step on average "
+        per = "over the whole recording" if whole else "per step on average"
+        if whole:
+            b = "Each"
+        text = (f"{b} of the {E} experts got **{overall['m']:.1f}** tokens {per} "
                 f"(median expert {overall['med']:.1f}, busiest {overall['mx']:.1f}). ")
-        if overall["hit_exp"] is not None:
+        if overall["hit_exp"] is not None and not whole:
             text += (f"A step touched {overall['hit']:.1f} experts per layer; uniform routing would touch "
                      f"{overall['hit_exp']:.1f} (E·(1−(1−k/E)^B)).")
         md.append(text)
         term.append(text.replace("**", ""))
-        if overall["med"] < WEIGHT_BOUND_TOKENS:
-            line = (f"The median expert saw fewer than {WEIGHT_BOUND_TOKENS} tokens per step: its GEMM is bound by "
-                    "reading the expert's weights, not by arithmetic, so extra tokens on a cold expert are nearly "
-                    "free and the hottest expert's count sets the time.")
+        if whole:
+            line = ("The counts cover the whole recording as one aggregate step, so they say nothing about how many "
+                    "tokens an expert's GEMM saw per forward pass (and whether it was weight-read bound).")
+            md.append("")
+            md.append(line)
+            term.append(line)
+        elif overall["med"] < WEIGHT_BOUND_TOKENS:
+            line = (f"The median expert saw fewer than {WEIGHT_BOUND_TOKENS} tokens per step: on {BOUND_WHO} its "
+                    "GEMM is bound by reading the expert's weights, not by arithmetic, so extra tokens on a cold "
+                    "expert are nearly free and the hottest expert's count sets the time.")
             md.append("")
             md.append(line)
             term.append(line)
@@ -94,22 +111,27 @@ def build(ctx: ReportContext) -> Section | None:
         if counts[nb]:
             ax.bar(centers[nb], counts[nb], width=width * 0.95, color="#C44E52",
                    label=f"{nb * width:.0f} or more (busiest 0.1%)")
-        bound_shown = WEIGHT_BOUND_TOKENS <= top * 1.1
+        bound_shown = WEIGHT_BOUND_TOKENS <= top * 1.1 and not whole
         if bound_shown:
             ax.axvline(WEIGHT_BOUND_TOKENS, color="black", linestyle="--", linewidth=1,
-                       label=f"{WEIGHT_BOUND_TOKENS} tokens: below, GEMMs are weight-read bound")
+                       label=f"{WEIGHT_BOUND_TOKENS} tokens: below, weight-read bound\n({BOUND_GPU}, {BOUND_DTYPE})")
         if counts[nb] or bound_shown:
             ax.legend(frameon=False, loc="upper right")
         ax.set_xlim(0, (nb + 1) * width)
-        ax.set_title("Tokens per expert per step (all layers)")
-        ax.set_xlabel("tokens an expert received in one step (token-expert assignments)")
+        ax.set_title("Tokens per expert per step (all layers)" if not whole else
+                     "Tokens per expert over the whole recording (one aggregate step, all layers)")
+        ax.set_xlabel("tokens an expert received in one step (token-expert assignments)" if not whole else
+                      "tokens an expert received over the recording (token-expert assignments)")
         ax.set_ylabel("(expert, step, layer) count")
         ax.grid(True, alpha=0.3)
-        figs.append(Figure(plots.save(fig, ctx.outdir / "experts_tokens_hist.png"),
-                           "How many tokens an expert's GEMM saw per step, over every expert, step and layer "
-                           f"(experts that got nothing count at 0). Below about {WEIGHT_BOUND_TOKENS} tokens an "
-                           "expert GEMM is bound by reading its weights"
-                           + (" (dashed line)." if WEIGHT_BOUND_TOKENS <= top * 1.1 else
-                              f"; every count here is below {top:.0f}.")))
+        if whole:
+            cap = ("Tokens per expert summed over the whole recording (one aggregate step), over every expert and "
+                   "layer (experts that got nothing count at 0); not per forward pass, so no per-step bound applies.")
+        else:
+            cap = ("How many tokens an expert's GEMM saw per step, over every expert, step and layer (experts that "
+                   f"got nothing count at 0). Below about {WEIGHT_BOUND_TOKENS} tokens an expert GEMM on {BOUND_WHO} "
+                   "is bound by reading its weights"
+                   + (" (dashed line)." if bound_shown else f"; every count here is below {top:.0f}."))
+        figs.append(Figure(plots.save(fig, ctx.outdir / "experts_tokens_hist.png"), cap))
     return Section(key="experts", title="Tokens per expert", markdown="\n".join(md), terminal="\n".join(term),
                    figures=figs, notes=notes)

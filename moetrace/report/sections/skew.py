@@ -104,7 +104,7 @@ def build(ctx: ReportContext) -> Section | None:
                 out / "skew_worst_layer_ranks.png", rl["rank"].to_list(), vals,
                 title=f"Layer {wl}: mean tokens per rank per step", xlabel="rank",
                 ylabel="tokens per step (token-expert assignments)", ref_line=float(vals.mean()),
-                ref_label=f"mean rank {vals.mean():.0f}", highlight=int(np.argmax(vals))),
+                ref_label=f"mean rank {vals.mean():.0f}", highlight="max"),
                 f"Worst layer {wl}: tokens each rank received per step, averaged over steps (the most loaded "
                 "rank in red, dashed line: the mean rank). The busiest rank sets the layer's time."))
             if strag.height:
@@ -148,7 +148,7 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
         path = plots.bars(ctx.outdir / f"skew_experts_layer{layer}.png", list(range(E)), x,
                           title=f"Layer {layer}: tokens per logical expert", xlabel="logical expert id",
                           ylabel="tokens (token-expert assignments)", ref_line=float(x.mean()),
-                          ref_label=f"mean expert {x.mean():.0f}", highlight=int(np.argmax(x)), width=12)
+                          ref_label=f"mean expert {x.mean():.0f}", highlight="max", width=12)
         return Figure(path, f"Layer {layer}: tokens each logical expert received over the run's single "
                             "(pseudo-)step; the hottest expert in red, dashed: the mean expert.")
     bins = min(int(n_steps), MAX_HEATMAP_ROWS)
@@ -165,16 +165,47 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
     binned = bins < n_steps
     title = f"Layer {layer}: tokens per expert per step"
     ylabel = "step" if not binned else f"step bin ({n_steps // bins}–{-(-n_steps // bins)} steps each)"
-    steps = (n["a"][0], n["b"][0])
-    yt = np.linspace(0, bins - 1, min(6, bins)).astype(int)
-    ylab = [str(int(steps[0] + (steps[1] - steps[0]) * t / max(bins - 1, 1))) for t in yt]
+    steps = (int(n["a"][0]), int(n["b"][0]))
+    kw = {}
+    if steps[1] - steps[0] + 1 == n_steps:     # contiguous steps: the y axis in steps, round ticks
+        kw["y_range"] = steps
+    else:                                      # gaps: label rows by the step they start at
+        yt = np.linspace(0, bins - 1, min(6, bins)).astype(int)
+        order = ctx.sql("SELECT step FROM layer_skew WHERE run_id = ? AND layer = ? ORDER BY step",
+                        [rid, layer])["step"].to_numpy()
+        kw["y_ticks"] = (yt, [str(int(order[(t * n_steps) // bins])) for t in yt])
+    groups, strag = _rank_groups(ctx, layer, E)
     path = plots.heatmap(ctx.outdir / f"skew_heatmap_layer{layer}.png", m, title=title,
-                         xlabel="logical expert id", ylabel=ylabel if not binned else "step",
-                         cbar_label="tokens per step (token-expert assignments)", y_ticks=(yt, ylab))
+                         xlabel="logical expert id" + (" (cyan lines: rank boundaries, top axis: rank)"
+                                                       if groups else ""),
+                         ylabel=ylabel if not binned else "step",
+                         cbar_label="tokens per step (token-expert assignments)", groups=groups,
+                         mark_group=strag, **kw)
     cap = (f"Layer {layer}: tokens each logical expert received per step (columns: experts, rows: steps"
-           + (f", averaged over bins of about {n_steps / bins:.0f} steps" if binned else "") +
+           + (f", averaged over bins of about {n_steps / bins:.0f} steps" if binned else "")
+           + ("; cyan lines split the experts by rank (contiguous placement), the green box is the rank that was "
+              f"most often the straggler (rank {strag})" if groups and strag is not None else "")
+           + ("; no rank boundaries: the placement is recorded, not contiguous, so logical experts are not grouped "
+              "by rank" if not groups else "") +
            "). Bright vertical stripes are persistently hot experts; colour scale clipped at the 99.5th percentile.")
     return Figure(path, cap)
+
+
+def _rank_groups(ctx: ReportContext, layer: int, E: int):
+    """(first expert, label) per rank when the layer's placement is contiguous (expert e on rank
+    e·R/E), and the rank most often the straggler; ([], None) otherwise."""
+    sh = ctx.sql("SELECT p.placement_source, s.num_ranks FROM layer_placement p JOIN run_shape s USING (run_id) "
+                 "WHERE p.run_id = ? AND p.layer = ?", [ctx.run_id, layer])
+    if sh.height == 0 or sh["placement_source"][0] != "contiguous" or not sh["num_ranks"][0]:
+        return [], None
+    R = int(sh["num_ranks"][0])
+    if R < 2 or E % R:
+        return [], None
+    per = E // R
+    groups = [(r * per, str(r)) for r in range(R)]
+    mode = ctx.sql("SELECT straggler_rank FROM layer_skew WHERE run_id = ? AND layer = ? AND straggler_rank IS NOT NULL "
+                   "GROUP BY 1 ORDER BY count(*) DESC, 1 LIMIT 1", [ctx.run_id, layer])
+    return groups, (int(mode["straggler_rank"][0]) if mode.height else None)
 
 
 def _mean_rank_tokens(ctx: ReportContext, layer: int) -> pl.DataFrame:
