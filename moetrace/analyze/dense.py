@@ -100,7 +100,7 @@ def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Ta
         if (np.diff(key) <= 0).any() or (last_key is not None and key[0] <= last_key):
             raise NotDense("(step, layer) groups are not in increasing order")
         last_key = int(key[-1])
-        yield dense_table(step[:, 0], layer[:, 0], body.column("tokens").to_numpy())
+        yield dense_table(step[:, 0], layer[:, 0], body.column("tokens").to_numpy().reshape(-1, E))
     if carry is not None and carry.num_rows:
         raise NotDense("the last (step, layer) group is incomplete")
 

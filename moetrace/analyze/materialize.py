@@ -9,7 +9,7 @@ every query that joins them rescans the run. :func:`materialize_layer_skew` ther
 1. computes ``run_shape`` and ``layer_placement`` of the run once (TEMP tables),
 2. walks the run's steps in batches of ``batch_steps`` consecutive steps (a power of two,
    chosen from the run's row count unless given): for each batch it materializes the
-   batch's ``expert_step_stats`` and ``rank_load_sparse`` and appends the batch's rows of
+   batch's ``expert_step_stats`` and ``rank_tokens_by_step`` (rank lists) and appends the batch's rows of
    ``layer_skew`` and ``tokens_per_expert``, the batch's merged windows of
    ``skew_by_batch`` (windows of up to ``batch_steps`` steps lie inside one batch, because
    batches start at multiples of ``batch_steps`` in step order) and the batch's rank
@@ -38,8 +38,8 @@ TARGET_BATCH_ROWS = 8_000_000
 
 SHAPE_VIEWS = ("run_shape", "layer_placement")
 HEAVY_VIEWS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
-_CHUNK_VIEWS = ("expert_step_stats", "rank_load_sparse")     # shadowed per batch, dropped after
-_PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch")
+_CHUNK_VIEWS = ("expert_step_stats", "rank_tokens_by_step")  # shadowed per batch, dropped after
+_PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch", "_mt_rank_rows")
 
 
 @dataclass
@@ -153,10 +153,13 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
         for v in SHAPE_VIEWS:
             con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
             made.append(v)
-        m.rows = int(con.execute("SELECT count(*) FROM expert_load WHERE run_id = ?", [run_id]).fetchall()[0][0])
+        # rows of the expert_load view: long rows + list lengths of the dense rows (no unnest)
+        m.rows = int(con.execute("SELECT (SELECT count(*) FROM expert_load_long WHERE run_id = ?) + "
+                                 "(SELECT coalesce(sum(len(tokens)), 0) FROM expert_counts WHERE run_id = ?)",
+                                 [run_id, run_id]).fetchall()[0][0])
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_steps AS SELECT step, "
                     "row_number() OVER (ORDER BY step) - 1 AS ord FROM "
-                    "(SELECT DISTINCT step FROM expert_load WHERE run_id = ?)", [run_id])
+                    "(SELECT DISTINCT step FROM step_layers WHERE run_id = ?)", [run_id])
         made.append("_mt_steps")
         steps = [r[0] for r in con.execute("SELECT step FROM _mt_steps ORDER BY ord").fetchall()]
         n = m.steps = len(steps)
@@ -192,7 +195,9 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                 if v in views:
                     con.execute(f'INSERT INTO temp."{v}" SELECT * FROM {db}."{v}" WHERE run_id = ? AND {rng}', args)
             if "skew_by_batch" in views or "skew_decomposition" in views:
-                con.execute("INSERT INTO _mt_rank_tot SELECT ?, layer, rank, sum(tokens) FROM temp.rank_load_sparse "
+                # the batch's rank rows (the rank_load_sparse view reads the batch's rank lists)
+                con.execute(f"CREATE OR REPLACE TEMP TABLE _mt_rank_rows AS SELECT * FROM {db}.rank_load_sparse")
+                con.execute("INSERT INTO _mt_rank_tot SELECT ?, layer, rank, sum(tokens) FROM _mt_rank_rows "
                             "GROUP BY layer, rank", [c])
             if "skew_by_batch" in views:
                 # windows of 1, 2, 4, ... top_level steps, merged exactly as the view merges them
@@ -200,7 +205,7 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                     INSERT INTO _mt_per_batch
                     WITH RECURSIVE merged(layer, w, batch, rank, tokens) AS (
                         SELECT r.layer, CAST(1 AS BIGINT), s.ord, r.rank, r.tokens
-                        FROM temp.rank_load_sparse r JOIN _mt_steps s ON s.step = r.step
+                        FROM _mt_rank_rows r JOIN _mt_steps s ON s.step = r.step
                         UNION ALL
                         SELECT layer, w * 2, batch // 2, rank, sum(tokens)
                         FROM merged WHERE w * 2 <= {top_level}

@@ -5,10 +5,19 @@
 -- when neither runs.num_ranks nor a recorded placement gives it, num_ranks is NULL and
 -- every rank metric is NULL with a note (an expert-per-rank guess would be wrong for
 -- most deployments). *_from columns say where each number came from.
+--
+-- Every view of this file reads the long rows (expert_load_long) and the dense rows
+-- (expert_counts: one list of E expert counts per step and layer) each the fast way: the
+-- dense rows with list functions, never unnested (docs/scale.md). A (run, step, layer) is
+-- in one of them only, so each view is the union of the two parts.
 CREATE OR REPLACE VIEW run_shape AS
 WITH seen AS (
-    SELECT run_id, max(expert) + 1 AS max_expert, max(slot) + 1 AS max_slot
-    FROM expert_load GROUP BY run_id
+    SELECT run_id, max(max_expert) AS max_expert, max(max_slot) AS max_slot FROM (
+        SELECT run_id, max(expert) + 1 AS max_expert, max(slot) + 1 AS max_slot
+        FROM expert_load_long GROUP BY run_id
+        UNION ALL
+        SELECT run_id, max(len(tokens)), CAST(NULL AS INTEGER) FROM expert_counts GROUP BY run_id
+    ) GROUP BY run_id
 ), rec AS (
     SELECT run_id, max(rank) + 1 AS rec_ranks, max(slot) + 1 AS rec_slots
     FROM placement WHERE plan_id = 'recorded' GROUP BY run_id
@@ -26,6 +35,17 @@ FROM runs r
 LEFT JOIN seen s USING (run_id)
 LEFT JOIN rec USING (run_id);
 
+-- dense_experts: the experts of each dense (run, layer): 0..E-1 (list index).
+CREATE OR REPLACE VIEW dense_experts AS
+SELECT run_id, layer, CAST(unnest(range(n)) AS INTEGER) AS expert
+FROM (SELECT run_id, layer, max(len(tokens)) AS n FROM expert_counts GROUP BY run_id, layer);
+
+-- step_layers: the (run, step, layer) that have expert_load rows, long or dense.
+CREATE OR REPLACE VIEW step_layers AS
+SELECT DISTINCT run_id, step, layer FROM expert_load_long
+UNION ALL
+SELECT run_id, step, layer FROM expert_counts;
+
 -- layer_placement: how rank load is derived for each (run, layer).
 --   slot        every row carries its physical slot: rank from the slot (exact)
 --   recorded    rows per logical expert, spread evenly over the replicas of the
@@ -37,16 +57,23 @@ LEFT JOIN rec USING (run_id);
 -- recorded placement fall back to contiguous ('recorded+contiguous').
 CREATE OR REPLACE VIEW layer_placement AS
 WITH l AS (
-    SELECT run_id, layer, bool_or(slot IS NOT NULL) AS any_slot, bool_and(slot IS NOT NULL) AS all_slot
-    FROM expert_load GROUP BY run_id, layer
+    SELECT run_id, layer, bool_or(any_slot) AS any_slot, bool_and(all_slot) AS all_slot FROM (
+        SELECT run_id, layer, bool_or(slot IS NOT NULL) AS any_slot, bool_and(slot IS NOT NULL) AS all_slot
+        FROM expert_load_long GROUP BY run_id, layer
+        UNION ALL
+        SELECT DISTINCT run_id, layer, false, false FROM expert_counts
+    ) GROUP BY run_id, layer
 ), rec AS (
     SELECT run_id, layer, count(*) AS recorded_slots, count(DISTINCT expert) AS recorded_experts
     FROM placement WHERE plan_id = 'recorded' GROUP BY run_id, layer
 ), unplaced AS (
     SELECT e.run_id, e.layer, count(DISTINCT e.expert) AS unplaced_experts
-    FROM (SELECT DISTINCT x.run_id, x.layer, x.expert FROM expert_load x
+    FROM (SELECT DISTINCT x.run_id, x.layer, x.expert FROM expert_load_long x
           SEMI JOIN rec ON rec.run_id = x.run_id AND rec.layer = x.layer
-          WHERE x.slot IS NULL) e
+          WHERE x.slot IS NULL
+          UNION
+          SELECT x.run_id, x.layer, x.expert FROM dense_experts x
+          SEMI JOIN rec ON rec.run_id = x.run_id AND rec.layer = x.layer) e
     ANTI JOIN (SELECT DISTINCT run_id, layer, expert FROM placement WHERE plan_id = 'recorded') p
         ON p.run_id = e.run_id AND p.layer = e.layer AND p.expert = e.expert
     GROUP BY e.run_id, e.layer
@@ -71,17 +98,53 @@ LEFT JOIN unplaced u USING (run_id, layer);
 -- received nothing. By the table's key (step, layer, expert, slot, src_rank), a row with
 -- neither slot nor src_rank is already the expert's total and is used as is (no
 -- group-by over hundreds of millions of rows); rows split by slot or source rank are
--- summed per expert.
-CREATE OR REPLACE VIEW expert_tokens AS
+-- summed per expert. expert_tokens_long is the long part alone.
+CREATE OR REPLACE VIEW expert_tokens_long AS
 SELECT run_id, step, layer, expert, tokens
-FROM expert_load WHERE slot IS NULL AND src_rank IS NULL
+FROM expert_load_long WHERE slot IS NULL AND src_rank IS NULL
 UNION ALL
 SELECT run_id, step, layer, expert, CAST(sum(tokens) AS BIGINT) AS tokens
-FROM expert_load WHERE slot IS NOT NULL OR src_rank IS NOT NULL
+FROM expert_load_long WHERE slot IS NOT NULL OR src_rank IS NOT NULL
 GROUP BY run_id, step, layer, expert;
 
--- rank_load_sparse: ranks that received rows (no zero-fill); rank metrics use it.
-CREATE OR REPLACE VIEW rank_load_sparse AS
+CREATE OR REPLACE VIEW expert_tokens AS
+SELECT run_id, step, layer, expert, tokens FROM expert_tokens_long
+UNION ALL
+SELECT run_id, step, layer, CAST(generate_subscripts(tokens, 1) - 1 AS INTEGER) AS expert, unnest(tokens) AS tokens
+FROM expert_counts;
+
+-- dense_rank_map: for each dense (run, layer), the ranks that hold experts and, per rank,
+-- its (expert list index, copies) pairs: a replica of the recorded placement takes
+-- tokens / copies, an expert the placement lacks (or every expert, without a recorded
+-- placement) sits on its contiguous rank e * num_ranks // num_experts: the rules of
+-- rank_load_sparse below, as a lookup table applied to each list.
+CREATE OR REPLACE VIEW dense_rank_map AS
+WITH sh AS (
+    SELECT run_id, num_experts AS E, num_ranks AS R FROM run_shape WHERE num_ranks IS NOT NULL
+), reps AS (
+    SELECT run_id, layer, expert, rank, count(*) OVER (PARTITION BY run_id, layer, expert) AS copies
+    FROM placement WHERE plan_id = 'recorded'
+), entries AS (
+    SELECT x.run_id, x.layer, x.expert, CAST(r.rank AS BIGINT) AS rank, CAST(r.copies AS DOUBLE) AS copies
+    FROM dense_experts x JOIN reps r ON r.run_id = x.run_id AND r.layer = x.layer AND r.expert = x.expert
+    UNION ALL
+    SELECT x.run_id, x.layer, x.expert, (CAST(x.expert AS BIGINT) * sh.R) // sh.E, 1.0
+    FROM dense_experts x
+    JOIN sh USING (run_id)
+    ANTI JOIN (SELECT DISTINCT run_id, layer, expert FROM placement WHERE plan_id = 'recorded') p
+        ON p.run_id = x.run_id AND p.layer = x.layer AND p.expert = x.expert
+), per_rank AS (
+    SELECT run_id, layer, rank, list(struct_pack(i := expert + 1, c := copies) ORDER BY expert) AS slots
+    FROM entries GROUP BY run_id, layer, rank
+)
+SELECT run_id, layer, list(rank ORDER BY rank) AS ranks, list(slots ORDER BY rank) AS slots
+FROM per_rank GROUP BY run_id, layer;
+
+-- rank_tokens_by_step: per (run, step, layer) the ranks that received rows (ascending)
+-- and their tokens, as two lists. Long rows: rank of each row (recorded slot, recorded
+-- replicas, contiguous: see rank_load_sparse) summed per rank; dense rows: the rank map
+-- applied to the list.
+CREATE OR REPLACE VIEW rank_tokens_by_step AS
 WITH sh AS (
     SELECT run_id, num_experts AS E, num_ranks AS R, num_slots AS S FROM run_shape WHERE num_ranks IS NOT NULL
 ), reps AS (
@@ -93,32 +156,43 @@ WITH sh AS (
     SELECT e.run_id, e.step, e.layer,
            CAST(coalesce(p.rank, (CAST(e.slot AS BIGINT) * sh.R) // sh.S) AS BIGINT) AS rank,
            CAST(e.tokens AS DOUBLE) AS tokens
-    FROM expert_load e
+    FROM expert_load_long e
     JOIN sh USING (run_id)
     LEFT JOIN placement p ON p.plan_id = 'recorded' AND p.run_id = e.run_id AND p.layer = e.layer
                          AND p.slot = e.slot
     WHERE e.slot IS NOT NULL
     UNION ALL
     SELECT e.run_id, e.step, e.layer, CAST(r.rank AS BIGINT), CAST(e.tokens AS DOUBLE) / r.copies
-    FROM expert_load e
+    FROM expert_load_long e
     JOIN reps r ON r.run_id = e.run_id AND r.layer = e.layer AND r.expert = e.expert
     WHERE e.slot IS NULL
     UNION ALL
     SELECT e.run_id, e.step, e.layer, (CAST(e.expert AS BIGINT) * sh.R) // sh.E, CAST(e.tokens AS DOUBLE)
-    FROM expert_load e
+    FROM expert_load_long e
     JOIN sh USING (run_id)
     ANTI JOIN placed pl ON pl.run_id = e.run_id AND pl.layer = e.layer AND pl.expert = e.expert
     WHERE e.slot IS NULL
+), long_ranks AS (
+    SELECT run_id, step, layer, rank, sum(tokens) AS tokens
+    FROM per_row GROUP BY run_id, step, layer, rank
 )
-SELECT run_id, step, layer, rank, sum(tokens) AS tokens
-FROM per_row GROUP BY run_id, step, layer, rank;
+SELECT run_id, step, layer, list(rank ORDER BY rank) AS ranks, list(tokens ORDER BY rank) AS tokens
+FROM long_ranks GROUP BY run_id, step, layer
+UNION ALL
+SELECT c.run_id, c.step, c.layer, m.ranks,
+       list_transform(m.slots, lambda rs: list_sum(list_transform(rs, lambda x: tokens[x.i] / x.c))) AS tokens
+FROM expert_counts c JOIN dense_rank_map m ON m.run_id = c.run_id AND m.layer = c.layer;
+
+-- rank_load_sparse: ranks that received rows (no zero-fill), one row per rank.
+CREATE OR REPLACE VIEW rank_load_sparse AS
+SELECT run_id, step, layer, unnest(ranks) AS rank, unnest(tokens) AS tokens FROM rank_tokens_by_step;
 
 -- rank_load: every rank of every (step, layer) that has expert_load rows, zero-filled,
 -- with placement_source saying how ranks were derived. Tokens are DOUBLE because
 -- replicas split an expert's tokens evenly.
 CREATE OR REPLACE VIEW rank_load AS
 WITH sl AS (
-    SELECT DISTINCT run_id, step, layer FROM expert_load
+    SELECT run_id, step, layer FROM step_layers
 ), grid AS (
     SELECT sl.run_id, sl.step, sl.layer, unnest(range(sh.num_ranks)) AS rank
     FROM sl JOIN run_shape sh USING (run_id) WHERE sh.num_ranks IS NOT NULL

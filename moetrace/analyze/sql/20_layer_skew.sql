@@ -2,6 +2,8 @@
 --
 -- expert_step_stats: one row per (run, step, layer) with the expert-level sums and the
 -- present experts' tokens sorted descending (absent experts count as zero).
+-- Long rows are aggregated per (step, layer); a dense row is already one (step, layer)
+-- and gets the same numbers from list functions (first maximum = lowest expert id).
 CREATE OR REPLACE VIEW expert_step_stats AS
 WITH agg AS (
     SELECT run_id, step, layer,
@@ -13,8 +15,19 @@ WITH agg AS (
            max(tokens) AS max_tokens,
            arg_max(expert, struct_pack(t := tokens, neg_expert := -expert)) AS hottest_expert,
            list(CAST(tokens AS DOUBLE) ORDER BY tokens DESC) AS tokens_desc
-    FROM expert_tokens
+    FROM expert_tokens_long
     GROUP BY run_id, step, layer
+    UNION ALL
+    SELECT run_id, step, layer,
+           CAST(list_sum(tokens) AS BIGINT),
+           list_sum(list_transform(tokens, lambda x: CAST(x AS DOUBLE) * x)),
+           CAST(len(list_filter(tokens, lambda x: x > 0)) AS BIGINT),
+           CAST(len(tokens) AS BIGINT),
+           list_min(tokens),
+           list_max(tokens),
+           CAST(list_position(tokens, list_max(tokens)) - 1 AS INTEGER),
+           list_reverse_sort(CAST(tokens AS DOUBLE[]))
+    FROM expert_counts
 )
 SELECT agg.run_id, agg.step, agg.layer, sh.num_experts, sh.top_k, agg.assignments, agg.sumsq, agg.experts_hit,
        agg.experts_present, agg.min_present, agg.max_tokens, agg.hottest_expert, agg.tokens_desc
@@ -26,10 +39,10 @@ FROM agg JOIN run_shape sh USING (run_id);
 -- mean), top5pct_share (share of the ceil(5% of E) busiest experts), hottest expert and
 -- its share. A step with no tokens, or a run without num_ranks, gets NULLs and a note.
 CREATE OR REPLACE VIEW layer_skew AS
-WITH rk AS (
-    SELECT run_id, step, layer, max(tokens) AS max_rank_tokens, sum(tokens) AS rank_total,
-           arg_max(rank, struct_pack(t := tokens, neg_rank := -rank)) AS straggler_rank
-    FROM rank_load_sparse GROUP BY run_id, step, layer
+WITH rk AS (    -- ranks ascending: the first maximum is the lowest rank id
+    SELECT run_id, step, layer, list_max(tokens) AS max_rank_tokens, list_sum(tokens) AS rank_total,
+           ranks[list_position(tokens, list_max(tokens))] AS straggler_rank
+    FROM rank_tokens_by_step
 ), es AS (
     SELECT *, CAST(greatest(1, ceil(0.05 * num_experts)) AS BIGINT) AS n_top FROM expert_step_stats
 )
