@@ -97,3 +97,37 @@ def test_bad_vllm_ascend_map(tmp_path, doc, msg):
     f.write_text(json.dumps(doc))
     with pytest.raises(InputError, match=msg):
         plan_io.import_plan(f, 4, 2, 2, layers=np.array([0]))
+
+
+def test_cli_export_recorded_trtllm_and_import_vllm_ascend(tmp_path, runner, cli):
+    """The TensorRT-LLM sample's recorded placement exports back to its own YAML; the
+    vllm-ascend sample map imports as a plan and replays (rank loads checked by hand)."""
+    from pathlib import Path
+
+    from moetrace.collect import ingest
+    from moetrace.store import Store
+
+    here = Path(__file__).resolve().parent.parent / "sample_traces"
+    st_path = tmp_path / "st"
+    ingest(Store(st_path, create=True), [here / "trtllm_stats", here / "trtllm_moe_load_balancer.yaml"], run_id="t")
+    out = tmp_path / "back.yaml"
+    r = runner.invoke(cli, ["plan", str(st_path), "--plan", "recorded", "--out", str(out), "--out-format", "trtllm"])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(out.read_text()) == yaml.safe_load((here / "trtllm_moe_load_balancer.yaml").read_text())
+    r = runner.invoke(cli, ["plan", str(st_path), "--import", str(here / "vllm_ascend_expert_map.json"),
+                            "--plan-id", "ascend"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((here / "vllm_ascend_expert_map.json").read_text())
+    r = runner.invoke(cli, ["replay", str(st_path), "--plan", "ascend", "--json"])
+    assert r.exit_code == 0, r.output
+    rid = json.loads(r.output)["replay_id"]
+    st = Store(st_path)
+    got = st.sql("SELECT step, layer, imbalance FROM replay_layer WHERE replay_id = ? ORDER BY step, layer", [rid])
+    load = st.sql("SELECT step, layer, expert, sum(tokens) AS t FROM expert_load GROUP BY ALL")
+    tok = {(s, l, e): t for s, l, e, t in load.iter_rows()}
+    for step, layer, imb in got.iter_rows():
+        devs = doc["layer_list"][layer - 1]["device_list"]           # MoE layer i = model layer i + 1 here
+        flat = [e for d in devs for e in d["device_expert"]]
+        copies = np.bincount(flat, minlength=16)
+        ranks = [sum(tok.get((step, layer, e), 0) / copies[e] for e in d["device_expert"]) for d in devs]
+        assert imb == pytest.approx(max(ranks) / np.mean(ranks))
