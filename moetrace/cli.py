@@ -1,22 +1,92 @@
-"""The moetrace command line. Each command is a thin wrapper over a library call.
+"""The moetrace command line. Each command is a thin caller of the library (the
+:class:`moetrace.run.Run` facade, the store, the collectors).
 
-Commands live in ``moetrace/commands/*.py``; each module exposes ``register(cli)``.
+Commands live in ``moetrace/commands/*.py``; each module exposes ``register(cli)``. The
+group finds the commands by reading those files (``ast``: names and docstrings) and
+imports a module only when one of its commands runs, so ``moetrace --help`` and
+``moetrace runs`` do not pay for numpy, matplotlib or the replay engine.
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import os
-import pkgutil
 import sys
+from pathlib import Path
 
 import click
 
 from . import __version__
 from .errors import MoetraceError
 
+COMMANDS_DIR = Path(__file__).resolve().parent / "commands"
+
+
+def _command_name(func: ast.FunctionDef, call: ast.Call) -> str:
+    """The name click gives a ``@click.command(...)``-decorated function."""
+    if call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
+        return call.args[0].value
+    for kw in call.keywords:
+        if kw.arg == "name" and isinstance(kw.value, ast.Constant):
+            return kw.value.value
+    name = func.name.lower().replace("_", "-")
+    left, sep, suffix = name.rpartition("-")
+    return left if sep and suffix in {"command", "cmd", "group", "grp"} else name
+
+
+def scan_commands(folder: Path = COMMANDS_DIR) -> dict[str, tuple[str, str]]:
+    """{command name: (module name, help text)} of every ``@click.command`` /
+    ``@click.group`` function in the command modules, read without importing them."""
+    index: dict[str, tuple[str, str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for dec in node.decorator_list:
+                if not isinstance(dec, ast.Call):
+                    continue
+                fn = dec.func
+                attr = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+                if attr not in ("command", "group"):
+                    continue
+                text = ast.get_docstring(node) or ""
+                for kw in dec.keywords:
+                    if kw.arg in ("help", "short_help") and isinstance(kw.value, ast.Constant):
+                        text = kw.value.value
+                index[_command_name(node, dec)] = (path.stem, text)
+    return index
+
 
 class MoetraceGroup(click.Group):
-    """Turns MoetraceError into a one-line message and its exit code (2 for bad input)."""
+    """Loads command modules on demand and turns MoetraceError into a one-line message
+    and its exit code (2 for bad input)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._index: dict[str, tuple[str, str]] | None = None
+        self._loaded: set[str] = set()
+
+    @property
+    def index(self) -> dict[str, tuple[str, str]]:
+        if self._index is None:
+            self._index = scan_commands()
+        return self._index
+
+    def _load_module(self, module: str) -> None:
+        if module not in self._loaded:
+            self._loaded.add(module)
+            importlib.import_module(f"{__package__}.commands.{module}").register(self)
+
+    def load_all(self) -> dict[str, click.Command]:
+        """Import every command module (what a test walking ``cli.commands`` needs)."""
+        for path in sorted(COMMANDS_DIR.glob("*.py")):
+            if not path.name.startswith("_"):
+                self._load_module(path.stem)
+        return self.commands
 
     def invoke(self, ctx):
         try:
@@ -41,7 +111,35 @@ class MoetraceGroup(click.Group):
             ctx.exit(1)
 
     def list_commands(self, ctx):
-        return sorted(self.commands)
+        return sorted(set(self.commands) | set(self.index))
+
+    def get_command(self, ctx, name):
+        if name not in self.commands:
+            hit = self.index.get(name)
+            if hit is not None:
+                self._load_module(hit[0])
+            if name not in self.commands:   # registered under another name: look everywhere
+                self.load_all()
+        return self.commands.get(name)
+
+    def format_commands(self, ctx, formatter):
+        """The command list from the index: no module is imported to print it."""
+        rows = []
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        for name in names:
+            if name in self.commands:
+                cmd = self.commands[name]
+                if cmd.hidden:
+                    continue
+                rows.append((name, cmd.get_short_help_str(limit)))
+            else:
+                stub = click.Command(name, help=inspect.cleandoc(self.index[name][1]))
+                rows.append((name, stub.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
 
 @click.group(cls=MoetraceGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,17 +152,6 @@ def cli(debug):
     SQL, report skew and all-to-all exposure, and replay the recorded routing against
     other expert placements.
     """
-
-
-def _load_commands() -> None:
-    from . import commands
-
-    for mod in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        if not mod.name.startswith("_"):
-            importlib.import_module(f"{commands.__name__}.{mod.name}").register(cli)
-
-
-_load_commands()
 
 
 def main(argv=None):

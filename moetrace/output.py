@@ -4,23 +4,58 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import polars as pl
+
+if TYPE_CHECKING:
+    import polars as pl
 
 FORMATS = ("table", "csv", "json")
 
 
+def _pretty(ctx, param, value):
+    if value:
+        ctx.meta["moetrace.pretty"] = True
+    return value
+
+
+def pretty_option(f):
+    """--pretty: indent --json / --format json output (read by :func:`emit` and :func:`echo_json`)."""
+    return click.option("--pretty", is_flag=True, expose_value=False, callback=_pretty,
+                        help="Indent JSON output.")(f)
+
+
 def output_options(f):
-    """Add --format and -o/--output to a command."""
+    """Add --format, -o/--out (FILE) and --pretty to a command (its function gets ``fmt`` and
+    ``output``)."""
+    f = pretty_option(f)
     f = click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
                      help="How to print rows.")(f)
-    f = click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default=None,
+    f = click.option("-o", "--out", "--output", "output", type=click.Path(dir_okay=False), default=None,
                      help="Write rows to FILE (.parquet or .csv) instead of printing them.")(f)
     return f
 
 
-def render_table(df: pl.DataFrame, max_rows: int = 50, float_precision: int = 4) -> str:
+def _is_pretty() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.find_root().meta.get("moetrace.pretty") or ctx and ctx.meta.get("moetrace.pretty"))
+
+
+def dumps(obj) -> str:
+    """JSON text of ``obj`` (indented under --pretty); numbers and strings as is, other
+    values through str()."""
+    return json.dumps(obj, default=str, indent=2 if _is_pretty() else None)
+
+
+def echo_json(obj) -> None:
+    """Print ``obj`` as JSON (a command's --json summary), indented under --pretty."""
+    click.echo(dumps(obj))
+
+
+def render_table(df: "pl.DataFrame", max_rows: int = 50, float_precision: int = 4) -> str:
+    import polars as pl
+
     if df.width == 0:
         return "(no columns)"
     with pl.Config(tbl_rows=max_rows, tbl_cols=-1, fmt_str_lengths=60, float_precision=float_precision,
@@ -32,7 +67,7 @@ def render_table(df: pl.DataFrame, max_rows: int = 50, float_precision: int = 4)
     return text
 
 
-def emit(df: pl.DataFrame, fmt: str = "table", output: str | None = None, max_rows: int = 50) -> None:
+def emit(df: "pl.DataFrame", fmt: str = "table", output: str | None = None, max_rows: int = 50) -> None:
     if output:
         path = Path(output)
         if path.suffix == ".parquet":
@@ -46,6 +81,6 @@ def emit(df: pl.DataFrame, fmt: str = "table", output: str | None = None, max_ro
     if fmt == "csv":
         sys.stdout.write(df.write_csv())
     elif fmt == "json":
-        click.echo(json.dumps(df.to_dicts(), default=str, indent=None))
+        click.echo(dumps(df.to_dicts()))
     else:
         click.echo(render_table(df, max_rows=max_rows))

@@ -12,7 +12,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .errors import SchemaError
 
@@ -172,9 +171,3 @@ def empty(table: str) -> pa.Table:
 def ts_empty(ts: TableSchema) -> pa.Table:
     return ts.arrow().empty_table()
 
-
-def check_nonnegative(table: str, tbl: pa.Table, column: str, file: str | None = None) -> None:
-    arr = tbl.column(column)
-    if len(arr) and pc.min(arr).as_py() is not None and pc.min(arr).as_py() < 0:
-        idx = pc.index(pc.less(arr, 0), True).as_py()
-        raise SchemaError(table, f"negative value {arr[idx].as_py()} at row {idx}", column, file)

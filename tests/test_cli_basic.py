@@ -6,6 +6,7 @@ import pytest
 
 
 def test_every_command_has_help_with_an_example(cli):
+    assert set(cli.commands) == set(cli.list_commands(None))   # the ast index finds what register() adds
     for name, cmd in cli.commands.items():
         assert cmd.help, f"command {name} has no help"
         assert "Example:" in cmd.help, f"command {name} help lacks an Example: block"
@@ -72,3 +73,58 @@ def test_open_store_python_api(demo):
 
     df = moetrace.open_store(demo).sql("SELECT count(DISTINCT step) AS n FROM expert_load")
     assert isinstance(df, pl.DataFrame) and df["n"][0] == 6
+
+
+def _load_csv(tmp_path):
+    p = tmp_path / "load.csv"
+    p.write_text("step,layer,expert,tokens\n0,0,0,3\n0,0,1,5\n1,0,0,2\n1,0,1,6\n")
+    return p
+
+
+def test_ingest_takes_the_store_first_or_with_store(runner, cli, tmp_path):
+    src = _load_csv(tmp_path)
+    for argv, st in ((["ingest", str(tmp_path / "a"), str(src)], "a"),
+                     (["ingest", str(src), "--store", str(tmp_path / "b")], "b")):
+        r = runner.invoke(cli, argv + ["--top-k", "1"])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(cli, ["sql", str(tmp_path / st), "SELECT sum(tokens) AS t FROM expert_load", "--format", "csv"])
+        assert r.output.splitlines() == ["t", str(3 + 5 + 2 + 6)]
+    r = runner.invoke(cli, ["ingest", str(tmp_path / "c")])
+    assert r.exit_code == 2 and not (tmp_path / "c").exists()
+
+
+def test_ingest_set_refuses_unknown_keys_and_lists_known_ones(runner, cli, tmp_path):
+    r = runner.invoke(cli, ["ingest", str(tmp_path / "s"), str(_load_csv(tmp_path)), "--set", "tpo_k=2"])
+    assert r.exit_code == 2 and "'tpo_k'" in r.output and "top_k" in r.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_ingest_help_lists_the_formats(runner, cli):
+    from moetrace.collect import registry
+
+    text = " ".join(runner.invoke(cli, ["ingest", "--help"]).output.split())
+    assert all(name in text for name in registry()) and "STORE FILE..." in text
+
+
+def test_tables_documents_metric_views(runner, cli):
+    r = runner.invoke(cli, ["tables", "layer_skew", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    cols = {row["column"]: row for row in json.loads(r.output)}
+    assert {"imbalance", "straggler_rank", "gini"} <= set(cols) and "max/mean" in cols["imbalance"]["meaning"]
+    r = runner.invoke(cli, ["tables", "--format", "json"])
+    kinds = {row["name"]: row["kind"] for row in json.loads(r.output)}
+    assert kinds["expert_load"] == "table" and kinds["skew_summary"] == "view"
+    r = runner.invoke(cli, ["tables", "no_such_thing"])
+    assert r.exit_code == 2 and "layer_skew" in r.output
+
+
+def test_json_pretty_and_out_alias(demo, runner, cli, tmp_path):
+    q = "SELECT layer, count(*) AS n FROM expert_load GROUP BY 1 ORDER BY 1"
+    flat = runner.invoke(cli, ["sql", str(demo), q, "--format", "json"]).output
+    pretty = runner.invoke(cli, ["sql", str(demo), q, "--format", "json", "--pretty"]).output
+    assert json.loads(flat) == json.loads(pretty) == [{"layer": 0, "n": 96}, {"layer": 1, "n": 96}]
+    assert len(flat.strip().splitlines()) == 1 and '\n  {\n    "layer": 0' in pretty
+    for flag in ("-o", "--out", "--output"):
+        out = tmp_path / f"x{flag.strip('-')}.csv"
+        assert runner.invoke(cli, ["sql", str(demo), q, flag, str(out)]).exit_code == 0
+        assert pl.read_csv(out)["n"].to_list() == [96, 96]

@@ -2,6 +2,7 @@
 canonical tables (files run in name order, so a view may use views of earlier files)."""
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -33,33 +34,52 @@ def view_statements() -> list[str]:
     return stmts
 
 
-# Views worth computing once when many queries read them (a report): small results over
-# large inputs. Order matters: later ones reuse the earlier ones.
-CACHEABLE = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
+_VIEW_RE = re.compile(r"^\s*CREATE\s+(?:OR\s+REPLACE\s+)?VIEW\s+\"?(\w+)\"?", re.I)
 
 
-def cache_views(con, run_id: str, views=CACHEABLE) -> list[str]:
-    """Materialize ``views`` for one run as TEMP tables on ``con``; they shadow the views
-    of the same name (dependent views read them too), so repeated queries about that run
-    do not recompute them. Undo with :func:`uncache_views`. Only rows of ``run_id`` are
-    kept: use it for per-run work such as a report."""
-    from .materialize import _main
+@lru_cache(maxsize=None)
+def view_docs() -> dict[str, dict]:
+    """{view: {"file", "doc"}} for every view of ``sql/*.sql``, in file order: the one
+    place where a metric view is described (``moetrace tables VIEW`` shows it). A view's
+    doc is the paragraph of its file's comments that starts with ``-- name:``, else the
+    comment block right above its CREATE VIEW statement, else the file's header."""
+    out: dict[str, dict] = {}
+    for f in sorted(SQL_DIR.glob("*.sql")):
+        lines = f.read_text().splitlines()
+        comments = [ln.strip()[2:].strip() if ln.strip().startswith("--") else None for ln in lines]
+        for i, line in enumerate(lines):
+            m = _VIEW_RE.match(line)
+            if not m:
+                continue
+            name = m.group(1)
+            para: list[str] = []
+            head = next((j for j, c in enumerate(comments) if c and c.lower().startswith(name.lower() + ":")), None)
+            if head is not None:
+                para = [comments[head][len(name) + 1:].strip()]
+                for c in comments[head + 1:]:
+                    if not c or _VIEW_RE.match(c) or re.match(r"^\w+:\s", c) and c.split(":")[0] in _view_names(f):
+                        break
+                    para.append(c)
+            else:
+                j = i - 1
+                while j >= 0 and not lines[j].strip():
+                    j -= 1
+                k = j
+                while k >= 0 and comments[k] is not None:
+                    k -= 1
+                para = [c for c in comments[k + 1:j + 1] if c]
+            if not para:   # a helper view: the file's header says what it is part of
+                k = 0
+                while k < len(lines) and comments[k] is not None:
+                    k += 1
+                para = [c for c in comments[:k] if c]
+            out[name] = {"file": f.name, "doc": " ".join(para).strip()}
+    return out
 
-    db = _main(con)   # a bare main."v" would find an existing TEMP table "v" first
-    done = []
-    try:
-        for v in views:
-            con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
-            done.append(v)
-    except Exception:
-        uncache_views(con, done)
-        raise
-    return done
 
-
-def uncache_views(con, views) -> None:
-    for v in views:
-        con.execute(f'DROP TABLE IF EXISTS temp."{v}"')
+@lru_cache(maxsize=None)
+def _view_names(f: Path) -> frozenset[str]:
+    return frozenset(m.group(1) for m in map(_VIEW_RE.match, f.read_text().splitlines()) if m)
 
 
 from .materialize import (  # noqa: E402  (uses nothing above; exported here for callers)

@@ -38,6 +38,40 @@ class Collector:
     collect: Callable[[list[Path], dict], list[RunData]]
     #: sniff order: lower first (specific formats before generic ones)
     priority: int = 50
+    #: option keys this collector reads beyond :data:`OPTIONS` (``ingest --set KEY=VALUE``)
+    options: tuple[str, ...] = ()
+
+
+#: Collector options (``moetrace ingest`` flags and ``--set KEY=VALUE``), each with what it
+#: does; a collector reads the ones it needs. Unknown keys are refused (typos are not
+#: silently ignored): a new option goes here or in its Collector's ``options``.
+OPTIONS: dict[str, str] = {
+    "num_layers": "MoE layers of the model (else inferred)",
+    "num_experts": "logical experts per layer (else inferred)",
+    "top_k": "experts per token",
+    "num_ranks": "expert-parallel ranks",
+    "ranks_per_node": "ranks per node",
+    "num_groups": "expert groups (EPLB)",
+    "num_slots": "physical expert slots per layer",
+    "dp_size": "vLLM naive all-to-all: divide the recorded load by the DP size",
+    "sum_ranks": "vLLM: sum per-rank dumps of one step into one run",
+    "src_rank": "keep a row per source rank (SGLang per-token dumps)",
+    "by_src_rank": "split expert_load rows by source rank",
+    "year": "server logs without a year: the year of their timestamps",
+    "kernel_rules": "extra kernel classification rules file (profiler traces)",
+    "jobs": "profiler traces: parsing processes (1: this process only)",
+    "progress": "print progress lines on stderr",
+    "allow_inconsistent": "ingest runs that fail conservation checks, flagged in runs.inconsistent",
+}
+
+
+def _limit_options() -> dict[str, str]:
+    from ..safety import LIMITS
+
+    return {k: f"resource limit: {v.description} (docs/hardening.md)" for k, v in LIMITS.items()}
+
+
+OPTIONS.update(_limit_options())
 
 
 _REGISTRY: dict[str, Collector] = {}
@@ -59,10 +93,6 @@ def registry() -> dict[str, Collector]:
     return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].priority, kv[0])))
 
 
-def expand(paths: Sequence[str | Path]) -> list[Path]:
-    return [p for p, _ in _expand(paths)]
-
-
 def _expand(paths: Sequence[str | Path]) -> list[tuple[Path, bool]]:
     """Files to read, each with whether it came from expanding a folder."""
     out: list[tuple[Path, bool]] = []
@@ -78,6 +108,23 @@ def _expand(paths: Sequence[str | Path]) -> list[tuple[Path, bool]]:
             check_regular_file(p)  # a FIFO or a device would hang or never end
             out.append((p, False))
     return out
+
+
+def known_options() -> dict[str, str]:
+    """:data:`OPTIONS` plus the options collectors declare, by key."""
+    out = dict(OPTIONS)
+    for c in registry().values():
+        for k in c.options:
+            out.setdefault(k, f"{c.name} collector option")
+    return dict(sorted(out.items()))
+
+
+def check_options(options: dict) -> None:
+    """Refuse option keys no collector knows, listing the known ones."""
+    known = known_options()
+    bad = sorted(k for k in options if k not in known)
+    if bad:
+        raise InputError(None, f"unknown collector option(s) {', '.join(map(repr, bad))} (known: {', '.join(known)})")
 
 
 def head(path: Path, n: int = 4096) -> bytes:
@@ -161,15 +208,26 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
 
 
 def ingest(store, paths: Sequence[str | Path], format: str | None = None, options: dict | None = None,
-           run_id: str | None = None) -> list:
-    """Collect ``paths`` and write each run to ``store``. Nothing is written unless every
-    input collected and validated. Returns the store's WriteResults."""
-    runs = collect(paths, format=format, options=options)
+           run_id: str | None = None, *, on_skip=None, on_write=None) -> list:
+    """Collect ``paths`` and write each run to ``store`` (a Store, or a folder opened
+    with ``create=True`` only once every input collected and validated: bad input leaves
+    no trace). Nothing is written unless every input collected and validated.
+    ``on_skip(paths)`` as in :func:`collect`; ``on_write(run_data, write_result)`` is
+    called after each run is written (or skipped as already ingested). Returns the
+    store's WriteResults."""
+    runs = collect(paths, format=format, options=options, on_skip=on_skip)
     if run_id and len(runs) > 1:
         raise InputError(None, f"--run-id given but the inputs make {len(runs)} runs")
+    if not hasattr(store, "write_run"):
+        from ..store import Store
+
+        store = Store(store, create=True)
     results = []
     for rd in runs:
         hint = run_id or rd.run.get("run_id") or rd.run_id_hint
         rd.run.pop("run_id", None)
-        results.append(store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint))
+        res = store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint)
+        if on_write is not None:
+            on_write(rd, res)
+        results.append(res)
     return results

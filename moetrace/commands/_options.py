@@ -1,7 +1,49 @@
-"""Option parsers shared by several commands."""
+"""Option bundles shared by several commands: one definition per repeated option.
+
+Each is a plain decorator (sqlite-utils style). Choices that live in the library (cost
+model presets, replica splits, planners) are read from it lazily, when a command runs or
+prints its help, so that ``moetrace --help`` imports no numeric module.
+"""
 from __future__ import annotations
 
 import click
+
+
+class LazyChoice(click.Choice):
+    """A click.Choice whose choices come from ``load()`` the first time they are needed."""
+
+    def __init__(self, load, case_sensitive: bool = True):
+        self._load = load
+        self._choices = None
+        super().__init__((), case_sensitive=case_sensitive)
+
+    @property
+    def choices(self):
+        if self._choices is None:
+            self._choices = tuple(self._load())
+        return self._choices
+
+    @choices.setter
+    def choices(self, value):   # click.Choice.__init__ assigns the (empty) placeholder
+        pass
+
+
+def _hardware_presets():
+    from ..replay.cost import PRESETS
+
+    return list(PRESETS)
+
+
+def _splits():
+    from ..replay.engine import SPLITS
+
+    return list(SPLITS)
+
+
+def _planners():
+    from ..replay.planners import PLANNERS
+
+    return list(PLANNERS)
 
 
 def steps_range(ctx, param, value):
@@ -16,3 +58,96 @@ def steps_range(ctx, param, value):
     if hi <= lo:
         raise click.BadParameter(f"{value!r}: B must be greater than A")
     return lo, hi
+
+
+def steps_list(ctx, param, value):
+    """click callback: 'A:B' (steps A <= step < B) or a comma list 'A,B,C' -> list of steps."""
+    if value in (None, ""):
+        return None
+    if ":" in value:
+        lo, hi = steps_range(ctx, param, value)
+        return list(range(lo, hi))
+    return int_list(ctx, param, value)
+
+
+def int_list(ctx, param, value):
+    """click callback: a comma-separated list of integers."""
+    if value in (None, ""):
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+
+
+def store_argument(f):
+    """The STORE positional argument every store command takes first."""
+    return click.argument("store", type=click.Path(file_okay=False))(f)
+
+
+def run_option(f=None, *, help="Run id (default: the store's only run)."):
+    """--run RUN_ID."""
+    def deco(g):
+        return click.option("--run", "run_id", default=None, metavar="RUN_ID", help=help)(g)
+    return deco(f) if f is not None else deco
+
+
+def hardware_option(f=None, *, help="Cost model preset (fitted from spans when the run has them)."):
+    """--hardware, a choice of the cost model's presets (H100, H200, ...)."""
+    def deco(g):
+        return click.option("--hardware", type=LazyChoice(_hardware_presets, case_sensitive=False), default="H200",
+                            show_default=True, callback=lambda ctx, p, v: v.upper() if v else v, help=help)(g)
+    return deco(f) if f is not None else deco
+
+
+def split_option(f):
+    """--split: how an expert's tokens split over its replicas (replay.engine.SPLITS)."""
+    return click.option("--split", type=LazyChoice(_splits), default="even", show_default=True,
+                        help="How an expert's tokens split over its replicas.")(f)
+
+
+def policy_option(f=None, *, default=None, help="Planner."):
+    """--policy, a choice of the planner registry."""
+    def deco(g):
+        return click.option("--policy", type=LazyChoice(_planners), default=default, show_default=default is not None,
+                            help=help)(g)
+    return deco(f) if f is not None else deco
+
+
+def steps_option(*names, help: str, dest: str | None = None):
+    """A step window option in the one A:B syntax (steps A <= step < B)."""
+    decls = list(names) + ([dest] if dest else [])
+    return click.option(*decls, callback=steps_range, default=None, metavar="A:B", help=help)
+
+
+def out_option(f=None, *, dir_okay=False, help="Write to FILE."):
+    """-o/--out: where a command writes its file (or folder, with dir_okay)."""
+    def deco(g):
+        kind = click.Path(file_okay=not dir_okay, dir_okay=dir_okay)
+        return click.option("-o", "--out", "out", type=kind, default=None, help=help)(g)
+    return deco(f) if f is not None else deco
+
+
+def kv_options(known=None):
+    """click callback factory for repeatable KEY=VALUE options (values parsed as JSON
+    when they parse, else kept as text). ``known()`` gives the accepted keys (with their
+    meaning); an unknown key is refused with the list (exit code 2)."""
+    import json
+
+    def cb(ctx, param, values):
+        out = {}
+        for v in values:
+            if "=" not in v:
+                raise click.BadParameter(f"{v!r} is not KEY=VALUE")
+            k, val = v.split("=", 1)
+            if known is not None:
+                keys = known()
+                if k not in keys:
+                    raise click.BadParameter(f"unknown key {k!r}; known keys: {', '.join(keys)}")
+            try:
+                out[k] = json.loads(val)
+            except ValueError:
+                out[k] = val
+        return out
+
+    return cb

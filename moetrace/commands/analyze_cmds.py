@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
+from .. import open_store
 from ..output import emit, output_options
-from ..store import Store
 
 
 def _progress(line: str) -> None:
@@ -41,7 +41,7 @@ def report(store, run_id, outdir, quiet, batch_steps, memory_limit):
 
     Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
     """
-    rep = Store(store).run(run_id).report(outdir, batch_steps=batch_steps, memory_limit=memory_limit,
+    rep = open_store(store).run(run_id).report(outdir, batch_steps=batch_steps, memory_limit=memory_limit,
                                           progress=_progress)
     if not quiet:
         click.echo(rep.terminal())
@@ -70,7 +70,7 @@ def skew(store, run_id, by, batch_steps, memory_limit, fmt, output):
     """
     import polars as pl
 
-    st = Store(store)
+    st = open_store(store)
     runs = [st.run(run_id)] if run_id else [st.run(r) for r in st.run_ids()]
     if not runs:
         click.echo("no runs")

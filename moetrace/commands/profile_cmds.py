@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
+from .. import open_store
 from ..output import emit, output_options
-from ..store import Store
 
 
 def _run_opt(f):
@@ -30,7 +30,7 @@ def kernels(store, run_id, kind, limit, fmt, output):
 
         moetrace kernels st --kind compute_other --top 20
     """
-    run = Store(store).run(run_id)
+    run = open_store(store).run(run_id)
     # full names where they are data (csv, json, a file): a user copies them into --kernel-rules
     df = run.kernels(kind, limit or None, name_width=110 if fmt == "table" and not output else None)
     if df.height == 0:
@@ -57,7 +57,7 @@ def exposure(store, run_id, by, fmt, output):
 
         moetrace exposure st --by kind
     """
-    run = Store(store).run(run_id)
+    run = open_store(store).run(run_id)
     t = run.exposure()
     if not t.has_a2a:
         click.echo(t.no_a2a_message())

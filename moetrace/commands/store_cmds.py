@@ -1,17 +1,39 @@
-"""Store commands: synth, ingest, runs, sql, catalog, schema."""
+"""Store commands: synth, ingest, runs, sql, catalog, tables."""
 from __future__ import annotations
 
-import json
-
 import click
-import polars as pl
 
+from .. import open_store
 from ..output import emit, output_options
-from ..store import Store
+from ._options import kv_options, store_argument
+
+store_arg = store_argument
 
 
-def store_arg(f):
-    return click.argument("store", type=click.Path(file_okay=False))(f)
+def _known_collector_options():
+    from ..collect import known_options
+
+    return known_options()
+
+
+def _formats_help() -> str:
+    from ..collect import registry
+
+    return "Force a source format instead of auto-detection: " + "; ".join(
+        f"{name} ({c.description})" if c.description else name for name, c in registry().items()) + "."
+
+
+class _LazyHelpOption(click.Option):
+    """An option whose help text is computed when help is printed (the collector registry)."""
+
+    def __init__(self, *args, help_fn=None, **kwargs):
+        self._help_fn = help_fn
+        super().__init__(*args, **kwargs)
+
+    def get_help_record(self, ctx):
+        if self._help_fn is not None and not self.help:
+            self.help = self._help_fn()
+        return super().get_help_record(ctx)
 
 
 @click.command()
@@ -44,30 +66,18 @@ def synth(store, run_id, **kw):
     from ..produce.synth import SynthConfig, synth as run_synth
 
     cfg = SynthConfig(**kw)
-    res = run_synth(Store(store, create=True), cfg, run_id=run_id)
+    res = run_synth(open_store(store, create=True), cfg, run_id=run_id)
     if res.skipped:
         click.echo(f"{res.message}; nothing written")
     else:
         click.echo(f"run {res.run_id}: " + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
 
 
-def _kv(ctx, param, values):
-    out = {}
-    for v in values:
-        if "=" not in v:
-            raise click.BadParameter(f"{v!r} is not KEY=VALUE")
-        k, val = v.split("=", 1)
-        try:
-            out[k] = json.loads(val)
-        except ValueError:
-            out[k] = val
-    return out
-
-
 @click.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path())
-@click.option("--store", "store_path", required=True, type=click.Path(file_okay=False), help="Store folder.")
-@click.option("--format", "fmt", default=None, help="Force a source format instead of auto-detection.")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(), metavar="STORE FILE...")
+@click.option("--store", "store_path", type=click.Path(file_okay=False), default=None,
+              help="Store folder (then every positional argument is an input file or folder).")
+@click.option("--format", "fmt", default=None, cls=_LazyHelpOption, help_fn=_formats_help)
 @click.option("--run-id", default=None, help="Run id for the ingested run.")
 @click.option("--layers", "num_layers", type=int, default=None, help="Model MoE layers (else inferred).")
 @click.option("--experts", "num_experts", type=int, default=None, help="Logical experts per layer (else inferred).")
@@ -78,35 +88,43 @@ def _kv(ctx, param, values):
 @click.option("--kernel-rules", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Extra kernel classification rules (profiler traces).")
 @click.option("--allow-inconsistent", is_flag=True, help="Ingest runs that fail conservation checks, flagged in runs.")
-@click.option("--set", "extra", multiple=True, callback=_kv, help="Collector option KEY=VALUE (repeatable).")
-def ingest(files, store_path, fmt, run_id, extra, **opts):
-    """Ingest source files (or folders) into the store; the format is auto-detected.
+@click.option("--set", "extra", multiple=True, callback=kv_options(_known_collector_options), metavar="KEY=VALUE",
+              help="Collector option (repeatable); unknown keys are refused with the list of known ones.")
+def ingest(paths, store_path, fmt, run_id, extra, **opts):
+    """Ingest source files (or folders) into STORE; the format is auto-detected.
+
+    The store comes first, as for every other command (``--store STORE`` followed by the
+    files works too). Every input is validated before anything is written.
 
     Example:
 
     \b
-        moetrace ingest expert_load.csv routing.parquet --store st
+        moetrace ingest st expert_load.csv routing.parquet
+        moetrace ingest traces/ --store st --set jobs=1
     """
-    from ..collect import collect
+    from ..collect import ingest as ingest_files
 
     options = {k: v for k, v in opts.items() if v not in (None, False)}
     options.update(extra)
+
     def said_skipped(paths):
         click.echo(f"skipped {len(paths)} file(s) of no known format: " + ", ".join(p.name for p in paths[:10])
                    + (" ..." if len(paths) > 10 else ""), err=True)
 
-    runs = collect(files, format=fmt, options=options, on_skip=said_skipped)  # validates all before any write
-    store = Store(store_path, create=True)
-    if run_id and len(runs) > 1:
-        raise click.UsageError(f"--run-id given but the inputs make {len(runs)} runs")
-    for rd in runs:
-        hint = run_id or rd.run.pop("run_id", None) or rd.run_id_hint
-        res = store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint)
+    def said_written(rd, res):
         if res.skipped:
             click.echo(f"{', '.join(rd.files)}: {res.message}; nothing written")
         else:
             click.echo(f"run {res.run_id} ({rd.run.get('collector')}): "
                        + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+
+    if store_path is None:
+        if len(paths) < 2:
+            raise click.UsageError("give the store and at least one input: moetrace ingest STORE FILE...")
+        store_path, paths = paths[0], paths[1:]
+    # validates every input before the store is opened or created
+    ingest_files(store_path, paths, format=fmt, options=options, run_id=run_id, on_skip=said_skipped,
+                 on_write=said_written)
 
 
 @click.command()
@@ -120,7 +138,7 @@ def runs(store, fmt, output):
     \b
         moetrace runs demo
     """
-    st = Store(store)
+    st = open_store(store)
     df = st.runs()
     if df.height == 0:
         click.echo("no runs")
@@ -147,8 +165,7 @@ def sql(store, query, fmt, output):
     \b
         moetrace sql demo "SELECT step, layer, sum(tokens) FROM expert_load GROUP BY ALL LIMIT 5"
     """
-    st = Store(store)
-    emit(st.sql(query), fmt, output)
+    emit(open_store(store).sql(query), fmt, output)
 
 
 @click.command()
@@ -161,7 +178,7 @@ def catalog(store):
     \b
         moetrace catalog demo && cd demo && duckdb catalog.duckdb -c "FROM runs"
     """
-    st = Store(store)
+    st = open_store(store)
     path = st.write_catalog()
     click.echo(f"wrote {path}")
     click.echo(f"open it with:  cd {st.path} && duckdb catalog.duckdb")
@@ -170,23 +187,91 @@ def catalog(store):
 
 @click.command("tables")
 @click.argument("table", required=False)
-def tables_cmd(table):
-    """Show the table contract (schemas/): tables, or one table's columns.
+@output_options
+def tables_cmd(table, fmt, output):
+    """Document the stored tables (the contract, schemas/) and the metric views (SQL,
+    moetrace/analyze/sql): every name with what it holds, or one table's or view's columns
+    with their type and meaning.
 
     Example:
 
     \b
+        moetrace tables
         moetrace tables expert_load
+        moetrace tables layer_skew
     """
+    import polars as pl
+
+    from .. import schema
+    from ..analyze import view_docs
+    views = view_docs()
+    if table is None:
+        rows = [{"name": t.name, "kind": "table", "columns": len(t.columns), "description": t.description}
+                for t in schema.load_all().values()]
+        rows += [{"name": v, "kind": "view", "columns": None, "description": _first_sentence(d["doc"])}
+                 for v, d in views.items()]
+        emit(pl.DataFrame(rows, schema={"name": pl.Utf8, "kind": pl.Utf8, "columns": pl.Int64,
+                                        "description": pl.Utf8}), fmt, output, max_rows=500)
+        return
+    if table in views:
+        doc = views[table]["doc"]
+        cols = _view_columns(table)
+        if fmt == "table" and not output:
+            click.echo(f"view {table} ({views[table]['file']}): {doc}\n")
+        emit(pl.DataFrame([{"column": c, "type": t, "meaning": _column_meaning(table, doc, c)} for c, t in cols],
+                          schema={"column": pl.Utf8, "type": pl.Utf8, "meaning": pl.Utf8}), fmt, output, max_rows=500)
+        return
+    if table not in schema.load_all():
+        raise click.BadParameter(f"no table or view {table!r} (tables: {', '.join(schema.load_all())}; "
+                                 f"views: {', '.join(views)})", param_hint="TABLE")
+    ts = schema.get(table)
+    if fmt == "table" and not output:
+        click.echo(f"table {table} (schema version {ts.version}): {ts.description}\n")
+    emit(pl.DataFrame([{"column": c.name, "type": c.type, "nullable": c.nullable, "unit": c.unit or "",
+                        "meaning": c.description} for c in ts.columns]), fmt, output, max_rows=500)
+
+
+def _first_sentence(text: str) -> str:
+    cut = text.find(". ")
+    return text if cut < 0 else text[:cut + 1]
+
+
+def _mention(doc: str, column: str) -> str:
+    """The clause of a view's doc that defines ``column`` ("column = ...", "column (...)",
+    "column: ..." or a clause starting with it), else ''."""
+    import re
+
+    name = re.escape(column)
+    for clause in re.split(r"(?<=[.;])\s+", doc):
+        if re.search(rf"(?:^|[\s,(`]){name}`?\s*(?:=|\(|:|is\b|are\b)", clause) or re.match(rf"`?{name}\b", clause):
+            return clause
+    return ""
+
+
+def _column_meaning(view: str, doc: str, column: str) -> str:
     from .. import schema
 
-    if table is None:
-        emit(pl.DataFrame([{"table": t.name, "version": t.version, "columns": len(t.columns),
-                            "description": t.description} for t in schema.load_all().values()]))
-        return
-    ts = schema.get(table)
-    emit(pl.DataFrame([{"column": c.name, "type": c.type, "nullable": c.nullable, "unit": c.unit or "",
-                        "meaning": c.description} for c in ts.columns]))
+    found = _mention(doc, column)
+    if found:
+        return found
+    for t in ("expert_load", "steps", "spans", "placement", "runs"):   # ids keep their contract meaning
+        ts = schema.get(t)
+        if column in ts.column_names:
+            return ts.column(column).description
+    return ""
+
+
+def _view_columns(view: str) -> list[tuple[str, str]]:
+    """(column, DuckDB type) of a metric view, described over an empty store."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        st = open_store(d, create=True)
+        con = st.connect()
+        try:
+            return [(r[0], r[1]) for r in con.execute(f'DESCRIBE "{view}"').fetchall()]
+        finally:
+            con.close()
 
 
 def register(cli):
