@@ -164,62 +164,107 @@ class Run:
     # ------------------------------------------------------------------ what-ifs (replay)
     @cached_property
     def _replay_shape(self):
-        from .replay.engine import RunShape
+        from .replay.adapter import RunShape
 
         return RunShape.from_store(self.store, self.id)
 
-    def plan(self, policy: str, *, ranks: int | None = None, replicas: int | None = None, groups: int | None = None,
-             nodes: int | None = None, rpn: int | None = None, fit_window: tuple[int, int] | None = None,
-             plan_id: str | None = None):
-        """A placement plan of ``policy`` (``moetrace.replay.planners.PLANNERS``) fitted on
-        the run's summed load (steps ``fit_window`` = (A, B), A <= step < B; default all).
-        Returns ``(Plan, notes)``; nothing is written (``moetrace plan`` stores it)."""
-        from .replay import api
+    @staticmethod
+    def _replay_opts(split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
+                     passes=None):
+        from .replay.adapter import ReplayOptions
+        from .replay.strategies import MoveCost
 
-        ps = self._replay_shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
-        return api.fit_plan(self.store, self.id, self._replay_shape, policy, ps, fit_window, plan_id=plan_id)
+        return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
+                             move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes)
 
-    def replay(self, plan=None, *, policy: str | None = None, split: str = "even", hardware: str = "H200",
-               fit_cost: bool = True, rank_rows: bool = True, write: bool = True, trace_steps=None, **plan_kw):
-        """Replay every recorded step against ``plan`` (a Plan, a stored plan id, or
-        ``"recorded"``: the run's own placement) or a ``policy`` fitted with ``plan_kw``
-        (see :meth:`plan`). Writes ``replay_layer``/``replay_rank``/``replay_runs`` unless
-        ``write=False``. Returns ``(summary, trace)`` as ``moetrace replay --json`` prints."""
-        from .replay import api
-        from .replay.engine import load_plan
+    def plan(self, policy: str | None = None, *, ranks: int | None = None, replicas: int | None = None,
+             groups: int | None = None, nodes: int | None = None, rpn: int | None = None,
+             fit_window: tuple[int, int] | None = None, plan_id: str | None = None, start: str | None = None,
+             import_file=None, max_moves: int | None = None, target_imbalance: float | None = None,
+             store: bool = False, out=None, out_format: str = "sglang", relabel: bool = True):
+        """A placement plan: ``policy`` (``moetrace.replay.planners.PLANNERS``) fitted on the
+        run's summed load (steps ``fit_window`` = (A, B), A <= step < B; default all) and
+        renamed to keep experts where ``start`` (default the recorded plan) has them; or
+        ``import_file``; or ``start`` re-planned with a move budget. Stored with
+        ``store=True``, exported to ``out``. Returns a
+        :class:`moetrace.replay.adapter.PlanResult` (plan, moves, imbalance on the fit load)."""
+        from .replay.adapter import make_run_plan
 
+        return make_run_plan(self.store, self.id, self._replay_shape, policy=policy, ranks=ranks, replicas=replicas,
+                             groups=groups, nodes=nodes, rpn=rpn, fit_window=fit_window, start_plan_id=start,
+                             import_file=import_file, max_moves=max_moves, target_imbalance=target_imbalance,
+                             plan_id=plan_id, store_plan=store, out_file=out, out_format=out_format,
+                             relabel_to_start=relabel)
+
+    def replay(self, plan=None, *, policy: str | None = None, fit_window: tuple[int, int] | None = None,
+               in_sample: bool = False, write: bool = True, trace_steps=None, chrome_trace=None, ranks=None,
+               replicas=None, groups=None, nodes=None, rpn=None, **opts):
+        """Judge ``plan`` (a Plan, a stored plan id, or ``"recorded"``: the run's own
+        placement) or a ``policy`` fitted on ``fit_window`` (default the first half of the
+        steps) against the recorded placement on the same steps: out-of-sample (the steps
+        after the fit window) unless ``in_sample``. Options: split, hardware, fit_cost,
+        rank_rows, stall_ms, overlap (share of the weight transfer hidden), passes. Writes
+        ``replay_*`` tables unless ``write=False``. Returns a
+        :class:`moetrace.replay.adapter.ReplayResult` (``.to_dict()`` is ``replay --json``)."""
+        from .replay import adapter, plan_io
+        from .replay.planners import Plan
+
+        shape, o = self._replay_shape, self._replay_opts(**opts)
         notes: list[str] = []
+        judged = None
         if plan is None:
-            plan, notes = self.plan(policy, **plan_kw)
+            ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+            plan, judged = adapter.fit_plan(self.store, self.id, shape, policy, ps, fit_window, in_sample=in_sample)
         elif isinstance(plan, str):
-            plan = load_plan(self.store, self.id, plan, self._replay_shape)
-        opts = api.ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows)
-        return api.replay_plan(self.store, self.id, plan, self._replay_shape, opts, policy=policy, write=write,
-                               extra_notes=notes, trace_steps=trace_steps)
+            pid = plan
+            plan = adapter.load_plan(self.store, self.id, pid, shape)
+            meta = plan_io.plan_meta(self.store, self.id, pid)
+            if pid != "recorded" and meta is not None and meta.get("fit_end") is not None:
+                judged = adapter.judged_steps(shape, (int(meta["fit_start"]), int(meta["fit_end"])), in_sample, pid)
+            else:
+                notes = plan_io.fit_notes(meta, shape.steps, pid)
+        elif not isinstance(plan, Plan):
+            raise TypeError("plan must be a Plan, a stored plan id or 'recorded'")
+        if chrome_trace and not trace_steps:
+            trace_steps = [int(judged.steps[0]) if judged is not None else int(shape.steps[0])]
+        res = adapter.replay(self.store, self.id, shape, plan, o, judged=judged, write=write, fitted=policy is not None,
+                             extra_notes=notes, trace_steps=trace_steps,
+                             params={"policy": policy, "plan": plan.plan_id, "fit_window": fit_window,
+                                     "in_sample": in_sample, **{k: v for k, v in opts.items()}})
+        if chrome_trace:
+            from .errors import InputError
+            from .replay.trace import chrome_trace as write_trace
+
+            tr = res.trace
+            if tr is None:
+                raise InputError(None, f"--trace-steps {trace_steps}: none of these steps were judged")
+            write_trace(chrome_trace, tr["steps"], tr["layers"], tr["tokens"], tr["touched"], tr["dispatch_ns"],
+                        tr["compute_ns"], tr["layer_ns"], res.plan_desc, tr["cost_source"])
+        return res
 
     def drift(self, policy: str, every: int, window: int | None = None, *, max_moves: int | None = None,
-              static_window: tuple[int, int] | None = None, split: str = "even", hardware: str = "H200",
-              fit_cost: bool = True, rank_rows: bool = True, write: bool = True, **plan_kw) -> dict:
+              static_window: tuple[int, int] | None = None, write: bool = True, ranks=None, replicas=None,
+              groups=None, nodes=None, rpn=None, **opts):
         """Static plan vs re-planning every ``every`` steps from the trailing ``window``
         steps (default ``every``; with ``max_moves`` move-aware) vs an oracle, judged on the
-        steps after the first window. Returns the summary ``moetrace replay --replan-every``
-        prints (one entry per strategy, the per-step series)."""
-        from .replay import api
+        steps after the first window against the recorded placement, net of moving experts.
+        Returns a :class:`moetrace.replay.adapter.DriftResult`."""
+        from .replay import adapter
 
-        ps = self._replay_shape.plan_shape(**plan_kw)
-        opts = api.ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows)
-        return api.drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every, opts,
-                         max_moves=max_moves, write=write, static_window=static_window)
+        ps = self._replay_shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+        return adapter.drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
+                             self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
 
-    def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), window: int | None = None, *,
-              ranks: int | None = None, split: str = "even", hardware: str = "H200") -> list[dict]:
-        """The operator's decision table: replica budgets and re-plan intervals against
-        predicted step time, extra memory per rank and bytes moved (one dict per row)."""
-        from .replay import api
+    def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
+              ranks: int | None = None, groups=None, nodes=None, rpn=None, **opts):
+        """The operator's decision table: replica budgets x re-plan intervals x fit windows,
+        judged on the same steps against the recorded placement: net time, extra memory per
+        rank, moved bytes per hour, verdict. Returns a
+        :class:`moetrace.replay.adapter.SweepResult` (``.frame()``, ``.rows``, ``.notes``)."""
+        from .replay import adapter
 
-        opts = api.ReplayOptions(split=split, hardware=hardware.upper())
-        return api.sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals), window,
-                         opts, ranks=ranks)
+        return adapter.sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
+                             windows, self._replay_opts(**opts), ranks=ranks, groups=groups, nodes=nodes, rpn=rpn)
 
     def calibrate(self, judge=(), **kw) -> dict:
         """Fit the replay cost model on this run's measured spans (expert time = a·tokens +

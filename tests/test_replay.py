@@ -112,9 +112,9 @@ def test_even_and_hash_split_over_replicas(slot_store):
                 even[t, li, s // 3] += n / cnt[e]
                 hashed[t, li, s // 3] += n // cnt[e] + (1 if seen[e] < n % cnt[e] else 0)
                 seen[e] += 1
-    s1 = json.loads(run_cli("replay", path, "--plan", "g", "--json").output)
+    s1 = json.loads(run_cli("replay", path, "--plan", "g", "--in-sample", "--json").output)
     np.testing.assert_allclose(_rank_rows(st, s1["replay_id"])["tokens"], even, rtol=1e-6)
-    s2 = json.loads(run_cli("replay", path, "--plan", "g", "--split", "hash", "--json").output)
+    s2 = json.loads(run_cli("replay", path, "--plan", "g", "--split", "hash", "--in-sample", "--json").output)
     np.testing.assert_array_equal(_rank_rows(st, s2["replay_id"])["tokens"], hashed)
     assert abs(s1["mean_imbalance"] - np.mean(even.max(axis=2) / even.mean(axis=2))) < 1e-6
 
@@ -133,7 +133,7 @@ def test_per_token_dispatch_bytes_exact(tmp_path, split, replicas):
     if replicas:
         assert run_cli("plan", path, "--policy", "eplb", "--replicas", replicas, "--plan-id", "e").exit_code == 0
         p2l = _plan_from_store(st, "e")
-        args = ["--plan", "e", "--split", split]
+        args = ["--plan", "e", "--split", split, "--in-sample"]
     else:
         p2l = np.tile(np.arange(16), (2, 1))
         args = ["--plan", "recorded"]
@@ -286,9 +286,12 @@ def test_sweep_table(slot_store):
                 "--format", "json")
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output.strip().splitlines()[-1])
-    assert [x["what"] for x in rows] == ["replicas 0", "replicas 4", "replicas 8", "replan every 2"]
-    assert rows[2]["extra_mem_per_rank_bytes"] == 8 * 1000 * 2 // 4
-    assert rows[2]["mean_imbalance"] <= rows[0]["mean_imbalance"] + 1e-9
+    assert [(x["replicas"], x["replan_every"], x["window"]) for x in rows] == [
+        (0, None, 2), (0, 2, 2), (4, None, 2), (4, 2, 2), (8, None, 2), (8, 2, 2)]
+    assert rows[4]["extra_mem_gib_per_rank"] == pytest.approx(8 * 1000 * 2 / 4 / 2**30)
+    assert all(x["judged_steps"] == 4 for x in rows)            # steps 2..5, after the window, for every row
+    assert all(x["recorded_ms"] == rows[0]["recorded_ms"] for x in rows)   # one baseline
+    assert all(x["verdict"] == "not enough evidence" for x in rows)        # 4 judged steps < 10
 
 
 def test_report_section_whatif_and_stored(tmp_path):
@@ -367,7 +370,8 @@ def test_drift_with_move_budget(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     reps = d["replan"]["replans"]
-    assert len(reps) == 3 and all(x["moves"] <= 5 for x in reps)
+    # the first change leaves the recorded 32-slot layout for 36 slots (a full plan); then <= 5 moves each
+    assert reps[0]["step"] == 3 and all(x["moves"] <= 5 for x in reps[1:])
     assert d["replan"]["moved_experts"] == sum(x["moves"] for x in reps)
 
 
@@ -405,15 +409,16 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
     """A planner that numbers its ranks at random (as EPLB's numbering is arbitrary) re-planning
     an unchanging load: the re-planned placement never changes, so after relabeling no
     expert moves; imbalance equals that of the unshuffled planner."""
-    from moetrace.replay import api
-    from moetrace.replay.engine import RunShape
+    from moetrace.replay import adapter as api
+    from moetrace.replay import strategies
+    from moetrace.replay.adapter import RunShape
     from moetrace.replay.planners import Plan, make_plan
 
     st, per = _constant_load_store(tmp_path / "c")
     shape = RunShape.from_store(st, "c")
     ps = shape.plan_shape(replicas=4)
     opts = api.ReplayOptions(fit_cost=False)
-    plain = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
+    plain = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False).to_dict()
     rng = np.random.default_rng(0)
 
     def shuffled_plan(*a, **k):
@@ -426,10 +431,13 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
         return Plan(np.array(rows), p.num_experts, p.num_ranks, p.ranks_per_node, layers=p.layers,
                     policy=p.policy, params=p.params)
 
-    monkeypatch.setattr(api, "make_plan", shuffled_plan)
-    d = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
-    assert d["replan"]["moved_experts"] == 0 and d["replan"]["moved_bytes"] == 0
-    assert d["replan"]["moved_experts_without_relabel"] > 0
+    monkeypatch.setattr(strategies, "make_plan", shuffled_plan)
+    dr = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
+    d = dr.to_dict()
+    # only the switch from the recorded layout moves experts; every later re-plan is the same placement
+    assert [c.step for c in dr.results["replan"].changes] == [2]
+    assert d["replan"]["moved_experts"] == plain["replan"]["moved_experts"]
+    assert d["replan"]["moved_experts_without_relabel"] > d["replan"]["moved_experts"]
     assert d["replan"]["mean_imbalance"] == pytest.approx(plain["replan"]["mean_imbalance"], rel=1e-12)
     # and by hand: greedy on the constant load, even split of each expert over its copies
     p = make_plan("greedy", per.astype(float), ps)
@@ -441,8 +449,8 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
             rl[li, s_ // spr] += per[li, e] / cnt[e]
     assert d["replan"]["mean_imbalance"] == pytest.approx((rl.max(axis=1) / rl.mean(axis=1)).mean(), rel=1e-6)
     # the sweep's re-plan rows go through the same path
-    rows = api.sweep(st, "c", shape, "greedy", [4], [2], 2, opts)
-    assert rows[-1]["moved_experts"] == 0
+    rows = api.sweep(st, "c", shape, "greedy", [4], [2], [2], opts).rows
+    assert rows[-1].moved_experts == rows[0].moved_experts     # re-planning moves nothing after the first plan
 
 
 def test_plan_command_replans_from_a_previous_plan_without_needless_moves(tmp_path):
@@ -488,21 +496,23 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
 
         return fit_notes(meta, np.arange(12), pid)
 
-    def notes(pid):
-        r = run_cli("replay", path, "--plan", pid, "--json")
+    def notes(pid, *more):
+        r = run_cli("replay", path, "--plan", pid, *more, "--json")
         assert r.exit_code == 0, r.output
         return json.loads(r.output)["approximations"]
 
-    assert any("same steps it is judged on (in-sample" in n for n in notes("all"))
-    assert any("fitted on 3 steps in [2, 5); the replay judges all 12 steps" in n for n in notes("w"))
-    assert any("fitted on 4 steps in [8, 40); the replay judges all 12 steps" in n for n in notes("m"))
+    out = run_cli("replay", path, "--plan", "all", "--json")      # fitted on every step: nothing out of sample
+    assert out.exit_code == 2 and "no recorded step after the fit window [0, 12)" in out.output
+    assert any("in-sample judgement (asked for)" in n for n in notes("all", "--in-sample"))
+    assert any("plan fitted on steps [2, 5), judged on the 7 recorded steps from 5 on" in n for n in notes("w"))
+    assert any("fitted on steps [8, 40)" in n for n in notes("m", "--in-sample"))
     assert plan_io_notes({"fit_start": 20, "fit_end": 30}, "m") == [
         "plan fitted on steps [20, 30), none of the 12 judged steps: out-of-sample"]
     assert any("imported" in n and "unknown" in n for n in notes("imp"))
     assert not any("fitted" in n for n in notes("recorded"))
     # a plan stored before the plans table existed: the replay says it cannot tell
     from moetrace.replay import plan_io
-    from moetrace.replay.engine import load_plan, RunShape
+    from moetrace.replay.adapter import load_plan, RunShape
 
     p = load_plan(st, "c", "w", RunShape.from_store(st, "c"))
     st.append("c", {"placement": plan_io.plan_table(p, "old")})

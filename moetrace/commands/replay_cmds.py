@@ -1,65 +1,100 @@
-"""Replay commands: plan, replay, sweep."""
+"""Replay commands: plan, replay, sweep. Thin callers of the run facade (moetrace.run.Run),
+which delegates to moetrace.replay.adapter; these only parse options and print."""
 from __future__ import annotations
 
-import json
-
 import click
-import numpy as np
 import polars as pl
 
-from ..errors import InputError
-from ..output import emit, output_options
+from ..output import echo_json, emit, output_options
 from ..store import Store
-from ._options import steps_range
-
-
-_steps_range = steps_range
-
-
-def _int_list(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+from ._options import (hardware_option, int_list, policy_option, run_option, split_option, steps_list,
+                       steps_option, store_argument)
 
 
 def shape_options(f):
-    from ..replay.planners import PLANNERS
-
     opts = [
-        click.option("--run", "run_id", default=None, help="Run id (default: the store's only run)."),
-        click.option("--policy", type=click.Choice(list(PLANNERS)), default=None, help="Planner."),
+        run_option,
+        policy_option,
         click.option("--ranks", type=int, default=None, help="Expert-parallel ranks (default: the run's)."),
         click.option("--replicas", type=int, default=None, help="Redundant slots per layer (default: the run's)."),
-        click.option("--groups", type=int, default=None, help="Expert groups for EPLB (default: the run's)."),
-        click.option("--nodes", type=int, default=None, help="Nodes for EPLB (default: ranks / ranks-per-node)."),
+        click.option("--groups", type=int, default=None,
+                     help="Expert groups for hierarchical EPLB (default: the run's; DeepSeek-V3/R1: 8)."),
+        click.option("--nodes", type=int, default=None, help="Nodes (must equal ranks / ranks-per-node)."),
         click.option("--ranks-per-node", "rpn", type=int, default=None, help="Ranks per node (default: the run's)."),
-        click.option("--fit-window", callback=_steps_range, default=None,
-                     help="Fit the plan on steps A <= step < B (A:B); default all steps."),
+        steps_option("--fit-window", help="Fit the plan on steps A <= step < B (default: the first half); "
+                                          "it is judged on the steps after B."),
     ]
     for o in reversed(opts):
         f = o(f)
     return f
 
 
-def _open(store, run_id):
-    from ..replay.engine import RunShape
+def move_options(f):
+    opts = [
+        click.option("--stall-ms", type=float, default=0.0, show_default=True,
+                     help="Time the engine stops per re-balance besides the weight transfer (e.g. 1800 for a "
+                          "synchronous SGLang rebalance)."),
+        click.option("--move-overlap", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                     help="Share of the weight transfer hidden behind compute: 0 = synchronous engine (the step "
+                          "waits for it), e.g. 0.9 for an asynchronous one."),
+        click.option("--passes", type=int, default=None,
+                     help="Passes per recorded step when the counts aggregate a recording (times per pass)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
 
-    st = Store(store)
-    rid = st.resolve_run(run_id)
-    return st, rid, RunShape.from_store(st, rid)
+
+def _gib(b):
+    return b / 2**30
 
 
-def _imbalance(plan, load):
-    rl = np.einsum("le,ler->lr", load, plan.share())
-    mean = rl.mean(axis=1)
-    return np.where(mean > 0, rl.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+def _print_changes(j, indent="  "):
+    if not j.changes:
+        return
+    c0 = j.changes[0]
+    be = [c.break_even_steps for c in j.changes]
+    click.echo(f"{indent}moves: {j.moved_experts} expert copies, {_gib(j.moved_bytes):.2f} GiB "
+               f"({_gib(sum(c.bytes_inter for c in j.changes)):.2f} GiB inter-node) in {len(j.changes)} change(s), "
+               f"charged {sum(c.charged_ns for c in j.changes) / 1e6:.3f} ms in all")
+    if len(j.changes) == 1:
+        click.echo(f"{indent}break-even: " + (f"{c0.break_even_steps:.1f} steps (the plan serves {c0.served_steps})"
+                                              if c0.break_even_steps is not None else
+                                              "never (the plan gains nothing per step)"))
+    else:
+        ok = [b for b in be if b is not None]
+        click.echo(f"{indent}break-even per re-plan: " + ", ".join("never" if b is None else f"{b:.1f}" for b in be[:12])
+                   + (" ..." if len(be) > 12 else "") + f" steps ({sum(c.pays_back for c in j.changes)} of "
+                   f"{len(be)} pay back within the steps they serve)" + ("" if ok else ""))
+
+
+def _print_replay(res):
+    j, s = res.judged, res.judged.summary
+    click.echo(f"replay {res.replay_id} of run {res.run_id}: {res.plan_desc}; split {res.split}")
+    click.echo(f"  judged on {res.judged_on}")
+    und = f"; {s.undefined_cells} (step, layer) with no tokens left out" if s.undefined_cells else ""
+    rec = "" if j.kind == "recorded" else f" vs {j.recorded.mean_imbalance:.3f} recorded"
+    if s.mean_imbalance is None:
+        click.echo(f"  no (step, layer) routed any token{und}")
+    else:
+        eff = f", efficiency {s.mean_efficiency:.3f}" if s.mean_efficiency is not None else ""
+        click.echo(f"  {j.steps.size} steps x {j.plan.num_layers} layers: mean max/mean rank tokens "
+                   f"{s.mean_imbalance:.3f}{rec}, p99 {s.p99_imbalance:.3f}{eff}{und}")
+    click.echo(f"  {res.headline()}")
+    _print_changes(j)
+    if j.kind != "recorded":
+        click.echo(f"  verdict: {j.verdict} ({j.verdict_reason})")
+    click.echo(f"  cost model: {res.cost.source.split(':')[0]}; error band ±{res.error_band[0]:.0%} "
+               f"({res.error_band[1]}); {res.move.describe()}")
+    if res.nodes_per_token_max is not None:
+        click.echo(f"  per-token routing: exact dispatch bytes; nodes per token mean "
+                   f"{res.nodes_per_token_mean:.2f}, max {res.nodes_per_token_max}")
+    for n in res.notes:
+        click.echo(f"  note: {n}")
 
 
 @click.command()
-@click.argument("store", type=click.Path(file_okay=False))
+@store_argument
 @shape_options
 @click.option("--plan", "plan_id_in", default=None, help="Start from a stored plan ('recorded' = the run's own).")
 @click.option("--import", "import_file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -88,259 +123,197 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
     move-aware re-planner changes as few slots as it can; with --plan and --policy the
     policy re-plans from scratch and its ranks are renamed to keep the most experts where
     the --plan plan has them (renaming ranks is free; without --plan, the recorded plan).
+    --import reads a plan as it is: options it would ignore are refused.
 
     Example:
 
     \b
         moetrace plan demo --policy eplb --replicas 32 --plan-id eplb32 --out eplb32.json
     """
-    from ..replay import plan_io
-    from ..replay.engine import load_plan, read_load
-    from ..replay.moves import moves_between, replan
-    from ..replay.planners import make_plan
-    from ..replay.relabel import relabel
-
-    st, rid, shape = _open(store, run_id)
+    st = Store(store)
+    run = st.run(run_id)
     if list_plans:
         df = st.sql("""SELECT plan_id, count(DISTINCT layer) AS layers, max(slot) + 1 AS slots,
                        max(rank) + 1 AS ranks, max(node) + 1 AS nodes FROM placement WHERE run_id = ?
-                       GROUP BY plan_id ORDER BY plan_id""", [rid]) if st.has_files("placement") else pl.DataFrame()
+                       GROUP BY plan_id ORDER BY plan_id""", [run.id]) if st.has_files("placement") else pl.DataFrame()
         emit(df if df.height else pl.DataFrame({"plan_id": ["recorded (contiguous, not stored)"]}))
         return
-    moves_mode = max_moves is not None or target_imbalance is not None
-    sources = sum(x is not None for x in (policy, import_file)) + (plan_id_in is not None and not moves_mode
-                                                                     and policy is None)
-    if moves_mode and (not plan_id_in or policy or import_file):
-        raise click.UsageError("--max-moves / --target-imbalance re-plan from --plan ID (without --policy)")
-    if sources != 1 and not (plan_id_in and moves_mode):
-        raise click.UsageError("give one of --policy (optionally with --plan PREV), --import, --plan ID (export), "
-                               "or --plan ID with --max-moves")
-    ids, load = read_load(st, rid, shape, fit_window)
-    if ids.size == 0 and (policy or moves_mode):
-        what = f"--fit-window {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
-        raise InputError(None, f"{what} holds no recorded steps")
-    total = load.sum(axis=0, dtype=np.float64)
-    base = load_plan(st, rid, "recorded", shape)
-    info = {}
-    relabel_info = None
-    if policy:
-        ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
-        p = make_plan(policy, total, ps, layers=shape.layers)
-        if plan_id_in:
-            base = load_plan(st, rid, plan_id_in, shape)
-        if not no_relabel:   # the new plan replaces base: rename its ranks to keep experts in place
-            p, relabel_info = relabel(base, p)
-    elif import_file:
-        p = plan_io.import_plan(import_file, shape.num_experts, ranks or shape.num_ranks,
-                                rpn or shape.ranks_per_node, shape.layers, groups or shape.num_groups)
-    else:
-        start = load_plan(st, rid, plan_id_in, shape)
-        if max_moves is not None or target_imbalance is not None:
-            p, info = replan(start, total, max_moves=max_moves, target_imbalance=target_imbalance)
-            base = start
-        else:
-            p = start
-    pid = plan_id or (p.plan_id if p.plan_id and not policy else None) or (
-        f"moves{max_moves}" if info else (policy or "imported"))
-    try:
-        moved = int(moves_between(base, p).sum()) if base.num_ranks == p.num_ranks else None
-    except ValueError:
-        moved = None
-    imb_before = _imbalance(base, total) if base.num_ranks and base.num_slots else None
-    imb = _imbalance(p, total)
-    summary = {"run_id": rid, "plan_id": pid, "policy": p.policy, "layers": p.num_layers, "slots": p.num_slots,
-               "ranks": p.num_ranks, "ranks_per_node": p.ranks_per_node, "redundant_slots": p.replicas,
-               "fit_steps": int(ids.size), "fit_window": list(fit_window) if fit_window else None,
-               "mean_imbalance_on_fit_load": float(imb.mean()),
-               "start_plan": base.plan_id, "start_mean_imbalance_on_fit_load":
-                   float(imb_before.mean()) if imb_before is not None else None,
-               "moved_experts_vs_start": moved,
-               "moved_bytes_vs_start": moved * shape.expert_bytes if moved is not None else None,
-               "relabeled": bool(relabel_info and relabel_info["relabeled"]),
-               "moved_experts_without_relabel": relabel_info["moves_before"]
-                   if relabel_info and relabel_info["relabeled"] else None,
-               "params": p.params}
-    if not no_store and not (plan_id_in and pid == plan_id_in):
-        fitted = policy or info   # a planner or the move-aware re-planner ran on this load
-        fit = ((fit_window[0], fit_window[1]) if fit_window else (int(ids.min()), int(ids.max()) + 1)) \
-            if fitted and ids.size else None
-        summary["stored_rows"] = plan_io.save_plan(st, rid, p, pid, fit=fit + (int(ids.size),) if fit else None,
-                                                   start_plan_id=base.plan_id if (policy and relabel_info) or info
-                                                   else None)
-    if out_file:
-        summary["out"] = str(plan_io.export_plan(p, out_file, out_format))
-        summary["out_format"] = out_format
+    res = run.plan(policy, ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn, fit_window=fit_window,
+                   plan_id=plan_id, start=plan_id_in, import_file=import_file, max_moves=max_moves,
+                   target_imbalance=target_imbalance, store=not no_store, out=out_file, out_format=out_format,
+                   relabel=not no_relabel)
     if as_json:
-        click.echo(json.dumps(summary, default=str))
+        echo_json(res.to_dict())
         return
-    click.echo(f"plan {pid}: {p.describe()}")
-    what = "fitted on" if policy or info else "judged on the load of"
-    click.echo(f"  {what} {ids.size} steps; max/mean rank load on that load: {imb.mean():.3f} "
-               f"(start plan {base.plan_id}: {summary['start_mean_imbalance_on_fit_load']:.3f})")
-    if moved is not None:
-        extra = (f" (ranks renamed to match {base.plan_id}; {summary['moved_experts_without_relabel']} with the "
-                 f"planner's own numbering)" if summary["relabeled"] else "")
-        click.echo(f"  moves vs {base.plan_id}: {moved} expert copies, {moved * shape.expert_bytes / 2**30:.2f} GiB"
-                   + extra)
-    if "stored_rows" in summary:
-        click.echo(f"  stored {summary['stored_rows']} placement rows as plan_id {pid!r}")
-    if out_file:
+    click.echo(f"plan {res.plan_id}: {res.plan.describe()}")
+    what = "fitted on" if res.fitted else "judged on the load of"
+    start = (f" (start plan {res.start.plan_id}: {res.start_imbalance_on_fit:.3f})"
+             if res.start_imbalance_on_fit is not None and res.start is not res.plan else "")
+    if res.imbalance_on_fit is not None:
+        click.echo(f"  {what} {res.fit_steps} steps; max/mean rank load on that load: {res.imbalance_on_fit:.3f}{start}")
+    if res.moved is not None and res.start is not res.plan:
+        extra = (f" (ranks renamed to match {res.start.plan_id}; {res.moves_without_relabel} with the "
+                 f"planner's own numbering)" if res.relabeled else "")
+        click.echo(f"  moves vs {res.start.plan_id}: {res.moved} expert copies, {_gib(res.moved_bytes):.2f} GiB" + extra)
+    if res.stored_rows is not None:
+        click.echo(f"  stored {res.stored_rows} placement rows as plan_id {res.plan_id!r}")
+    if res.out:
         click.echo(f"  wrote {out_file} ({out_format})")
 
 
 @click.command()
-@click.argument("store", type=click.Path(file_okay=False))
+@store_argument
 @shape_options
 @click.option("--plan", "plan_id", default=None, help="Replay a stored plan ('recorded' = the run's own).")
+@click.option("--in-sample", is_flag=True,
+              help="Judge a fitted plan on every step, those it was fitted on included (labelled in-sample).")
 @click.option("--replan-every", type=int, default=None, help="Re-plan every N steps (drift replay).")
 @click.option("--window", type=int, default=None, help="Re-plan from the trailing W steps (default N).")
 @click.option("--max-moves", type=int, default=None, help="Drift: move-aware re-plans with at most K moves each.")
-@click.option("--split", type=click.Choice(["even", "hash", "local"]), default="even", show_default=True,
-              help="How an expert's tokens split over its replicas.")
-@click.option("--hardware", type=click.Choice(["H100", "H200", "H800", "B200"], case_sensitive=False),
-              default="H200", show_default=True, help="Cost model preset (fitted from spans when the run has them).")
+@split_option
+@hardware_option
 @click.option("--no-fit", "no_fit", is_flag=True, help="Use the preset even when the run has expert_gemm spans.")
+@move_options
 @click.option("--chrome-trace", type=click.Path(dir_okay=False), default=None,
               help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
-@click.option("--trace-steps", callback=_int_list, default=None, help="Steps for --chrome-trace (default: the first).")
+@click.option("--trace-steps", callback=steps_list, default=None, metavar="A:B|A,B",
+              help="Steps for --chrome-trace (A:B or a comma list; default: the first judged).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Drift: imbalance-over-time PNG.")
 @click.option("--no-rank-rows", is_flag=True, help="Do not write replay_rank rows (large replays).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary object as JSON.")
-def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, replan_every, window,
-           max_moves, split, hardware, no_fit, chrome_trace, trace_steps, plot, no_rank_rows, as_json):
+def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
+           window, max_moves, split, hardware, no_fit, stall_ms, move_overlap, passes, chrome_trace, trace_steps,
+           plot, no_rank_rows, as_json):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
-    stragglers, all-to-all bytes and layer time.
+    stragglers, all-to-all bytes and layer time, against the recorded placement on the
+    same steps, net of moving the experts.
 
-    Results go to replay_layer, replay_rank and replay_runs (query them with moetrace
-    sql). With --replan-every N the replay re-plans every N steps from the trailing
-    --window steps and compares with a static plan and an oracle.
+    A plan fitted on a window is judged on the steps after it (out-of-sample); --in-sample
+    judges it on every step and says so. Results go to replay_layer, replay_rank,
+    replay_runs (and replay_traffic with per-token routing). With --replan-every N the
+    replay re-plans every N steps from the trailing --window steps and compares with a
+    static plan and an oracle.
 
     Example:
 
     \b
-        moetrace replay demo --policy eplb --replicas 32 --fit-window 0:25 --json
+        moetrace replay demo --policy eplb --replicas 32 --fit-window 0:25 --stall-ms 50
     """
-    from ..replay import api
-    from ..replay.engine import load_plan
-    from ..replay.trace import chrome_trace as write_trace
+    from ..errors import InputError
 
     if (plan_id is None) == (policy is None):
         raise click.UsageError("give exactly one of --plan PLAN_ID or --policy P")
-    st, rid, shape = _open(store, run_id)
-    opts = api.ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=not no_fit, rank_rows=not no_rank_rows)
+    run = Store(store).run(run_id)
+    common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
+                  passes=passes)
+    shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
     if replan_every:
         if not policy:
             raise click.UsageError("--replan-every needs --policy (the planner re-run at every re-plan)")
-        ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
-        d = api.drift(st, rid, shape, policy, ps, replan_every, window or replan_every, opts, max_moves=max_moves,
-                      static_window=fit_window)
+        d = run.drift(policy, replan_every, window, max_moves=max_moves, static_window=fit_window, **common, **shape_kw)
         if plot:
             from ..replay.plots import drift_plot
 
-            drift_plot(d, plot)
+            drift_plot(d.to_dict(series=True), plot)
         if as_json:
-            out = {k: v for k, v in d.items() if k != "series"}
-            click.echo(json.dumps(out, default=str))
+            echo_json(d.to_dict())
             return
-        click.echo(f"drift replay of run {rid}: {policy}, re-plan every {replan_every} from the last "
-                   f"{window or replan_every} steps; judged on {d['judged_steps']} steps")
-        for k in ("static", "replan", "oracle"):
-            s = d[k]
-            click.echo(f"  {k:<7} mean imbalance {s['mean_imbalance']:.3f}  p99 {s['p99_imbalance']:.3f}  "
-                       f"predicted MoE time/step {s['predicted_step_ns'] / 1e6:.3f} ms  moved {s['moved_experts']} "
-                       f"experts ({s['moved_bytes'] / 2**30:.2f} GiB)  [{s['replay_id']}]")
-        if d["replan"].get("moved_experts_without_relabel") is not None:
-            click.echo(f"  re-plans' ranks renamed to keep experts in place: {d['replan']['moved_experts']} moves "
-                       f"instead of {d['replan']['moved_experts_without_relabel']} with the planner's own numbering")
-        click.echo("  stale plan by age quartile: " + ", ".join(f"{x:.3f}" for x in d["static_by_age_quartile"]))
-        ra = d["replan_by_age"]
-        click.echo("  re-planned plan by steps since re-plan: " + ", ".join(
-            f"{a}: {x:.3f}" for a, x in zip(ra["age"], ra["mean_imbalance"])))
-        if plot:
-            click.echo(f"  wrote {plot}")
+        _print_drift(d, plot)
         return
-    notes = []
-    if plan_id:
-        from ..replay import plan_io
-
-        p = load_plan(st, rid, plan_id, shape)
-        notes = plan_io.fit_notes(plan_io.plan_meta(st, rid, plan_id), shape.steps, plan_id)
-    else:
-        ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
-        p, notes = api.fit_plan(st, rid, shape, policy, ps, fit_window, plan_id=None)
-    params = {"plan": plan_id, "policy": policy, "fit_window": fit_window, "split": split, "hardware": hardware,
-              "ranks": p.num_ranks, "slots": p.num_slots, "plan_params": p.params}
-    tsteps = None
-    if chrome_trace:
-        tsteps = trace_steps or [int(shape.steps[0])]
-    summary, tr = api.replay_plan(st, rid, p, shape, opts, policy=policy or f"plan {plan_id}", params=params,
-                                  extra_notes=notes, trace_steps=tsteps)
-    if chrome_trace:
-        if tr is None:
-            raise InputError(None, f"--trace-steps {tsteps}: none of these steps were recorded")
-        write_trace(chrome_trace, tr["steps"], tr["layers"], tr["tokens"], tr["touched"], tr["dispatch_ns"],
-                    tr["compute_ns"], tr["layer_ns"], p.describe(), tr["cost_source"])
-        summary["chrome_trace"] = chrome_trace
+    if plan_id and (fit_window or any(v is not None for v in shape_kw.values())):
+        given = [f"--{k.replace('rpn', 'ranks-per-node')}" for k, v in shape_kw.items() if v is not None]
+        given += ["--fit-window"] if fit_window else []
+        raise InputError(None, f"--plan {plan_id} replays a stored plan as it is: {', '.join(given)} would be ignored")
+    res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
+                     rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
+                     chrome_trace=chrome_trace, **common, **shape_kw)
     if as_json:
-        click.echo(json.dumps(summary, default=str))
+        d = res.to_dict()
+        if chrome_trace:
+            d["chrome_trace"] = chrome_trace
+        echo_json(d)
         return
-    click.echo(f"replay {summary['replay_id']} of run {rid}: {p.describe()}; split {summary['split']}")
-    click.echo(f"  {summary['num_steps']} steps x {summary['num_layers']} layers: mean max/mean rank tokens "
-               f"{summary['mean_imbalance']:.3f}, p99 {summary['p99_imbalance']:.3f}, efficiency "
-               f"{summary['mean_efficiency']:.3f}")
-    click.echo(f"  predicted MoE time per step {summary['predicted_step_ns'] / 1e6:.3f} ms "
-               f"(cost model: {summary['cost']['source'].split(':')[0]})")
-    if "nodes_per_token_max" in summary:
-        click.echo(f"  per-token routing: exact dispatch bytes; nodes per token mean "
-                   f"{summary['nodes_per_token_mean']:.2f}, max {summary['nodes_per_token_max']}")
-    for n in summary["approximations"]:
-        click.echo(f"  note: {n}")
+    _print_replay(res)
     if chrome_trace:
         click.echo(f"  wrote {chrome_trace} (open in https://ui.perfetto.dev)")
 
 
+def _print_drift(d, plot):
+    click.echo(f"drift replay of run {d.run_id}: {d.policy}, re-plan every {d.every} from the last {d.window} steps; "
+               f"judged on {d.steps.size} steps against the recorded placement")
+    st = d.results["static"]
+    click.echo(f"  plan: {st.plan.describe()}")
+    unit = "pass" if d.timing.per_pass else "step"
+    rec_ms = f"{st.recorded_step_ns / 1e6:.3f} ms" if st.recorded_step_ns is not None else "no time"
+    click.echo(f"  recorded mean imbalance {st.recorded.mean_imbalance:.3f}  predicted MoE time/{unit} {rec_ms}")
+    for k, j in d.results.items():
+        s = j.summary
+        t = (f"gross {j.gross_step_ns / 1e6:.3f} ms, net {j.net_step_ns / 1e6:.3f} ms ({j.vs_recorded()})"
+             if j.gross_step_ns is not None else "no time per step")
+        click.echo(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_imbalance:.3f}  {t}  moved "
+                   f"{j.moved_experts} experts ({_gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
+        if k != "oracle":
+            _print_changes(j, "          ")
+        click.echo(f"          verdict: {j.verdict} ({j.verdict_reason})")
+    f = d.fastest()
+    click.echo(f"  fastest net: {f.kind if f else 'none'}" + (" (the oracle is a bound, not a plan)" if f else ""))
+    if d.unrelabeled_moves is not None:
+        click.echo(f"  re-plans' ranks renamed to keep experts in place: {d.results['replan'].moved_experts} moves "
+                   f"instead of {d.unrelabeled_moves} with the planner's own numbering")
+    click.echo("  stale plan by age quartile: " + ", ".join(f"{x:.3f}" for x in d.static_by_age_quartile()))
+    ra = d.replan_by_age()
+    click.echo("  re-planned plan by steps since re-plan: " + ", ".join(
+        f"{a}: {x:.3f}" for a, x in zip(ra["age"], ra["mean_imbalance"])))
+    for n in d.notes:
+        click.echo(f"  note: {n}")
+    if plot:
+        click.echo(f"  wrote {plot}")
+
+
 @click.command()
-@click.argument("store", type=click.Path(file_okay=False))
-@click.option("--run", "run_id", default=None, help="Run id (default: the store's only run).")
-@click.option("--policy", default="eplb", show_default=True, help="Planner.")
-@click.option("--replicas", "replicas", callback=_int_list, default="0,16,32,64", show_default=True,
+@store_argument
+@run_option
+@policy_option(default="eplb")
+@click.option("--replicas", "replicas", callback=int_list, default="0,16,32,64", show_default=True,
               help="Replica budgets (redundant slots per layer).")
-@click.option("--replan-every", "intervals", callback=_int_list, default=None,
-              help="Re-plan intervals in steps (comma-separated).")
-@click.option("--window", type=int, default=None, help="Re-plan window (default: the interval).")
+@click.option("--replan-every", "intervals", callback=int_list, default=None,
+              help="Re-plan intervals in steps (comma-separated); a static plan is always a row.")
+@click.option("--window", "windows", callback=int_list, default=None,
+              help="Fit windows in steps (comma-separated; default: the largest interval, else half the run).")
 @click.option("--ranks", type=int, default=None, help="Expert-parallel ranks (default: the run's).")
-@click.option("--split", type=click.Choice(["even", "hash", "local"]), default="even", show_default=True)
-@click.option("--hardware", type=click.Choice(["H100", "H200", "H800", "B200"], case_sensitive=False),
-              default="H200", show_default=True)
+@click.option("--groups", type=int, default=None, help="Expert groups for hierarchical EPLB (default: the run's).")
+@click.option("--nodes", type=int, default=None, help="Nodes (must equal ranks / ranks-per-node).")
+@click.option("--ranks-per-node", "rpn", type=int, default=None, help="Ranks per node (default: the run's).")
+@split_option
+@hardware_option
+@move_options
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
 @output_options
-def sweep(store, run_id, policy, replicas, intervals, window, ranks, split, hardware, plot, fmt, output):
-    """Sweep replica budgets and re-plan intervals: predicted step time and efficiency
-    against extra memory and bytes moved (the operator's decision table).
+def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, stall_ms,
+          move_overlap, passes, plot, fmt, output):
+    """The operator's decision table: replica budgets x re-plan intervals x fit windows,
+    each judged on the same steps against the recorded placement, with net predicted time
+    (moving experts charged), extra expert memory per rank, bytes moved per hour and a
+    verdict.
 
     Example:
 
     \b
-        moetrace sweep demo --replicas 0,16,32,64 --replan-every 10,25
+        moetrace sweep demo --replicas 0,16,32,64 --replan-every 10,25 --stall-ms 50
     """
-    from ..replay import api
-    from ..replay.planners import PLANNERS
-
-    if policy not in PLANNERS:
-        raise click.BadParameter(f"{policy!r}: choose from {', '.join(PLANNERS)}", param_hint="--policy")
-    st, rid, shape = _open(store, run_id)
-    opts = api.ReplayOptions(split=split, hardware=hardware.upper())
-    rows = api.sweep(st, rid, shape, policy, replicas or [], intervals or [], window, opts, ranks=ranks)
+    run = Store(store).run(run_id)
+    res = run.sweep(policy, replicas=replicas or [], intervals=intervals or [], windows=windows, ranks=ranks,
+                    groups=groups, nodes=nodes, rpn=rpn, split=split, hardware=hardware, stall_ms=stall_ms,
+                    overlap=move_overlap, passes=passes)
     if plot:
-        from ..replay.plots import sweep_plot
+        from ..replay.plots import decision_plot
 
-        sweep_plot(rows, plot)
+        decision_plot(res.rows, plot)
         click.echo(f"wrote {plot}", err=True)
-    cols = ["what", "replicas", "replan_every", "judged_on", "extra_mem_per_rank_bytes", "mean_imbalance", "p99_imbalance",
-            "efficiency", "predicted_step_ns", "speedup_vs_first", "moved_experts", "moved_bytes", "skipped"]
-    df = pl.DataFrame([{c: r.get(c) for c in cols} for r in rows], schema_overrides={"skipped": pl.Utf8})
-    if df["skipped"].null_count() == df.height:
-        df = df.drop("skipped")
+    df = res.frame()
+    if fmt in (None, "table"):
+        for n in res.notes:
+            click.echo(f"note: {n}", err=True)
     emit(df, fmt, output)
 
 

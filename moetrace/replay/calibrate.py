@@ -110,12 +110,14 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
     ``step_range`` selects load steps."""
     spans_run = run_id
     run_id = load_run or run_id
-    from .api import _routing_block, routing_has_slots
-    from .engine import RunShape, iter_load, recorded_plan, replay_load
+    from .adapter import RunShape, iter_load, recorded_plan, routing_block, routing_has_slots
+    from .engine import replay_load
     from dataclasses import replace
 
-    if not store.has_files("spans") or store.sql(
-            "SELECT count(*) AS n FROM spans WHERE run_id = ?", [spans_run])["n"][0] == 0:
+    timed = store.has_files("cell_times") and store.sql(
+        "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [spans_run])["n"][0] > 0
+    if not timed and (not store.has_files("spans") or store.sql(
+            "SELECT count(*) AS n FROM spans WHERE run_id = ?", [spans_run])["n"][0] == 0):
         raise InputError(None, f"run {spans_run!r} has no profiler spans: calibration needs a Kineto or Nsight trace "
                                "(or a refrun) ingested into the same run")
     shape = RunShape.from_store(store, run_id)
@@ -126,9 +128,21 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
                      + (f", load step = span step + {step_offset}" if step_offset else ""))
     if plan.policy != "recorded":
         notes.append("no recorded placement: contiguous assumed (slot = expert)")
-    ex = store.sql("""SELECT step + ? AS step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
-                      WHERE run_id = ? AND kind = 'expert_gemm' AND step IS NOT NULL AND layer IS NOT NULL
-                      GROUP BY ALL""", [int(step_offset), spans_run])
+    if timed:
+        # repeated timed passes (refrun --repeats): their medians, not one profiled pass
+        ex = store.sql("SELECT step + ? AS step, layer, rank, expert_ns::DOUBLE AS dur FROM cell_times WHERE run_id = ?",
+                       [int(step_offset), spans_run])
+        cm = store.sql("SELECT step + ? AS step, layer, rank, comm_ns::DOUBLE AS dur FROM cell_times WHERE run_id = ?",
+                       [int(step_offset), spans_run])
+        traced = np.sort(store.sql("SELECT DISTINCT rank FROM cell_times WHERE run_id = ?", [spans_run])["rank"]
+                         .to_numpy())
+        passes = store.sql("SELECT min(passes) AS p FROM cell_times WHERE run_id = ?", [spans_run])["p"][0]
+        notes.append(f"measured times: medians over {passes} timed pass(es) per (step, layer, rank) (table "
+                     "cell_times), not profiler spans")
+    else:
+        ex = store.sql("""SELECT step + ? AS step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
+                          WHERE run_id = ? AND kind = 'expert_gemm' AND step IS NOT NULL AND layer IS NOT NULL
+                          GROUP BY ALL""", [int(step_offset), spans_run])
     if ex.height == 0:
         n = store.sql("SELECT count(*) AS n FROM spans WHERE run_id = ? AND kind = 'expert_gemm'", [spans_run])["n"][0]
         why = ("its expert_gemm spans carry no step or layer (annotate steps with ProfilerStep#N and layers with "
@@ -136,10 +150,11 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
                "no span is classified expert_gemm (see `moetrace kernels`; add your expert kernel's name with "
                "--kernel-rules at ingest)")
         raise InputError(None, f"run {spans_run!r}: cannot calibrate, {why}")
-    cm = store.sql("""SELECT step + ? AS step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
-                      WHERE run_id = ? AND kind IN ('dispatch', 'combine') AND step IS NOT NULL AND layer IS NOT NULL
-                      GROUP BY ALL""", [int(step_offset), spans_run])
-    traced = np.sort(store.sql("SELECT DISTINCT rank FROM spans WHERE run_id = ?", [spans_run])["rank"].to_numpy())
+    if not timed:
+        cm = store.sql("""SELECT step + ? AS step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
+                          WHERE run_id = ? AND kind IN ('dispatch', 'combine') AND step IS NOT NULL AND layer IS NOT NULL
+                          GROUP BY ALL""", [int(step_offset), spans_run])
+        traced = np.sort(store.sql("SELECT DISTINCT rank FROM spans WHERE run_id = ?", [spans_run])["rank"].to_numpy())
     traced = traced[(traced >= 0) & (traced < plan.num_ranks)]
     # span layers are model layer ids when they match the load's; else the i-th MoE layer
     span_layers = np.unique(ex["layer"].to_numpy())
@@ -175,7 +190,7 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
     ids = shape.steps[(shape.steps >= steps[0]) & (shape.steps <= steps[-1])]
     if shape.has_routing:
         with_slots = routing_has_slots(store, run_id)
-        block = _routing_block(store, run_id, shape, plan, "hash", ids, use_recorded_slot=with_slots)
+        block = routing_block(store, run_id, shape, plan, "hash", ids, use_recorded_slot=with_slots)
         notes.append("tokens, slots touched and dispatch bytes from per-token routing"
                      + (" with the recorded slots (exact)" if with_slots else
                         " (replica chosen by the token hash: the recorded slot is unknown)"))
@@ -327,6 +342,60 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
                int(cm.sum()), comm_r2, comm_res, notes)
 
 
+# ----------------------------------------------------------------------------- layer model
+TERMS = ("tokens", "slot", "latency", "fixed", "bytes")
+
+
+def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("tokens", "slot", "latency", "fixed"),
+                    base: costmod.CostModel | None = None, run_id: str = "A") -> costmod.CostModel:
+    """Fit the cost model's terms on one run's measured times.
+
+    ``block``: the run's per-(step, layer, rank) ``tokens``, ``touched``, ``bytes_intra``,
+    ``bytes_inter`` (a replay Block, [t, L, R]); ``expert_ns`` [t, L, R] measured expert
+    time; ``layer_ns`` [t, L] measured layer time (the max over ranks of dispatch start to
+    combine end). ``terms``:
+
+    * ``tokens`` (always): a ns per token-expert row; ``slot``: b ns per slot touched;
+      ``fixed``: a fixed cost per rank and layer — fitted together by least squares on
+      the per-rank expert times (every coefficient ≥ 0);
+    * ``latency``: the layer's all-to-all latency, the median over (step, layer) of the
+      measured layer time minus the slowest rank's predicted compute (the time the fastest
+      ranks wait for the slowest is in the max);
+    * ``bytes``: with ``latency``, a least-squares fit of that remainder on the slowest
+      rank's dispatch + combine bytes (its inverse is the bandwidth).
+
+    Terms left out are 0 (bandwidths from ``base``, preset H200 by default)."""
+    unknown = set(terms) - set(TERMS)
+    if unknown:
+        raise InputError(None, f"unknown cost-model terms {sorted(unknown)} (choose from {', '.join(TERMS)})")
+    base = base or costmod.preset("H200")
+    tok = np.asarray(block.tokens, np.float64)
+    tch = np.asarray(block.touched, np.float64)
+    cols = [tok.ravel()] + ([tch.ravel()] if "slot" in terms else []) + (
+        [np.ones(tok.size)] if "fixed" in terms else [])
+    coef = nonneg_lstsq(np.stack(cols, axis=1), np.asarray(expert_ns, np.float64).ravel())
+    a = float(coef[0])
+    b = float(coef[1]) if "slot" in terms else 0.0
+    fixed = float(coef[-1]) if "fixed" in terms else 0.0
+    comp = fixed + a * tok + b * tch
+    lat, bw = 0.0, base.nvlink_Bps
+    if "latency" in terms or "bytes" in terms:
+        slow = comp.argmax(axis=2)[..., None]
+        rest = np.asarray(layer_ns, np.float64) - np.take_along_axis(comp, slow, 2)[..., 0]
+        if "bytes" in terms:
+            byt = 2 * np.take_along_axis(np.asarray(block.bytes_intra, np.float64)
+                                         + np.asarray(block.bytes_inter, np.float64), slow, 2)[..., 0]
+            c = nonneg_lstsq(np.stack([np.ones(rest.size), byt.ravel()], axis=1), rest.ravel())
+            lat, per_byte = float(c[0]), float(c[1])
+            bw = 1e9 / per_byte if per_byte > 0 else base.nvlink_Bps
+        else:
+            lat = max(0.0, float(np.median(rest)))
+    return costmod.CostModel(a_ns=a, b_ns=b, nvlink_Bps=bw, internode_Bps=bw if "bytes" in terms else base.internode_Bps,
+                             source=f"fitted on run {run_id} ({', '.join(terms)}): {tok.size} (step, layer, rank) "
+                                    f"expert times, {np.size(layer_ns)} layer times",
+                             fit={"terms": list(terms), "points": int(tok.size)}, fixed_ns=fixed, latency_ns=lat)
+
+
 # ----------------------------------------------------------------------------- judge
 def straggler_flags(step, layer, measured, predicted):
     """Per cell: is it the measured straggler of its (step, layer) (the argmax, lowest rank
@@ -434,7 +503,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
     itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
     False. Returns a summary dict (fit parameters and one metrics dict per judged run)."""
-    from .engine import RunShape
+    from .adapter import RunShape
 
     cid = calibration_id or new_calibration_id()
     now = time.time_ns()
@@ -521,3 +590,70 @@ def stored_summary(store, run_id: str):
     if not store.has_files("calibration"):
         return None
     return store.sql(SUMMARY_SQL, [run_id])
+
+
+# ----------------------------------------------------------------------------- error band
+@dataclass(frozen=True)
+class ErrorBand:
+    """The relative error of a predicted time (0.12 = ±12%) and where it comes from, in
+    words. ``rel_error`` None: nobody measured it (an uncalibrated preset)."""
+    rel_error: float | None
+    source: str
+
+    def text(self) -> str:
+        return (f"±{100 * self.rel_error:.1f}% ({self.source})" if self.rel_error is not None
+                else self.source)
+
+    def within(self, relative_difference: float) -> bool:
+        """A predicted relative difference this small is within the model's error (not a win)."""
+        return self.rel_error is not None and abs(relative_difference) <= self.rel_error
+
+
+def run_hardware(store, run_id: str) -> str | None:
+    """The hardware a run was measured on, as its collector recorded it (runs.meta_json
+    ``hardware``); None when unknown."""
+    df = store.sql("SELECT meta_json FROM runs WHERE run_id = ?", [run_id])
+    if df.height == 0 or df["meta_json"][0] is None:
+        return None
+    try:
+        hw = json.loads(df["meta_json"][0]).get("hardware")
+    except (ValueError, AttributeError):
+        return None
+    return hw if isinstance(hw, str) else None
+
+
+def error_band(store, hardware: str | None) -> ErrorBand:
+    """The error band of the time model on ``hardware``: the layer-time error (mean absolute
+    percentage error of the predicted layer time; the straggler-time error where no
+    all-to-all was measured) of the newest out-of-sample calibration stored in ``store``
+    whose fit run was measured on that hardware (``runs.meta_json`` ``hardware``, e.g. the
+    CPU of a refrun). Without one: ``rel_error`` None and "uncalibrated preset" in words.
+    A preset name (H100, H200, H800, B200) never matches a measured run: the presets are
+    datasheet figures (see docs/calibration.md)."""
+    if hardware and store.has_files("calibration"):
+        cands = store.sql("""SELECT calibration_id, fit_run_id, min(created_at_ns) AS t FROM calibration
+                             WHERE role = 'judge' GROUP BY ALL ORDER BY t DESC""")
+        for cid, fit_run, t in cands.iter_rows():
+            if run_hardware(store, fit_run) != hardware:
+                continue
+            judged = store.sql("SELECT DISTINCT run_id FROM calibration WHERE calibration_id = ? AND role = 'judge'",
+                               [cid])["run_id"].to_list()
+            vals = []
+            for rid in judged:
+                m = stored_summary(store, rid)
+                m = m.filter((m["calibration_id"] == cid) & (m["role"] == "judge"))
+                if m.height:
+                    r = m.row(0, named=True)
+                    v = r["layer_mape"] if r["layer_mape"] is not None else r["straggler_mape"]
+                    if v is not None:
+                        vals.append((float(v), rid, "layer-time" if r["layer_mape"] is not None else "straggler-time"))
+            if vals:
+                v, rid, what = max(vals)
+                when = time.strftime("%Y-%m-%d", time.gmtime(t / 1e9))
+                return ErrorBand(v, f"{what} error of calibration {cid} ({when}): fitted on run {fit_run}, "
+                                    f"judged on run {rid}, hardware {hardware}")
+    what = f"preset {hardware}" if hardware and hardware.upper() in costmod.PRESETS else (
+        f"hardware {hardware}" if hardware else "unknown hardware")
+    return ErrorBand(None, f"uncalibrated preset: no calibration on {what} in this store, the time model's "
+                           "error is not measured")
+

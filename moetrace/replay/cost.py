@@ -2,8 +2,8 @@
 
 For one (step, layer) and rank r::
 
-    compute_r  = a_ns · tokens_r + b_ns · slots_touched_r        (GEMM work + weight reads)
-    dispatch_r = bytes_intra_r / nvlink_Bps + bytes_inter_r / internode_Bps
+    compute_r  = fixed_ns + a_ns · tokens_r + b_ns · slots_touched_r   (overhead + GEMM work + weight reads)
+    dispatch_r = latency_ns / 2 + bytes_intra_r / nvlink_Bps + bytes_inter_r / internode_Bps
     combine_r  = dispatch_r                                       (the same rows travel back)
     rank_r     = dispatch_r + compute_r + combine_r
     layer      = max_r rank_r                                     (the combine is a barrier)
@@ -46,6 +46,16 @@ class CostModel:
     internode_Bps: float   # bytes per second between nodes
     source: str            # "preset H200 (...)" or "fitted from N expert_gemm spans ..."
     fit: dict | None = None
+    #: relative error of a predicted time (e.g. 0.25 = ±25%) and where it comes from; None:
+    #: not stated, :func:`error_band` gives the uncalibrated default
+    rel_error: float | None = None
+    rel_error_source: str | None = None
+    #: measured terms (issue 13, each justified in docs/calibration.md by the fidelity matrix):
+    #: a fixed cost per rank and layer (framework overhead of the expert block, idle ranks
+    #: included) and a per-layer all-to-all latency (dispatch + combine, half each), the
+    #: time a layer costs beyond the slowest rank's compute and bytes
+    fixed_ns: float = 0.0
+    latency_ns: float = 0.0
 
     def describe(self) -> dict:
         return asdict(self)
@@ -53,10 +63,15 @@ class CostModel:
     def to_json(self) -> str:
         return json.dumps(self.describe(), sort_keys=True)
 
+    def transfer_ns(self, bytes_intra, bytes_inter):
+        """Time to move bytes over NVLink (intra-node) and the NIC (inter-node), one after the other."""
+        return (np.asarray(bytes_intra, np.float64) * (1e9 / self.nvlink_Bps)
+                + np.asarray(bytes_inter, np.float64) * (1e9 / self.internode_Bps))
+
     def rank_ns(self, tokens, touched, bytes_intra, bytes_inter):
         """Per-rank (dispatch, compute, combine) in ns, broadcasting over any shape."""
-        comm = np.asarray(bytes_intra) * (1e9 / self.nvlink_Bps) + np.asarray(bytes_inter) * (1e9 / self.internode_Bps)
-        compute = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        comm = self.transfer_ns(bytes_intra, bytes_inter) + self.latency_ns / 2
+        compute = self.fixed_ns + self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
         return comm, compute, comm
 
 
@@ -107,42 +122,15 @@ def fit_expert_time(tokens, touched, duration_ns, base: CostModel) -> CostModel 
                      fit={"points": int(y.size), "r2": r2})
 
 
-def fit_from_store(store, run_id: str, base: CostModel) -> CostModel | None:
-    """Fit a and b from the run's expert_gemm spans that carry step, layer and rank,
-    against the recorded per-rank tokens and slots touched (contiguous placement unless
-    the run recorded one). None when the run has too few such spans."""
-    if not store.has_files("spans"):
-        return None
-    from .engine import RunShape, recorded_plan  # late: engine imports cost
-    df = store.sql("""SELECT step, layer, rank, sum(end_ns - start_ns) AS dur FROM spans
-                      WHERE run_id = ? AND kind = 'expert_gemm' AND step IS NOT NULL AND layer IS NOT NULL
-                      GROUP BY ALL""", [run_id])
-    if df.height < 8:
-        return None
-    shape = RunShape.from_store(store, run_id)
-    plan = recorded_plan(store, run_id, shape)
-    steps = np.unique(df["step"].to_numpy())
-    load = store.arrow("""SELECT step, layer, expert, sum(tokens)::DOUBLE AS tokens FROM expert_load
-                          WHERE run_id = ? AND step IN (SELECT unnest(?)) GROUP BY ALL""", [run_id, steps.tolist()])
-    if load.num_rows == 0:
-        return None
-    L, E, R = plan.num_layers, plan.num_experts, plan.num_ranks
-    li = np.searchsorted(plan.layers, load.column("layer").to_numpy())
-    known = (li < L) & (plan.layers[np.minimum(li, L - 1)] == load.column("layer").to_numpy())
-    ti = np.searchsorted(steps, load.column("step").to_numpy())
-    dense = np.bincount(((ti * L + li) * E + load.column("expert").to_numpy())[known],
-                        weights=load.column("tokens").to_numpy()[known], minlength=steps.size * L * E)
-    dense = dense.reshape(steps.size, L, E)
-    share, C = plan.share(), plan.copies()
-    tokens = np.einsum("tle,ler->tlr", dense, share)
-    touched = np.einsum("tle,ler->tlr", (dense > 0).astype(np.float64), C)
-    s_i = np.searchsorted(steps, df["step"].to_numpy())
-    l_raw = df["layer"].to_numpy()
-    l_i = np.searchsorted(plan.layers, l_raw)
-    r = df["rank"].to_numpy()
-    ok = (l_i < L) & (r < R) & (r >= 0)
-    ok &= plan.layers[np.minimum(l_i, L - 1)] == l_raw
-    if ok.sum() < 8:
-        return None
-    return fit_expert_time(tokens[s_i[ok], l_i[ok], r[ok]], touched[s_i[ok], l_i[ok], r[ok]],
-                           df["dur"].to_numpy()[ok].astype(np.float64), base)
+#: the error band of a cost model nobody calibrated on this hardware (an assumption, said as
+#: such wherever it is used; ``moetrace calibrate`` measures the real one)
+UNCALIBRATED_REL_ERROR = 0.25
+UNCALIBRATED_SOURCE = "uncalibrated preset: ±25% assumed, not measured (moetrace calibrate measures it)"
+
+
+def error_band(cost: CostModel) -> tuple[float, str]:
+    """(relative error of a predicted time, where it comes from): the model's own when it
+    states one, else the uncalibrated default."""
+    if cost.rel_error is not None:
+        return float(cost.rel_error), cost.rel_error_source or "stated by the cost model"
+    return UNCALIBRATED_REL_ERROR, UNCALIBRATED_SOURCE

@@ -1,8 +1,9 @@
 """Replay recorded routing against a plan: per-rank tokens, slots touched, dispatch bytes
 and predicted layer time for every (step, layer), vectorized over steps and layers.
 
-Inputs are dense arrays ``load [T, L, E]`` (tokens per logical expert) read from the
-store in step chunks (:func:`iter_load`), optionally ``slot_load [T, L, S]`` when the
+A pure numeric kernel: arrays in, arrays out (the store is read and written by
+:mod:`.adapter`). Inputs are dense arrays ``load [T, L, E]`` (tokens per logical expert),
+optionally ``slot_load [T, L, S]`` when the
 engine counted per physical slot (replaying the recorded plan then uses those counts, so
 it reproduces the recorded per-rank loads exactly), or per-token routing (exact dispatch
 bytes). Splits of an expert's tokens over its replicas:
@@ -17,15 +18,13 @@ bytes). Splits of an expert's tokens over its replicas:
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InputError
 from .cost import CostModel
-from .planners import Plan, PlanShape, contiguous
+from .planners import Plan
 
 SPLITS = ("even", "hash", "local")
 
@@ -42,177 +41,6 @@ def blas_single_thread():
 _HASH = np.uint64(2654435761)
 
 
-@dataclass
-class RunShape:
-    num_experts: int
-    num_ranks: int
-    ranks_per_node: int
-    num_slots: int
-    num_groups: int
-    top_k: int
-    hidden: int
-    dtype_bytes: int
-    expert_bytes: int
-    layers: np.ndarray
-    steps: np.ndarray
-    has_slot: bool
-    has_routing: bool
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.hidden * self.dtype_bytes
-
-    def plan_shape(self, ranks=None, replicas=None, groups=None, nodes=None, rpn=None) -> PlanShape:
-        R = ranks or self.num_ranks
-        rpn = rpn or min(self.ranks_per_node, R)
-        S = self.num_experts + replicas if replicas is not None else (
-            self.num_slots if ranks is None else self.num_experts)
-        return PlanShape(R, rpn, S, groups or self.num_groups, nodes)
-
-    @classmethod
-    def from_store(cls, store, run_id: str) -> "RunShape":
-        run = store.run(run_id)
-        notes = []
-        st = store.sql("""SELECT min(step) lo, max(step) hi, max(expert) me, count(slot) ns, max(slot) ms
-                          FROM expert_load WHERE run_id = ?""", [run_id]).row(0, named=True)
-        if st["lo"] is None:
-            raise InputError(None, f"run {run_id!r} has no expert_load rows to replay")
-        steps = store.sql("SELECT DISTINCT step FROM expert_load WHERE run_id = ? ORDER BY step", [run_id])["step"].to_numpy()
-        layers = store.sql("SELECT DISTINCT layer FROM expert_load WHERE run_id = ? ORDER BY layer", [run_id])["layer"].to_numpy()
-        E = run.get("num_experts") or int(st["me"]) + 1
-        R = run.get("num_ranks")
-        if not R:
-            R = 1
-            notes.append("runs.num_ranks unknown: 1 rank assumed")
-        rpn = run.get("ranks_per_node") or R
-        S = run.get("num_slots") or max(E, (int(st["ms"]) + 1) if st["ms"] is not None else E)
-        G = run.get("num_groups") or 1
-        k = run.get("top_k") or 8
-        hidden = run.get("hidden")
-        if not hidden:
-            hidden = 7168
-            notes.append("runs.hidden unknown: 7168 assumed for dispatch bytes")
-        db = run.get("dtype_bytes") or 2
-        eb = run.get("expert_bytes") or 3 * hidden * 2048
-        if not run.get("expert_bytes"):
-            notes.append(f"runs.expert_bytes unknown: 3 x hidden x 2048 = {eb} bytes per expert assumed")
-        has_routing = store.has_files("routing") and store.sql(
-            "SELECT count(*) n FROM (SELECT 1 FROM routing WHERE run_id = ? LIMIT 1)", [run_id])["n"][0] > 0
-        return cls(int(E), int(R), int(rpn), int(S), int(G), int(k), int(hidden), int(db), int(eb),
-                   layers.astype(np.int64), steps.astype(np.int64), bool(st["ns"]), bool(has_routing), notes)
-
-
-def plan_from_rows(df, plan_id: str, num_experts: int) -> Plan:
-    """A Plan from placement rows (layer, slot, rank, node, expert) of one plan."""
-    if df.height == 0:
-        raise InputError(None, f"no placement rows for plan {plan_id!r}")
-    layers = np.unique(df["layer"].to_numpy())
-    S = int(df["slot"].max()) + 1
-    L = layers.size
-    p2l = np.full((L, S), -1, np.int64)
-    li = np.searchsorted(layers, df["layer"].to_numpy())
-    p2l[li, df["slot"].to_numpy()] = df["expert"].to_numpy()
-    if (p2l < 0).any():
-        raise InputError(None, f"plan {plan_id!r}: some (layer, slot) have no expert")
-    rank_of = np.zeros(S, np.int64)
-    rank_of[df["slot"].to_numpy()] = df["rank"].to_numpy()
-    R = int(rank_of.max()) + 1
-    if S % R or not np.array_equal(rank_of, np.arange(S) // (S // R)):
-        raise InputError(None, f"plan {plan_id!r}: slots are not laid out as slot // slots_per_rank")
-    node_of = np.zeros(R, np.int64)
-    node_of[df["rank"].to_numpy()] = df["node"].to_numpy()
-    nn = int(node_of.max()) + 1
-    rpn = R // nn if R % nn == 0 else R
-    return Plan(p2l, max(num_experts, int(p2l.max()) + 1), R, rpn, layers=layers, policy="stored", plan_id=plan_id)
-
-
-def load_plan(store, run_id: str, plan_id: str, shape: RunShape) -> Plan:
-    if plan_id == "recorded":
-        return recorded_plan(store, run_id, shape)
-    df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = ?",
-                   [run_id, plan_id])
-    if df.height == 0:
-        ids = store.sql("SELECT DISTINCT plan_id FROM placement WHERE run_id = ?", [run_id])["plan_id"].to_list()
-        raise InputError(None, f"run {run_id!r} has no plan {plan_id!r} (plans: {', '.join(ids) or 'none'})")
-    return align_layers(plan_from_rows(df, plan_id, shape.num_experts), shape.layers)
-
-
-def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
-    """The run's own placement (plan_id 'recorded'), else contiguous (slot = expert)."""
-    df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
-                   [run_id]) if store.has_files("placement") else None
-    if df is not None and df.height:
-        p = align_layers(plan_from_rows(df, "recorded", shape.num_experts), shape.layers)
-        p.policy = "recorded"
-        return p
-    L = shape.layers.size
-    p = contiguous(np.zeros((L, shape.num_experts)), PlanShape(shape.num_ranks, shape.ranks_per_node, shape.num_slots))
-    p.layers, p.plan_id, p.policy = shape.layers, "recorded", "recorded (contiguous assumed)"
-    return p
-
-
-def align_layers(plan: Plan, layers: np.ndarray) -> Plan:
-    """Rows of ``plan`` for ``layers`` (the layers present in the load)."""
-    if plan.num_layers == len(layers) and np.array_equal(plan.layers, layers):
-        return plan
-    idx = []
-    for l in layers:
-        hit = np.flatnonzero(plan.layers == l)
-        if not hit.size:
-            raise InputError(None, f"plan {plan.plan_id!r} has no row for layer {int(l)}")
-        idx.append(int(hit[0]))
-    return Plan(plan.phy2log[idx], plan.num_experts, plan.num_ranks, plan.ranks_per_node,
-                layers=np.asarray(layers), policy=plan.policy, plan_id=plan.plan_id, params=plan.params)
-
-
-# ----------------------------------------------------------------------------- reading
-def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
-              with_slots: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-    """Yield (step ids [t], load [t, L, E] float32, slot_load [t, L, S] or None) by step chunks."""
-    steps, layers, E, S = shape.steps, shape.layers, shape.num_experts, shape.num_slots
-    want_slots = with_slots and shape.has_slot
-    cols = "step, layer, expert, tokens" + (", slot" if want_slots else "")
-    for i in range(0, steps.size, chunk_steps):
-        ids = steps[i:i + chunk_steps]
-        tbl = store.arrow(f"SELECT {cols} FROM expert_load WHERE run_id = ? AND step BETWEEN ? AND ?",
-                          [run_id, int(ids[0]), int(ids[-1])])
-        ti = np.searchsorted(ids, tbl.column("step").to_numpy())
-        li = np.searchsorted(layers, tbl.column("layer").to_numpy())
-        cell = ti * layers.size + li
-        tok = tbl.column("tokens").to_numpy().astype(np.float64)
-        n = ids.size * layers.size
-        ex = tbl.column("expert").to_numpy()
-        if ex.size and (ex.min() < 0 or ex.max() >= E):
-            raise InputError(None, f"run {run_id!r}: expert_load holds expert {int(ex.max())} but the run has {E} experts")
-        # bincount sums rows that repeat a (step, layer, expert): per slot, per source rank
-        load = np.bincount(cell * E + ex, weights=tok,
-                           minlength=n * E).astype(np.float32).reshape(ids.size, layers.size, E)
-        slot_load = None
-        if want_slots:
-            sl = tbl.column("slot").to_numpy(zero_copy_only=False).astype(np.float64)
-            ok = ~np.isnan(sl)
-            if ok.any() and (sl[ok].min() < 0 or sl[ok].max() >= S):
-                raise InputError(None, f"run {run_id!r}: expert_load holds slot {int(sl[ok].max())} but the run has {S} slots")
-            slot_load = np.bincount(cell[ok] * S + sl[ok].astype(np.int64), weights=tok[ok],
-                                    minlength=n * S).astype(np.float32).reshape(ids.size, layers.size, S)
-        yield ids, load, slot_load
-
-
-def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
-              max_steps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(step ids, load [T, L, E]) for all steps (or steps lo <= step < hi; at most max_steps)."""
-    steps = shape.steps
-    if step_range:
-        steps = steps[(steps >= step_range[0]) & (steps < step_range[1])]
-    if max_steps is not None:
-        steps = steps[:max_steps]
-    if steps.size == 0:
-        return steps, np.zeros((0, shape.layers.size, shape.num_experts), np.float32)
-    parts = [(ids, ld) for ids, ld, _ in iter_load(store, run_id, replace(shape, steps=steps))]
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
 # ----------------------------------------------------------------------------- replay core
 @dataclass
 class Block:
@@ -224,6 +52,9 @@ class Block:
     exact_bytes: bool
     nodes_per_token_max: int | None = None
     nodes_per_token_mean: float | None = None
+    #: dispatch bytes summed over the block, source rank x destination rank [R, R] (exact
+    #: per-token replays only; the diagonal is 0: a token's own rank costs nothing)
+    traffic: np.ndarray | None = None
 
 
 def _slot_replica_index(plan: Plan) -> np.ndarray:
@@ -247,12 +78,16 @@ def _per_layer_matmul(a: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int, bytes_per_token: int) -> tuple[np.ndarray, np.ndarray]:
+def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per_token: int) -> tuple[np.ndarray, np.ndarray]:
     """Bytes each rank receives in the dispatch, without per-token data: a token reaches
     rank r unless it misses every copy there, each copy taking load/copies of the step's
     B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks (the
-    token's own rank costs nothing, its node's other ranks are intra-node)."""
+    token's own rank costs nothing, its node's other ranks are intra-node). Without
+    ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so)."""
     T, L, E = load.shape
+    if not top_k:
+        z = np.zeros((T, L, plan.num_ranks))
+        return z, z
     B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
     inv = np.float32(1.0) / (plan.logcnt().astype(np.float32)[None] * np.maximum(B, np.float32(1e-30)))
     x = np.multiply(load, inv, dtype=np.float32)
@@ -268,7 +103,7 @@ def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int, bytes_per_token:
 
 
 def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np.ndarray | None = None,
-                top_k: int = 8, bytes_per_token: int = 14336) -> Block:
+                top_k: int | None = None, bytes_per_token: int = 0) -> Block:
     """Replay aggregated load [t, L, E] (or per-slot counts of this very plan) against ``plan``."""
     with blas_single_thread():
         return _replay_load(load, plan, split, slot_load, top_k, bytes_per_token)
@@ -293,7 +128,7 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token) -> Block:
         tokens = st.sum(axis=3, dtype=np.float64)
         touched = (st > 0).sum(axis=3)
     else:
-        tokens = _per_layer_matmul(load.astype(np.float32, copy=False), plan.share().astype(np.float32))
+        tokens = _per_layer_matmul(load.astype(np.float64, copy=False), plan.share())
         touched = _per_layer_matmul((load > 0).astype(np.float32), plan.copies().astype(np.float32))
     intra, inter = estimate_dispatch(load, plan, top_k, bytes_per_token)
     return Block(tokens, touched, intra, inter, exact_bytes=False)
@@ -362,6 +197,7 @@ def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: P
     w_inter = (remote & ~same_node).astype(np.float64) * bytes_per_token
     intra = np.bincount(cell * R + d, weights=w_intra, minlength=cells * R).reshape(T, L, R)
     inter = np.bincount(cell * R + d, weights=w_inter, minlength=cells * R).reshape(T, L, R)
+    traffic = np.bincount(np.clip(s, 0, R - 1) * R + d, weights=w_intra + w_inter, minlength=R * R).reshape(R, R)
     # nodes per token (node-limited routing shows as a small maximum)
     nn = plan.num_nodes
     used = src_of >= 0
@@ -371,13 +207,14 @@ def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: P
         per_tok = np.array([len(set((np.flatnonzero(m) // rpn).tolist())) for m in marks[used]])
     return Block(tokens, touched, intra, inter, exact_bytes=True,
                  nodes_per_token_max=int(per_tok.max()) if per_tok.size else 0,
-                 nodes_per_token_mean=float(per_tok.mean()) if per_tok.size else 0.0)
+                 nodes_per_token_mean=float(per_tok.mean()) if per_tok.size else 0.0, traffic=traffic)
 
 
 # ----------------------------------------------------------------------------- metrics
 @dataclass
 class LayerMetrics:
-    """Per (step, layer) results, [t, L] each; rank times [t, L, R]."""
+    """Per (step, layer) results, [t, L] each; rank times [t, L, R]. A (step, layer) that
+    routed no tokens has no imbalance: NaN there, straggler -1 (as NULL in ``layer_skew``)."""
     max_tokens: np.ndarray
     mean_tokens: np.ndarray
     imbalance: np.ndarray
@@ -388,36 +225,63 @@ class LayerMetrics:
     rank_ns: np.ndarray
 
 
+def imbalance(tokens: np.ndarray) -> np.ndarray:
+    """max / mean rank tokens over the last axis; NaN where no tokens were routed. The one
+    definition replay uses; ``layer_skew`` computes the same in SQL."""
+    mx = tokens.max(axis=-1)
+    mean = tokens.mean(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
+
+
 def layer_metrics(block: Block, cost: CostModel) -> LayerMetrics:
     tok = block.tokens
-    mx = tok.max(axis=2)
-    mean = tok.mean(axis=2)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        imb = np.where(mean > 0, mx / np.where(mean > 0, mean, 1), 1.0)
+    imb = imbalance(tok)
     disp, comp, comb = cost.rank_ns(tok, block.touched, block.bytes_intra, block.bytes_inter)
     rank_ns = disp + comp + comb
-    return LayerMetrics(mx, mean, imb, np.argmax(rank_ns, axis=2), rank_ns.max(axis=2), disp, comp, rank_ns)
+    strag = np.where(np.isnan(imb), -1, np.argmax(rank_ns, axis=2))
+    return LayerMetrics(tok.max(axis=2), tok.mean(axis=2), imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns)
 
 
-def summarize(imbalance: np.ndarray, layer_ns: np.ndarray, rank_ns_mean: np.ndarray | None = None) -> dict:
-    """Summary over (step, layer): mean / p99 imbalance, mean predicted MoE time per step."""
-    imb = imbalance.ravel()
-    out = {"mean_imbalance": float(imb.mean()) if imb.size else None,
-           "p99_imbalance": float(np.percentile(imb, 99)) if imb.size else None,
-           "max_imbalance": float(imb.max()) if imb.size else None,
-           "predicted_step_ns": int(layer_ns.sum(axis=1).mean()) if layer_ns.size else None}
+@dataclass
+class Summary:
+    """Summary over (step, layer) cells. Undefined cells (no tokens) are counted, not
+    averaged in; ``predicted_step_ns`` is the mean over steps of the summed layer times."""
+    mean_imbalance: float | None
+    p99_imbalance: float | None
+    max_imbalance: float | None
+    undefined_cells: int
+    cells: int
+    predicted_step_ns: int | None
+    mean_efficiency: float | None
+
+
+def summarize(imbalance: np.ndarray, layer_ns: np.ndarray, rank_ns_mean: np.ndarray | None = None) -> Summary:
+    imb = np.asarray(imbalance, np.float64).ravel()
+    ok = imb[~np.isnan(imb)]
+    eff = None
     if rank_ns_mean is not None and layer_ns.size:
         with np.errstate(divide="ignore", invalid="ignore"):
-            eff = np.where(layer_ns > 0, rank_ns_mean / layer_ns, 1.0)
-        out["mean_efficiency"] = float(eff.mean())
-    return out
+            e = np.where(layer_ns > 0, rank_ns_mean / np.where(layer_ns > 0, layer_ns, 1), np.nan)
+        e = e[~np.isnan(imbalance) & ~np.isnan(e)]
+        eff = float(e.mean()) if e.size else None
+    return Summary(mean_imbalance=float(ok.mean()) if ok.size else None,
+                   p99_imbalance=float(np.percentile(ok, 99)) if ok.size else None,
+                   max_imbalance=float(ok.max()) if ok.size else None,
+                   undefined_cells=int(imb.size - ok.size), cells=int(imb.size),
+                   predicted_step_ns=int(round(float(layer_ns.sum(axis=1).mean()))) if layer_ns.size else None,
+                   mean_efficiency=eff)
 
 
-def approximation_notes(block: Block, split: str, used_slots: bool, has_routing: bool) -> list[str]:
+def approximation_notes(block: Block, split: str, used_slots: bool, has_routing: bool,
+                        top_k_known: bool = True) -> list[str]:
     notes = []
     if used_slots:
         notes.append("per-rank tokens from the recorded per-slot counts (exact)")
-    if not block.exact_bytes:
+    if not top_k_known and not block.exact_bytes:
+        notes.append("top_k unknown (ingest with --top-k): tokens per step unknown, so no all-to-all bytes or time "
+                     "are predicted (expert compute only)")
+    elif not block.exact_bytes:
         notes.append("no per-token routing: dispatch bytes estimated (a token reaches a rank with probability "
                      "1 - prod over the rank's copies of (1 - copy load / tokens per step), source ranks uniform)")
     if split == "local" and not has_routing:
@@ -425,7 +289,3 @@ def approximation_notes(block: Block, split: str, used_slots: bool, has_routing:
     if split == "hash" and not has_routing and not used_slots:
         notes.append("--split hash without per-token data: integer split (floor, remainder to the first copies)")
     return notes
-
-
-def params_json(**kw) -> str:
-    return json.dumps(kw, sort_keys=True, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))

@@ -141,3 +141,25 @@ def replan(prev: Plan, load, max_moves: int | None = None, target_imbalance: flo
                   params={**prev.params, "max_moves": max_moves, "target_imbalance": target_imbalance})
     real = moves_between(prev, new)
     return new, {"moves": int(real.sum()), "per_layer_moves": real.tolist(), "steps": steps}
+
+
+def move_copies(old: Plan, new: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Expert copies each rank of ``new`` must receive, summed over layers, ``(intra [R],
+    inter [R])``: intra when a rank of the same node held the expert in ``old`` (the copy
+    travels over NVLink), inter when only another node did (over the NIC). The total is
+    ``moves_between(old, new).sum()``."""
+    moves_between(old, new)   # same layers and experts, else ValueError
+    cn = new.copies()
+    R = cn.shape[2]
+    co = old.copies()
+    co = np.concatenate([co, np.zeros(co.shape[:2] + (max(0, R - co.shape[2]),))], axis=2)[:, :, :R]
+    need = np.maximum(cn - co, 0)
+    old_rank_node = np.arange(old.num_ranks) // old.ranks_per_node
+    new_rank_node = np.arange(R) // new.ranks_per_node
+    n_nodes = int(max(old_rank_node.max(), new_rank_node.max())) + 1
+    held = np.zeros(old.copies().shape[:2] + (n_nodes,))
+    np.add.at(held, (slice(None), slice(None), old_rank_node), old.copies())
+    near = held[:, :, new_rank_node] > 0          # [L, E, R]: the node of new rank r held e
+    intra = (need * near).sum(axis=(0, 1))
+    inter = (need * ~near).sum(axis=(0, 1))
+    return intra.astype(np.int64), inter.astype(np.int64)

@@ -95,28 +95,56 @@ class Plan:
         c = self.copies()
         return c / c.sum(axis=2, keepdims=True)
 
-    def layer_row(self, layer_id: int) -> int:
-        hit = np.flatnonzero(self.layers == layer_id)
-        if not hit.size:
-            raise KeyError(layer_id)
-        return int(hit[0])
+    @property
+    def num_groups(self) -> int | None:
+        """Expert groups the planner used (None: not a grouped planner, or unknown)."""
+        g = self.params.get("num_groups")
+        return int(g) if g is not None else None
 
     def describe(self) -> str:
+        """Every setting that shapes the plan: policy, ranks, nodes, ranks per node, slots, groups."""
+        g = self.num_groups
         return (f"{self.policy}: {self.num_layers} layers, {self.num_experts} experts on {self.num_slots} slots "
                 f"({self.replicas} redundant), {self.num_ranks} ranks x {self.slots_per_rank} slots, "
-                f"{self.num_nodes} nodes")
+                f"{self.num_nodes} nodes x {self.ranks_per_node} ranks per node, "
+                + (f"{g} expert groups" if g is not None else "expert groups not used"))
 
 
 @dataclass
 class PlanShape:
+    """The cluster a planner plans for. ``num_groups`` None = unknown (hierarchical EPLB
+    refuses it). Contradictions (nodes x ranks per node != ranks, slots that do not divide
+    over ranks) are refused by :func:`check_shape`."""
     num_ranks: int
     ranks_per_node: int
     num_slots: int
-    num_groups: int = 1
+    num_groups: int | None = 1
     num_nodes: int | None = None
 
     def nodes(self) -> int:
         return self.num_nodes or max(1, self.num_ranks // self.ranks_per_node)
+
+
+def check_shape(shape: PlanShape, num_experts: int, policy: str | None = None) -> None:
+    """InputError naming the options when the cluster settings contradict each other."""
+    R, rpn, S = shape.num_ranks, shape.ranks_per_node, shape.num_slots
+    if R < 1 or rpn < 1:
+        raise InputError(None, f"--ranks {R} and --ranks-per-node {rpn} must be >= 1")
+    if shape.num_nodes is not None and shape.num_nodes * rpn != R:
+        raise InputError(None, f"--nodes {shape.num_nodes} x --ranks-per-node {rpn} = {shape.num_nodes * rpn} is not "
+                               f"--ranks {R}")
+    if S < num_experts:
+        raise InputError(None, f"{S} slots cannot hold {num_experts} experts (--replicas must be >= 0)")
+    if policy != "one-per-rank" and S % R:
+        raise InputError(None, f"{S} slots ({S - num_experts} redundant, --replicas) do not divide evenly over "
+                               f"--ranks {R}")
+    if policy == "eplb":
+        if shape.num_groups is None:
+            raise InputError(None, "hierarchical EPLB needs the model's expert group count, which this run does not "
+                                   "record: give --groups N (DeepSeek-V3/R1: 8; ingest with --groups to store it), "
+                                   "or use --policy eplb-global")
+        if num_experts % shape.num_groups:
+            raise InputError(None, f"--groups {shape.num_groups} does not divide the {num_experts} experts")
 
 
 def _contiguous_rows(L: int, E: int, S: int) -> np.ndarray:
@@ -175,16 +203,21 @@ def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
 
 
 def eplb(load: np.ndarray, shape: PlanShape) -> Plan:
+    """DeepSeek's EPLB with the model's groups: hierarchical when the groups divide over the
+    nodes, else (as the published algorithm does) global; the policy name says which."""
     phy2log, _, _ = rebalance_experts(load, shape.num_slots, shape.num_groups, shape.nodes(), shape.num_ranks)
     hier = shape.num_groups % shape.nodes() == 0
-    return Plan(phy2log, load.shape[1], shape.num_ranks, shape.ranks_per_node, policy="eplb",
-                params={"hierarchical": bool(hier), "num_groups": shape.num_groups, "num_nodes": shape.nodes()})
+    return Plan(phy2log, load.shape[1], shape.num_ranks, shape.ranks_per_node,
+                policy="eplb" if hier else "eplb-global",
+                params={"hierarchical": bool(hier), "num_groups": shape.num_groups, "num_nodes": shape.nodes(),
+                        **({} if hier else {"global_because": f"{shape.num_groups} groups do not divide over "
+                                                              f"{shape.nodes()} nodes"})})
 
 
 def eplb_global(load: np.ndarray, shape: PlanShape) -> Plan:
     phy2log, _, _ = rebalance_experts(load, shape.num_slots, 1, 1, shape.num_ranks)
     return Plan(phy2log, load.shape[1], shape.num_ranks, shape.ranks_per_node, policy="eplb-global",
-                params={"hierarchical": False})
+                params={"hierarchical": False, "num_groups": 1, "num_nodes": 1})
 
 
 def one_per_rank(load: np.ndarray, shape: PlanShape) -> Plan:
@@ -219,12 +252,7 @@ def make_plan(policy: str, load, shape: PlanShape, layers=None, plan_id: str | N
     load = np.asarray(load, dtype=np.float64)
     if load.ndim != 2:
         raise InputError(None, f"load must be [layers, experts], got shape {load.shape}")
-    E = load.shape[1]
-    S = shape.num_slots
-    if S < E:
-        raise InputError(None, f"{S} slots cannot hold {E} experts")
-    if policy != "one-per-rank" and S % shape.num_ranks:
-        raise InputError(None, f"{S} slots ({S - E} redundant) do not divide evenly over {shape.num_ranks} ranks")
+    check_shape(shape, load.shape[1], policy)
     try:
         plan = PLANNERS[policy](load, shape)
     except ValueError as e:
@@ -234,3 +262,17 @@ def make_plan(policy: str, load, shape: PlanShape, layers=None, plan_id: str | N
     plan.params = {**plan.params, "num_slots": plan.num_slots, "num_ranks": plan.num_ranks,
                    "ranks_per_node": plan.ranks_per_node}
     return plan
+
+
+def align_layers(plan: Plan, layers: np.ndarray) -> Plan:
+    """Rows of ``plan`` for ``layers`` (the layers present in the load)."""
+    if plan.num_layers == len(layers) and np.array_equal(plan.layers, layers):
+        return plan
+    idx = []
+    for l in layers:
+        hit = np.flatnonzero(plan.layers == l)
+        if not hit.size:
+            raise InputError(None, f"plan {plan.plan_id!r} has no row for layer {int(l)}")
+        idx.append(int(hit[0]))
+    return Plan(plan.phy2log[idx], plan.num_experts, plan.num_ranks, plan.ranks_per_node,
+                layers=np.asarray(layers), policy=plan.policy, plan_id=plan.plan_id, params=plan.params)

@@ -63,3 +63,39 @@ def sweep_plot(rows: list[dict], path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def decision_plot(rows, path) -> Path:
+    """The operator's decision table (``moetrace sweep``): net predicted time per step
+    against extra expert memory per rank (left) and against moved GiB per hour (right),
+    one marker per row, the recorded placement as a dashed line. Axes start at zero;
+    labels sit beside their markers (offset, never on them). Report plotting style."""
+    from ..report.plots import _apply_style, figure, save
+
+    ok = [r for r in rows if r.skipped is None and r.net_ms is not None]
+    fig, _ = figure(12.0, 4.6)
+    fig.clear()
+    axes = fig.subplots(1, 2)
+    rec = next((r.recorded_ms for r in ok), None)
+    for ax, xkey, xlabel in ((axes[0], "extra_mem_gib_per_rank", "extra expert memory per rank (GiB)"),
+                             (axes[1], "moved_gib_per_hour", "expert weights moved (GiB per hour of predicted time)")):
+        _apply_style(ax)
+        groups = {}
+        for r in ok:
+            groups.setdefault("static" if r.replan_every is None else f"every {r.replan_every}", []).append(r)
+        for i, (name, rs) in enumerate(sorted(groups.items())):
+            xs = [getattr(r, xkey) or 0.0 for r in rs]
+            ax.plot(xs, [r.net_ms for r in rs], "o", color=f"C{i}", label=name)
+            for x, r in zip(xs, rs):
+                ax.annotate(f"+{r.replicas}, w{r.window}: {r.verdict}", (x, r.net_ms), textcoords="offset points",
+                            xytext=(6, 4), fontsize=7, color=f"C{i}")
+        if rec is not None:
+            ax.axhline(rec, color="grey", ls="--", lw=1, label=f"recorded {rec:.3f} ms")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0, top=max([r.net_ms for r in ok] + [rec or 0]) * 1.15 if ok else 1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("net predicted MoE time per step (ms)")
+        ax.legend(loc="lower right", fontsize=8, frameon=False)
+    axes[0].set_title("replica budget: net time vs memory")
+    axes[1].set_title("re-plan interval: net time vs bytes moved")
+    return save(fig, path)

@@ -1,9 +1,10 @@
-"""Replay: would another placement have saved the step time, and how often to re-plan.
+"""Replay: would another placement have saved the step time, net of moving the experts?
 
-Shows the replays stored for the run (``moetrace replay``), the drift comparison when one
-was run, and, when the run has no stored replay, a what-if computed in memory (nothing is
-written): the recorded placement against greedy and EPLB plans fitted on the first half of
-the steps and judged on the second half.
+Shows the replays stored for the run (``moetrace replay``), each against the recorded
+placement on the same steps (recorded vs predicted vs net), the latest drift comparison,
+and the dispatch traffic between ranks (recorded vs the fastest plan) when the run has
+per-token routing. When the run has no stored replay, a what-if is computed in memory by
+the replay adapter (nothing written). This section only reads and draws.
 """
 from __future__ import annotations
 
@@ -19,115 +20,109 @@ ORDER = 60
 WHATIF_MAX_CELLS = 2_000_000    # steps x layers x experts read for the in-memory what-if
 
 
+def _ms(ms: float | None) -> str:
+    """A time given in ms, in µs when it is small (tiny models would all read 0.00 ms)."""
+    if ms is None:
+        return "no time"
+    return f"{ms:.2f} ms" if ms >= 0.1 else f"{ms * 1e3:.2f} µs"
+
+
+def _pct(x, rec) -> str:
+    if x is None or rec is None or not rec:
+        return ""
+    return f" ({(x / rec - 1) * 100:+.1f}%)".replace("-", "−")
+
+
 def _stored(ctx: ReportContext):
     if not ctx.store.has_files("replay_runs"):
         return None
-    df = ctx.sql("""SELECT replay_id, kind, policy, split, num_steps, num_ranks, num_slots, mean_imbalance,
-                           p99_imbalance, mean_efficiency, predicted_step_ns, moved_experts, moved_bytes,
-                           exact_bytes, approximations, cost_json, created_at_ns
-                    FROM replay_runs WHERE run_id = ? ORDER BY created_at_ns""", [ctx.run_id])
+    df = ctx.sql("SELECT * FROM replay_runs WHERE run_id = ? ORDER BY created_at_ns", [ctx.run_id])
     return df if df.height else None
 
 
 def _whatif(ctx: ReportContext):
-    from ...replay.cost import preset
-    from ...replay.engine import RunShape, layer_metrics, read_load, recorded_plan, replay_load, summarize
-    from ...replay.planners import make_plan
+    from ...replay.adapter import RunShape, whatif
+    from ...errors import InputError
 
     try:
         shape = RunShape.from_store(ctx.store, ctx.run_id)
-    except Exception:   # no expert_load: nothing to replay
-        return None, []
-    max_steps = max(2, WHATIF_MAX_CELLS // max(1, shape.layers.size * shape.num_experts))
-    if shape.steps.size < 2:
-        return None, []
-    ids, load = read_load(ctx.store, ctx.run_id, shape, max_steps=max_steps)
-    half = ids.size // 2
-    fit, judge = load[:half].sum(axis=0, dtype=np.float64), load[half:]
-    cost = preset("H200", shape.hidden, shape.expert_bytes)
+        w = whatif(ctx.store, ctx.run_id, shape, WHATIF_MAX_CELLS)
+    except InputError:   # no expert_load, or no rank count: nothing to replay
+        return None
+    return w
+
+
+def _whatif_section(ctx, w) -> Section:
+    from ...replay.strategies import fastest
+
+    unit = "pass" if w.timing.per_pass else "step"
     rows = []
-    cands = [("recorded", recorded_plan(ctx.store, ctx.run_id, shape))]
-    for pol, rep in (("greedy", 0), ("eplb", 0), ("eplb", shape.num_ranks)):
-        ps = shape.plan_shape(replicas=rep)
-        if ps.num_slots % ps.num_ranks:
-            continue
-        try:
-            cands.append((f"{pol} +{rep}", make_plan(pol, fit, ps, layers=shape.layers)))
-        except Exception:
-            continue
-    for name, plan in cands:
-        m = layer_metrics(replay_load(judge, plan, "even", None, shape.top_k, shape.bytes_per_token), cost)
-        s = summarize(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2))
-        rows.append({"plan": name, "slots": plan.num_slots, "mean_imbalance": s["mean_imbalance"],
-                     "p99_imbalance": s["p99_imbalance"], "efficiency": s["mean_efficiency"],
-                     "predicted_ms_per_step": s["predicted_step_ns"] / 1e6})
-    notes = [f"What-if computed in memory: plans fitted on steps {int(ids[0])}..{int(ids[half - 1])}, judged on "
-             f"steps {int(ids[half])}..{int(ids[-1])}; even split over replicas; H200 preset cost model; dispatch "
-             "bytes estimated (no per-token data used)."] + shape.notes
-    if ids.size < shape.steps.size:
-        notes.append(f"What-if limited to the first {ids.size} of {shape.steps.size} steps (report time bound).")
-    return pl.DataFrame(rows), notes
-
-
-def _ms(ms: float) -> str:
-    """A time given in ms, in µs when it is small (tiny models would all read 0.00 ms)."""
-    return f"{ms:.2f} ms" if ms >= 0.1 else f"{ms * 1e3:.2f} µs"
+    for j in w.results:
+        rows.append({"plan": j.name, "slots": j.plan.num_slots, "groups": j.plan.num_groups,
+                     "mean_imbalance": j.summary.mean_imbalance, "recorded_imbalance": j.recorded.mean_imbalance,
+                     f"predicted_ms_per_{unit}": None if j.gross_step_ns is None else j.gross_step_ns / 1e6,
+                     f"net_ms_per_{unit}": None if j.net_step_ns is None else j.net_step_ns / 1e6,
+                     "recorded_ms": None if j.recorded_step_ns is None else j.recorded_step_ns / 1e6,
+                     "moved_experts": j.moved_experts, "verdict": "baseline" if j.kind == "recorded" else j.verdict})
+    df = pl.DataFrame(rows)
+    rec = w.results[0]
+    best = fastest(w.results)
+    if rec.gross_step_ns is None:
+        text = (f"Replayed against the run's recorded counts, the recorded placement runs at max/mean "
+                f"**{rec.summary.mean_imbalance:.2f}×**. The counts aggregate many passes and their number is "
+                "unknown, so no time per step is predicted; imbalance only.")
+        bi = min(w.results[1:], key=lambda j: j.summary.mean_imbalance or 9e9, default=None)
+        if bi is not None:
+            text += f" Most balanced: **{bi.name}** at {bi.summary.mean_imbalance:.2f}×."
+    elif best is None:
+        text = f"The recorded placement runs at {_ms(rec.gross_step_ns / 1e6)} per {unit}; no other plan could be made."
+    else:
+        text = (f"Recorded placement: max/mean **{rec.summary.mean_imbalance:.2f}×**, {_ms(rec.gross_step_ns / 1e6)} "
+                f"of MoE time per {unit}. Fastest net: **{best.name}**, {_ms(best.net_step_ns / 1e6)} vs "
+                f"{_ms(best.recorded_step_ns / 1e6)} recorded{_pct(best.net_step_ns, best.recorded_step_ns)} "
+                f"(gross {_ms(best.gross_step_ns / 1e6)}; {best.moved_experts} expert moves charged), max/mean "
+                f"{best.summary.mean_imbalance:.2f}×. Verdict: **{best.verdict}** ({best.verdict_reason}). Run "
+                "`moetrace replay` / `moetrace sweep` for stored results, drift and the decision table.")
+    return Section(key="replay", title="Replay: alternative placements", markdown="\n".join([text, "", md_table(df)]),
+                   terminal="\n".join([text.replace("**", ""), "", _render(df)]), notes=w.notes)
 
 
 def build(ctx: ReportContext) -> Section | None:
     stored = _stored(ctx)
-    notes: list[str] = []
-    md: list[str] = []
-    term: list[str] = []
-    figs: list[Figure] = []
     if stored is None:
-        df, notes = _whatif(ctx)
-        if df is None:
-            return None
-        best = df.sort("predicted_ms_per_step").row(0, named=True)
-        rec = df.filter(pl.col("plan") == "recorded").row(0, named=True)
-        text = (f"Replayed against the run's recorded routing, the recorded placement runs at max/mean "
-                f"**{rec['mean_imbalance']:.2f}×**; **{best['plan']}** would bring it to "
-                f"**{best['mean_imbalance']:.2f}×** and the predicted MoE time per step from "
-                f"{_ms(rec['predicted_ms_per_step'])} to {_ms(best['predicted_ms_per_step'])}. Run "
-                "`moetrace replay` / `moetrace sweep` for stored results, drift and the decision table.")
-        md += [text, "", md_table(df)]
-        term += [text.replace("**", ""), "", _render(df)]
-        return Section(key="replay", title="Replay: alternative placements", markdown="\n".join(md),
-                       terminal="\n".join(term), figures=figs, notes=notes)
-    show = stored.with_columns((pl.col("predicted_step_ns") / 1e6).alias("predicted_ms"),
-                               (pl.col("moved_bytes") / 2**30).alias("moved_GiB")).select(
-        "replay_id", "kind", "policy", "split", "num_ranks", "num_slots", "mean_imbalance", "p99_imbalance", "mean_efficiency",
-        "predicted_ms", "moved_experts", "moved_GiB", "exact_bytes")
-    ranks = ctx.run.get("num_ranks")
-    real = show.filter(pl.col("kind") != "drift-oracle")   # the oracle is a lower bound, not a plan
-    real = real if real.height else show
-    same = real.filter(pl.col("num_ranks") == ranks) if ranks else real
-    pool = same if same.height else real
-    best = pool.sort("predicted_ms").row(0, named=True)
-    text = (f"{show.height} stored replay(s). Fastest predicted on {best['num_ranks']} ranks"
-            f"{' (the run' + chr(39) + 's own count)' if same.height else ''}: **{best['policy']}** ({best['kind']}), "
-            f"max/mean **{best['mean_imbalance']:.2f}×**, {_ms(best['predicted_ms'])} of MoE time per step, "
-            f"{best['moved_experts']} expert moves.")
-    md += [text, "", md_table(show)]
-    term += [text.replace("**", ""), "", _render(show.drop("replay_id"))]
-    # the latest drift comparison: imbalance over time
-    drift = stored.filter(pl.col("kind").str.starts_with("drift-"))
-    if drift.height:
-        base = drift["replay_id"][-1].rsplit("-", 1)[0]
-        ids = [r for r in drift["replay_id"].to_list() if r.startswith(base + "-")]
-        per = ctx.sql("""SELECT replay_id, step, avg(imbalance) AS imbalance FROM replay_layer
-                         WHERE run_id = ? AND replay_id IN (SELECT unnest(?)) GROUP BY ALL ORDER BY step""",
-                      [ctx.run_id, ids])
-        series = []
-        for rid in ids:
-            d = per.filter(pl.col("replay_id") == rid)
-            series.append((rid.rsplit("-", 1)[1], d["step"].to_numpy(), d["imbalance"].to_numpy()))
-        p = plots.lines(ctx.outdir / "replay_drift.png", series, title="Imbalance over time: static vs re-planned vs oracle",
-                        xlabel="step", ylabel="max / mean rank tokens (mean over layers)", markers=False)
-        figs.append(Figure(p, "A plan fitted once goes stale as popularity drifts; re-planning from a trailing "
-                              "window recovers most of the gap to the oracle (fitted on the very steps it is "
-                              "judged on, a lower bound)."))
+        w = _whatif(ctx)
+        return None if w is None else _whatif_section(ctx, w)
+    notes: list[str] = []
+    figs: list[Figure] = []
+    cols = set(stored.columns)
+
+    def col(name, default=None):
+        return pl.col(name) if name in cols else pl.lit(default)
+
+    show = stored.select(
+        "replay_id", "kind", "policy", col("plan_desc").alias("plan"), col("judged_on").alias("judged_on"),
+        "num_steps", "mean_imbalance", col("recorded_mean_imbalance").alias("recorded_imbalance"),
+        (col("recorded_step_ns") / 1e6).alias("recorded_ms"), (pl.col("predicted_step_ns") / 1e6).alias("predicted_ms"),
+        (col("net_step_ns") / 1e6).alias("net_ms"), "moved_experts", (pl.col("moved_bytes") / 2**30).alias("moved_GiB"),
+        col("verdict").alias("verdict"), "exact_bytes")
+    deployable = show.filter(~pl.col("kind").is_in(["drift-oracle"]) & (pl.col("policy") != "plan recorded")
+                             & pl.col("net_ms").is_not_null())
+    lines = [f"{show.height} stored replay(s), each judged against the recorded placement on the same steps with "
+             "the same cost model; net = predicted time plus the cost of moving experts."]
+    if deployable.height:
+        b = deployable.sort("net_ms").row(0, named=True)
+        lines.append(f"Fastest net: **{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(b['net_ms'])} vs "
+                     f"{_ms(b['recorded_ms'])} recorded{_pct(b['net_ms'], b['recorded_ms'])}, gross "
+                     f"{_ms(b['predicted_ms'])}, {b['moved_experts']} expert moves; judged on {b['judged_on']}. "
+                     f"Verdict: **{b['verdict']}**.")
+    elif show.filter(pl.col("predicted_ms").is_null()).height:
+        lines.append("The counts aggregate many passes of unknown number: imbalance answers only, no time per step.")
+    text = " ".join(lines)
+    table = show.drop("replay_id", "plan")
+    md = [text, "", md_table(table)]
+    term = [text.replace("**", ""), "", _render(table)]
+    figs += _drift_figure(ctx, stored)
+    figs += _traffic_figures(ctx, stored)
     for a in stored["approximations"].drop_nulls().unique().to_list():
         try:
             notes += [n for n in json.loads(a) if n not in notes]
@@ -139,6 +134,57 @@ def build(ctx: ReportContext) -> Section | None:
             notes.append(f"Cost model: {src}")
     return Section(key="replay", title="Replay: alternative placements and re-planning", markdown="\n".join(md),
                    terminal="\n".join(term), figures=figs, notes=notes)
+
+
+def _drift_figure(ctx, stored) -> list[Figure]:
+    drift = stored.filter(pl.col("kind").str.starts_with("drift-"))
+    if not drift.height:
+        return []
+    base = drift["replay_id"][-1].rsplit("-", 1)[0]
+    ids = [r for r in drift["replay_id"].to_list() if r.startswith(base + "-")]
+    per = ctx.sql("""SELECT replay_id, step, avg(imbalance) AS imbalance FROM replay_layer
+                     WHERE run_id = ? AND replay_id IN (SELECT unnest(?)) GROUP BY ALL ORDER BY step""",
+                  [ctx.run_id, ids])
+    series = []
+    for rid in ids:
+        d = per.filter(pl.col("replay_id") == rid)
+        series.append((rid.rsplit("-", 1)[1], d["step"].to_numpy(), d["imbalance"].to_numpy()))
+    p = plots.lines(ctx.outdir / "replay_drift.png", series, title="Imbalance over time: static vs re-planned vs oracle",
+                    xlabel="step", ylabel="max / mean rank tokens (mean over layers)", markers=False)
+    return [Figure(p, "A plan fitted once goes stale as popularity drifts; re-planning from a trailing window "
+                      "recovers most of the gap to the oracle (fitted on the very steps it is judged on, a lower "
+                      "bound). The table above charges each re-plan its expert moves.")]
+
+
+def _traffic_figures(ctx, stored) -> list[Figure]:
+    """Dispatch bytes per (source rank, destination rank): recorded vs the fastest plan with traffic."""
+    if not ctx.store.has_files("replay_traffic"):
+        return []
+    tr = ctx.sql("SELECT replay_id, plan, src_rank, dst_rank, bytes, steps FROM replay_traffic WHERE run_id = ?",
+                 [ctx.run_id])
+    if not tr.height:
+        return []
+    with_tr = stored.filter(pl.col("replay_id").is_in(tr["replay_id"].unique().to_list()))
+    key = "net_step_ns" if "net_step_ns" in with_tr.columns else "predicted_step_ns"
+    cand = with_tr.filter(pl.col("policy") != "plan recorded")
+    pick = (cand if cand.height else with_tr).sort(key, nulls_last=True).row(0, named=True)
+    t = tr.filter(pl.col("replay_id") == pick["replay_id"])
+    R = int(max(t["src_rank"].max(), t["dst_rank"].max())) + 1
+    R = max(R, int(pick["num_ranks"]))
+    figs = []
+    for which, label in (("recorded", "recorded placement"), ("plan", pick["policy"])):
+        d = t.filter(pl.col("plan") == which)
+        if not d.height:
+            continue
+        m = np.zeros((R, R))
+        m[d["src_rank"].to_numpy(), d["dst_rank"].to_numpy()] = d["bytes"].to_numpy() / max(int(d["steps"][0]), 1)
+        p = plots.heatmap(ctx.outdir / f"replay_traffic_{which}.png", m / 2**20,
+                          title=f"Dispatch traffic per step: {label}", xlabel="destination rank",
+                          ylabel="source rank", cbar_label="MiB per step")
+        figs.append(Figure(p, f"Dispatch bytes from each source rank (rows) to each destination rank (columns) per "
+                              f"judged step under the {label} (exact, from per-token routing; the combine sends the "
+                              f"same rows back). Total {m.sum() / 2**20:.2f} MiB per step."))
+    return figs
 
 
 def _render(df):
