@@ -363,4 +363,5 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
 
 register(Collector("routing_wide", "per-token routing, a row per token with a list column of experts (indices / "
                                    "topk_ids / routed_experts ...; optional scores), Parquet, JSONL or Arrow",
-                   _sniff, _collect, priority=40))
+                   _sniff, _collect, priority=40,
+                   options=("tokens_per_step",)))
