@@ -84,6 +84,8 @@ def synth(store, run_id, **kw):
 @click.option("--top-k", "top_k", type=int, default=None, help="Experts per token.")
 @click.option("--ranks", "num_ranks", type=int, default=None, help="Expert-parallel ranks.")
 @click.option("--ranks-per-node", type=int, default=None, help="Ranks per node.")
+@click.option("--groups", "num_groups", type=int, default=None,
+              help="Expert groups of the model (DeepSeek-V3/R1: 8; 1 = not grouped), for hierarchical EPLB.")
 @click.option("--dp-size", type=int, default=None, help="vLLM naive all-to-all: divide recorded load by DP size.")
 @click.option("--kernel-rules", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Extra kernel classification rules (profiler traces).")
