@@ -152,7 +152,7 @@ def test_report_section_draws_the_heatmap(tmp_path, runner, cli):
 
     st = ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
     rid = st.resolve_run(None)
-    sec = waits.build(ReportContext(st, rid, st.run(rid), tmp_path / "rep"))
+    sec = waits.build(ReportContext(st, rid, st.run_row(rid), tmp_path / "rep"))
     assert sec is not None and sec.figures and sec.figures[0].path.exists()
     assert "Rank 2 made the others wait most: 0.10 ms" in sec.markdown
 

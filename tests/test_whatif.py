@@ -73,3 +73,68 @@ def test_domain_sweep_hand_worked():
     assert res[1].a2a_ns_per_step == pytest.approx(60000.0) and res[1].domains == 4
     assert res[4].a2a_ns_per_step == pytest.approx(6000.0) and res[4].inter_bytes == 0.0
     assert res[8].a2a_ns_per_step == pytest.approx(6000.0) and res[8].domains == 1
+
+
+# ---------------------------------------------------------------- store adapter, command, report
+def test_overlap_on_a_crafted_trace_through_the_command(tmp_path, runner, cli):
+    import json
+
+    from moetrace.store import Store
+
+    from .test_waits import _three_ranks, ingest
+
+    st = ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
+    res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "overlap", "--trace",
+                              str(tmp_path / "ov.json")])
+    assert res.exit_code == 0, res.output
+    # step 0 on each rank: first kernel to last (no launches inside the ProfilerStep range):
+    # rank 0 100..400, rank 1 130..400, rank 2 110..400 µs; one layer. Exposed (dispatch + combine):
+    # rank 0: 80 (a GEMM hides 20 of [100, 200]) + 100 = 180, combine 100; rank 1: 70 + 100, combine 100;
+    # rank 2: 90 + 50, combine 50. c = step - e = 120, 100, 150; hideable e - b/2 = 130, 120, 115;
+    # exposed after = max(0, hideable - c) + b/2 = 10 + 50, 20 + 50, 0 + 25; step after = c + that
+    # = 180, 170, 175 -> 180 µs (slowest rank), before 300; exposed mean 490/3 -> 155/3 µs
+    rows = Store(tmp_path / "st").sql("""SELECT metric, before, after FROM replay_whatif
+                                         WHERE kind = 'overlap' AND step IS NULL""")
+    got = {m: (b, a) for m, b, a in rows.iter_rows()}
+    assert got["step_ns"] == pytest.approx((300_000, 180_000))
+    assert got["exposed_a2a_ns"] == pytest.approx((490_000 / 3, 155_000 / 3))
+    doc = json.loads((tmp_path / "ov.json").read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"step 0: recorded", "step 0: two micro-batches (predicted)"}
+    assert "error_band" in doc["otherData"]
+
+
+def test_domain_sweep_against_routing_rows(tmp_path, runner, cli):
+    from moetrace.store import Store
+
+    res = runner.invoke(cli, ["synth", str(tmp_path / "st"), "--layers", "2", "--experts", "32", "--top-k", "4",
+                              "--ranks", "16", "--ranks-per-node", "8", "--steps", "3", "--tokens-per-step", "64",
+                              "--per-token"])
+    assert res.exit_code == 0, res.output
+    st = Store(tmp_path / "st")
+    res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "domain", "--domains", "4,16"])
+    assert res.exit_code == 0, res.output
+    # independent: every routing row, destination rank = expert * 16 // 32 (contiguous), distinct
+    # (token, destination) pairs, hidden 7168 x 2 bytes per token
+    rows = st.sql("SELECT step, layer, token, src_rank, expert FROM routing").iter_rows()
+    pairs = {(s, l, t, src, e * 16 // 32) for s, l, t, src, e in rows}
+    want = {}
+    for d in (8, 4, 16):
+        inter = sum(7168 * 2 for s, l, t, src, dst in pairs if src != dst and src // d != dst // d)
+        want[d] = inter
+    got = {int(sc.split()[0]): a for sc, a in st.sql(
+        "SELECT scenario, after FROM replay_whatif WHERE kind = 'domain' AND metric = 'inter_domain_bytes'").iter_rows()}
+    assert got == {d: float(v) for d, v in want.items()} and got[16] == 0.0 and got[4] > got[8] > 0
+
+
+def test_report_section_shows_the_whatif_table(tmp_path, runner, cli):
+    from moetrace.report.base import ReportContext
+    from moetrace.report.sections import whatif
+
+    from .test_waits import _three_ranks, ingest
+
+    st = ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
+    rid = st.resolve_run(None)
+    sec = whatif.build(ReportContext(st, rid, st.run_row(rid), tmp_path / "rep"))   # nothing stored: computed
+    assert "0.30 ms recorded -> 0.18 ms predicted" in sec.markdown and "not stored" in sec.markdown
+    assert any("overlap what-if assumes" in n for n in sec.notes)

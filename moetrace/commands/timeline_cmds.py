@@ -1,4 +1,6 @@
-"""Timeline commands: ``moetrace waits`` (who waited for whom across ranks)."""
+"""Timeline commands: ``moetrace waits`` (who waited for whom across ranks) and
+``moetrace whatif`` (two-micro-batch overlap, attention/FFN disaggregation, NVLink domain
+size on the recorded timeline)."""
 from __future__ import annotations
 
 import click
@@ -55,5 +57,91 @@ def waits(store, run_id, by, fmt, output):
                        f"last to arrive at {top['times_last']} of {res.instances.height} instances.")
 
 
+def _floats(ctx, param, value):
+    if value in (None, ""):
+        return ()
+    try:
+        return tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+
+
+@click.command("whatif")
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--run", "run_id", default=None, help="Run id (default: the store's only run).")
+@click.option("--only", type=click.Choice(["all", "overlap", "disagg", "domain"]), default="all", show_default=True,
+              help="Which what-if to run.")
+@click.option("--split-extra-us", default=0.0, show_default=True,
+              help="Overlap: extra compute per layer of running each expert twice on half the tokens, µs.")
+@click.option("--domains", callback=_floats, default="8,16,72", show_default=True,
+              help="Domain size: ranks per NVLink domain to compare with the run's own.")
+@click.option("--hardware", default="H200", show_default=True, help="Domain size: NVLink and NIC rates of this preset.")
+@click.option("--tokens", type=float, default=None, help="Disaggregation: tokens per layer in a batch (default: "
+                                                         "measured tokens per step).")
+@click.option("--gpus", type=int, default=None, help="Disaggregation: GPUs to split (default: the run's ranks).")
+@click.option("--attn-ns", type=float, default=None, help="Disaggregation: attention (non-expert) ns per token on "
+                                                          "one GPU (default: measured).")
+@click.option("--expert-ns", type=float, default=None, help="Disaggregation: expert FFN ns per token (all top-k) on "
+                                                            "one GPU (default: measured).")
+@click.option("--transfer-ns", type=float, default=None, help="Disaggregation: one-way transfer ns per token between "
+                                                              "the pools (default: measured all-to-all transfer).")
+@click.option("--fixed-attn-ns", default=0.0, show_default=True, help="Disaggregation: fixed ns per micro-batch and "
+                                                                      "layer on an attention GPU.")
+@click.option("--fixed-expert-ns", default=0.0, show_default=True, help="Disaggregation: fixed ns per micro-batch and "
+                                                                        "layer on an expert GPU (weight reads).")
+@click.option("--max-micro-batches", default=8, show_default=True, help="Disaggregation: micro-batch counts tried.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a Chrome trace (Perfetto) of the overlap what-if for the step with most exposed all-to-all.")
+@click.option("--no-write", is_flag=True, help="Print only; do not append replay_whatif rows to the store.")
+@output_options
+def whatif(store, run_id, only, split_extra_us, domains, hardware, tokens, gpus, attn_ns, expert_ns, transfer_ns,
+           fixed_attn_ns, fixed_expert_ns, max_micro_batches, trace_path, no_write, fmt, output):
+    """What overlap, disaggregation or a bigger NVLink domain would have done.
+
+    Overlap: two micro-batches, each one's exposed all-to-all hidden behind the other's
+    compute (step time and exposed all-to-all before / after per step). Disaggregation:
+    attention and expert FFNs on separate GPU pools (best split, micro-batch count,
+    per-GPU throughput vs co-located). Domain: ranks per NVLink domain (bytes crossing
+    domains, all-to-all time). Each result states its assumptions and error band and is
+    appended to table replay_whatif (docs/timeline.md has the formulas).
+
+    Example:
+
+        moetrace whatif st --domains 8,16,72 --trace overlap.json
+    """
+    from ..replay.whatif_store import run_whatifs
+
+    st = Store(store)
+    rid = st.resolve_run(run_id)
+    rep = run_whatifs(st, rid, overlap=only in ("all", "overlap"), disagg=only in ("all", "disagg"),
+                      domains=domains if only in ("all", "domain") else (), split_extra_ns=split_extra_us * 1e3,
+                      hardware=hardware, tokens=tokens, gpus=gpus, ta_ns=attn_ns, te_ns=expert_ns,
+                      tc_ns=transfer_ns, fa_ns=fixed_attn_ns, fe_ns=fixed_expert_ns,
+                      max_micro_batches=max_micro_batches, write=not no_write, trace_path=trace_path)
+    df = whatif_summary(rep)
+    emit(df, fmt, output, max_rows=200)
+    if fmt == "table" and not output:
+        for n in rep.notes:
+            click.echo(f"note: {n}", err=True)
+        click.echo(f"error band ±{100 * rep.rel_error:.0f}% ({rep.rel_error_source})", err=True)
+        if rep.rows:
+            click.echo(f"wrote {rep.rows} replay_whatif rows ({rep.whatif_id})", err=True)
+        if trace_path and rep.overlap is not None:
+            click.echo(f"wrote {trace_path}", err=True)
+
+
+def whatif_summary(rep) -> pl.DataFrame:
+    """One row per scenario and metric (whole run), for printing."""
+    from ..replay.whatif_store import rows_table
+
+    df = pl.from_arrow(rows_table(rep))
+    if df.height == 0:
+        return pl.DataFrame({"kind": [], "scenario": [], "metric": [], "before": [], "after": [], "unit": []})
+    return (df.filter(pl.col("step").is_null())
+            .with_columns((pl.col("after") / pl.col("before")).alias("after_over_before"))
+            .select("kind", "scenario", "metric", "before", "after", "after_over_before", "unit"))
+
+
 def register(cli):
     cli.add_command(waits)
+    cli.add_command(whatif)
