@@ -42,6 +42,11 @@ KINDS = ("dispatch", "combine", "a2a_other", "expert_gemm", "attention", "comput
 RULE_KINDS = frozenset(KINDS) | {"a2a"}
 A2A_KINDS = ("dispatch", "combine", "a2a_other")
 COMPUTE_KINDS = ("expert_gemm", "attention", "compute_other")
+#: backends whose host-side collective ops name a collective (``nccl:all_to_all``,
+#: ``c10d::alltoall_base_``, ``gloo:all_to_all``): the one list of collective prefixes
+COLLECTIVE_BACKENDS = ("nccl", "gloo", "c10d", "mpi", "ucc", "xccl", "hccl", "rccl")
+COLLECTIVE_OP_PREFIXES = tuple(f"{b}:" for b in COLLECTIVE_BACKENDS)   # str.startswith form
+COLLECTIVE_OP_RE = re.compile(r"^(?:" + "|".join(COLLECTIVE_BACKENDS) + r"):+\w", re.I)
 
 RULES_FILE = Path(__file__).resolve().parent / "kernel_rules.csv"
 
