@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from .classify import Classifier, demangle_all, normalize_collective, normalize_name
+from .classify import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 #: backend-level collective ops (innermost CPU op of a collective call)
-COLL_OP_RE = re.compile(r"^(?:nccl|gloo|mpi|ucc|xccl|hccl|rccl|c10d):+\w", re.I)
+COLL_OP_RE = COLLECTIVE_OP_RE
 PHASE_RE = re.compile(r"(?i)(?:^|[^a-z])(dispatch|combine)(?:[^a-z]|$)")
 LAYER_RE = re.compile(r"(?i)(?:^|[^a-z])(?:layers?|moe_layer|decoder_layer|block)[._\s#:\-\[]*(\d+)")
 MB_RE = re.compile(r"(?i)(?:^|[^a-z])(?:micro_?batch|ubatch|mb|chunk)[._\s#:\-\[]*(\d+)")

@@ -34,7 +34,7 @@ import polars as pl
 from ..errors import InputError
 from . import Collector, RunData, register
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame, rank_part, run_data
-from .classify import Classifier
+from .classify import COLLECTIVE_OP_PREFIXES, Classifier
 
 MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
 BATCH = 4000                       # events decoded to records at a time (cache-sized)
@@ -391,7 +391,7 @@ _OP_CATS = frozenset({"cpu_op", "Operator", "operator"})
 _CAT_CODE = {**{c: 0 for c in _GPU_CATS}, **{c: 1 for c in _LAUNCH_CATS}, **{c: 2 for c in _CPU_CATS - _OP_CATS},
              **{c: 3 for c in _OP_CATS}}
 _CAT_CODE_ALL = {c: 2 if k == 3 else k for c, k in _CAT_CODE.items()}  # every CPU op kept (CPU-only trace)
-_COLL_PREFIXES = ("nccl:", "gloo:", "c10d::", "mpi:", "ucc:", "xccl:", "hccl:", "rccl:")
+_COLL_PREFIXES = COLLECTIVE_OP_PREFIXES
 _COLL_FIRST = frozenset(p[0] for p in _COLL_PREFIXES)
 _GPU_MARKERS = (b'"kernel"', b'"Kernel"', b'"gpu_memcpy"', b'"gpu_memset"', b'"Memcpy"', b'"Memset"')
 
