@@ -196,3 +196,36 @@ def plateau(path, series, *, title: str, xlabel: str, ylabel: str):
     if series:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     return save(fig, path)
+
+
+#: one colour per span kind, the same in every figure
+KIND_COLORS = {"expert_gemm": "#4C72B0", "attention": "#55A868", "compute_other": "#8C8C8C",
+               "dispatch": "#DD8452", "combine": "#C44E52", "a2a_other": "#937860", "comm_other": "#8172B3",
+               "memcpy": "#DA8BC3", "memset": "#CCB974", "idle": "#FFFFFF"}
+
+
+def stacked(path, labels, parts: dict[str, np.ndarray], *, title: str, xlabel: str, ylabel: str,
+            colors: dict[str, str] | None = None):
+    """Horizontal stacked bars: one bar per label, one segment per part (legend only for
+    parts with a non-zero segment)."""
+    n = len(labels)
+    fig, ax = figure(9.0, min(9.0, 1.6 + 0.32 * n))
+    _apply_style(ax)
+    y = np.arange(n)
+    left = np.zeros(n)
+    colors = colors or KIND_COLORS
+    for name, vals in parts.items():
+        vals = np.asarray(vals, dtype=float)
+        if not vals.any():
+            continue
+        ax.barh(y, vals, left=left, color=colors.get(name, None), edgecolor="white", linewidth=0.4, label=name)
+        left += vals
+    ax.set_yticks(y)
+    ax.set_yticklabels([str(v) for v in labels], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, float(left.max()) * 1.02 if n and left.max() > 0 else 1.0)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    return save(fig, path)
