@@ -7,7 +7,7 @@ import polars as pl
 
 from ..output import emit, output_options
 from ..store import Store
-from ._options import steps_range
+from ._options import hardware_option, steps_range
 
 
 _steps_range = steps_range
@@ -74,8 +74,7 @@ def fit_lines(summary: dict) -> list[str]:
 @click.option("--fit-steps", callback=_steps_range, default=None, help="Fit on steps A <= step < B only (A:B).")
 @click.option("--judge-steps", callback=_steps_range, default=None,
               help="Judge on steps A <= step < B only (A:B); with one run, a time split of it.")
-@click.option("--hardware", default="H200", show_default=True,
-              help="Preset whose bandwidths are kept where the fit run cannot determine them.")
+@hardware_option(help="Preset whose bandwidths are kept where the fit run cannot determine them.")
 @click.option("--loss", type=click.Choice(["l2", "mape"]), default="l2", show_default=True,
               help="l2: least squares (as replay fits); mape: minimize the mean absolute percentage error "
                    "(robust to preempted or warming-up cells).")

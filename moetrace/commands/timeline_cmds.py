@@ -9,11 +9,12 @@ import polars as pl
 from ..analyze.waits import wait_result
 from ..output import emit, output_options
 from ..store import Store
+from ._options import hardware_option, run_option
 
 
 @click.command("waits")
 @click.argument("store", type=click.Path(file_okay=False))
-@click.option("--run", "run_id", default=None, help="Run id (default: the store's only run).")
+@run_option
 @click.option("--by", type=click.Choice(["rank", "matrix", "instance"]), default="rank", show_default=True,
               help="rank: wait caused and suffered per rank, exposed split into waiting and transfer; matrix: "
                    "who waited for whom (ns summed over instances); instance: every matched collective instance.")
@@ -68,14 +69,14 @@ def _floats(ctx, param, value):
 
 @click.command("whatif")
 @click.argument("store", type=click.Path(file_okay=False))
-@click.option("--run", "run_id", default=None, help="Run id (default: the store's only run).")
+@run_option
 @click.option("--only", type=click.Choice(["all", "overlap", "disagg", "domain"]), default="all", show_default=True,
               help="Which what-if to run.")
 @click.option("--split-extra-us", default=0.0, show_default=True,
               help="Overlap: extra compute per layer of running each expert twice on half the tokens, µs.")
 @click.option("--domains", callback=_floats, default="8,16,72", show_default=True,
               help="Domain size: ranks per NVLink domain to compare with the run's own.")
-@click.option("--hardware", default="H200", show_default=True, help="Domain size: NVLink and NIC rates of this preset.")
+@hardware_option(help="Domain size: NVLink and NIC rates of this preset.")
 @click.option("--tokens", type=float, default=None, help="Disaggregation: tokens per layer in a batch (default: "
                                                          "measured tokens per step).")
 @click.option("--gpus", type=int, default=None, help="Disaggregation: GPUs to split (default: the run's ranks).")
