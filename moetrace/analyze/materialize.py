@@ -101,11 +101,6 @@ def _pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _temp_exists(con, name: str) -> bool:
-    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'temp' "
-                            "AND table_name = ?", [name]).fetchall()[0][0])
-
-
 def _drop(con, names) -> None:
     for n in names:
         con.execute(f'DROP TABLE IF EXISTS temp."{n}"')
