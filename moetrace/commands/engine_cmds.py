@@ -84,15 +84,13 @@ def refrun(outdir, store_path, run_id, no_profile, quiet, **kw):
                f"layer {pct(nz['layer_spread_p50'])}" + ("; ranks oversubscribed the CPU cores"
                                                          if nz["oversubscribed"] else ""))
     if store_path:
-        from ..collect import collect
-        from ..store import Store
+        from ..collect import ingest
 
-        runs = collect([outdir])
-        st = Store(store_path, create=True)
-        for rd in runs:
-            res = st.write_run(rd.run, rd.tables, run_id=run_id or st.unique_run_id(rd.run_id_hint))
+        def said(rd, res):
             click.echo(f"run {res.run_id}: " + (res.message if res.skipped else
                                                  ", ".join(f"{t} {n} rows" for t, n in res.rows.items())))
+
+        ingest(store_path, [outdir], run_id=run_id, on_write=said)
 
 
 @click.command()
