@@ -16,11 +16,15 @@ def build(ctx: ReportContext) -> Section | None:
         return None
     rid = ctx.run_id
     b = ctx.sql("SELECT engine, event, step, ts_ns, line, balancedness, avg_tokens, max_tokens, duration_s, "
-                "utilization, threshold, is_profile FROM balancedness WHERE run_id = ? ORDER BY line", [rid])
+                "utilization, threshold, is_profile FROM balancedness WHERE run_id = ? "
+                "ORDER BY file, line", [rid])   # scrape folders: many files (named by time)
     if b.height == 0:
         return None
     bal = b.filter(b["event"] == "balancedness").drop_nulls("balancedness")
-    ev = b.filter(b["event"] != "balancedness")
+    ev = b.filter(b["event"].is_in(["rebalance_start", "rebalance_end", "rebalance_skip"]))
+    # vLLM metrics scrapes also give per-layer spread gauges (events balancedness_min / _p50 / _p90)
+    spread = {k: b.filter(b["event"] == f"balancedness_{k}").drop_nulls("balancedness")["balancedness"]
+              for k in ("min", "p50", "p90")}
     engines = ", ".join(sorted(set(b["engine"].to_list())))
     md, notes, figs = [], [], []
     if bal.height:
@@ -39,6 +43,11 @@ def build(ctx: ReportContext) -> Section | None:
                            "(mean+1e-5)/(max+1e-5) over GPUs, averaged over layers)."))
     else:
         md.append(f"No balancedness lines in the log ({engines}); only rebalance events.")
+    if any(v.len() for v in spread.values()):
+        md.append("Across MoE layers (vLLM EPLB gauges, mean over scrapes): "
+                  + ", ".join(f"{name} {spread[k].mean():.3f}" for k, name in
+                              (("min", "worst layer"), ("p90", "10th percentile"), ("p50", "median")) if spread[k].len())
+                  + ".")
     if ev.height:
         counts = {k: int((ev["event"] == k).sum()) for k in ("rebalance_start", "rebalance_end", "rebalance_skip")}
         dur = ev.filter(ev["event"] == "rebalance_end")["duration_s"].drop_nulls()
