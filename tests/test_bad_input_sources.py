@@ -151,7 +151,7 @@ def test_wide_routing_jsonl_nested_too_deep(runner, cli, tmp_path):
     st = _seed(tmp_path)
     f = tmp_path / "routes.jsonl"
     f.write_text('{"layer": 0, "experts": [1, 2]}\n{"layer": 0, "experts": ' + "[" * 100000 + "]" * 100000 + "}\n")
-    _refused(runner, cli, st, [f], f, position="line 2")
+    _refused(runner, cli, st, [f], f, position="row 2")
 
 
 # ----------------------------------------------------------------------------- Prometheus

@@ -34,9 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InputError
-from ..safety import json_loads
 from ..store import sha256_files
 from . import Collector, RunData, register
+from .sglang import _ranges
 
 EXPERT_COLS = ("indices", "experts", "expert_ids", "topk_ids", "topk_indices", "routed_experts", "selected_experts")
 GATE_COLS = ("scores", "gates", "gate", "weights", "topk_weights", "routing_weights", "probs")
@@ -103,28 +103,28 @@ def _read(path: Path) -> pa.Table:
         raise
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException as e:  # arrow parse errors
+    except BaseException as e:  # arrow parse errors (pyo3 / arrow panics derive from BaseException)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(path, f"cannot parse: {msg}") from None
 
 
 def _read_jsonl(path: Path) -> pa.Table:
-    rows = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            obj = json_loads(path, line, f"line {i}")
-            if not isinstance(obj, dict):
-                raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
-            rows.append(obj)
-    if not rows:
-        raise InputError(path, "file holds no rows")
+    """JSON lines through Arrow's reader (nested lists kept as lists; a type that changes
+    between lines, bad syntax or too deep nesting is one error naming the row)."""
+    import pyarrow.json as pj
+
+    size = path.stat().st_size
+    opts = pj.ReadOptions(block_size=max(1 << 20, min(size + 1, 256 << 20)))
     try:
-        return pa.Table.from_pylist(rows)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
-        raise InputError(path, f"inconsistent values across lines: {str(e).splitlines()[0]}") from None
+        t = pj.read_json(path, read_options=opts)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        m = re.search(r"\s*in row (\d+)$", text)
+        where = f"row {int(m.group(1)) + 1}" if m else None
+        raise InputError(path, text[:m.start()] if m else text, where) from None
+    if t.num_rows == 0:
+        raise InputError(path, "file holds no rows")
+    return t
 
 
 def _int_column(t: pa.Table, name: str, path: Path) -> np.ndarray:
@@ -252,17 +252,6 @@ def _one_file(path: Path, options: dict, approx: set[str]) -> dict:
     out["src_rank"] = _int_column(t, rc, path)[rows] if rc else None
     out["nrows"] = n
     return out
-
-
-def _ranges(ids) -> str:
-    ids = sorted(ids)
-    out, start = [], None
-    for i, v in enumerate(ids):
-        start = v if start is None else start
-        if i + 1 == len(ids) or ids[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:

@@ -39,6 +39,7 @@ from ..replay.plan_io import looks_like_trtllm_yaml, read_trtllm_yaml
 from ..safety import check_array_elements, json_loads
 from ..store import sha256_files
 from . import Collector, RunData, register
+from .sglang import _ranges
 
 _RANK = re.compile(r"^rank(\d+)\.safetensors$")
 _KEY = re.compile(r"^(\d+)_(\d+)$")
@@ -110,17 +111,6 @@ def _rank_counts(path: Path, E: int) -> dict[tuple[int, int], np.ndarray]:
     if not out:
         raise InputError(path, "holds no tensors")
     return out
-
-
-def _ranges(ids) -> str:
-    ids = sorted(ids)
-    out, start = [], None
-    for i, v in enumerate(ids):
-        start = v if start is None else start
-        if i + 1 == len(ids) or ids[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)
 
 
 def _placement(cfg, path: Path, R: int, rpn: int, layers: list[int], E: int) -> pa.Table:
