@@ -70,26 +70,30 @@ class NotDense(Exception):
     """Long rows that cannot be stored densely (a gap, a slot, a source rank, an order)."""
 
 
-def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Table]:
-    """expert_counts rows from long expert_load chunks (``step, layer, expert, tokens``,
-    optional all-null ``slot``/``src_rank``) ordered by (step, layer) with every expert
-    0..E-1 once per (step, layer), in expert order. A (step, layer) may straddle two
-    chunks. Raises :class:`NotDense` on the first row that breaks this (nothing is lost:
-    the caller writes the long rows instead)."""
-    E = int(num_experts)
-    carry: pa.Table | None = None
-    last_key = None
-    for c in chunks:
+class Densifier:
+    """Turns long expert_load chunks (``step, layer, expert, tokens``, optional all-null
+    ``slot``/``src_rank``) into expert_counts rows, chunk by chunk: the rows must come
+    ordered by (step, layer), every expert 0..E-1 once per (step, layer), in expert order;
+    a (step, layer) may straddle two chunks. :meth:`feed` raises :class:`NotDense` on the
+    first chunk that breaks this (the caller keeps the long rows instead)."""
+
+    def __init__(self, num_experts: int):
+        self.E = int(num_experts)
+        self._carry: pa.Table | None = None
+        self._last_key: int | None = None
+
+    def feed(self, c: pa.Table) -> pa.Table | None:
+        E = self.E
         for col in ("slot", "src_rank"):
             if col in c.column_names and c.column(col).null_count != c.num_rows:
                 raise NotDense(f"{col} is set")
         c = c.select(["step", "layer", "expert", "tokens"])
-        if carry is not None and carry.num_rows:
-            c = pa.concat_tables([carry, c.cast(carry.schema)])
+        if self._carry is not None and self._carry.num_rows:
+            c = pa.concat_tables([self._carry, c.cast(self._carry.schema)])
         full = (c.num_rows // E) * E
-        carry = c.slice(full)
+        self._carry = c.slice(full)
         if not full:
-            continue
+            return None
         body = c.slice(0, full)
         step = body.column("step").to_numpy().reshape(-1, E)
         layer = body.column("layer").to_numpy().reshape(-1, E)
@@ -97,12 +101,24 @@ def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Ta
         if not ((expert == np.arange(E)).all() and (step == step[:, :1]).all() and (layer == layer[:, :1]).all()):
             raise NotDense("rows are not complete (step, layer) groups in expert order")
         key = step[:, 0].astype(np.int64) * (1 << 32) + layer[:, 0].astype(np.int64)
-        if (np.diff(key) <= 0).any() or (last_key is not None and key[0] <= last_key):
+        if (np.diff(key) <= 0).any() or (self._last_key is not None and key[0] <= self._last_key):
             raise NotDense("(step, layer) groups are not in increasing order")
-        last_key = int(key[-1])
-        yield dense_table(step[:, 0], layer[:, 0], body.column("tokens").to_numpy().reshape(-1, E))
-    if carry is not None and carry.num_rows:
-        raise NotDense("the last (step, layer) group is incomplete")
+        self._last_key = int(key[-1])
+        return dense_table(step[:, 0], layer[:, 0], body.column("tokens").to_numpy().reshape(-1, E))
+
+    def finish(self) -> None:
+        if self._carry is not None and self._carry.num_rows:
+            raise NotDense("the last (step, layer) group is incomplete")
+
+
+def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Table]:
+    """expert_counts rows from long expert_load chunks (see :class:`Densifier`)."""
+    d = Densifier(num_experts)
+    for c in chunks:
+        out = d.feed(c)
+        if out is not None:
+            yield out
+    d.finish()
 
 
 # ----------------------------------------------------------------------------- reading

@@ -17,14 +17,19 @@ offending key, expected and found, how many keys differ). With ``--allow-inconsi
 set and one statement per broken law appended to ``runs.approximations``.
 
 Tables a collector hands over as one-shot iterators (streamed) cannot be read twice; a
-list or tuple of chunks is aggregated chunk by chunk. A law that could not be checked
-for that reason is stated in ``runs.approximations`` rather than passed silently.
+list or tuple of chunks, or a re-readable stream (an iterable whose ``iter()`` starts a
+new pass, e.g. the generic collector's file batches), is aggregated chunk by chunk with
+exact integer totals, so memory follows the number of (step, layer) keys, not the rows.
+A law that could not be checked for that reason is stated in ``runs.approximations``
+rather than passed silently. The dense layout (``expert_counts``: one list of expert
+counts per step and layer) is checked as the long rows it stands for.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -53,9 +58,47 @@ def _chunks(data) -> Iterator[pa.Table] | None:
         return iter([pa.table(data)])
     if hasattr(data, "to_arrow") and not isinstance(data, (list, tuple)):
         return iter([data.to_arrow()])
-    if isinstance(data, (list, tuple)):
+    if isinstance(data, (list, tuple)) or iter(data) is not data:     # re-readable: a fresh pass
         return (c if isinstance(c, pa.Table) else pa.table(c) if isinstance(c, dict) else c.to_arrow() for c in data)
     return None
+
+
+def _unnest_counts(c: pa.Table) -> pa.Table:
+    """expert_counts rows as the long (step, layer, expert, tokens) rows they stand for."""
+    lists = c.column("tokens").combine_chunks()
+    off = lists.offsets.to_numpy()
+    width = np.diff(off)
+    row = np.repeat(np.arange(c.num_rows), width)
+    expert = np.arange(off[-1] - off[0]) - np.repeat(off[:-1] - off[0], width)
+    return pa.table({"step": c.column("step").take(pa.array(row)).cast(pa.int64()),
+                     "layer": c.column("layer").take(pa.array(row)).cast(pa.int64()),
+                     "expert": pa.array(expert, pa.int64()),
+                     "tokens": lists.values.slice(off[0], off[-1] - off[0])})
+
+
+def _load(rd):
+    """The run's expert counts as long rows: expert_load as is, expert_counts unnested
+    (chunk by chunk), both when both are present; None when there are none. A one-shot
+    stream among them makes the whole a one-shot stream (see :func:`_chunks`)."""
+    parts = [rd.tables.get("expert_load"), rd.tables.get("expert_counts")]
+    if parts[0] is None and parts[1] is None:
+        return None
+    if any(p is not None and _is_stream(p) for p in parts):
+        return iter(())                                      # one-shot: reported as streamed
+    return _LoadChunks(parts[0], parts[1])
+
+
+class _LoadChunks:
+    def __init__(self, long, dense):
+        self.long, self.dense = long, dense
+
+    def __iter__(self):
+        if self.long is not None:
+            yield from _chunks(self.long)
+        if self.dense is not None:
+            for c in _chunks(self.dense):
+                if c.num_rows:
+                    yield _unnest_counts(c)
 
 
 def _group_sum(data, keys: list[str], value: str | None) -> pa.Table | None:
@@ -90,7 +133,7 @@ def _check_tokens(rd) -> str | None:
     """Law 1. Returns a 'not checked' note when it could not be checked for a stream."""
     run = rd.run
     k = run.get("top_k")
-    load = rd.tables.get("expert_load")
+    load = _load(rd)
     if load is None or not k:
         return None
     steps = rd.tables.get("steps")
@@ -148,7 +191,7 @@ def _check_tokens(rd) -> str | None:
 
 def _check_routing(rd) -> str | None:
     """Law 2."""
-    routing, load = rd.tables.get("routing"), rd.tables.get("expert_load")
+    routing, load = rd.tables.get("routing"), _load(rd)
     if routing is None or load is None:
         return None
     keys = ["step", "layer", "expert"]

@@ -4,23 +4,42 @@ expert_load needs ``step, layer, expert, tokens`` (optional ``slot, src_rank``);
 needs ``step, layer, token, expert`` (optional ``choice, src_rank, slot, gate``; without
 ``choice`` the order of a token's rows gives it). Routing is also aggregated into
 expert_load so every metric works on it. Each file is one run.
+
+expert_load files stream (docs/scale.md): Parquet is read in row batches of
+:data:`BATCH_ROWS`, CSV and JSONL are read whole and then cut into the same batches. A
+first pass checks every batch (integer columns, nulls, negative values, ids inside the
+shape given) and notes the shape; the rows are written in a second pass over the file,
+batch by batch, so memory does not grow with the file. A file whose rows are complete
+(step, layer) groups of experts 0..E-1 in order (no slot, no source rank) is stored in the
+dense layout (``expert_counts``, one row per step and layer); any other file as long
+``expert_load`` rows (``--set layout=long`` forces that). Duplicate rows are found by
+DuckDB over the key columns (it spills), or ruled out by the dense order.
 """
 from __future__ import annotations
 
 import json
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 
+from .. import schema
 from ..errors import InputError
 from ..store import sha256_files
-from . import Collector, RunData, register
+from . import Collector, RunData, head, register
 
 LOAD_REQ = ["step", "layer", "expert", "tokens"]
 LOAD_OPT = ["slot", "src_rank"]
 ROUTE_REQ = ["step", "layer", "token", "expert"]
 ROUTE_OPT = ["choice", "src_rank", "slot", "gate"]
 _INT_COLS = {"step", "layer", "expert", "tokens", "slot", "src_rank", "token", "choice"}
+#: rows per batch of the streamed expert_load path
+BATCH_ROWS = 1 << 20
+#: progress lines on stderr for files of more rows than this (or with ``--set progress=1``)
+PROGRESS_ROWS = 8_000_000
 
 
 def _kind_of(path: Path, head: bytes) -> str | None:
@@ -83,7 +102,8 @@ def _read_jsonl(path: Path) -> pl.DataFrame:
         raise InputError(path, f"inconsistent column types: {e}") from None
 
 
-def _ints(df: pl.DataFrame, path: Path) -> pl.DataFrame:
+def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
+    """Integer columns as Int64 (``offset``: rows before this batch, for positions)."""
     for c in df.columns:
         if c not in _INT_COLS:
             continue
@@ -92,7 +112,7 @@ def _ints(df: pl.DataFrame, path: Path) -> pl.DataFrame:
             bad = s.is_nan() | (s != s.round(0))
             if bad.any():
                 i = int(bad.arg_max())
-                raise InputError(path, f"column {c!r} holds a non-integer value {s[i]!r}", f"row {i + 1}")
+                raise InputError(path, f"column {c!r} holds a non-integer value {s[i]!r}", f"row {offset + i + 1}")
         elif not s.dtype.is_integer() and s.dtype != pl.Null:
             try:
                 df = df.with_columns(pl.col(c).cast(pl.Int64, strict=True))
@@ -106,17 +126,259 @@ def _ints(df: pl.DataFrame, path: Path) -> pl.DataFrame:
     return df
 
 
+def _parse_error(path: Path, e: BaseException) -> InputError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return InputError(path, f"cannot parse: {msg}")
+
+
+def _frames(path: Path) -> Iterator[pl.DataFrame]:
+    """The file's rows in batches of at most :data:`BATCH_ROWS`: Parquet streamed by
+    row batches, CSV and JSONL read whole and cut."""
+    if path.name.lower().endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            it = pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise _parse_error(path, e) from None
+        while True:
+            try:
+                b = next(it)
+            except StopIteration:
+                return
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:
+                raise _parse_error(path, e) from None
+            if b.num_rows:
+                yield pl.from_arrow(b)
+        return
+    df = _read(path)
+    for off in range(0, df.height, BATCH_ROWS):
+        yield df.slice(off, BATCH_ROWS)
+
+
+def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shape: dict) -> pl.DataFrame:
+    """One batch of expert_load rows: the contract's columns as Int64 (absent optional ones
+    null), required ones non-null, counts and ids non-negative and inside ``shape``."""
+    if set(df.columns) != cols:
+        raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", f"row {offset + 1}")
+    df = _ints(df.select([c for c in LOAD_REQ + LOAD_OPT if c in cols]), path, offset)
+    for c in LOAD_REQ:
+        if df[c].null_count():
+            i = int(df[c].is_null().arg_max())
+            raise InputError(path, f"column {c!r} is empty", f"row {offset + i + 1}")
+    for c in LOAD_OPT:
+        if c not in df.columns:
+            df = df.with_columns(pl.lit(None, dtype=pl.Int64).alias(c))
+    for c in ("layer", "expert", "slot", "step", "src_rank", "tokens"):
+        col = df[c]
+        mn = col.min()
+        if mn is not None and mn < 0:
+            i = int((col < 0).fill_null(False).arg_max())
+            raise InputError(path, f"expert_load.{c} = {col[i]} is negative", f"row {offset + i + 1}")
+        upper = shape.get(c)
+        mx = col.max()
+        if upper is not None and mx is not None and mx >= upper:
+            i = int((col >= upper).fill_null(False).arg_max())
+            raise InputError(path, f"expert_load.{c} = {col[i]} is outside the run's shape (0..{upper - 1})",
+                             f"row {offset + i + 1}")
+    df = df.select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
+    t = df.to_arrow()
+    schema.conform("expert_load", t.append_column("run_id", pa.array(["_"] * t.num_rows, pa.string())),
+                   file=str(path))      # the contract's types (an id beyond int32 is refused here)
+    return df
+
+
+def _load_arrow(df: pl.DataFrame) -> pa.Table:
+    t = df.to_arrow()
+    return pa.table({"step": t.column("step"), "layer": t.column("layer").cast(pa.int32()),
+                     "expert": t.column("expert").cast(pa.int32()), "slot": t.column("slot").cast(pa.int32()),
+                     "src_rank": t.column("src_rank").cast(pa.int32()), "tokens": t.column("tokens")})
+
+
+class _Progress:
+    def __init__(self, path: Path, what: str, enabled: bool):
+        self.path, self.what, self.enabled = path, what, enabled
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, rows: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.enabled and (force or now - self.last >= 5):
+            self.last = now
+            print(f"moetrace: {self.path.name}: {self.what} {rows:,} rows, {now - self.t0:.0f} s", file=sys.stderr,
+                  flush=True)
+
+
+def _first_duplicate(path: Path, cols: set, shape: dict) -> dict | None:
+    """The first (step, layer, expert, slot, src_rank) key that repeats, found by DuckDB
+    over the key columns of every batch (its aggregation spills to disk)."""
+    import duckdb
+
+    schema = pa.schema([(c, pa.int64()) for c in ("step", "layer", "expert", "slot", "src_rank")])
+
+    def keys():
+        off = 0
+        for df in _frames(path):
+            b = _check_load_batch(df, path, off, cols, shape)
+            off += df.height
+            yield from b.select(schema.names).cast(pl.Int64).to_arrow().to_batches()
+
+    con = duckdb.connect(":memory:")
+    con.execute("SET preserve_insertion_order=false")
+    reader = pa.RecordBatchReader.from_batches(schema, keys())
+    con.register("_keys", reader)
+    row = con.execute("SELECT step, layer, expert, count(*) AS n FROM _keys GROUP BY step, layer, expert, slot, "
+                      "src_rank HAVING count(*) > 1 ORDER BY step, layer, expert LIMIT 1").fetchone()
+    con.close()
+    return None if row is None else {"step": row[0], "layer": row[1], "expert": row[2], "len": row[3]}
+
+
+def _collect_load(path: Path, cols: set, options: dict) -> RunData:
+    """The streamed expert_load path: check every batch (first pass), then hand the store
+    a re-readable stream of dense or long rows (second pass, when written)."""
+    L, E = options.get("num_layers"), options.get("num_experts")
+    shape = {"layer": L, "expert": E, "slot": options.get("num_slots") or E, "src_rank": options.get("num_ranks")}
+    rows = 0
+    mx = {"layer": -1, "expert": -1, "slot": -1, "src_rank": -1}
+    dens = None if options.get("layout") == "long" else "?"       # "?": dense so far
+    densifier = None
+    prog = None
+    for df in _frames(path):
+        b = _check_load_batch(df, path, rows, cols, shape)
+        for c in mx:
+            v = b[c].max()
+            if v is not None:
+                mx[c] = max(mx[c], int(v))
+        if dens is not None:
+            try:
+                if densifier is None:       # group size = rows of the first (step, layer)
+                    st, la = b["step"].to_numpy(), b["layer"].to_numpy()
+                    brk = (st != st[0]) | (la != la[0])
+                    if not brk.any():
+                        raise _NotDense()
+                    densifier = _dense().Densifier(int(brk.argmax()))
+                densifier.feed(_load_arrow(b))
+            except (_NotDense, _dense().NotDense):
+                dens = None
+        rows += b.height
+        if prog is None:
+            prog = _Progress(path, "checked", bool(options.get("progress")) or path.stat().st_size > 64 << 20)
+        prog(rows)
+    if rows == 0:
+        raise InputError(path, "file holds no rows")
+    E_run = E or mx["expert"] + 1
+    if dens is not None:
+        try:
+            densifier.finish()
+            if densifier.E != E_run:
+                dens = None
+        except _dense().NotDense:
+            dens = None
+    # slot and src_rank bounds that depend on an inferred E: checked once E is known
+    late = {"slot": options.get("num_slots") or E_run, "src_rank": options.get("num_ranks")}
+    for c, upper in late.items():
+        if upper is not None and mx[c] >= upper:
+            _locate(path, cols, c, upper)
+    if dens is None:
+        dup = _first_duplicate(path, cols, shape)
+        if dup:
+            raise InputError(path, f"duplicate expert_load row for step={dup['step']}, layer={dup['layer']}, "
+                                   f"expert={dup['expert']} ({dup['len']} rows)")
+    big = bool(options.get("progress")) or rows > PROGRESS_ROWS
+
+    def stream() -> Iterator[pa.Table]:
+        p = _Progress(path, "written", big)
+        off = 0
+        d = _dense().Densifier(E_run) if dens is not None else None
+        for df in _frames(path):
+            b = _load_arrow(_check_load_batch(df, path, off, cols, shape))
+            off += b.num_rows
+            out = d.feed(b) if d is not None else b
+            if out is not None and out.num_rows:
+                yield out
+            p(off)
+        if d is not None:
+            d.finish()
+        p(off, force=big)
+
+    table = "expert_counts" if dens is not None else "expert_load"
+    approx = []
+    if not L:
+        approx.append("num_layers inferred from the highest layer id")
+    if not E:
+        approx.append("num_experts inferred from the highest expert id")
+    run = _run_row(path, options, "expert_load", mx["layer"] + 1, E_run, None, approx)
+    return RunData(run=run, tables={table: Rereadable(stream)}, run_id_hint=path.name.split(".")[0],
+                   files=[str(path)])
+
+
+class _NotDense(Exception):
+    pass
+
+
+def _dense():
+    from ..analyze import dense
+    return dense
+
+
+def _locate(path: Path, cols: set, column: str, upper: int) -> None:
+    """Raise for the first row whose ``column`` is >= ``upper`` (second look at the file)."""
+    off = 0
+    for df in _frames(path):
+        b = _check_load_batch(df, path, off, cols, {column: upper})
+        off += b.height
+    raise AssertionError("unreachable: a value out of range was seen")
+
+
+class Rereadable:
+    """A table handed to the store as a stream that can be read again (each iteration
+    calls ``factory`` anew): written batch by batch, and checks that need a second look
+    (collect/conservation.py) can take one."""
+
+    def __init__(self, factory):
+        self.factory = factory
+
+    def __iter__(self):
+        return iter(self.factory())
+
+
+def _run_row(path: Path, options: dict, kind: str, L_seen: int, E: int, top_k_seen, approx: list) -> dict:
+    L = options.get("num_layers") or L_seen
+    return {
+        "source": path.name,
+        "source_sha256": sha256_files([path]),
+        "time_base": "none",
+        "num_layers": L,
+        "num_experts": E,
+        "top_k": options.get("top_k") or top_k_seen,
+        "num_ranks": options.get("num_ranks"),
+        "ranks_per_node": options.get("ranks_per_node"),
+        "num_slots": options.get("num_slots") or E,
+        "num_groups": options.get("num_groups"),
+        "approximations": json.dumps(approx) if approx else None,
+        "meta_json": json.dumps({"table": kind, "format": _kind_of(path, head(path))}),
+    }
+
+
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
     out = []
     for path in paths:
-        df = _read(path)
-        if df.height == 0:
+        frames = _frames(path)
+        first = next(frames, None)
+        if first is None:
             raise InputError(path, "file holds no rows")
-        cols = set(df.columns)
+        cols = set(first.columns)
         if set(LOAD_REQ) <= cols:
-            kind, req, opt = "expert_load", LOAD_REQ, LOAD_OPT
-        elif set(ROUTE_REQ) <= cols:
-            kind, req, opt = "routing", ROUTE_REQ, ROUTE_OPT
+            frames.close()
+            out.append(_collect_load(path, cols, options))
+            continue
+        # routing (or missing columns): read whole, as before (aggregated into expert_load)
+        df = pl.concat([first, *frames], how="vertical_relaxed")
+        if set(ROUTE_REQ) <= cols:
+            req, opt = ROUTE_REQ, ROUTE_OPT
         else:
             miss_l = [c for c in LOAD_REQ if c not in cols]
             miss_r = [c for c in ROUTE_REQ if c not in cols]
@@ -131,51 +393,27 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
             if c not in df.columns:
                 df = df.with_columns(pl.lit(None, dtype=pl.Int64 if c != "gate" else pl.Float32).alias(c))
         approx = []
-        if kind == "routing":
-            if "choice" not in cols:
-                df = df.with_columns(pl.int_range(pl.len()).over(["step", "layer", "token"]).alias("choice"))
-                approx.append("routing.choice inferred from row order within each token")
-            neg = df.filter(pl.col("expert") < 0)
-            if neg.height:
-                raise InputError(path, f"expert id {neg['expert'][0]} is negative")
-            routing = df.select(["step", "layer", "token", "src_rank", "choice", "expert", "slot", "gate"])
-            load = (routing.group_by(["step", "layer", "expert"])
-                    .agg(pl.len().cast(pl.Int64).alias("tokens"))
-                    .with_columns(pl.lit(None, pl.Int64).alias("slot"), pl.lit(None, pl.Int64).alias("src_rank"))
-                    .select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
-                    .sort(["step", "layer", "expert"]))
-            tables = {"routing": routing, "expert_load": load}
-            top_k_seen = int(routing["choice"].max()) + 1
-        else:
-            load = df.select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
-            dup = load.group_by(["step", "layer", "expert", "slot", "src_rank"]).len().filter(pl.col("len") > 1)
-            if dup.height:
-                r = dup.row(0, named=True)
-                raise InputError(path, f"duplicate expert_load row for step={r['step']}, layer={r['layer']}, "
-                                       f"expert={r['expert']} ({r['len']} rows)")
-            tables = {"expert_load": load}
-            top_k_seen = None
-        L = options.get("num_layers") or (int(df["layer"].max()) + 1)
+        if "choice" not in cols:
+            df = df.with_columns(pl.int_range(pl.len()).over(["step", "layer", "token"]).alias("choice"))
+            approx.append("routing.choice inferred from row order within each token")
+        neg = df.filter(pl.col("expert") < 0)
+        if neg.height:
+            raise InputError(path, f"expert id {neg['expert'][0]} is negative")
+        routing = df.select(["step", "layer", "token", "src_rank", "choice", "expert", "slot", "gate"])
+        load = (routing.group_by(["step", "layer", "expert"])
+                .agg(pl.len().cast(pl.Int64).alias("tokens"))
+                .with_columns(pl.lit(None, pl.Int64).alias("slot"), pl.lit(None, pl.Int64).alias("src_rank"))
+                .select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
+                .sort(["step", "layer", "expert"]))
+        top_k_seen = int(routing["choice"].max()) + 1
         E = options.get("num_experts") or (int(df["expert"].max()) + 1)
         if not options.get("num_layers"):
             approx.append("num_layers inferred from the highest layer id")
         if not options.get("num_experts"):
             approx.append("num_experts inferred from the highest expert id")
-        run = {
-            "source": path.name,
-            "source_sha256": sha256_files([path]),
-            "time_base": "none",
-            "num_layers": L,
-            "num_experts": E,
-            "top_k": options.get("top_k") or top_k_seen,
-            "num_ranks": options.get("num_ranks"),
-            "ranks_per_node": options.get("ranks_per_node"),
-            "num_slots": options.get("num_slots") or E,
-            "num_groups": options.get("num_groups"),
-            "approximations": json.dumps(approx) if approx else None,
-            "meta_json": json.dumps({"table": kind, "format": _kind_of(path, path.read_bytes()[:4096])}),
-        }
-        out.append(RunData(run=run, tables=tables, run_id_hint=path.name.split(".")[0], files=[str(path)]))
+        run = _run_row(path, options, "routing", int(df["layer"].max()) + 1, E, top_k_seen, approx)
+        out.append(RunData(run=run, tables={"routing": routing, "expert_load": load},
+                           run_id_hint=path.name.split(".")[0], files=[str(path)]))
     return out
 
 
