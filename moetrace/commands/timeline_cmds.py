@@ -58,7 +58,7 @@ def waits(store, run_id, by, fmt, output):
                        f"last to arrive at {top['times_last']} of {res.instances.height} instances.")
 
 
-def _floats(ctx, param, value):
+def _ints(ctx, param, value):
     if value in (None, ""):
         return ()
     try:
@@ -74,7 +74,10 @@ def _floats(ctx, param, value):
               help="Which what-if to run.")
 @click.option("--split-extra-us", default=0.0, show_default=True,
               help="Overlap: extra compute per layer of running each expert twice on half the tokens, µs.")
-@click.option("--domains", callback=_floats, default="8,16,72", show_default=True,
+@click.option("--a2a-latency-us", type=float, default=None,
+              help="Overlap: the all-to-all's fixed cost per layer, paid once more per extra micro-batch, µs "
+                   "(default: measured from the matched all-to-all instances).")
+@click.option("--domains", callback=_ints, default="8,16,72", show_default=True,
               help="Domain size: ranks per NVLink domain to compare with the run's own.")
 @hardware_option(help="Domain size: NVLink and NIC rates of this preset.")
 @click.option("--tokens", type=float, default=None, help="Disaggregation: tokens per layer in a batch (default: "
@@ -95,7 +98,7 @@ def _floats(ctx, param, value):
               help="Write a Chrome trace (Perfetto) of the overlap what-if for the step with most exposed all-to-all.")
 @click.option("--no-write", is_flag=True, help="Print only; do not append replay_whatif rows to the store.")
 @output_options
-def whatif(store, run_id, only, split_extra_us, domains, hardware, tokens, gpus, attn_ns, expert_ns, transfer_ns,
+def whatif(store, run_id, only, split_extra_us, a2a_latency_us, domains, hardware, tokens, gpus, attn_ns, expert_ns, transfer_ns,
            fixed_attn_ns, fixed_expert_ns, max_micro_batches, trace_path, no_write, fmt, output):
     """What overlap, disaggregation or a bigger NVLink domain would have done.
 
@@ -116,6 +119,7 @@ def whatif(store, run_id, only, split_extra_us, domains, hardware, tokens, gpus,
     rid = st.resolve_run(run_id)
     rep = run_whatifs(st, rid, overlap=only in ("all", "overlap"), disagg=only in ("all", "disagg"),
                       domains=domains if only in ("all", "domain") else (), split_extra_ns=split_extra_us * 1e3,
+                      a2a_latency_ns=None if a2a_latency_us is None else a2a_latency_us * 1e3,
                       hardware=hardware, tokens=tokens, gpus=gpus, ta_ns=attn_ns, te_ns=expert_ns,
                       tc_ns=transfer_ns, fa_ns=fixed_attn_ns, fe_ns=fixed_expert_ns,
                       max_micro_batches=max_micro_batches, write=not no_write, trace_path=trace_path)

@@ -24,8 +24,10 @@ OVERLAP_ASSUMPTIONS = (
     "each micro-batch's exposed all-to-all e hides behind the other's compute: layer time max(c + extra, e); "
     "the second micro-batch's last combine has nothing to hide behind (+ half the last layer's exposed "
     "combine); waiting for a peer is treated like transfer; 'extra' is the cost of running each expert "
-    "twice on half the tokens (split_extra_ns per layer, 0 = halves cost exactly half); "
-    "step time = slowest rank")
+    "twice on half the tokens (split_extra_ns per layer, 0 = halves cost exactly half); each micro-batch pays "
+    "the all-to-all's fixed latency again (a2a_latency_ns per layer, added to the exposed all-to-all); the "
+    "transfer progresses without taking compute resources (true of NVLink/RDMA copy engines and DeepEP's few "
+    "SMs, not of a CPU all-to-all); step time = slowest rank")
 
 
 @dataclass
@@ -36,6 +38,7 @@ class OverlapResult:
     exposed_before_ns: np.ndarray   # [S] exposed all-to-all, mean over ranks
     exposed_after_ns: np.ndarray    # [S] predicted exposed all-to-all, mean over ranks
     split_extra_ns: float
+    a2a_latency_ns: float = 0.0
     assumptions: str = OVERLAP_ASSUMPTIONS
 
     @property
@@ -43,11 +46,12 @@ class OverlapResult:
         return float(self.before_ns.sum() / max(self.after_ns.sum(), 1.0))
 
 
-def overlap_two_micro_batches(steps, step_ns, exposed_ns, combine_exposed_ns, split_extra_ns: float = 0.0
-                              ) -> OverlapResult:
+def overlap_two_micro_batches(steps, step_ns, exposed_ns, combine_exposed_ns, split_extra_ns: float = 0.0,
+                              a2a_latency_ns: float = 0.0) -> OverlapResult:
     """``step_ns [S, R]`` recorded step time per rank; ``exposed_ns [S, L, R]`` exposed
     all-to-all (dispatch + combine) per layer; ``combine_exposed_ns [S, L, R]`` its combine
-    part. Returns before / after per step (see :data:`OVERLAP_ASSUMPTIONS`)."""
+    part; ``a2a_latency_ns``: the all-to-all's fixed cost per layer (paid once more with two
+    micro-batches). Returns before / after per step (see :data:`OVERLAP_ASSUMPTIONS`)."""
     step_ns = np.asarray(step_ns, np.float64)
     e = np.asarray(exposed_ns, np.float64)
     b = np.asarray(combine_exposed_ns, np.float64)
@@ -57,12 +61,12 @@ def overlap_two_micro_batches(steps, step_ns, exposed_ns, combine_exposed_ns, sp
     c = np.maximum(step_ns - e.sum(axis=1), 0.0)[:, None, :] / L          # [S, 1, R]
     cx = c + float(split_extra_ns)
     # the second micro-batch's last combine (half the last layer's combine) cannot hide
-    hideable = e.copy()
+    hideable = e + float(a2a_latency_ns)
     hideable[:, -1, :] -= b[:, -1, :] / 2
     exposed_after = np.maximum(hideable - cx, 0.0).sum(axis=1) + b[:, -1, :] / 2   # [S, R]
     after = cx[:, 0, :] * L + exposed_after                                 # [S, R]
     return OverlapResult(np.asarray(steps), step_ns.max(axis=1), after.max(axis=1), e.sum(axis=1).mean(axis=1),
-                         exposed_after.mean(axis=1), float(split_extra_ns))
+                         exposed_after.mean(axis=1), float(split_extra_ns), float(a2a_latency_ns))
 
 
 # ----------------------------------------------------------------------------- disaggregation

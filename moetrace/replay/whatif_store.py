@@ -82,8 +82,16 @@ def overlap_inputs(store, run_id: str) -> dict | None:
     keep = ~np.isnan(step_ns).any(axis=1)
     if not keep.any():
         return None
+    lat = store.sql("""SELECT quantile_cont(min_transfer_ns, 0.1) AS lat, count(*) AS n,
+                              count(DISTINCT (step, layer)) AS cells
+                       FROM coll_instances WHERE run_id = ? AND coll_key = 'all_to_all' AND step IS NOT NULL
+                       AND layer IS NOT NULL AND NOT clock_inconsistent""", [run_id]).row(0, named=True)
+    per_layer = (max(float(lat["lat"]), 0.0) * lat["n"] / lat["cells"]) if lat["cells"] else 0.0
     return {"steps": steps[keep], "layers": layers, "ranks": ranks, "step_ns": step_ns[keep],
-            "exposed_ns": e[keep], "combine_exposed_ns": b[keep]}
+            "exposed_ns": e[keep], "combine_exposed_ns": b[keep], "a2a_latency_ns": per_layer,
+            "a2a_latency_from": (f"measured: 10th percentile of the all-to-all instances' transfer after the last "
+                                 f"arrival ({float(lat['lat'] or 0) / 1e3:.1f} µs) x {lat['n'] / lat['cells']:.1f} "
+                                 "instances per layer") if lat["cells"] else "no matched all-to-all instances: 0"}
 
 
 def disagg_inputs(store, run_id: str) -> dict:
@@ -160,7 +168,7 @@ def traffic(store, run_id: str) -> tuple[np.ndarray, np.ndarray, list[str]] | No
 
 # ----------------------------------------------------------------------------- run
 def run_whatifs(store, run_id: str, *, overlap: bool = True, disagg: bool = True, domains=(8, 16, 72),
-                split_extra_ns: float = 0.0, hardware: str = "H200", tokens: float | None = None,
+                split_extra_ns: float = 0.0, a2a_latency_ns: float | None = None, hardware: str = "H200", tokens: float | None = None,
                 gpus: int | None = None, ta_ns: float | None = None, te_ns: float | None = None,
                 tc_ns: float | None = None, fa_ns: float = 0.0, fe_ns: float = 0.0, max_micro_batches: int = 8,
                 write: bool = True, trace_path: str | Path | None = None) -> WhatIfReport:
@@ -173,9 +181,11 @@ def run_whatifs(store, run_id: str, *, overlap: bool = True, disagg: bool = True
         if inp is None:
             rep.notes.append("overlap: no all-to-all spans with a step and layer, or no step times: skipped")
         else:
+            if a2a_latency_ns is not None:
+                inp["a2a_latency_ns"], inp["a2a_latency_from"] = float(a2a_latency_ns), "given"
             rep.overlap_inputs = inp
             rep.overlap = overlap_two_micro_batches(inp["steps"], inp["step_ns"], inp["exposed_ns"],
-                                                    inp["combine_exposed_ns"], split_extra_ns)
+                                                    inp["combine_exposed_ns"], split_extra_ns, inp["a2a_latency_ns"])
     if disagg:
         inp = disagg_inputs(store, run_id)
         given = {"tokens": tokens, "gpus": gpus, "ta_ns": ta_ns, "te_ns": te_ns, "tc_ns": tc_ns}
@@ -238,7 +248,8 @@ def rows_table(rep: WhatIfReport) -> pa.Table:
 
     o = rep.overlap
     if o is not None:
-        p = {"split_extra_ns": o.split_extra_ns, "error_band_source": rep.rel_error_source}
+        p = {"split_extra_ns": o.split_extra_ns, "a2a_latency_ns": o.a2a_latency_ns,
+             "a2a_latency_from": rep.overlap_inputs.get("a2a_latency_from"), "error_band_source": rep.rel_error_source}
         for i, s in enumerate(o.steps):
             add("overlap", "two micro-batches", int(s), "step_ns", o.before_ns[i], o.after_ns[i], "ns", o.assumptions, p)
             add("overlap", "two micro-batches", int(s), "exposed_a2a_ns", o.exposed_before_ns[i],
@@ -291,7 +302,7 @@ def chrome_trace(path, rep: WhatIfReport) -> Path:
     L, R = e.shape
     c = np.maximum(inp["step_ns"][i] - e.sum(axis=0), 0) / L          # [R]
     cx = c + o.split_extra_ns
-    hide = e.copy()
+    hide = e + o.a2a_latency_ns
     hide[-1] -= b[-1] / 2
     after = np.maximum(hide - cx, 0)
     after[-1] += b[-1] / 2
