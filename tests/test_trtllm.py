@@ -147,3 +147,17 @@ def test_sample_folder_ingests(tmp_path):
     assert res[0].rows["placement"] == 40
     # 4 ranks x 8 iterations x 32 tokens, rank 3 idle once, top-2, 2 layers
     assert st.sql("SELECT sum(tokens) AS t FROM expert_load")["t"][0] == (4 * 8 - 1) * 32 * 2 * 2
+
+
+def test_report_on_the_sample(tmp_path, runner, cli):
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent.parent / "sample_traces"
+    ingest(Store(tmp_path / "st", create=True), [here / "trtllm_stats", here / "trtllm_moe_load_balancer.yaml"],
+           run_id="trt")
+    r = runner.invoke(cli, ["report", str(tmp_path / "st"), "--run", "trt", "--out", str(tmp_path / "rep"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    md = (tmp_path / "rep" / "report.md").read_text()
+    # the sample idles rank 3 in one of 8 iterations: 1 dummy step of 4 x 8 (step, rank) pairs
+    assert "1 of 32 (step, rank) pairs were dummy steps" in md
+    assert "steps.num_tokens inferred" in md and "Per-layer skew" in md
