@@ -6,11 +6,19 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 OUT="${1:-moetrace-demo}"
 rm -rf "$OUT"
-run() { echo; echo "\$ $*"; "$@"; }
+# echo each command so it can be pasted back: arguments with spaces or quotes in single quotes
+show() {
+    local out="\$" a
+    for a in "$@"; do
+        if [[ "$a" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then out+=" $a"; else out+=" '${a//\'/\'\\\'\'}'"; fi
+    done
+    echo "$out"
+}
+run() { echo; show "$@"; "$@"; }
 
 # 1. a DeepSeek-V3-shaped serving run (expert load per step; 32 ranks, 8 per node)
 run moetrace ingest "$HERE/dsv3_synth_expert_load.parquet" --store "$OUT/store" \
-    --run-id dsv3 --ranks 32 --ranks-per-node 8 --top-k 8 --experts 256 --layers 4
+    --run-id dsv3 --ranks 32 --ranks-per-node 8 --top-k 8 --experts 256 --layers 4 --groups 8
 # 2. a real expert-parallel run on CPU (4 gloo ranks, profiler traces, routing, dummy steps),
 #    and the same traffic re-run for real under an EPLB placement planned from the first
 run moetrace ingest "$HERE/refrun" --store "$OUT/store" --run-id refrun

@@ -212,9 +212,9 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
             raise click.UsageError("--replan-every needs --policy (the planner re-run at every re-plan)")
         d = run.drift(policy, replan_every, window, max_moves=max_moves, static_window=fit_window, **common, **shape_kw)
         if plot:
-            from ..replay.plots import drift_plot
+            from ..report.plots import drift_from_dict
 
-            drift_plot(d.to_dict(series=True), plot)
+            drift_from_dict(d.to_dict(series=True), plot)
         if as_json:
             echo_json(d.to_dict())
             return
@@ -306,7 +306,7 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
                     groups=groups, nodes=nodes, rpn=rpn, split=split, hardware=hardware, stall_ms=stall_ms,
                     overlap=move_overlap, passes=passes)
     if plot:
-        from ..replay.plots import decision_plot
+        from ..report.plots import decision as decision_plot
 
         decision_plot(res.rows, plot)
         click.echo(f"wrote {plot}", err=True)

@@ -229,3 +229,113 @@ def stacked(path, labels, parts: dict[str, np.ndarray], *, title: str, xlabel: s
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     return save(fig, path)
+
+
+# ----------------------------------------------------------------------------- style helpers
+def from_zero(ax, x: bool = False, y: bool = True, headroom: float = 0.12):
+    """Start the value axes at zero (a 1.5% difference must look like 1.5%), with headroom
+    for labels above the highest point."""
+    if y:
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(0, max(hi, 1e-12) * (1 + headroom))
+    if x:
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(0, max(hi, 1e-12) * (1 + headroom))
+
+
+def label_points(ax, xs, ys, labels, color=None, fontsize: int = 7):
+    """Labels beside markers, offset so they never sit on a marker; alternate above/below
+    when neighbours are close."""
+    for i, (x, y, t) in enumerate(zip(xs, ys, labels)):
+        ax.annotate(str(t), (x, y), textcoords="offset points", xytext=(6, 6 if i % 2 == 0 else -10),
+                    fontsize=fontsize, color=color, ha="left", va="bottom" if i % 2 == 0 else "top")
+
+
+def _gib(b) -> str:
+    return "" if b is None else f", {b / 2**30:.2f} GiB moved"
+
+
+# ----------------------------------------------------------------------------- replay
+def drift(path, step, curves: list[tuple[str, np.ndarray, float | None, int | None, int | None]], *,
+          title: str, by_age: dict | None = None, oracle_mean: float | None = None):
+    """Imbalance over time for the plans of one drift comparison: ``curves`` is (name,
+    imbalance per step, mean, expert moves, bytes moved) per plan; the legend and the title
+    state the moves each needed. ``by_age`` ({"age": [...], "mean_imbalance": [...]}) adds
+    how fast a freshly fitted plan goes stale. One function for the CLI (``replay
+    --replan-every --plot``) and the report."""
+    if by_age:
+        fig, ax = figure(13.0, 4.4)
+        fig.clear()
+        ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
+    else:
+        fig, ax = figure(9.5, 4.4)
+        ax2 = None
+    _apply_style(ax)
+    styles = {"oracle": "--"}
+    for name, y, mean, moved, moved_bytes in curves:
+        lab = name + (f" (mean {mean:.3f}×" if mean is not None else " (")
+        lab += (f", {moved} expert moves" if moved is not None else "") + _gib(moved_bytes) + ")"
+        if name == "oracle":
+            lab += " — fitted on the judged steps: a lower bound"
+        ax.plot(step, y, styles.get(name, "-"), lw=1.2, label=lab)
+    ax.axhline(1.0, color="grey", lw=0.6)
+    ax.set_ylim(bottom=min(1.0, ax.get_ylim()[0]))
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean rank tokens (mean over layers)")
+    moves = [(n, m) for n, _, _, m, _ in curves if m and n != "oracle"]
+    ax.set_title(title + ("\n" + "; ".join(f"{n}: {m} expert moves" for n, m in moves) if moves else
+                          "\nno expert moves"))
+    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(0, -0.18), ncol=1)
+    if ax2 is not None:
+        _apply_style(ax2)
+        ax2.plot(by_age["age"], by_age["mean_imbalance"], "o-", color="C1", label="re-planned plan")
+        if oracle_mean is not None:
+            ax2.axhline(oracle_mean, color="C2", ls="--", lw=1, label="oracle (mean)")
+        ax2.set_xlabel("steps since the plan was fitted")
+        ax2.set_ylabel("mean max / mean")
+        ax2.set_title("how fast a fresh plan goes stale")
+        ax2.legend(fontsize=8, frameon=False)
+    return save(fig, path)
+
+
+def drift_from_dict(d: dict, path):
+    """The drift plot of a ``DriftResult.to_dict(series=True)``."""
+    s = d["series"]
+    curves = [(k, np.asarray(s[k], dtype=float), d[k].get("mean_imbalance"), d[k].get("moved_experts"),
+               d[k].get("moved_bytes")) for k in ("static", "replan", "oracle") if k in s and k in d]
+    return drift(path, np.asarray(s["step"]), curves,
+                 title=f"{d['policy']}: re-plan every {d['every']} steps from the last {d['window']}",
+                 by_age=d.get("replan_by_age"), oracle_mean=d.get("oracle", {}).get("mean_imbalance"))
+
+
+def decision(rows, path):
+    """The operator's decision table (``moetrace sweep``): net predicted time per step
+    against extra expert memory per rank (left) and against moved GiB per hour (right),
+    one marker per row, the recorded placement as a dashed line. Axes start at zero;
+    labels sit beside their markers (offset, never on them)."""
+    ok = [r for r in rows if r.skipped is None and r.net_ms is not None]
+    fig, _ = figure(12.0, 4.6)
+    fig.clear()
+    axes = fig.subplots(1, 2)
+    rec = next((r.recorded_ms for r in ok), None)
+    for ax, xkey, xlabel in ((axes[0], "extra_mem_gib_per_rank", "extra expert memory per rank (GiB)"),
+                             (axes[1], "moved_gib_per_hour", "expert weights moved (GiB per hour of predicted time)")):
+        _apply_style(ax)
+        groups = {}
+        for r in ok:
+            groups.setdefault("static" if r.replan_every is None else f"every {r.replan_every}", []).append(r)
+        for i, (name, rs) in enumerate(sorted(groups.items())):
+            xs = [getattr(r, xkey) or 0.0 for r in rs]
+            ax.plot(xs, [r.net_ms for r in rs], "o", color=f"C{i}", label=name)
+            label_points(ax, xs, [r.net_ms for r in rs], [f"+{r.replicas}, w{r.window}: {r.verdict}" for r in rs],
+                         color=f"C{i}")
+        if rec is not None:
+            ax.axhline(rec, color="grey", ls="--", lw=1, label=f"recorded {rec:.3f} ms")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0, top=max([r.net_ms for r in ok] + [rec or 0]) * 1.15 if ok else 1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("net predicted MoE time per step (ms)")
+        ax.legend(loc="lower right", fontsize=8, frameon=False)
+    axes[0].set_title("replica budget: net time vs memory")
+    axes[1].set_title("re-plan interval: net time vs bytes moved")
+    return save(fig, path)

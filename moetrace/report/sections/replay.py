@@ -145,12 +145,15 @@ def _drift_figure(ctx, stored) -> list[Figure]:
     per = ctx.sql("""SELECT replay_id, step, avg(imbalance) AS imbalance FROM replay_layer
                      WHERE run_id = ? AND replay_id IN (SELECT unnest(?)) GROUP BY ALL ORDER BY step""",
                   [ctx.run_id, ids])
-    series = []
+    curves, step = [], None
     for rid in ids:
         d = per.filter(pl.col("replay_id") == rid)
-        series.append((rid.rsplit("-", 1)[1], d["step"].to_numpy(), d["imbalance"].to_numpy()))
-    p = plots.lines(ctx.outdir / "replay_drift.png", series, title="Imbalance over time: static vs re-planned vs oracle",
-                    xlabel="step", ylabel="max / mean rank tokens (mean over layers)", markers=False)
+        r = stored.filter(pl.col("replay_id") == rid).row(0, named=True)
+        step = d["step"].to_numpy() if step is None else step
+        curves.append((rid.rsplit("-", 1)[1], d["imbalance"].to_numpy(), r["mean_imbalance"], r["moved_experts"],
+                       r["moved_bytes"]))
+    p = plots.drift(ctx.outdir / "replay_drift.png", step, curves,
+                    title="Imbalance over time: static vs re-planned vs oracle")
     return [Figure(p, "A plan fitted once goes stale as popularity drifts; re-planning from a trailing window "
                       "recovers most of the gap to the oracle (fitted on the very steps it is judged on, a lower "
                       "bound). The table above charges each re-plan its expert moves.")]
