@@ -13,6 +13,8 @@ HolisticTraceAnalysis's ``TraceAnalysis``: open a store, take one run, ask it qu
     run.dummy_steps()              # per rank: steps run with no tokens, and their time
     run.exposure()                 # Exposure: all-to-all time no compute kernel hid
     run.kernels()                  # kernel names by kind with total time
+    run.waits()                    # WaitResult: who waited for whom across ranks (wait matrix)
+    run.whatif(domains=(8, 16, 72))  # two micro-batches, attention/FFN disaggregation, NVLink domain size
     run.plan("eplb", replicas=32)  # a placement plan fitted on the run's load
     run.replay(policy="eplb", replicas=32)   # predicted loads and step time under that plan
     run.drift("eplb", every=10)    # static vs re-planned vs oracle placement over time
@@ -42,6 +44,7 @@ if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
     import polars as pl
 
     from .analyze.exposure import Exposure
+    from .analyze.waits import WaitResult
 
 #: the ways :meth:`Run.skew` groups the per-(step, layer) imbalance
 SKEW_BY = ("layer", "run", "step")
@@ -160,6 +163,22 @@ class Run:
         from .analyze.exposure import kernels_table
 
         return kernels_table(self.store, self.id, kind, limit, name_width)
+
+    def waits(self) -> "WaitResult":
+        """Who waited for whom: collective instances matched across ranks, each rank's wait
+        charged to the last arriver, the wait matrix and the exposed split into waiting and
+        transfer (:class:`moetrace.analyze.waits.WaitResult`; views of 45_rank_waits.sql)."""
+        from .analyze.waits import wait_result
+
+        return wait_result(self.store, self.id)
+
+    def whatif(self, **kw):
+        """Two-micro-batch overlap, attention/FFN disaggregation and NVLink domain size on
+        the recorded timeline (:func:`moetrace.replay.whatif_store.run_whatifs`, keyword
+        options as there; writes ``replay_whatif`` unless ``write=False``)."""
+        from .replay.whatif_store import run_whatifs
+
+        return run_whatifs(self.store, self.id, **kw)
 
     # ------------------------------------------------------------------ what-ifs (replay)
     @cached_property
