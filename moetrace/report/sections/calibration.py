@@ -86,7 +86,11 @@ def _scatter(ctx: ReportContext, cid: str, role: str) -> Figure | None:
     ax.set_yscale("log")
     ax.set_xlabel("measured expert time (µs)")
     ax.set_ylabel("predicted expert time (µs)")
-    ax.set_title(f"run {ctx.run_id}: {role}, {cid}")
+    err = np.abs(p - m) / m
+    r2 = 1 - float(np.sum((p - m) ** 2)) / max(float(np.sum((m - m.mean()) ** 2)), 1e-300)
+    ax.set_title(f"Expert time, {'in-sample fit' if role == 'fit' else 'judged out of sample'} (run {ctx.run_id})\n"
+                 f"R² {r2:.2f} (predicted vs measured); |error| median {100 * np.median(err):.0f}%, "
+                 f"p90 {100 * np.percentile(err, 90):.0f}%", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = ctx.outdir / f"calibration_{ctx.run_id}.png"
