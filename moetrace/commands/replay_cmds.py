@@ -181,9 +181,12 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Drift: imbalance-over-time PNG.")
 @click.option("--no-rank-rows", is_flag=True, help="Do not write replay_rank rows (large replays).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary object as JSON.")
+@click.option("--timeline-whatif", is_flag=True,
+              help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
+                   "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
            window, max_moves, split, hardware, no_fit, stall_ms, move_overlap, passes, chrome_trace, trace_steps,
-           plot, no_rank_rows, as_json):
+           plot, no_rank_rows, as_json, timeline_whatif):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
     stragglers, all-to-all bytes and layer time, against the recorded placement on the
     same steps, net of moving the experts.
@@ -227,8 +230,11 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
                      chrome_trace=chrome_trace, **common, **shape_kw)
+    wi = run.whatif(hardware=hardware) if timeline_whatif else None   # issue 16 (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
+        if wi is not None:
+            d["timeline_whatif_id"] = wi.whatif_id
         if chrome_trace:
             d["chrome_trace"] = chrome_trace
         echo_json(d)
@@ -236,6 +242,10 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     _print_replay(res)
     if chrome_trace:
         click.echo(f"  wrote {chrome_trace} (open in https://ui.perfetto.dev)")
+    if wi is not None:
+        from .timeline_cmds import print_whatif
+
+        print_whatif(wi)
 
 
 def _print_drift(d, plot):

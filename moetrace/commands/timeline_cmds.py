@@ -6,7 +6,6 @@ from __future__ import annotations
 import click
 import polars as pl
 
-from ..analyze.waits import wait_result
 from ..output import emit, output_options
 from ..store import Store
 from ._options import hardware_option, run_option
@@ -33,9 +32,7 @@ def waits(store, run_id, by, fmt, output):
 
         moetrace waits st --by matrix
     """
-    st = Store(store)
-    rid = st.resolve_run(run_id)
-    res = wait_result(st, rid)
+    res = Store(store).run(run_id).waits()
     if not res.has_instances:
         click.echo(res.coverage_message())
         return
@@ -113,26 +110,26 @@ def whatif(store, run_id, only, split_extra_us, a2a_latency_us, domains, hardwar
 
         moetrace whatif st --domains 8,16,72 --trace overlap.json
     """
-    from ..replay.whatif_store import run_whatifs
-
-    st = Store(store)
-    rid = st.resolve_run(run_id)
-    rep = run_whatifs(st, rid, overlap=only in ("all", "overlap"), disagg=only in ("all", "disagg"),
+    rep = Store(store).run(run_id).whatif(overlap=only in ("all", "overlap"), disagg=only in ("all", "disagg"),
                       domains=domains if only in ("all", "domain") else (), split_extra_ns=split_extra_us * 1e3,
                       a2a_latency_ns=None if a2a_latency_us is None else a2a_latency_us * 1e3,
                       hardware=hardware, tokens=tokens, gpus=gpus, ta_ns=attn_ns, te_ns=expert_ns,
                       tc_ns=transfer_ns, fa_ns=fixed_attn_ns, fe_ns=fixed_expert_ns,
                       max_micro_batches=max_micro_batches, write=not no_write, trace_path=trace_path)
-    df = whatif_summary(rep)
-    emit(df, fmt, output, max_rows=200)
+    print_whatif(rep, fmt, output)
+    if fmt == "table" and not output and trace_path and rep.overlap is not None:
+        click.echo(f"wrote {trace_path}", err=True)
+
+
+def print_whatif(rep, fmt: str = "table", output: str | None = None) -> None:
+    """The what-if summary rows, then (as a table) the notes, error band and rows written."""
+    emit(whatif_summary(rep), fmt, output, max_rows=200)
     if fmt == "table" and not output:
         for n in rep.notes:
             click.echo(f"note: {n}", err=True)
         click.echo(f"error band ±{100 * rep.rel_error:.0f}% ({rep.rel_error_source})", err=True)
         if rep.rows:
             click.echo(f"wrote {rep.rows} replay_whatif rows ({rep.whatif_id})", err=True)
-        if trace_path and rep.overlap is not None:
-            click.echo(f"wrote {trace_path}", err=True)
 
 
 def whatif_summary(rep) -> pl.DataFrame:
