@@ -188,3 +188,14 @@ def test_plan_import_bad_vllm_ascend_map(runner, cli, tmp_path):
     res = runner.invoke(cli, ["plan", str(st), "--import", str(f), "--ranks", "1"], catch_exceptions=True)
     assert res.exit_code == 2 and str(f) in res.output and "Traceback" not in res.output, res.output
     assert tree_hash(st) == before
+
+
+@pytest.mark.parametrize("field, words", [
+    ('"routed_experts": "not base64!!"', "not valid base64"),
+    ('"routed_experts": "AAAAAAAAAAA="', "do not split into"),
+])
+def test_serving_api_response_bad_payload(runner, cli, tmp_path, field, words):
+    st = _seed(tmp_path)
+    f = tmp_path / "responses.jsonl"
+    f.write_text('{"meta_info": {"prompt_tokens": 2, "completion_tokens": 2, ' + field + '}}\n')
+    _refused(runner, cli, st, [f, "--top-k", "2"], f, position="line 1 meta_info", words=words)

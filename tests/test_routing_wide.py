@@ -142,3 +142,59 @@ def test_sample_ingests(tmp_path):
     df = st.sql("SELECT step, layer, sum(tokens) AS t FROM expert_load GROUP BY ALL")
     assert set(df["t"].to_list()) == {128}
     assert st.sql("SELECT count(*) AS n FROM routing")["n"][0] == 2 * 256 * 2
+
+
+def _b64_int32(a):
+    import base64
+
+    return base64.b64encode(np.ascontiguousarray(a, "<i4").tobytes()).decode()
+
+
+def _b64_npy(a):
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, a.astype(np.uint8), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _seq(rng, n, L=3):
+    a = np.zeros((n, L, K), np.int64)           # layer 0 dense: zeros, as the engines' buffers leave it
+    for t in range(n):
+        for l in range(1, L):
+            a[t, l] = rng.choice(E, K, replace=False)
+    return a
+
+
+def test_sglang_and_vllm_responses(tmp_path):
+    rng = np.random.default_rng(9)
+    s1, s2, v1 = _seq(rng, 5), _seq(rng, 7), _seq(rng, 4)
+    sg = tmp_path / "sglang_responses.jsonl"
+    # SGLang /generate: base64 int32 [prompt + completion - 1, layers, k]; a batch answer is a list
+    sg.write_text(json.dumps({"text": "x", "meta_info": {"prompt_tokens": 4, "completion_tokens": 2,
+                                                          "routed_experts": _b64_int32(s1)}}) + "\n"
+                  + json.dumps([{"meta_info": {"prompt_tokens": 3, "completion_tokens": 5,
+                                               "routed_experts": _b64_int32(s2)}}]) + "\n")
+    rd = collect([sg], options={"top_k": K})[0]
+    r = rd.tables["routing"].to_pandas()
+    assert sorted(r.layer.unique()) == [1, 2] and sorted(r.step.unique()) == [0, 1]
+    for step, a in ((0, s1), (1, s2)):
+        for t in range(a.shape[0]):
+            for l in (1, 2):
+                got = r[(r.step == step) & (r.token == t) & (r.layer == l)].sort_values("choice").expert.tolist()
+                assert got == a[t, l].tolist()
+    load = rd.tables["expert_load"].to_pandas()
+    assert load[load.step == 1].tokens.sum() == 7 * 2 * K      # 7 tokens x 2 MoE layers x top-k
+    vl = tmp_path / "vllm_responses.jsonl"
+    vl.write_text(json.dumps({"choices": [{"index": 0, "text": "y", "routed_experts": _b64_npy(v1)}]}) + "\n")
+    r = collect([vl])[0].tables["routing"].to_pandas()
+    assert r[(r.token == 3) & (r.layer == 2)].sort_values("choice").expert.tolist() == v1[3, 2].tolist()
+
+
+def test_sglang_response_without_top_k(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"meta_info": {"routed_experts": _b64_int32(np.zeros((2, 2, 2)))}}) + "\n")
+    with pytest.raises(InputError, match="give --top-k") as e:
+        collect([f])
+    assert e.value.position == "line 1 meta_info"

@@ -19,6 +19,11 @@ IPC (``.arrow`` / ``.feather`` / ``.ipc``). Columns:
 - token: a ``token`` column, else the row order within (step, layer) (said);
   src_rank: a ``src_rank`` / ``rank`` / ``dp_rank`` column when present.
 
+Serving-API responses saved as JSON lines are read directly: SGLang ``/generate``
+(``meta_info.routed_experts``, base64 int32 ``[prompt + completion - 1, num_hidden_layers,
+top_k]``; give ``--top-k``) and vLLM completions (``choices[i].routed_experts``, base64
+``.npy``). Each returned sequence is one step.
+
 All files given together are one run (one file per layer, or shards of one layer whose
 rows continue each other in name order). The ``routing`` table gets (token, choice,
 expert, gate) and ``expert_load`` its exact aggregate per (step, layer, expert).
@@ -44,6 +49,7 @@ RANK_COLS = ("src_rank", "rank", "dp_rank")
 _LAYER_NAME = re.compile(r"(?:^|[^a-z])(?:layers?|l)[_\-.]?(\d+)(?:[^0-9]|$)", re.I)
 _ARROW_EXT = (".arrow", ".feather", ".ipc")
 _PQ_MAGIC = b"PAR1"
+_RESP = re.compile(rb'"routed_experts"\s*:\s*"')   # a serving-API response: base64 routed experts
 _IPC_MAGIC = b"ARROW1"
 
 
@@ -81,6 +87,8 @@ def _expert_col(schema: pa.Schema) -> str | None:
 
 
 def _sniff(path: Path, head: bytes) -> bool:
+    if path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and _RESP.search(head):
+        return True
     s = _schema(path, head)
     return s is not None and _expert_col(s) is not None
 
@@ -127,6 +135,101 @@ def _read_jsonl(path: Path) -> pa.Table:
     return t
 
 
+# ----------------------------------------------------------------------------- serving-API responses
+def _is_responses(path: Path) -> bool:
+    from . import head
+
+    return path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and bool(_RESP.search(head(path, 65536)))
+
+
+def _responses(path: Path, options: dict, approx: set[str]) -> pa.Table:
+    """SGLang ``/generate`` responses (``meta_info.routed_experts``: base64 int32
+    ``[tokens, layers, k]``) or vLLM completion responses (``choices[i].routed_experts``:
+    base64 ``.npy``), one JSON document per line (a list of them = a batch): one step per
+    returned sequence, token = position in it."""
+    from ..safety import json_loads
+
+    seqs = []
+    with open(path, encoding="utf-8", errors="strict") as f:
+        text = f.read()
+    docs = ([(1, json_loads(path, text))] if path.name.lower().endswith(".json") else
+            [(i, json_loads(path, line, f"line {i}")) for i, line in enumerate(text.splitlines(), 1) if line.strip()])
+    for i, doc in docs:
+        for j, item in enumerate(doc if isinstance(doc, list) else [doc]):
+            where = f"line {i}" + (f" item {j}" if isinstance(doc, list) else "")
+            if not isinstance(item, dict):
+                raise InputError(path, "expected a JSON object (a serving-API response)", where)
+            if isinstance(item.get("choices"), list):          # vLLM OpenAI-style completion
+                for c, ch in enumerate(item["choices"]):
+                    s = ch.get("routed_experts") if isinstance(ch, dict) else None
+                    if s is not None:
+                        seqs.append(_decode(path, s, f"{where} choices[{c}]", options, None))
+            elif isinstance(item.get("meta_info"), dict) and item["meta_info"].get("routed_experts") is not None:
+                mi = item["meta_info"]
+                n = None
+                if isinstance(mi.get("prompt_tokens"), int) and isinstance(mi.get("completion_tokens"), int):
+                    n = mi["prompt_tokens"] + mi["completion_tokens"] - 1
+                seqs.append(_decode(path, mi["routed_experts"], f"{where} meta_info", options, n))
+    if not seqs:
+        raise InputError(path, "no routed_experts in any response (was the server started with "
+                               "--enable-return-routed-experts and the request sent with return_routed_experts?)")
+    shapes = {a.shape[1:] for a in seqs}
+    if len(shapes) > 1:
+        raise InputError(path, f"responses disagree on [layers, top_k]: {sorted(shapes)}")
+    L, K = shapes.pop()
+    flat = np.concatenate([a.reshape(-1) for a in seqs]).astype(np.int32)
+    experts = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(pa.array(flat), K), L)
+    approx.add("serving-API responses: each returned sequence is one step (a request, not a forward pass); token = "
+               "position in the sequence (prompt and output, the last sampled token has no routing)")
+    return pa.table({"step": np.repeat(np.arange(len(seqs)), [a.shape[0] for a in seqs]),
+                     "token": np.concatenate([np.arange(a.shape[0]) for a in seqs]), "routed_experts": experts})
+
+
+def _decode(path: Path, s, where: str, options: dict, tokens: int | None) -> np.ndarray:
+    """[tokens, layers, k] int array of one base64 routed_experts field."""
+    import base64
+    import binascii
+    import io
+
+    from ..safety import check_array_elements
+
+    if not isinstance(s, str):
+        raise InputError(path, "routed_experts is not a base64 string", where)
+    try:
+        raw = base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(path, "routed_experts is not valid base64", where) from None
+    if raw[:6] == b"\x93NUMPY":                 # vLLM: .npy bytes, shape and dtype in the header
+        bio = io.BytesIO(raw)
+        try:
+            version = np.lib.format.read_magic(bio)
+            shape, _, dtype = (np.lib.format.read_array_header_1_0(bio) if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0(bio))
+        except ValueError as e:
+            raise InputError(path, f"routed_experts .npy header: {e}", where) from None
+        if len(shape) != 3 or dtype.kind not in "iu":
+            raise InputError(path, f"routed_experts .npy is {dtype} {list(shape)}, expected integer [tokens, layers, "
+                                   "top_k]", where)
+        check_array_elements(path, shape, "routed_experts")
+        try:
+            return np.load(io.BytesIO(raw), allow_pickle=False).astype(np.int64)
+        except ValueError as e:
+            raise InputError(path, f"routed_experts .npy: {e}", where) from None
+    if len(raw) % 4:                             # SGLang: raw little-endian int32 [tokens, layers, k]
+        raise InputError(path, f"routed_experts holds {len(raw)} bytes, not whole int32 values", where)
+    a = np.frombuffer(raw, "<i4").astype(np.int64)
+    k = options.get("top_k")
+    if not k:
+        raise InputError(path, "SGLang routed_experts carry no shape: give --top-k (and the responses' "
+                               "prompt_tokens / completion_tokens, or --layers = the model's num_hidden_layers)", where)
+    k = int(k)
+    if tokens is None and options.get("num_layers"):
+        tokens = a.size // (k * int(options["num_layers"]))
+    if not tokens or a.size % (tokens * k):
+        raise InputError(path, f"{a.size} expert ids do not split into {tokens} tokens x layers x top_k {k}", where)
+    return a.reshape(tokens, a.size // (tokens * k), k)
+
+
 def _int_column(t: pa.Table, name: str, path: Path) -> np.ndarray:
     col = t.column(name)
     if col.null_count:
@@ -160,7 +263,10 @@ def _layer_from_name(path: Path) -> int | None:
 
 def _one_file(path: Path, options: dict, approx: set[str]) -> dict:
     """Canonical routing columns (numpy) of one file."""
-    t = _read(path)
+    return _from_table(path, _responses(path, options, approx) if _is_responses(path) else _read(path), approx)
+
+
+def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
     if t.num_rows == 0:
         raise InputError(path, "file holds no rows")
     ecol = _expert_col(t.schema)
