@@ -319,17 +319,7 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                 with torch.profiler.record_function(f"experts layer {layer}"):
                     rs = rslot.numpy()
                     # rows grouped by slot (stable: each slot's rows keep their order), one call per slot
-                    perm = np.argsort(rs, kind="stable")
-                    uniq, first = np.unique(rs[perm], return_index=True)
-                    bounds = list(first) + [len(rs)]
-                    perm_t = torch.from_numpy(perm)
-                    xs = rx[perm_t]
-                    ys = torch.empty_like(xs)
-                    for i, s in enumerate(uniq):
-                        wg, wd = local[(layer, int(s))]
-                        ys[bounds[i]:bounds[i + 1]] = expert_mlp(xs[bounds[i]:bounds[i + 1]], wg, wd)
-                    y = torch.empty_like(rx)
-                    y[perm_t] = ys
+                    y = refrun_timeline.experts(tl, layer, rx, rs)
                 te1 = time.monotonic_ns()
                 if record and len(rs):
                     # tokens received per (source rank, slot): the measured load of this rank

@@ -60,8 +60,9 @@ class LayerEnv:
     delay_us: float = 0.0           # this rank's injected delay per layer (0: none)
 
 
-def _experts(env: LayerEnv, layer: int, rx, rs: np.ndarray):
-    """Local experts over received rows, grouped by slot (one call per slot)."""
+def experts(env: LayerEnv, layer: int, rx, rs: np.ndarray):
+    """Local experts over received rows, grouped by slot (stable: each slot's rows keep
+    their order), one call per slot; the same in one- and two-micro-batch layers."""
     torch = env.torch
     perm = np.argsort(rs, kind="stable")
     uniq, first = np.unique(rs[perm], return_index=True)
@@ -129,7 +130,7 @@ def two_micro_batch_layer(env: LayerEnv, layer: int, x, tok_ids: np.ndarray, cho
         t = time.monotonic_ns()
         te0 = t if te0 is None else te0
         with rec(f"experts layer {layer} micro_batch {m}"):
-            y = _experts(env, layer, s["rx"], s["rslot"].numpy())
+            y = experts(env, layer, s["rx"], s["rslot"].numpy())
         te1 = time.monotonic_ns()
         with rec(f"combine layer {layer} micro_batch {m}"):
             back = y.new_empty((s["n"] * K, H))
