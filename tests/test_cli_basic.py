@@ -128,3 +128,15 @@ def test_json_pretty_and_out_alias(demo, runner, cli, tmp_path):
         out = tmp_path / f"x{flag.strip('-')}.csv"
         assert runner.invoke(cli, ["sql", str(demo), q, flag, str(out)]).exit_code == 0
         assert pl.read_csv(out)["n"].to_list() == [96, 96]
+
+
+def test_view_column_meanings_name_real_columns(tmp_path):
+    """view_columns.json must not drift from the SQL: every column it explains exists."""
+    import moetrace
+    from moetrace.analyze import view_columns, view_docs
+
+    con = moetrace.open_store(tmp_path / "empty", create=True).connect()
+    for view, cols in view_columns().items():
+        assert view in view_docs(), view
+        have = {r[0] for r in con.execute(f'DESCRIBE "{view}"').fetchall()}
+        assert set(cols) <= have, f"{view}: {sorted(set(cols) - have)} not in the view"

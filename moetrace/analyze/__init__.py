@@ -78,6 +78,16 @@ def view_docs() -> dict[str, dict]:
 
 
 @lru_cache(maxsize=None)
+def view_columns() -> dict[str, dict[str, str]]:
+    """{view: {column: meaning}} from ``view_columns.json`` (columns the view's comment does
+    not define in so many words)."""
+    import json
+
+    doc = json.loads((Path(__file__).resolve().parent / "view_columns.json").read_text())
+    return {k: v for k, v in doc.items() if not k.startswith("_")}
+
+
+@lru_cache(maxsize=None)
 def _view_names(f: Path) -> frozenset[str]:
     return frozenset(m.group(1) for m in map(_VIEW_RE.match, f.read_text().splitlines()) if m)
 

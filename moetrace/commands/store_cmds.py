@@ -238,27 +238,32 @@ def _first_sentence(text: str) -> str:
     return text if cut < 0 else text[:cut + 1]
 
 
-def _mention(doc: str, column: str) -> str:
-    """The clause of a view's doc that defines ``column`` ("column = ...", "column (...)",
-    "column: ..." or a clause starting with it), else ''."""
+def _mention(doc: str, column: str, strong: bool = True) -> str:
+    """The clause of a view's doc that defines ``column``: strong, "column = ...",
+    "column: ..." or a clause that starts with it; weak, "column (...)"; else ''."""
     import re
 
     name = re.escape(column)
+    pat = rf"(?:^|[\s,;(`]){name}`?\s*(?:=|:\s)" if strong else rf"(?:^|[\s,;`]){name}`?\s*\("
     for clause in re.split(r"(?<=[.;])\s+", doc):
-        if re.search(rf"(?:^|[\s,(`]){name}`?\s*(?:=|\(|:|is\b|are\b)", clause) or re.match(rf"`?{name}\b", clause):
+        if re.search(pat, clause) or (strong and re.match(rf"`?{name}\b", clause)):
             return clause
     return ""
 
 
 def _column_meaning(view: str, doc: str, column: str) -> str:
+    """What ``column`` of ``view`` means: analyze/view_columns.json, else its view's own
+    comment where it defines the column ("column = ..."), else the contract's description
+    of an id column of that name; '' when none says."""
     from .. import schema
+    from ..analyze import view_columns
 
-    found = _mention(doc, column)
-    if found:
-        return found
+    meaning = view_columns().get(view, {}).get(column) or _mention(doc, column)
+    if meaning:
+        return meaning
     for t in ("expert_load", "steps", "spans", "placement", "runs"):   # ids keep their contract meaning
         ts = schema.get(t)
-        if column in ts.column_names:
+        if column in ts.column_names and column in ("run_id", "step", "layer", "rank", "expert", "slot"):
             return ts.column(column).description
     return ""
 
