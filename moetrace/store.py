@@ -422,9 +422,13 @@ class Store:
         raise StoreError(f"{self.path}: the store holds {len(ids)} runs; choose one with --run ({', '.join(ids)})")
 
     def find_by_sha(self, sha: str) -> str | None:
+        """The run ingested with dedupe key ``sha``: its ``ingest_key`` (source + options +
+        asked run id), or its ``source_sha256`` when it was ingested without options."""
         if not self.has_files("runs"):
             return None
-        df = self.sql("SELECT run_id FROM runs WHERE source_sha256 = ?", [sha])
+        cols = set(self.sql("SELECT * FROM runs LIMIT 0").columns)
+        key = "coalesce(ingest_key, source_sha256)" if "ingest_key" in cols else "source_sha256"
+        df = self.sql(f"SELECT run_id FROM runs WHERE {key} = ?", [sha])
         return df["run_id"][0] if df.height else None
 
     def row_counts(self) -> pl.DataFrame:
@@ -468,10 +472,10 @@ class Store:
         filled in when absent). ``run_id`` is taken as is (an existing one is an error);
         ``run_id_hint`` is made unique while the write lock is held. Tables may be Arrow tables, polars frames, dicts of columns or
         iterables of those (streamed chunk by chunk). Returns the run id, or the id of the
-        run already holding the same ``source_sha256`` (``skipped=True``).
+        run already holding the same ``ingest_key`` (else ``source_sha256``) (``skipped=True``).
         """
         run = dict(run)
-        sha = run.get("source_sha256")
+        sha = run.get("ingest_key") or run.get("source_sha256")
         if dedupe and sha:
             existing = self.find_by_sha(sha)
             if existing is not None:

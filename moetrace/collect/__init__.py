@@ -226,8 +226,24 @@ def ingest(store, paths: Sequence[str | Path], format: str | None = None, option
     for rd in runs:
         hint = run_id or rd.run.get("run_id") or rd.run_id_hint
         rd.run.pop("run_id", None)
+        rd.run["ingest_key"] = ingest_key(rd.run.get("source_sha256"), options, run_id)
         res = store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint)
         if on_write is not None:
             on_write(rd, res)
         results.append(res)
     return results
+
+
+def ingest_key(source_sha256: str | None, options: dict | None, run_id: str | None) -> str | None:
+    """The dedupe key of an ingest: the source's sha256 with the options given and the run
+    id asked for, so the same source with other options (``--ranks 32``) or another
+    ``--run-id`` makes a new run and the same source with the same options is a no-op.
+    None (dedupe on the source alone) when neither options nor a run id were given."""
+    import hashlib
+    import json
+
+    opts = {k: v for k, v in (options or {}).items() if v not in (None, False)}
+    if not source_sha256 or (not opts and not run_id):
+        return None
+    doc = json.dumps({"source": source_sha256, "options": opts, "run_id": run_id}, sort_keys=True, default=str)
+    return hashlib.sha256(doc.encode()).hexdigest()
