@@ -183,8 +183,11 @@ body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:110
 padding:0 1em;color:#222;line-height:1.45}
 h1{font-size:1.6em;border-bottom:2px solid #ddd;padding-bottom:.3em}
 h2{font-size:1.3em;margin-top:2em;border-bottom:1px solid #eee;padding-bottom:.2em}
-table{border-collapse:collapse;margin:.8em 0;font-size:.88em}
-th,td{border:1px solid #ddd;padding:3px 8px;text-align:right}
+.tbl{max-width:100%;overflow-x:auto}
+table{border-collapse:collapse;margin:.8em 0;font-size:.82em}
+th,td{border:1px solid #ddd;padding:3px 6px;text-align:right}
+th{white-space:normal;overflow-wrap:anywhere;vertical-align:bottom}
+td{white-space:nowrap}
 th{background:#f4f4f4}
 td:first-child,th:first-child{text-align:left}
 code{background:#f4f4f4;padding:0 3px;border-radius:3px;font-size:.92em}
@@ -293,9 +296,10 @@ def _table(rows: list[str]) -> str:
     body = rows[1:]
     if body and re.fullmatch(r"\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?", body[0]):
         body = body[1:]
-    h = "<tr>" + "".join(f"<th>{_inline(c)}</th>" for c in head) + "</tr>"
+    # column names break after their underscores, so a wide table of long names still fits the page
+    h = "<tr>" + "".join(f"<th>{_inline(c).replace('_', '_<wbr>')}</th>" for c in head) + "</tr>"
     b = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in _cells(r)) + "</tr>" for r in body)
-    return f"<table><thead>{h}</thead><tbody>{b}</tbody></table>"
+    return f'<div class="tbl"><table><thead>{h}</thead><tbody>{b}</tbody></table></div>'
 
 
 def _img(path: Path, caption: str) -> str:
