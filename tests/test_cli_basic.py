@@ -110,7 +110,7 @@ def test_tables_documents_metric_views(runner, cli):
     r = runner.invoke(cli, ["tables", "layer_skew", "--format", "json"])
     assert r.exit_code == 0, r.output
     cols = {row["column"]: row for row in json.loads(r.output)}
-    assert {"imbalance", "straggler_rank", "gini"} <= set(cols) and "max/mean" in cols["imbalance"]["meaning"]
+    assert {"imbalance", "straggler_rank", "gini"} <= set(cols) and "max_rank_tokens / mean_rank_tokens" in cols["imbalance"]["meaning"]
     r = runner.invoke(cli, ["tables", "--format", "json"])
     kinds = {row["name"]: row["kind"] for row in json.loads(r.output)}
     assert kinds["expert_load"] == "table" and kinds["skew_summary"] == "view"
