@@ -355,8 +355,8 @@ def test_calibrate_refrun_pair_end_to_end(refrun_pair, runner, cli):
     spr_of = {"ra": RE // RR, "rb": len(REPLICATED) // RR}
 
     def cells(rid):
-        sp = st.sql("SELECT step, layer, rank, sum(end_ns - start_ns) d FROM spans WHERE run_id = ? AND "
-                    "kind = 'expert_gemm' GROUP BY ALL", [rid])
+        # a refrun has timed passes: calibrate uses their medians (cell_times), not the profiled pass's spans
+        sp = st.sql("SELECT step, layer, rank, expert_ns d FROM cell_times WHERE run_id = ?", [rid])
         ld = st.sql("SELECT step, layer, slot, sum(tokens) t FROM expert_load WHERE run_id = ? GROUP BY ALL", [rid])
         meas, tok, tch = np.zeros((RSTEPS, 2, RR)), np.zeros((RSTEPS, 2, RR)), np.zeros((RSTEPS, 2, RR))
         for s, la, rk, d in sp.iter_rows():
@@ -390,3 +390,123 @@ def test_calibrate_refrun_pair_end_to_end(refrun_pair, runner, cli):
     s = cal.stored_summary(st, "rb").row(0, named=True)
     assert s["expert_mape"] == pytest.approx(m["expert_mape"], rel=1e-6)
     assert s["straggler_hit_rate"] == pytest.approx(m["straggler_hit_rate"])
+
+    assert "medians over 1 timed pass(es)" in " ".join(out["fit"]["input_notes"])
+
+
+def test_error_band_from_the_newest_calibration_on_the_same_hardware(refrun_pair, runner, cli):
+    """The band is the judged layer-time MAPE of the calibration, recomputed here from the
+    stored cells; a preset or other hardware gets no number, "uncalibrated preset" in words."""
+    path = refrun_pair / "st"
+    st = Store(path)
+    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--calibration-id", "band1"])
+    assert r.exit_code == 0, r.output
+    hw = cal.run_hardware(st, "ra")
+    assert hw and hw.startswith("cpu: ")
+    band = cal.error_band(st, hw)
+    c = st.sql("SELECT step, layer, measured_expert_ns + measured_comm_ns AS m, "
+               "predicted_expert_ns + predicted_comm_ns AS p FROM calibration WHERE calibration_id = 'band1' "
+               "AND role = 'judge'")
+    per = {}
+    for s_, la, m, p in c.iter_rows():
+        mm, pp = per.get((s_, la), (0.0, -np.inf))
+        per[(s_, la)] = (max(mm, m), max(pp, p))
+    want = np.mean([abs(p - m) / m for m, p in per.values()])
+    assert band.rel_error == pytest.approx(want, rel=1e-9)
+    assert "band1" in band.source and "rb" in band.source
+    assert band.within(band.rel_error * 0.5) and not band.within(band.rel_error * 2)
+    for other in ("H200", "cpu: another one", None):
+        b = cal.error_band(st, other)
+        assert b.rel_error is None and b.source.startswith("uncalibrated preset")
+        assert not b.within(0.0)
+
+
+# ----------------------------------------------------------------------------- layer model
+def test_fit_layer_model_recovers_known_terms():
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(5)
+    t_, l_, r_ = 12, 2, 4
+    tok = rng.integers(0, 200, (t_, l_, r_)).astype(float)
+    tch = np.minimum(tok, rng.integers(1, 5, (t_, l_, r_))).astype(float)
+    byt = tok * 512.0
+    blk = SimpleNamespace(tokens=tok, touched=tch, bytes_intra=byt, bytes_inter=np.zeros_like(byt))
+    a, b, fixed, lat, per_byte = 40.0, 900.0, 15000.0, 60000.0, 0.25
+    comp = fixed + a * tok + b * tch
+    slow = comp.argmax(axis=2)
+    layer = lat + comp.max(axis=2)
+    from moetrace.replay.cost import CostModel
+    free = CostModel(0.0, 0.0, 1e30, 1e30, "bytes cost nothing")     # the base bandwidths: bytes free
+    m = cal.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency", "fixed"), base=free)
+    assert (m.a_ns, m.b_ns, m.fixed_ns, m.latency_ns) == pytest.approx((a, b, fixed, lat), rel=1e-6)
+    # the replay's rank_ns reproduces the layer time: latency + the slowest rank's compute
+    d, c, cb = m.rank_ns(tok, tch, byt, np.zeros_like(byt))
+    assert (d + c + cb).max(axis=2) == pytest.approx(layer, rel=1e-9)
+    # a bytes term: the remainder grows with the slowest rank's dispatch + combine bytes
+    layer_b = layer + per_byte * 2 * np.take_along_axis(byt, slow[..., None], 2)[..., 0]
+    mb = cal.fit_layer_model(blk, comp, layer_b, ("tokens", "slot", "latency", "fixed", "bytes"), base=free)
+    assert mb.latency_ns == pytest.approx(lat, rel=1e-6)
+    assert 1e9 / mb.nvlink_Bps == pytest.approx(per_byte, rel=1e-6)
+    # without the fixed term, tokens and slots soak it up: the fit is worse, not exact
+    m0 = cal.fit_layer_model(blk, comp, layer, ("tokens", "slot"), base=free)
+    assert m0.fixed_ns == 0 and m0.latency_ns == 0
+    with pytest.raises(Exception, match="unknown cost-model terms"):
+        cal.fit_layer_model(blk, comp, layer, ("tokens", "wait"))
+
+
+def test_fidelity_evaluate_by_hand():
+    """bench_fidelity.evaluate on a 1-step, 1-layer, 2-rank case worked out by hand."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_fidelity import evaluate
+    from moetrace.replay.cost import CostModel
+
+    model = CostModel(a_ns=10.0, b_ns=0.0, nvlink_Bps=1e30, internode_Bps=1e30, source="t", latency_ns=100.0)
+    z = np.zeros((1, 1, 2))
+    blk_a = SimpleNamespace(tokens=np.array([[[30.0, 10.0]]]), touched=z, bytes_intra=z, bytes_inter=z)
+    blk_b = SimpleNamespace(tokens=np.array([[[18.0, 22.0]]]), touched=z, bytes_intra=z, bytes_inter=z)
+    # predicted: A = 100 + 300 = 400, B = 100 + 220 = 320 -> ratio 0.8; measured A 500, B 350 -> 0.7
+    meas_a = (np.array([[[290.0, 110.0]]]), np.array([[[0.01, 0.01]]]), np.array([[500.0]]))
+    meas_b = (np.array([[[170.0, 230.0]]]), np.array([[[0.05, 0.3]]]), np.array([[350.0]]))
+    ev = evaluate(model, blk_a, blk_b, meas_a, meas_b)
+    assert ev["layer_mape"] == pytest.approx(30 / 350)
+    assert ev["ratio_pred"] == pytest.approx(0.8) and ev["ratio_meas"] == pytest.approx(0.7)
+    assert ev["ratio_err"] == pytest.approx(0.8 / 0.7 - 1)
+    # predicted straggler rank 1 (220 vs 180): gap 40/220 = 0.18 < the measured spread 0.3 -> not decided
+    assert ev["straggler_decided"] == 0 and ev["straggler_hits_all"] == 1
+
+
+def test_gpu_gemm_bench_on_cpu_tiny_shape():
+    pytest.importorskip("torch")
+    from benchmarks import bench_gpu_gemm as g
+
+    rows = g.time_grid(16, 8, "float32", [1, 2], [1, 8], 2, "cpu")
+    assert [(r["experts"], r["tokens_per_expert"]) for r in rows] == [(1, 1), (1, 8), (2, 1), (2, 8)]
+    assert all(r["ns"] > 0 for r in rows)
+    # the fit recovers known coefficients from exact times, with and without tile rounding
+    grid = [{"experts": n, "tokens_per_expert": t, "ns": 3.0 * n * t + 700.0 * n} for n in (1, 2, 4) for t in (1, 5, 9)]
+    f = g.fit(grid)
+    assert (f["a_ns"], f["b_ns"]) == pytest.approx((3.0, 700.0), rel=1e-6) and f["mape"] < 1e-9
+    tiled = [{**r, "ns": 3.0 * r["experts"] * 8 * np.ceil(r["tokens_per_expert"] / 8) + 700.0 * r["experts"]}
+             for r in grid]
+    assert (g.fit(tiled, 8)["a_ns"], g.fit(tiled, 8)["b_ns"]) == pytest.approx((3.0, 700.0), rel=1e-6)
+    assert g.fit(tiled)["mape"] > 1e-3      # the plain fit cannot follow the steps
+    assert g.run("small")        # the script's own small size runs on CPU
+
+
+@pytest.mark.slow
+def test_fidelity_matrix_small_runs_for_real(tmp_path):
+    """The matrix at its CI size: real re-runs, every pair's replay of A's routing under B's
+    plan gives B's measured per-rank tokens exactly (asserted inside), one row per pair and
+    model variant, and the printed table names every target."""
+    pytest.importorskip("torch")
+    from benchmarks import bench_fidelity as bf
+
+    res = bf.run_matrix("small", tmp_path, log=lambda m: None)
+    pairs = sum(len(bf.PAIRS[t[0]]) for t in bf.SIZES["small"]["traffic"])
+    assert pairs >= 6 and len(res["rows"]) == pairs * len(bf.VARIANTS)
+    for r in res["rows"]:
+        assert r["ratio_err"] == pytest.approx(r["ratio_pred"] / r["ratio_meas"] - 1)
+    text = bf.format_report(res)
+    for key in ("ratio error median", "layer MAPE", "straggler right", "load average"):
+        assert key in text

@@ -88,7 +88,7 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
     tables: dict = {"routing": routing, "expert_load": load, "steps": steps_t, "placement": placement}
     approx: list[str] = []
     meta: dict = {"format": "refrun", "config": cfg, "replica_choice": man.get("replica_choice"),
-                  "wall_s": man.get("wall_s"), "torch": man.get("torch")}
+                  "wall_s": man.get("wall_s"), "torch": man.get("torch"), "hardware": man.get("hardware")}
     timing_files = [folder / f"timing_rank{r}.parquet" for r in range(R)]
     if all(p.is_file() for p in timing_files):
         from ..produce.refrun import summarize_timing

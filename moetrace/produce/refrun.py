@@ -442,7 +442,8 @@ def summarize_timing(timing):
     ``timing``: rows (pass, step, layer, rank, dispatch_start_ns, expert_start_ns,
     expert_end_ns, combine_end_ns) as a polars frame. Per pass, a rank's expert time is
     expert end − start, its all-to-all time dispatch + combine, its MoE time combine end −
-    dispatch start, and the layer's time the max over ranks of the MoE time. The noise
+    dispatch start, and the layer's time the last combine end − the last dispatch start
+    over the ranks (time.monotonic_ns, one clock for all processes). The noise
     level is the median over cells of the relative spread ((p75 − p25) / median over
     passes) of the expert time, of the MoE time and of the layer time."""
     import polars as pl
@@ -452,23 +453,29 @@ def summarize_timing(timing):
         (pl.col("expert_start_ns") - pl.col("dispatch_start_ns") + pl.col("combine_end_ns")
          - pl.col("expert_end_ns")).alias("cm"),
         (pl.col("combine_end_ns") - pl.col("dispatch_start_ns")).alias("moe"))
-    lay = t.group_by(["pass", "step", "layer"]).agg(pl.col("moe").max().alias("lay"))
+    # the layer: from the last rank's arrival at the dispatch to the last combine's end (one
+    # monotonic clock for all rank processes), so a rank's late arrival from non-MoE work
+    # is not counted, the wait of the fastest ranks for the slowest is
+    lay = t.group_by(["pass", "step", "layer"]).agg(
+        (pl.col("combine_end_ns").max() - pl.col("dispatch_start_ns").max()).alias("lay"))
     lay_cells = lay.group_by(["step", "layer"]).agg(pl.col("lay")).sort(["step", "layer"])
     lay_med = {}
     for s, layer, v in lay_cells.iter_rows():
         v = np.asarray(v, np.float64)
-        lay_med[(s, layer)] = (int(round(float(np.median(v)))), _rel_spread(v))
+        lay_med[(s, layer)] = (int(round(float(np.median(v)))), _rel_spread(v), int(v.min()))
     cells = t.group_by(["step", "layer", "rank"]).agg(pl.col("ex"), pl.col("cm"), pl.col("moe")).sort(
         ["step", "layer", "rank"])
-    cols = {k: [] for k in ("step", "layer", "rank", "passes", "expert_ns", "expert_spread", "comm_ns", "moe_ns",
-                            "moe_spread", "layer_ns", "layer_spread")}
+    cols = {k: [] for k in ("step", "layer", "rank", "passes", "expert_ns", "expert_spread", "expert_min_ns", "comm_ns",
+                            "moe_ns", "moe_spread", "layer_ns", "layer_spread", "layer_min_ns")}
     for s, layer, r, ex, cm, moe in cells.iter_rows():
         ex, cm, moe = (np.asarray(v, np.float64) for v in (ex, cm, moe))
-        ln, lsp = lay_med[(s, layer)]
+        ln, lsp, lmin = lay_med[(s, layer)]
         for k, v in (("step", s), ("layer", layer), ("rank", r), ("passes", ex.size),
                      ("expert_ns", int(round(float(np.median(ex))))), ("expert_spread", _rel_spread(ex)),
+                     ("expert_min_ns", int(ex.min())),
                      ("comm_ns", int(round(float(np.median(cm))))), ("moe_ns", int(round(float(np.median(moe))))),
-                     ("moe_spread", _rel_spread(moe)), ("layer_ns", ln), ("layer_spread", lsp)):
+                     ("moe_spread", _rel_spread(moe)), ("layer_ns", ln), ("layer_spread", lsp),
+                     ("layer_min_ns", lmin)):
             cols[k].append(v)
 
     def p50(vals):
@@ -479,6 +486,21 @@ def summarize_timing(timing):
              "layer_spread_p50": p50([v[1] for v in lay_med.values()]),
              "definition": "median over (step, layer, rank) cells of (p75 - p25) / median over the timed passes"}
     return cols, noise
+
+
+def cpu_name() -> str:
+    """The CPU model, as the hardware key of a reference run (``runs.meta_json`` ``hardware``):
+    calibrations of runs with the same key are comparable."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + (platform.processor() or platform.machine() or "unknown")
 
 
 def cpu_cores() -> int:
@@ -556,6 +578,7 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
         "num_slots": int(phy2log.shape[1]), "slots_per_rank": int(phy2log.shape[1] // cfg.ranks),
         "replica_choice": "(token_id * 2654435761 mod 2^32) mod copies, copies in slot order", "router_prior": router_prior(cfg).tolist(),
         "torch": torch.__version__, "wall_s": round(time.time() - t0, 3), "noise": noise,
+        "hardware": cpu_name(),
         "files": sorted(p.name for p in out.iterdir()),
     }
     (out / MANIFEST).write_text(json.dumps(manifest) + "\n")

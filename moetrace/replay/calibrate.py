@@ -381,15 +381,18 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
     lat, bw = 0.0, base.nvlink_Bps
     if "latency" in terms or "bytes" in terms:
         slow = comp.argmax(axis=2)[..., None]
-        rest = np.asarray(layer_ns, np.float64) - np.take_along_axis(comp, slow, 2)[..., 0]
         if "bytes" in terms:
+            rest = np.asarray(layer_ns, np.float64) - np.take_along_axis(comp, slow, 2)[..., 0]
             byt = 2 * np.take_along_axis(np.asarray(block.bytes_intra, np.float64)
                                          + np.asarray(block.bytes_inter, np.float64), slow, 2)[..., 0]
             c = nonneg_lstsq(np.stack([np.ones(rest.size), byt.ravel()], axis=1), rest.ravel())
             lat, per_byte = float(c[0]), float(c[1])
             bw = 1e9 / per_byte if per_byte > 0 else base.nvlink_Bps
         else:
-            lat = max(0.0, float(np.median(rest)))
+            # the layer time the model gives without latency (bytes at the base bandwidths)
+            m0 = costmod.CostModel(a, b, base.nvlink_Bps, base.internode_Bps, "", fixed_ns=fixed)
+            d, c, cb = m0.rank_ns(tok, tch, block.bytes_intra, block.bytes_inter)
+            lat = max(0.0, float(np.median(np.asarray(layer_ns, np.float64) - (d + c + cb).max(axis=2))))
     return costmod.CostModel(a_ns=a, b_ns=b, nvlink_Bps=bw, internode_Bps=bw if "bytes" in terms else base.internode_Bps,
                              source=f"fitted on run {run_id} ({', '.join(terms)}): {tok.size} (step, layer, rank) "
                                     f"expert times, {np.size(layer_ns)} layer times",
