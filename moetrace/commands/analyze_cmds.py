@@ -5,6 +5,7 @@ import click
 
 from .. import open_store
 from ..output import emit, output_options
+from ._options import out_option, run_option
 
 
 def _progress(line: str) -> None:
@@ -23,12 +24,11 @@ def _heavy_options(f):
 
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@click.option("--run", "run_id", default=None, help="Run to report on (needed when the store holds several).")
-@click.option("--out", "outdir", type=click.Path(file_okay=False), default=None,
-              help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
+@run_option(help="Run to report on (needed when the store holds several).")
+@out_option(dir_okay=True, help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
 @_heavy_options
-def report(store, run_id, outdir, quiet, batch_steps, memory_limit):
+def report(store, run_id, out, quiet, batch_steps, memory_limit):
     """Summarize a run: per-layer skew, tokens per expert, imbalance vs batch size, dummy
     steps, and every other section installed (replay, all-to-all exposure). Prints the
     summary tables and writes a self-contained report.html, report.md and PNGs.
@@ -41,7 +41,7 @@ def report(store, run_id, outdir, quiet, batch_steps, memory_limit):
 
     Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
     """
-    rep = open_store(store).run(run_id).report(outdir, batch_steps=batch_steps, memory_limit=memory_limit,
+    rep = open_store(store).run(run_id).report(out, batch_steps=batch_steps, memory_limit=memory_limit,
                                           progress=_progress)
     if not quiet:
         click.echo(rep.terminal())
@@ -52,7 +52,7 @@ def report(store, run_id, outdir, quiet, batch_steps, memory_limit):
 
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@click.option("--run", "run_id", default=None, help="Only this run (default: every run).")
+@run_option(help="Only this run (default: every run).")
 @click.option("--by", type=click.Choice(["layer", "run", "step"]), default="layer", show_default=True,
               help="layer: distribution over steps per layer; run: one line per run; step: every (step, layer).")
 @_heavy_options

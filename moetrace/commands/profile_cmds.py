@@ -6,15 +6,12 @@ import click
 
 from .. import open_store
 from ..output import emit, output_options
-
-
-def _run_opt(f):
-    return click.option("--run", "run_id", default=None, help="Run id (default: the store's only run).")(f)
+from ._options import run_option
 
 
 @click.command("kernels")
 @click.argument("store", type=click.Path(file_okay=False))
-@_run_opt
+@run_option
 @click.option("--kind", default=None, help="Only this kind (dispatch, combine, a2a_other, expert_gemm, attention, "
                                            "compute_other, memcpy, memset, comm_other).")
 @click.option("--top", "limit", type=int, default=15, show_default=True,
@@ -41,7 +38,7 @@ def kernels(store, run_id, kind, limit, fmt, output):
 
 @click.command("exposure")
 @click.argument("store", type=click.Path(file_okay=False))
-@_run_opt
+@run_option
 @click.option("--by", type=click.Choice(["rank", "kind", "group", "straggler", "mode"]), default="rank",
               show_default=True, help="rank: per-rank summary; kind: totals per kind; group: every (rank, step, "
                                       "layer, micro-batch, kind); straggler: slowest rank per step; mode: stream use.")
