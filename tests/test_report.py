@@ -252,3 +252,42 @@ def test_unknown_ranks_alone_is_not_called_empty_steps(tmp_path):
     # without rank imbalance, the most skewed layer by Gini comes first: layer 2 (Gini 7/8) before layer 1
     table = text.split("most skewed layers")[1]
     assert table.index("| 2 ") < table.index("| 1 ")
+
+
+def test_batch_plateau_sentence_is_true_when_sampling_noise_falls(tmp_path):
+    """Decode-size steps (64 tokens): merging steps lowers the imbalance of the same steps and
+    levels off; the sentence says so with numbers computed here by numpy merging."""
+    st = Store(tmp_path / "st", create=True)
+    cfg = SynthConfig(layers=1, experts=64, top_k=4, ranks=8, steps=64, tokens_per_step=32, sigma=0.6, seed=3)
+    rid = synth(st, cfg).run_id
+    rep = rbuild.build_report(st, rid, tmp_path / "r")
+    sec = {s.key: s for s in rep.sections}["batch"]
+    df = st.sql("SELECT step, expert, tokens FROM expert_load WHERE run_id = ?", [rid])
+    x = np.zeros((cfg.steps, cfg.experts))
+    x[df["step"].to_numpy(), df["expert"].to_numpy()] = df["tokens"].to_numpy()
+    r = x.reshape(cfg.steps, cfg.ranks, -1).sum(axis=2)
+
+    def imb(a):
+        return a.max(axis=-1) / a.mean(axis=-1)
+
+    same = imb(r).mean()
+    gains = []
+    w = 1
+    while w <= cfg.steps:
+        gains.append(imb(r.reshape(cfg.steps // w, w, -1).sum(axis=1)).mean() / same)
+        w *= 2
+    drop = 1 - gains[-1]
+    assert drop > 0.05                                   # sampling noise is there to remove
+    assert f"lowers the imbalance of the same steps from {same:.3f}× to {gains[-1] * same:.3f}× " \
+           f"(−{100 * drop:.1f}%)" in sec.markdown
+    levels = abs(gains[-1] - gains[-2]) < 0.25 * drop
+    assert ("levels off" in sec.markdown) == levels
+    assert ("still falling" in sec.markdown) == (not levels)
+
+
+def test_tied_maxima_are_drawn_alike():
+    from moetrace.report import plots
+
+    assert plots.highlighted([1.0, 3.0, 3.0, 2.0], "max") == [1, 2]
+    assert plots.highlighted([0.0, 0.0], "max") == [0, 1]
+    assert plots.highlighted([1.0, 2.0], 1) == [1] and plots.highlighted([1.0], None) == []
