@@ -83,9 +83,8 @@ def _print_replay(res):
     click.echo(f"  {res.headline()}")
     _print_changes(j)
     if j.kind != "recorded":
-        click.echo(f"  verdict: {j.verdict} ({j.verdict_reason})")
-    click.echo(f"  cost model: {res.cost.source.split(':')[0]}; error band ±{res.error_band[0]:.0%} "
-               f"({res.error_band[1]}); {res.move.describe()}")
+        click.echo(f"  verdict: {j.verdict}: {j.verdict_reason}")
+    click.echo(f"  cost model: {res.cost.source.split(':')[0]}; {res.move.describe()}")
     if res.nodes_per_token_max is not None:
         click.echo(f"  per-token routing: exact dispatch bytes; nodes per token mean "
                    f"{res.nodes_per_token_mean:.2f}, max {res.nodes_per_token_max}")
@@ -264,7 +263,7 @@ def _print_drift(d, plot):
                    f"{j.moved_experts} experts ({_gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
         if k != "oracle":
             _print_changes(j, "          ")
-        click.echo(f"          verdict: {j.verdict} ({j.verdict_reason})")
+        click.echo(f"          verdict: {j.verdict}: {j.verdict_reason}")
     f = d.fastest()
     click.echo(f"  fastest net: {f.kind if f else 'none'}" + (" (the oracle is a bound, not a plan)" if f else ""))
     if d.unrelabeled_moves is not None:
@@ -320,7 +319,7 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
 
         decision_plot(res.rows, plot)
         click.echo(f"wrote {plot}", err=True)
-    df = res.frame()
+    df = res.frame(brief=fmt in (None, "table") and not output)
     if fmt in (None, "table"):
         for n in res.notes:
             click.echo(f"note: {n}", err=True)

@@ -836,12 +836,20 @@ class SweepResult:
     rows: list[SweepRow]
     notes: list[str]
 
-    def frame(self):
-        """The decision table as a polars frame (one row per cell, skipped cells say why)."""
+    def frame(self, brief: bool = False):
+        """The decision table as a polars frame (one row per cell, skipped cells say why);
+        ``brief`` keeps the columns a terminal table shows (the verdicts' reasons are notes)."""
         import polars as pl
 
         df = pl.DataFrame([asdict(r) for r in self.rows], schema_overrides={"skipped": pl.Utf8, "replan_every": pl.Int64})
-        return df.drop("skipped") if df["skipped"].null_count() == df.height else df
+        if df["skipped"].null_count() == df.height:
+            df = df.drop("skipped")
+        if brief:
+            df = df.drop("what", "why", "judged_steps", "moved_experts", "gross_ms").rename(
+                {"extra_mem_gib_per_rank": "extra_GiB_per_rank", "vs_recorded_pct": "net_vs_rec_%",
+                 "moved_gib": "moved_GiB", "moved_gib_per_hour": "replan_GiB_per_h",
+                 "median_break_even_steps": "break_even_steps", "mean_imbalance": "imbalance"})
+        return df
 
 
 def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
@@ -896,7 +904,7 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
                     None if j.net_step_ns is None else j.net_step_ns / 1e6,
                     None if j.net_step_ns is None else (j.net_step_ns / j.recorded_step_ns - 1) * 100,
                     j.moved_experts, j.moved_bytes / 2**30,
-                    j.moved_bytes / 2**30 / hours if hours > 0 else None,
+                    sum(c.bytes for c in j.changes[1:]) / 2**30 / hours if hours > 0 else None,
                     float(np.median(be)) if be else None, j.verdict, j.verdict_reason))
     band = costmod.error_band(cost)
     notes = list(shape.notes) + _time_note(shape, timing) + [
@@ -908,7 +916,8 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
         "from the recorded placement",
         f"verdict: pays off / does not pay off beyond the model's ±{band[0]:.0%} error ({band[1]}); fewer than "
         "10 judged steps: not enough evidence",
-        "moved GiB per hour: over predicted time (net), not wall-clock time"]
+        "replan GiB per hour: weights moved by re-plans after the first plan, per hour of predicted (net) time, "
+        "not wall-clock time; the first plan's moves (from the recorded placement) are in moved GiB"]
     return SweepResult(rows, notes)
 
 

@@ -125,7 +125,7 @@ def fit_expert_time(tokens, touched, duration_ns, base: CostModel) -> CostModel 
 #: the error band of a cost model nobody calibrated on this hardware (an assumption, said as
 #: such wherever it is used; ``moetrace calibrate`` measures the real one)
 UNCALIBRATED_REL_ERROR = 0.25
-UNCALIBRATED_SOURCE = "uncalibrated preset: ±25% assumed, not measured (moetrace calibrate measures it)"
+UNCALIBRATED_SOURCE = "uncalibrated: assumed, not measured; moetrace calibrate measures it"
 
 
 def error_band(cost: CostModel) -> tuple[float, str]:

@@ -126,11 +126,10 @@ def verdict(net_ns: float | None, recorded_ns: float | None, judged_steps: int, 
         return NOT_ENOUGH, f"only {judged_steps} steps judged (fewer than {min_steps})"
     band, src = error_band(cost)
     diff = (net_ns - recorded_ns) / recorded_ns if recorded_ns else 0.0
+    d = f"{diff:+.1%}".replace("-", "−")
     if abs(diff) <= band:
-        return NOT_ENOUGH, f"net {diff:+.1%} vs recorded is within the model's ±{band:.0%} error ({src})"
-    if diff < 0:
-        return PAYS_OFF, f"net {diff:+.1%} vs recorded, beyond the model's ±{band:.0%} error"
-    return DOES_NOT, f"net {diff:+.1%} vs recorded, beyond the model's ±{band:.0%} error"
+        return NOT_ENOUGH, f"net {d} vs recorded, within the model's ±{band:.0%} error ({src})"
+    return (PAYS_OFF if diff < 0 else DOES_NOT), f"net {d} vs recorded, beyond the model's ±{band:.0%} error ({src})"
 
 
 def change_cost(prev: Plan, new: Plan, expert_bytes: int, cost: CostModel, mc: MoveCost) -> tuple[int, int, int, float, float]:
