@@ -162,11 +162,16 @@ def lines(path, series: list[tuple[str, np.ndarray, np.ndarray]], *, title: str,
             ax.axhline(level, color=c, linestyle="--", linewidth=1, alpha=0.8, label=hl)
     if logx:
         ax.set_xscale("log", base=2)
+    return _finish(fig, ax, path, title, xlabel, ylabel, legend_right=bool(series))
+
+
+def _finish(fig, ax, path, title: str, xlabel: str, ylabel: str, legend_right: bool = False):
+    """Title, axis labels, the legend outside on the right (inside it covered the data, often
+    the last, largest-batch point), and save."""
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if series:
-        # outside the axes, on the right: inside it covered the data (often the last, largest-batch point)
+    if legend_right:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     return save(fig, path)
 
@@ -190,12 +195,7 @@ def plateau(path, series, *, title: str, xlabel: str, ylabel: str):
             top = max(top, structural)
     ax.set_xscale("log", base=2)
     ax.set_ylim(1.0 - 0.02 * max(top - 1.0, 0.05), top + 0.08 * max(top - 1.0, 0.05))
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    if series:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
-    return save(fig, path)
+    return _finish(fig, ax, path, title, xlabel, ylabel, legend_right=bool(series))
 
 
 #: one colour per span kind, the same in every figure
@@ -224,11 +224,7 @@ def stacked(path, labels, parts: dict[str, np.ndarray], *, title: str, xlabel: s
     ax.set_yticklabels([str(v) for v in labels], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, float(left.max()) * 1.02 if n and left.max() > 0 else 1.0)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
-    return save(fig, path)
+    return _finish(fig, ax, path, title, xlabel, ylabel, legend_right=True)
 
 
 # ----------------------------------------------------------------------------- style helpers
