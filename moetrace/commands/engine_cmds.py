@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from ..errors import InputError
+from ._options import int_list
 
 
 def _idle(ctx, param, values):
@@ -15,15 +16,6 @@ def _idle(ctx, param, values):
         except ValueError:
             raise click.BadParameter(f"{v!r} is not STEP:RANK") from None
     return out
-
-
-def _ints(ctx, param, value):
-    if value in (None, ""):
-        return None
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
 
 
 @click.command()
@@ -38,7 +30,7 @@ def _ints(ctx, param, value):
 @click.option("--tokens-per-rank", default=32, show_default=True, help="Tokens per rank per step.")
 @click.option("--prefill-tokens", default=0, show_default=True, help="Step 0 is a prefill of this many tokens per rank.")
 @click.option("--skew", default=1.0, show_default=True, help="Zipf exponent of the router's preference (0: none).")
-@click.option("--hot", callback=_ints, default=None, help="Favoured experts, most favoured first (e.g. 5,2).")
+@click.option("--hot", callback=int_list, default=None, help="Favoured experts, most favoured first (e.g. 5,2).")
 @click.option("--placement", default="contiguous", show_default=True,
               help="contiguous, round_robin, reverse, random:SEED, or a JSON file [[layer][slot]] (more slots than "
                    "experts = replicas).")
