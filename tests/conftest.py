@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Property tests: derandomized (a fixed seed per test) so a failure reproduces, in CI and by
+# default; HYPOTHESIS_PROFILE=random explores new examples on every run (docs/hardening.md).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("random", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 
 
