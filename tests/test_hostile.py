@@ -445,3 +445,71 @@ def test_nsys_gzip_bomb_is_refused_and_leaves_no_temp_files(runner, cli, store, 
     res = _cli(runner, cli, "ingest", f, "--store", store, "--set", "max_inflate_ratio=100000")
     assert res.exit_code == 2 and "max_inflate_ratio" not in res.output
     assert tree_hash(store) == before
+
+
+# ----------------------------------------------------------------------------- server logs
+_VLLM = ("(EngineCore_0 pid=1) INFO 11-29 10:00:01 [eplb_state.py:512] EPLB step: 3 for model ds: "
+         "avg_tokens=10.50, max_tokens=20, balancedness=0.5250\n")
+_SGL = ("[{date} 10:00:01 TP0] [Expert Balancedness] forward_pass_id={fp} current_pass_balancedness=0.400 "
+        "last_10_average_balancedness=0.400 gpu_physical_count_sum={n}\n")
+
+
+@pytest.mark.parametrize("line,pos,words", [
+    (_SGL.format(date="0026-11-29", fp=1, n=40), "line 2", "1970..2262"),
+    (_SGL.format(date="9999-11-29", fp=1, n=40), "line 2", "1970..2262"),
+    (_SGL.format(date="2026-11-29", fp=2 ** 63, n=40), "line 2", "64-bit"),
+    (_SGL.format(date="2026-11-29", fp=1, n=2 ** 64 + 5), "line 2", "64-bit"),
+])
+def test_log_values_beyond_64_bits_are_one_line(runner, cli, store, tmp_path, line, pos, words):
+    f = tmp_path / "server.log"
+    f.write_text(_VLLM + line)
+    before = tree_hash(store)
+    msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store, "--format", "logs"), 2, str(f), pos)
+    assert words in msg
+    assert tree_hash(store) == before
+
+
+def test_log_year_option_out_of_range(runner, cli, store, tmp_path):
+    f = tmp_path / "server.log"
+    f.write_text(_VLLM)
+    before = tree_hash(store)
+    for y in ("9999", "abc", "26"):
+        one_line_error(_cli(runner, cli, "ingest", f, "--store", store, "--set", f"year={y}"), 2, "year")
+    assert tree_hash(store) == before
+
+
+def test_log_line_of_300kb_is_fast_and_counted(runner, cli, tmp_path):
+    f = tmp_path / "server.log"
+    bad = "EPLB step: avg_tokens=" + "1" * 300_000 + "x\n"  # backtracked for minutes before
+    near = "[Expert Balancedness] forward_pass_id=1 current_pass_balancedness=" + "1" * 60_000 + " x\n"
+    f.write_text(_VLLM + bad + near + _VLLM)
+    t0 = time.monotonic()
+    res = _cli(runner, cli, "ingest", f, "--store", tmp_path / "st", "--format", "logs")
+    assert res.exit_code == 0, res.output
+    assert time.monotonic() - t0 < 20
+    meta = json.loads(Store(tmp_path / "st").sql("SELECT meta_json FROM runs")["meta_json"][0])
+    counts = meta["line_counts"]
+    # line 2 is over max_line_bytes (64 KiB): counted, not parsed; line 3 parsed and malformed
+    assert (counts["lines"], counts["matched"], counts["too_long"], counts["malformed"]) == (4, 2, 1, 1)
+    approx = Store(tmp_path / "st").sql("SELECT approximations FROM runs")["approximations"][0]
+    assert "max_line_bytes=65536" in approx
+    # each regex alone on the long line: linear, not backtracking
+    from moetrace.collect.logs import parse_line
+
+    t0 = time.monotonic()
+    for text in (bad, near, "Rearranged experts in " + "1" * 300_000 + "x\n",
+                 "[EPLBManager] Skipped ep rebalancing: current GPU utilization " + "1" * 300_000 + "\n"):
+        with pytest.raises(ValueError):
+            parse_line(text)
+    assert time.monotonic() - t0 < 5
+
+
+def test_fifo_and_devices_are_refused_before_reading(runner, cli, store, tmp_path):
+    fifo = tmp_path / "pipe.log"
+    os.mkfifo(fifo)
+    before = tree_hash(store)
+    for p, words in ((fifo, "FIFO"), (Path("/dev/zero"), "character device")):
+        for extra in ([], ["--format", "logs"], ["--format", "kineto"]):
+            msg = one_line_error(_cli(runner, cli, "ingest", p, "--store", store, *extra), 2, str(p))
+            assert words in msg
+    assert tree_hash(store) == before

@@ -28,6 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ..errors import InputError
+from ..safety import check_regular_file, limit
 from ..store import sha256_files
 from . import Collector, RunData, register
 
@@ -35,7 +36,10 @@ MARKERS = (b"EPLB step", b"[Expert Balancedness]", b"[EPLBManager]", b"Rearrange
 _TEXT_EXT = (".log", ".txt", ".out", ".err", ".stdout", ".stderr")
 _SCAN_BYTES = 64 << 20
 
-_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf"
+# Numbers match one way only (possessive quantifiers): a long digit run cannot make the
+# regexes backtrack (a 300 KB line parses in linear time). Lines longer than
+# safety max_line_bytes are not parsed at all (counted).
+_NUM = r"(?>[-+]?+(?:\d++(?:\.\d*+)?+|\.\d++)(?:[eE][-+]?+\d++)?+|nan|inf)"
 VLLM_BAL = re.compile(
     r"EPLB step(?::\s*(?P<step>\d+)\s+for model\s+(?P<model>.+?))?:\s*avg_tokens=(?P<avg>" + _NUM + r"),\s*"
     r"max_tokens=(?P<max>" + _NUM + r"),\s*balancedness=(?P<bal>" + _NUM + r")"
@@ -76,7 +80,7 @@ def _epoch(year: int, mon: int, day: int, hms: str) -> int | None:
     try:
         h, m, s = (int(x) for x in hms.split(":"))
         return calendar.timegm(dt.datetime(year, mon, day, h, m, s).timetuple()) * 1_000_000_000
-    except ValueError:
+    except (ValueError, OverflowError):
         return None
 
 
@@ -156,17 +160,59 @@ _TYPES = {"file": pa.string(), "line": pa.int64(), "engine": pa.string(), "event
           "steps_until_rearrangement": pa.int64(), "is_profile": pa.bool_()}
 
 
+_INT64 = 1 << 63
+_INT_FIELDS = ("step", "gpu_physical_count_sum", "steps_until_rearrangement")
+
+
+def _check_ranges(row: dict, path: Path, n: int) -> None:
+    """Integers of a parsed line must fit the int64 columns; a timestamp must be a time
+    64-bit ns since 1970 can hold (years 1970..2262): else one line naming the line."""
+    ts = row.get("ts_ns")
+    if ts is not None and not 0 <= ts < _INT64:
+        raise InputError(path, "timestamp is outside the years 1970..2262 (64-bit nanoseconds since 1970)",
+                         f"line {n}")
+    for k in _INT_FIELDS:
+        v = row.get(k)
+        if v is not None and not 0 <= v < _INT64:
+            raise InputError(path, f"{k} = {str(v)[:30]}{'...' if len(str(v)) > 30 else ''} does not fit a "
+                                   "64-bit integer", f"line {n}")
+
+
+def _lines(f, cap: int):
+    """(line number, bytes, too_long) of a binary file, never holding more than ``cap``
+    bytes of one line in memory (the rest of an over-long line is skipped)."""
+    n = 0
+    while True:
+        raw = f.readline(cap + 1)
+        if not raw:
+            return
+        n += 1
+        if len(raw) > cap and not raw.endswith(b"\n"):
+            while True:  # drain the rest of the over-long line
+                more = f.readline(1 << 20)
+                if not more or more.endswith(b"\n"):
+                    break
+            yield n, raw, True
+        else:
+            yield n, raw, False
+
+
 def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
-    """Rows and counts (lines, matched, malformed, unrelated) of one log file."""
-    rows, malformed, n = [], [], 0
+    """Rows and counts (lines, matched, malformed, unrelated, too_long) of one log file."""
+    rows, malformed, n, too_long = [], [], 0, []
+    check_regular_file(path)
     if year is None:
         year = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).year
+    cap = limit("max_line_bytes")
     try:
         f = open(path, "rb")
     except OSError as e:
         raise InputError(path, f"cannot read: {e.strerror}") from None
     with f:
-        for n, raw in enumerate(f, 1):
+        for n, raw, long_line in _lines(f, cap):
+            if long_line:
+                too_long.append(n)
+                continue
             text = raw.decode("utf-8", "replace")
             try:
                 row = parse_line(text)
@@ -178,18 +224,29 @@ def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
             md = row.pop("_vllm_md", None)
             if md is not None:
                 row["ts_ns"] = _epoch(year, md[0], md[1], md[2])
+            _check_ranges(row, path, n)
             row["file"], row["line"] = path.name, n
             rows.append(row)
     counts = {"lines": n, "matched": len(rows), "malformed": len(malformed),
-              "unrelated": n - len(rows) - len(malformed),
+              "unrelated": n - len(rows) - len(malformed) - len(too_long),
+
               "malformed_lines": [m[0] for m in malformed[:50]],
               "malformed_kinds": sorted({m[1] for m in malformed})}
+    if too_long:
+        counts.update(too_long=len(too_long), too_long_lines=too_long[:50])
     return rows, counts
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
     out = []
     year = options.get("year")
+    if year is not None:
+        try:
+            year = int(year)
+        except (TypeError, ValueError):
+            year = -1
+        if not 1970 <= year <= 2262:
+            raise InputError(None, f"--set year={options.get('year')!r}: a year 1970..2262 is needed")
     for path in sorted(paths):
         rows, counts = parse_file(path, int(year) if year else None)
         if not rows:
@@ -206,6 +263,10 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
                           "modification time, clock taken as UTC")
         if "sglang" in engines:
             approx.append("SGLang log timestamps are local time of the server, taken as UTC")
+        if counts.get("too_long"):
+            approx.append(f"{counts['too_long']} log lines longer than max_line_bytes={limit('max_line_bytes')} were "
+                          f"counted and not parsed (first at line {counts['too_long_lines'][0]}; raise the limit with "
+                          "--set max_line_bytes=N or MOETRACE_MAX_LINE_BYTES=N)")
         if counts["unrelated"]:
             approx.append(f"{counts['unrelated']} unrelated log lines counted and ignored")
         run = {"source": path.name, "source_sha256": sha256_files([path]), "collector": "logs",
