@@ -148,7 +148,8 @@ def _row_groups(pf, lo, hi) -> list[int]:
 def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step ids [T], layer ids [L], counts int64 [T, L, E]) of one run: tokens per logical
-    expert, summed over slots and source ranks; a (step, layer) without rows is zero.
+    expert, summed over slots and source ranks; a (step, layer) without rows is zero. The
+    array may be a read-only view of the Parquet buffers (copy it to write into it).
 
     ``steps``: None (every step of the run), an (lo, hi) pair (lo <= step < hi) or an array
     of step ids (the steps returned are those of the run among them). Dense runs are read
@@ -182,7 +183,7 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
         vals = tok.values.to_numpy()[off[0]:off[-1]].reshape(-1, E) if width.size else np.zeros((0, 0), np.int64)
         parts.append((t.column("step").to_numpy(), t.column("layer").to_numpy(), vals))
     long_rows = None
-    if store.has_files("expert_load"):
+    if _run_files(store, "expert_load", run_id):
         q = "SELECT step, layer, expert, tokens FROM expert_load_long WHERE run_id = ?"
         args: list = [run_id]
         if lo is not None:
@@ -206,16 +207,18 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
     if want is not None:
         step_ids = np.intersect1d(step_ids, want)
     layer_ids = np.unique(np.concatenate(layer_all)).astype(np.int64)
-    E = max([p[2].shape[1] for p in parts] + [0])
+    E = max([p[2].shape[1] for p in parts] + [0])     # a dense list holds runs.num_experts counts
+    T, L = step_ids.size, layer_ids.size
+    if long_rows is None and len(parts) == 1:
+        s, layer, vals = parts[0]
+        if vals.shape[0] == T * L and np.array_equal(s, np.repeat(step_ids, L)) \
+                and np.array_equal(layer, np.tile(layer_ids, T)):
+            return step_ids, layer_ids, vals.reshape(T, L, E)     # the whole grid in order: no copy
     if long_rows is not None:
         E = max(E, int(long_rows.column("expert").to_numpy().max()) + 1)
-    try:
-        ne = store.run(run_id).get("num_experts")
-    except Exception:
-        ne = None
-    if ne:
-        E = max(E, int(ne))
-    T, L = step_ids.size, layer_ids.size
+        ne = store.sql("SELECT max(num_experts) AS e FROM runs WHERE run_id = ?", [run_id])["e"][0]
+        if ne:
+            E = max(E, int(ne))
     out = np.zeros((T, L, E), np.int64)
     for s, layer, vals in parts:
         if vals.shape[0] == T * L and np.array_equal(s, np.repeat(step_ids, L)) \

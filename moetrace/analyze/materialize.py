@@ -148,9 +148,10 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
         for v in SHAPE_VIEWS:
             con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
             made.append(v)
-        # rows of the expert_load view: long rows + list lengths of the dense rows (no unnest)
+        # rows of the expert_load view: long rows + dense rows x num_experts (list length)
         m.rows = int(con.execute("SELECT (SELECT count(*) FROM expert_load_long WHERE run_id = ?) + "
-                                 "(SELECT coalesce(sum(len(tokens)), 0) FROM expert_counts WHERE run_id = ?)",
+                                 "(SELECT count(*) FROM expert_counts WHERE run_id = ?) * "
+                                 "(SELECT coalesce(max(num_experts), 0) FROM temp.run_shape)",
                                  [run_id, run_id]).fetchall()[0][0])
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_steps AS SELECT step, "
                     "row_number() OVER (ORDER BY step) - 1 AS ord FROM "

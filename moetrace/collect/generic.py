@@ -192,6 +192,17 @@ def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shap
     return df
 
 
+def _cast_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set) -> pl.DataFrame:
+    """A batch the first pass checked, cast as :func:`_check_load_batch` casts it."""
+    if set(df.columns) != cols:
+        raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", f"row {offset + 1}")
+    df = _ints(df.select([c for c in LOAD_REQ + LOAD_OPT if c in cols]), path, offset)
+    for c in LOAD_OPT:
+        if c not in df.columns:
+            df = df.with_columns(pl.lit(None, dtype=pl.Int64).alias(c))
+    return df.select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
+
+
 def _load_arrow(df: pl.DataFrame) -> pa.Table:
     t = df.to_arrow()
     return pa.table({"step": t.column("step"), "layer": t.column("layer").cast(pa.int32()),
@@ -293,8 +304,8 @@ def _collect_load(path: Path, cols: set, options: dict) -> RunData:
         p = _Progress(path, "written", big)
         off = 0
         d = _dense().Densifier(E_run) if dens is not None else None
-        for df in _frames(path):
-            b = _load_arrow(_check_load_batch(df, path, off, cols, shape))
+        for df in _frames(path):       # checked in the first pass: only the casts again
+            b = _load_arrow(_cast_load_batch(df, path, off, cols))
             off += b.num_rows
             out = d.feed(b) if d is not None else b
             if out is not None and out.num_rows:

@@ -16,7 +16,9 @@ WITH seen AS (
         SELECT run_id, max(expert) + 1 AS max_expert, max(slot) + 1 AS max_slot
         FROM expert_load_long GROUP BY run_id
         UNION ALL
-        SELECT run_id, max(len(tokens)), CAST(NULL AS INTEGER) FROM expert_counts GROUP BY run_id
+        -- dense lists are num_experts long: their length is read only when runs lacks it
+        SELECT c.run_id, max(len(c.tokens)), CAST(NULL AS INTEGER) FROM expert_counts c
+        SEMI JOIN runs r ON r.run_id = c.run_id AND r.num_experts IS NULL GROUP BY c.run_id
     ) GROUP BY run_id
 ), rec AS (
     SELECT run_id, max(rank) + 1 AS rec_ranks, max(slot) + 1 AS rec_slots
@@ -35,10 +37,11 @@ FROM runs r
 LEFT JOIN seen s USING (run_id)
 LEFT JOIN rec USING (run_id);
 
--- dense_experts: the experts of each dense (run, layer): 0..E-1 (list index).
+-- dense_experts: the experts of each dense (run, layer): 0..E-1 (list index; a dense
+-- list holds the run's num_experts counts).
 CREATE OR REPLACE VIEW dense_experts AS
-SELECT run_id, layer, CAST(unnest(range(n)) AS INTEGER) AS expert
-FROM (SELECT run_id, layer, max(len(tokens)) AS n FROM expert_counts GROUP BY run_id, layer);
+SELECT d.run_id, d.layer, CAST(unnest(range(sh.num_experts)) AS INTEGER) AS expert
+FROM (SELECT DISTINCT run_id, layer FROM expert_counts) d JOIN run_shape sh USING (run_id);
 
 -- step_layers: the (run, step, layer) that have expert_load rows, long or dense.
 CREATE OR REPLACE VIEW step_layers AS
