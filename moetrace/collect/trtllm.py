@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..replay.plan_io import looks_like_trtllm_yaml, read_trtllm_yaml
-from ..safety import check_array_elements, json_loads
+from ..safety import json_loads
 from ..store import sha256_files
 from . import Collector, RunData, register
 from .sglang import _ranges
@@ -75,42 +75,43 @@ def _meta(path: Path) -> tuple[int, int]:
     return E, k
 
 
-def _rank_counts(path: Path, E: int) -> dict[tuple[int, int], np.ndarray]:
-    """{(iter, layer): int64 [E]} of one rank file, every tensor checked."""
+def _rank_counts(path: Path, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys ``[n, 2]`` (iter, layer) and counts ``int64 [n, E]`` of one rank file, every
+    tensor's shape and dtype checked from the header before it is read."""
     from safetensors import SafetensorError, safe_open
 
     with open(path, "rb") as f:
         raw = f.read(8)
     if len(raw) < 8 or int.from_bytes(raw, "little") > MAX_HEADER:
         raise InputError(path, "not a safetensors file (bad or oversized header length)", "byte 0")
-    out = {}
+    keys, rows = [], []
     try:
         with safe_open(str(path), framework="np") as f:
-            keys = list(f.keys())
-            for key in keys:
+            for key in f.keys():
                 m = _KEY.match(key)
                 if not m:
                     raise InputError(path, f"tensor key {key!r} is not '{{iter}}_{{layer}}'")
-                check_array_elements(path, f.get_slice(key).get_shape(), f"tensor {key!r}")
-                t = f.get_tensor(key)
-                if t.ndim != 1 or t.shape[0] != E:
-                    raise InputError(path, f"tensor {key!r} has shape {list(t.shape)}, expected [{E}] "
+                shape = f.get_slice(key).get_shape()
+                if list(shape) != [E]:
+                    raise InputError(path, f"tensor {key!r} has shape {list(shape)}, expected [{E}] "
                                            f"(num_experts in {META})")
+                t = f.get_tensor(key)
                 if t.dtype.kind not in "iu":
                     raise InputError(path, f"tensor {key!r} has dtype {t.dtype}, expected integer counts")
-                t = t.astype(np.int64)
-                if t.min() < 0:
-                    raise InputError(path, f"tensor {key!r} holds a negative count {int(t.min())}",
-                                     f"expert {int(np.argmin(t))}")
-                out[(int(m.group(1)), int(m.group(2)))] = t
+                keys.append((int(m.group(1)), int(m.group(2))))
+                rows.append(t)
     except InputError:
         raise
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(path, f"cannot read safetensors: {msg}") from None
-    if not out:
+    if not rows:
         raise InputError(path, "holds no tensors")
-    return out
+    mat = np.stack(rows).astype(np.int64)
+    if mat.min() < 0:
+        i, e = np.argwhere(mat < 0)[0]
+        raise InputError(path, f"tensor {'%d_%d' % keys[i]!r} holds a negative count {int(mat[i, e])}", f"expert {int(e)}")
+    return np.asarray(keys, np.int64).reshape(-1, 2), mat
 
 
 def _placement(cfg, path: Path, R: int, rpn: int, layers: list[int], E: int) -> pa.Table:
@@ -169,7 +170,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     if options.get("num_ranks") and int(options["num_ranks"]) != R:
         raise InputError(folder, f"--ranks {options['num_ranks']} but the folder holds {R} rank files")
     counts = {r: _rank_counts(by_rank[r], E) for r in range(R)}
-    keys = set().union(*counts.values())
+    keys = set().union(*(map(tuple, kk.tolist()) for kk, _ in counts.values()))
     iters = sorted({i for i, _ in keys})
     layers = sorted({l for _, l in keys})
     miss_it = sorted(set(range(iters[0], iters[-1] + 1)) - set(iters))
@@ -181,31 +182,29 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         raise InputError(folder, f"{len(holes)} (iteration, layer) pairs have no counts on any rank, first "
                                  f"iteration {holes[0][0]} layer {holes[0][1]}")
     approx = []
-    step, layer, expert, src, tok = [], [], [], [], []
-    st_step, st_rank, st_tokens = [], [], []
-    absent = 0
-    uneven = []
+    lidx = {l: j for j, l in enumerate(layers)}
+    # tokens[r, iteration, layer] = counted choices / k; -1 where the rank file has no key
+    tokens = np.full((R, len(iters), len(layers)), -1, np.int64)
+    parts = []
     for r in range(R):
-        for i in iters:
-            per_layer = {}
-            for l in layers:
-                c = counts[r].get((i, l))
-                if c is None:
-                    absent += 1
-                    per_layer[l] = 0
-                    continue
-                total = int(c.sum())
-                if total % k:
-                    raise InputError(by_rank[r], f"counts of iteration {i} layer {l} sum to {total}, not a multiple "
-                                                 f"of num_experts_per_token {k}", f"key '{i}_{l}'")
-                per_layer[l] = total // k
-                nz = np.flatnonzero(c)
-                step.append(np.full(nz.size, i)), layer.append(np.full(nz.size, l)), expert.append(nz)
-                src.append(np.full(nz.size, r)), tok.append(c[nz])
-            n = set(per_layer.values())
-            if len(n) > 1:
-                uneven.append((r, i))
-            st_step.append(i), st_rank.append(r), st_tokens.append(max(n))
+        kk, mat = counts[r]
+        total = mat.sum(axis=1)
+        bad = np.flatnonzero(total % k)
+        if bad.size:
+            i, l = kk[bad[0]]
+            raise InputError(by_rank[r], f"counts of iteration {i} layer {l} sum to {total[bad[0]]}, not a multiple "
+                                         f"of num_experts_per_token {k}", f"key '{i}_{l}'")
+        tokens[r, kk[:, 0] - iters[0], [lidx[int(l)] for l in kk[:, 1]]] = total // k
+        nz_row, nz_e = np.nonzero(mat)
+        parts.append((kk[nz_row, 0], kk[nz_row, 1].astype(np.int32), nz_e.astype(np.int32),
+                      np.full(nz_row.size, r, np.int32), mat[nz_row, nz_e]))
+        del mat, nz_row, nz_e
+        counts[r] = None   # free as we go
+    absent = int((tokens < 0).sum())
+    tokens[tokens < 0] = 0
+    per_step = tokens.max(axis=2)
+    uneven_mask = tokens.min(axis=2) != per_step
+    uneven = [(int(r), iters[int(i)]) for r, i in np.argwhere(uneven_mask)]
     if not uneven:
         approx.append(f"steps.num_tokens inferred as each rank's counted expert choices / top_k ({k}); steps have "
                       "no phase or time in TensorRT-LLM statistics (a rank with no tokens is an idle, dummy step)")
@@ -215,12 +214,13 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         r, i = uneven[0]
         approx.append(f"{len(uneven)} (rank, iteration) pairs count different tokens in different layers (first: rank "
                       f"{r}, iteration {i}; a layer visited twice?): no steps table (tokens per step unknown)")
-    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
-    load = pa.table({"step": cat(step).astype(np.int64), "layer": cat(layer).astype(np.int32),
-                     "expert": cat(expert).astype(np.int32), "slot": pa.nulls(len(cat(step)), pa.int32()),
-                     "src_rank": cat(src).astype(np.int32), "tokens": cat(tok).astype(np.int64)})
-    nt = np.asarray(st_tokens, np.int64)
-    steps = pa.table({"step": np.asarray(st_step, np.int64), "rank": np.asarray(st_rank, np.int32),
+    step, layer, expert, src, tok = (np.concatenate([p[j] for p in parts]) for j in range(5))
+    parts = None
+    load = pa.table({"step": step, "layer": layer, "expert": expert, "slot": pa.nulls(step.size, pa.int32()),
+                     "src_rank": src, "tokens": tok})
+    del step, layer, expert, src, tok
+    nt = per_step.T.reshape(-1)                 # (iteration, rank) order
+    steps = pa.table({"step": np.repeat(np.asarray(iters, np.int64), R), "rank": np.tile(np.arange(R), len(iters)).astype(np.int32),
                       "phase": pa.array(np.where(nt == 0, "idle", "unknown").tolist(), pa.string()),
                       "num_tokens": nt, "is_dummy": nt == 0, "start_ns": pa.nulls(nt.size, pa.int64()),
                       "end_ns": pa.nulls(nt.size, pa.int64()), "inferred": np.ones(nt.size, bool)})
