@@ -147,3 +147,29 @@ def test_report_section_shows_the_whatif_table(tmp_path, runner, cli):
     # hideable = e + 104 - b/2 = 234, 224, 219 vs c = 120, 100, 150 -> steps 120 + 114 + 50 = 284, 274, 244 µs
     assert "0.30 ms recorded -> 0.28 ms predicted" in sec.markdown and "not stored" in sec.markdown
     assert any("overlap what-if assumes" in n for n in sec.notes)
+
+
+@pytest.mark.slow
+def test_two_micro_batch_refrun_routes_like_one(tmp_path):
+    """refrun --micro-batches 2 runs the same tokens through the same router: every
+    (step, layer, token, choice) picks the same expert and slot, the received load is the
+    same, and the trace labels micro-batches 0 and 1."""
+    pytest.importorskip("torch", reason="the reference run needs PyTorch")
+    from moetrace.collect import ingest as ingest_paths
+    from moetrace.produce.refrun import RefRunConfig, run
+    from moetrace.store import Store
+
+    st = Store(tmp_path / "st", create=True)
+    ids = {}
+    for mb in (1, 2):
+        run(RefRunConfig(ranks=2, experts=4, top_k=2, layers=2, hidden=32, ffn=64, steps=2, tokens_per_rank=9,
+                         seed=4, micro_batches=mb), tmp_path / f"mb{mb}")
+        ids[mb] = ingest_paths(st, [tmp_path / f"mb{mb}"])[0].run_id
+    q = "SELECT step, layer, token, choice, expert, slot FROM routing WHERE run_id = ? ORDER BY ALL"
+    a, b = (st.sql(q, [ids[m]]) for m in (1, 2))
+    assert a.height == 2 * 2 * 2 * 9 * 2 and a.equals(b)
+    q = "SELECT step, layer, slot, sum(tokens) AS t FROM expert_load WHERE run_id = ? GROUP BY ALL ORDER BY ALL"
+    assert st.sql(q, [ids[1]]).equals(st.sql(q, [ids[2]]))
+    mbs = st.sql("SELECT DISTINCT micro_batch FROM spans WHERE run_id = ? AND kind IN ('dispatch', 'combine') "
+                 "AND micro_batch IS NOT NULL ORDER BY 1", [ids[2]])["micro_batch"].to_list()
+    assert mbs == [0, 1]
