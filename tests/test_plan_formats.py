@@ -114,6 +114,10 @@ def test_cli_export_recorded_trtllm_and_import_vllm_ascend(tmp_path, runner, cli
     r = runner.invoke(cli, ["plan", str(st_path), "--plan", "recorded", "--out", str(out), "--out-format", "trtllm"])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load(out.read_text()) == yaml.safe_load((here / "trtllm_moe_load_balancer.yaml").read_text())
+    r = runner.invoke(cli, ["plan", str(st_path), "--import", str(out), "--plan-id", "back"])
+    assert r.exit_code == 0, r.output
+    q = "SELECT layer, slot, rank, expert FROM placement WHERE plan_id = ? ORDER BY layer, slot"
+    assert Store(st_path).sql(q, ["back"]).equals(Store(st_path).sql(q, ["recorded"]))
     r = runner.invoke(cli, ["plan", str(st_path), "--import", str(here / "vllm_ascend_expert_map.json"),
                             "--plan-id", "ascend"])
     assert r.exit_code == 0, r.output
