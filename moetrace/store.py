@@ -387,7 +387,15 @@ class Store:
         return query_arrow(self.con, query, params)
 
     def runs(self) -> pl.DataFrame:
-        return self.sql("SELECT * FROM runs ORDER BY ingested_at_ns, run_id")
+        """The runs rows (contract columns; ones an older file lacks are NULL), oldest first.
+        Read from the runs partitions directly: no SQL view is built (``moetrace runs``)."""
+        if (self.path / ".txn").is_dir():
+            self._recover_if_abandoned()
+        empty = pl.from_arrow(schema.get("runs").arrow(with_metadata=False).empty_table())
+        frames = [pl.from_arrow(pq.read_table(f)).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
+                  for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
+        df = pl.concat([empty, *frames], how="diagonal_relaxed") if frames else empty
+        return df.select(empty.columns).sort("ingested_at_ns", "run_id")
 
     def run_ids(self) -> list[str]:
         d = self.path / "runs"
