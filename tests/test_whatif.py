@@ -173,3 +173,17 @@ def test_two_micro_batch_refrun_routes_like_one(tmp_path):
     mbs = st.sql("SELECT DISTINCT micro_batch FROM spans WHERE run_id = ? AND kind IN ('dispatch', 'combine') "
                  "AND micro_batch IS NOT NULL ORDER BY 1", [ids[2]])["micro_batch"].to_list()
     assert mbs == [0, 1]
+
+
+def test_replay_option_runs_the_timeline_whatifs(tmp_path, runner, cli):
+    from moetrace.store import Store
+
+    res = runner.invoke(cli, ["synth", str(tmp_path / "st"), "--layers", "1", "--experts", "16", "--top-k", "2",
+                              "--ranks", "16", "--ranks-per-node", "8", "--steps", "2", "--tokens-per-step", "32",
+                              "--per-token"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["replay", str(tmp_path / "st"), "--policy", "eplb", "--timeline-whatif"])
+    assert res.exit_code == 0, res.output
+    kinds = Store(tmp_path / "st").sql("SELECT DISTINCT kind FROM replay_whatif")["kind"].to_list()
+    assert kinds == ["domain"]      # no profiler spans: overlap and disaggregation say why they were skipped
+    assert "16 ranks per NVLink domain" in res.output
