@@ -73,7 +73,8 @@ def _heatmap(ctx: ReportContext, res) -> Figure | None:
         for i in range(n):
             for j in range(n):
                 if w[i, j]:
-                    ax.text(j, i, f"{w[i, j] / 1e6:.1f}", ha="center", va="center", fontsize=7)
+                    ax.text(j, i, f"{w[i, j] / 1e6:.1f}", ha="center", va="center", fontsize=7,
+                            color="white" if w[i, j] > 0.6 * w.max() else "black")
     fig.colorbar(im, ax=ax, label="wait, ms (all instances)")
     ax.set_title("Who waited for whom")
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in ctx.run_id)
