@@ -57,7 +57,9 @@ def _print_changes(j, indent="  "):
     click.echo(f"{indent}moves: {j.moved_experts} expert copies, {_gib(j.moved_bytes):.2f} GiB "
                f"({_gib(sum(c.bytes_inter for c in j.changes)):.2f} GiB inter-node) in {len(j.changes)} change(s), "
                f"charged {sum(c.charged_ns for c in j.changes) / 1e6:.3f} ms in all")
-    if len(j.changes) == 1:
+    if j.gross_step_ns is None:
+        click.echo(f"{indent}break-even: no time per step to weigh the moves against")
+    elif len(j.changes) == 1:
         click.echo(f"{indent}break-even: " + (f"{c0.break_even_steps:.1f} steps (the plan serves {c0.served_steps})"
                                               if c0.break_even_steps is not None else
                                               "never (the plan gains nothing per step)"))
@@ -84,7 +86,8 @@ def _print_replay(res):
     _print_changes(j)
     if j.kind != "recorded":
         click.echo(f"  verdict: {j.verdict}: {j.verdict_reason}")
-    click.echo(f"  cost model: {res.cost.source.split(':')[0]}; {res.move.describe()}")
+    click.echo(f"  cost model: {res.cost.source.split(':')[0]}; time error band ±{res.error_band[0]:.0%} "
+               f"({res.error_band[1]}); {res.move.describe()}")
     if res.nodes_per_token_max is not None:
         click.echo(f"  per-token routing: exact dispatch bytes; nodes per token mean "
                    f"{res.nodes_per_token_mean:.2f}, max {res.nodes_per_token_max}")
@@ -252,6 +255,10 @@ def _print_drift(d, plot):
                f"judged on {d.steps.size} steps against the recorded placement")
     st = d.results["static"]
     click.echo(f"  plan: {st.plan.describe()}")
+    from ..replay.cost import error_band
+
+    band, src = error_band(d.cost)
+    click.echo(f"  time error band ±{band:.0%} ({src}): a predicted difference within it is not a win")
     unit = "pass" if d.timing.per_pass else "step"
     rec_ms = f"{st.recorded_step_ns / 1e6:.3f} ms" if st.recorded_step_ns is not None else "no time"
     click.echo(f"  recorded mean imbalance {st.recorded.mean_imbalance:.3f}  predicted MoE time/{unit} {rec_ms}")

@@ -327,10 +327,12 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunS
 
 def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
-    fitted = fit_cost_from_store(store, run_id, base, shape) if fit else None
+    # the measured error band (issue 13): the newest calibration on the same hardware;
+    # a run with repeated timed passes (refrun cell_times) fits the matrix-checked model
+    from .calibrate import error_band, fit_from_cell_times, run_hardware
+
+    fitted = (fit_from_cell_times(store, run_id, base) or fit_cost_from_store(store, run_id, base, shape)) if fit else None
     cost = fitted if fitted is not None else base
-    # the measured error band (issue 13): the newest calibration on the same hardware
-    from .calibrate import error_band, run_hardware
 
     band = error_band(store, run_hardware(store, run_id) if fitted is not None else hardware)
     if band.rel_error is not None:
@@ -390,9 +392,11 @@ class ReplayResult:
     def headline(self) -> str:
         j = self.judged
         unit = "pass" if self.timing.per_pass else "step"
+        if j.gross_step_ns is None:
+            return ("no time per step: the counts aggregate many passes of unknown number (imbalance and tokens "
+                    "only; --passes N gives times per pass)")
         if j.kind == "recorded":
-            return (f"predicted MoE time per {unit} {j.gross_step_ns / 1e6:.3f} ms (the recorded placement: the "
-                    "baseline)" if j.gross_step_ns is not None else f"no time per step: {j.verdict_reason}")
+            return f"predicted MoE time per {unit} {j.gross_step_ns / 1e6:.3f} ms (the recorded placement: the baseline)"
         return (f"net {compare_text(j.net_step_ns, j.recorded_step_ns, unit)}; gross "
                 f"{compare_text(j.gross_step_ns, j.recorded_step_ns, unit)}")
 
@@ -512,10 +516,10 @@ def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, 
     ``in_sample`` judges it on every step (and says so)."""
     all_steps = shape.steps
     if fit is None:
-        return JudgedSteps(all_steps, f"all {all_steps.size} steps")
+        return JudgedSteps(all_steps, f"all {all_steps.size} step(s)")
     a, b = fit
     if in_sample:
-        return JudgedSteps(all_steps, f"all {all_steps.size} steps, IN-SAMPLE (the plan was fitted on steps [{a}, {b}))",
+        return JudgedSteps(all_steps, f"all {all_steps.size} step(s), IN-SAMPLE (the plan was fitted on steps [{a}, {b}))",
                            [f"in-sample judgement (asked for): the plan was fitted on steps [{a}, {b}) and is judged on "
                             "all steps, those included"])
     after = all_steps[all_steps >= b]
@@ -576,7 +580,7 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
     is_rec = plan.plan_id == "recorded"
     if is_rec:
         plan = recorded
-    judged = judged or JudgedSteps(shape.steps, f"all {shape.steps.size} steps")
+    judged = judged or JudgedSteps(shape.steps, f"all {shape.steps.size} step(s)")
     mode = _recorded_mode(store, run_id, shape)
     fn = _replay_fn(store, run_id, shape, opts.split, mode)
     timing = shape.timing(opts.passes)

@@ -67,7 +67,7 @@ class Change:
     bytes_inter: int
     transfer_ns: float
     charged_ns: float
-    gain_per_step_ns: float
+    gain_per_step_ns: float         # 0 with no time per step (aggregate counts)
     served_steps: int
     break_even_steps: float | None
 
@@ -270,8 +270,11 @@ class _Acc:
         rec = float(self.cat("rlns").sum(axis=1).mean()) if timed else None
         charges = sum(c.charged_ns for c in changes)
         net = None if gross is None else gross + charges / (n * (timing.per_pass or 1))
-        if not timed:
+        if not timed:   # aggregate counts of unknown passes: moves are counted, no time to weigh them against
             s.predicted_step_ns = r.predicted_step_ns = None
+            for c in changes:
+                c.transfer_ns = c.charged_ns = c.gain_per_step_ns = 0.0
+                c.break_even_steps = None
         if strategy.kind == "oracle":
             v, why = NOT_ENOUGH, "the oracle is fitted on the steps it is judged on: a lower bound, not a plan"
         elif strategy.kind == "recorded":
