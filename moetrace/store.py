@@ -392,7 +392,7 @@ class Store:
         if (self.path / ".txn").is_dir():
             self._recover_if_abandoned()
         empty = pl.from_arrow(schema.get("runs").arrow(with_metadata=False).empty_table())
-        frames = [pl.from_arrow(pq.read_table(f)).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
+        frames = [pl.read_parquet(f).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
                   for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
         df = pl.concat([empty, *frames], how="diagonal_relaxed") if frames else empty
         return df.select(empty.columns).sort("ingested_at_ns", "run_id")
