@@ -513,3 +513,77 @@ def test_fifo_and_devices_are_refused_before_reading(runner, cli, store, tmp_pat
             msg = one_line_error(_cli(runner, cli, "ingest", p, "--store", store, *extra), 2, str(p))
             assert words in msg
     assert tree_hash(store) == before
+
+
+# ----------------------------------------------------------------------------- Kineto traces
+def _kev(**over) -> dict:
+    ev = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1000, "dur": 1,
+          "args": {"device": 0, "stream": 7, "correlation": 1}}
+    for k, v in over.items():
+        if k in ("device", "stream", "correlation"):
+            ev["args"][k] = v
+        else:
+            ev[k] = v
+    return ev
+
+
+@pytest.mark.parametrize("raw,words", [
+    ('"ts": 1e999999999', "64-bit ns range"),
+    ('"ts": "1e999999999"', "64-bit ns range"),
+    ('"ts": 1e-999999999', None),  # rounds to 0 µs: a valid (if odd) time
+    ('"device": 2147483648', "args.device"),
+    ('"stream": -2147483649', "args.stream"),
+    ('"correlation": 9223372036854775808', "args.correlation"),
+])
+def test_kineto_values_beyond_their_columns_are_one_line(runner, cli, store, tmp_path, raw, words):
+    key = raw.split(":")[0].strip('"')
+    text = json.dumps({"schemaVersion": 1, "traceEvents": [_kev(), _kev(name="k2", ts=1005)]})
+    old = {"ts": '"ts": 1000', "device": '"device": 0', "stream": '"stream": 7', "correlation": '"correlation": 1'}[key]
+    text = text.replace(old, raw, 1)
+    f = tmp_path / "rank0.pt.trace.json"
+    f.write_text(text)
+    before = tree_hash(store)
+    res = _cli(runner, cli, "ingest", f, "--store", store, "--format", "kineto")
+    if words is None:
+        assert res.exit_code in (0, 2) and "Traceback" not in res.output and "internal error" not in res.output
+        return
+    msg = one_line_error(res, 2, str(f), "event 0")
+    assert words in msg
+    assert tree_hash(store) == before
+
+
+@pytest.mark.parametrize("where", ["event", "traceEvents", "document"])
+def test_deep_json_is_one_line(runner, cli, store, tmp_path, where):
+    deep = "[" * 100_000 + "]" * 100_000
+    doc = {"event": json.dumps({"schemaVersion": 1, "traceEvents": [_kev()]}).replace('"args"', f'"x": {deep}, "args"'),
+           "traceEvents": '{"schemaVersion": 1, "traceEvents": ' + deep + "}",
+           "document": deep}[where]
+    f = tmp_path / "rank0.pt.trace.json"
+    f.write_text(doc)
+    before = tree_hash(store)
+    msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store, "--format", "kineto"), 2, str(f))
+    assert "nested too deeply" in msg
+    assert tree_hash(store) == before
+
+
+def test_kineto_gzip_bomb_and_long_names_hit_limits(runner, cli, store, tmp_path):
+    f = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(f, "wb", compresslevel=9) as g:
+        g.write(b'{"schemaVersion": 1, "traceEvents": [' + json.dumps(_kev()).encode())
+        for _ in range(64):
+            g.write(b" " * (1 << 20))
+        g.write(b"]}")
+    assert (64 << 20) / f.stat().st_size > 200
+    before = tree_hash(store)
+    t0 = time.monotonic()
+    msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store), 2, str(f), "max_inflate_ratio=200")
+    assert "MOETRACE_MAX_INFLATE_RATIO" in msg and time.monotonic() - t0 < 30
+    # a name beyond max_name_bytes (lowered here; 64 KiB by default)
+    g = tmp_path / "rank1.pt.trace.json"
+    g.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [_kev(name="n" * 5000), _kev(name="k", ts=1005)]}))
+    msg = one_line_error(_cli(runner, cli, "ingest", g, "--store", store, "--set", "max_name_bytes=4096"), 2, str(g),
+                         "max_name_bytes=4096")
+    assert "5000 bytes" in msg
+    assert tree_hash(store) == before
+    res = _cli(runner, cli, "ingest", g, "--store", store)  # under the default limit it ingests
+    assert res.exit_code == 0, res.output

@@ -26,12 +26,14 @@ import time
 import zlib
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import numpy as np
 import polars as pl
 
 from ..errors import InputError
+from ..safety import bounded_gunzip, check_regular_file, limit_error, limit, max_inflated
 from . import Collector, RunData, register
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame, rank_part, run_data
 from .classify import COLLECTIVE_OP_PREFIXES, Classifier
@@ -40,10 +42,16 @@ MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
 BATCH = 4000                       # events decoded to records at a time (cache-sized)
 
 
+# ids must fit their columns (device, stream: int32; correlation: int64): a value beyond
+# is a ValidationError naming the event, never an overflow later
+_I32 = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
+_I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
 class _Args(msgspec.Struct, gc=False):
-    correlation: int | None = None
-    device: int | None = None
-    stream: int | None = None
+    correlation: _I64 | None = None
+    device: _I32 | None = None
+    stream: _I32 | None = None
     collective: str | None = msgspec.field(default=None, name="Collective name")
 
 
@@ -51,8 +59,8 @@ class _Event(msgspec.Struct, gc=False):
     ph: str | None = None
     cat: str | None = None
     name: str | int | float | None = None
-    pid: int | str | None = None
-    tid: int | str | None = None
+    pid: _I64 | str | None = None
+    tid: _I64 | str | None = None
     ts: msgspec.Raw = msgspec.Raw(b"")
     dur: float | int | None = None
     args: _Args | None = None
@@ -104,12 +112,15 @@ def ts_to_ns(texts: list[bytes], base_ns: int, path: Path, offset: int) -> list[
             if len(fp) > 3 and fp[3] >= "5":
                 v += 1
         else:
+            shown = s if len(s) <= 40 else s[:37] + "..."
             try:
                 d = Decimal(s.strip().strip('"'))
             except InvalidOperation:
-                raise InputError(path, f"timestamp {s!r} is not a number", f"event {offset + j}") from None
+                raise InputError(path, f"timestamp {shown!r} is not a number", f"event {offset + j}") from None
             if not d.is_finite():
-                raise InputError(path, f"timestamp {s!r} is not finite", f"event {offset + j}")
+                raise InputError(path, f"timestamp {shown!r} is not finite", f"event {offset + j}")
+            if d != 0 and d.adjusted() > 30:  # 1e999999999: refused before any arithmetic can overflow
+                raise InputError(path, f"timestamp {shown!r} µs is outside the 64-bit ns range", f"event {offset + j}")
             neg = d < 0
             v = int((abs(d) * 1000).to_integral_value(rounding="ROUND_HALF_UP"))
         ns = base_ns + (-v if neg else v)
@@ -141,6 +152,8 @@ def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, di
         if not len(out[1]["name"]) and not out[0]["all_cpu_ops"]:
             out = _parse_file(path, progress, all_cpu_ops=True)  # no GPU event after all: keep every CPU op
         return out
+    except RecursionError:
+        raise InputError(path, "JSON nested too deeply to parse (a crafted or corrupt trace)") from None
     finally:
         if was:
             gc.enable()
@@ -168,6 +181,7 @@ def read_bytes(path: Path) -> tuple[bytes | mmap.mmap, _Digest]:
     """(the file's bytes, gunzipped when it is gzip; the sha256 of the bytes on disk, being
     taken in a thread). A plain file is memory-mapped, not copied: the caller closes it.
     Bad gzip is an InputError."""
+    check_regular_file(path)
     try:
         with open(path, "rb") as f:
             head = f.read(2)
@@ -184,7 +198,10 @@ def read_bytes(path: Path) -> tuple[bytes | mmap.mmap, _Digest]:
     digest = _Digest(raw)
     if raw[:2] == b"\x1f\x8b":
         try:
-            return _gunzip(raw), digest
+            return _gunzip(raw, path), digest
+        except InputError:
+            digest.join()
+            raise
         except (OSError, EOFError, zlib.error) as e:
             digest.join()
             raise InputError(path, f"corrupt or truncated gzip: {e}") from None
@@ -197,19 +214,24 @@ except ImportError:  # pragma: no cover - depends on the environment
     _isal_zlib = None
 
 
-def _gunzip(raw: bytes) -> bytes:
-    """gzip.decompress, through ISA-L when it is installed and the file is one whole gzip
-    member (the usual case); anything else (several members, damage) goes to gzip, which
-    reads every member and words the error."""
-    if _isal_zlib is not None:
+def _gunzip(raw: bytes, path: Path | None = None) -> bytes:
+    """Inflate, never beyond safety.max_inflated (a multiple of the compressed size, and
+    the memory available): through ISA-L when it is installed and the file is one whole
+    gzip member (the usual case); anything else (several members, damage, a bomb) goes to
+    safety.bounded_gunzip, which reads every member and words the error."""
+    cap = max_inflated(path, len(raw)) if path is not None else None
+    if _isal_zlib is not None and cap is not None:
         try:
             d = _isal_zlib.decompressobj(wbits=31)
-            out = d.decompress(raw)
-            if d.eof and not d.unused_data:
+            out = d.decompress(raw, cap + 1)
+            if d.eof and not d.unused_data and len(out) <= cap:
                 return out
-        except Exception:  # noqa: BLE001 - gzip below says what is wrong
+            del out
+        except Exception:  # noqa: BLE001 - bounded_gunzip below says what is wrong
             pass
-    return gzip.decompress(raw)
+    if path is None:
+        return gzip.decompress(raw)
+    return bounded_gunzip(path, raw)
 
 
 _EVENT_AT = re.compile(r"\$\[(\d+)\]")
@@ -701,7 +723,14 @@ def _parse_frames_worker(path: Path, progress: bool):
 
 def _parse_frames(path: Path, progress: bool):
     info, gpu, launch, cpu = parse_file(path, progress=progress)
-    return info, frame(gpu, GPU_SCHEMA), frame(launch, LAUNCH_SCHEMA), frame(cpu, CPU_SCHEMA)
+    out = info, frame(gpu, GPU_SCHEMA), frame(launch, LAUNCH_SCHEMA), frame(cpu, CPU_SCHEMA)
+    cap = limit("max_name_bytes")
+    for f in out[1:]:
+        if "name" in f.columns and f.height:
+            longest = f["name"].str.len_bytes().max()
+            if longest is not None and longest > cap:
+                raise limit_error(path, "max_name_bytes", f"an event name of {longest} bytes")
+    return out
 
 
 def _rank_of(p: Path, info: dict) -> int | None:
