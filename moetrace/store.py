@@ -391,7 +391,9 @@ class Store:
         Read from the runs partitions directly: no SQL view is built (``moetrace runs``)."""
         if (self.path / ".txn").is_dir():
             self._recover_if_abandoned()
-        empty = pl.from_arrow(schema.get("runs").arrow(with_metadata=False).empty_table())
+        pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
+                    "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64}
+        empty = pl.DataFrame(schema={c.name: pl_types[c.type] for c in schema.get("runs").columns})
         frames = [pl.read_parquet(f).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
                   for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
         df = pl.concat([empty, *frames], how="diagonal_relaxed") if frames else empty
