@@ -127,6 +127,10 @@ def build(ctx: ReportContext) -> Section | None:
             "which no batch size removes) and ")
     if abs(tot[2]) < 0.005:
         text += "no measurable sampling noise on top (less than 0.005). "
+    elif facts and all(f.flat for f in facts):
+        text += f"**{tot[2]:+.2f}** on top, which merging steps does not remove in the layers below"
+        text += (" — drift, not sampling noise: the whole-run totals mix early and late popularity, which lowers "
+                 "the structural figure. " if any(f.drifts for f in facts) else ". ")
     else:
         text += f"**{tot[2]:+.2f}** on top (sampling noise, which shrinks as batches grow"
         text += (", plus drift: the whole-run totals mix early and late popularity). " if any(f.drifts for f in facts)
