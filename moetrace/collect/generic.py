@@ -29,6 +29,7 @@ import pyarrow as pa
 from .. import schema
 from ..errors import InputError
 from ..store import sha256_files
+from ..streams import Rereadable
 from . import Collector, RunData, head, register
 
 LOAD_REQ = ["step", "layer", "expert", "tokens"]
@@ -342,18 +343,6 @@ def _locate(path: Path, cols: set, column: str, upper: int) -> None:
         b = _check_load_batch(df, path, off, cols, {column: upper})
         off += b.height
     raise AssertionError("unreachable: a value out of range was seen")
-
-
-class Rereadable:
-    """A table handed to the store as a stream that can be read again (each iteration
-    calls ``factory`` anew): written batch by batch, and checks that need a second look
-    (collect/conservation.py) can take one."""
-
-    def __init__(self, factory):
-        self.factory = factory
-
-    def __iter__(self):
-        return iter(self.factory())
 
 
 def _run_row(path: Path, options: dict, kind: str, L_seen: int, E: int, top_k_seen, approx: list) -> dict:

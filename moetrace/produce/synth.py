@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..store import Store, sha256_text
+from ..streams import Rereadable
 
 
 @dataclass
@@ -109,21 +110,76 @@ def popularity(cfg: SynthConfig, rng: np.random.Generator) -> tuple[np.ndarray, 
     return p0, p1
 
 
-def sample_topk(p: np.ndarray, n_tokens: int, k: int, rng: np.random.Generator, ordered: bool = True) -> np.ndarray:
-    """[n_tokens, k] distinct expert ids per token, sampled without replacement ∝ p.
+def alias_tables(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker/Vose alias tables of the rows of ``p [G, E]``: ``(prob [G, E], alias [G, E])``;
+    a draw from row g is ``i = floor(u·E)``, kept when ``frac(u·E) < prob[g, i]``, else
+    ``alias[g, i]``: exactly ∝ p[g] with one uniform per draw."""
+    p = np.atleast_2d(np.asarray(p, np.float64))
+    G, E = p.shape
+    prob = np.ones((G, E))
+    alias = np.tile(np.arange(E), (G, 1))
+    for g in range(G):
+        q = p[g] * (E / p[g].sum())
+        small = [i for i in range(E) if q[i] < 1.0]
+        large = [i for i in range(E) if q[i] >= 1.0]
+        while small and large:
+            s_, l_ = small.pop(), large.pop()
+            prob[g, s_], alias[g, s_] = q[s_], l_
+            q[l_] -= 1.0 - q[s_]
+            (small if q[l_] < 1.0 else large).append(l_)
+        for i in small + large:                 # what is left is 1 up to rounding
+            prob[g, i] = 1.0
+    return prob, alias
 
-    Exponential race (equivalent to Gumbel top-k): each expert draws Exp(1)/p and the k
-    smallest win, which is exactly successive sampling without replacement. With
-    ``ordered`` a row lists the winners in draw order (the router's order of choice).
-    """
-    inv = (1.0 / np.maximum(p, 1e-30)).astype(np.float32)
-    keys = rng.standard_exponential(size=(n_tokens, p.shape[0]), dtype=np.float32)
-    keys *= inv
-    idx = np.argpartition(keys, k - 1, axis=1)[:, :k]
-    if ordered:
-        order = np.argsort(np.take_along_axis(keys, idx, axis=1), axis=1)
-        idx = np.take_along_axis(idx, order, axis=1)
-    return idx
+
+def draw_topk(prob: np.ndarray, alias: np.ndarray, table: np.ndarray, k: int, rng: np.random.Generator,
+              mix: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """[n, k] distinct expert ids for n tokens: successive sampling without replacement,
+    each choice drawn ∝ the token's popularity row (``table[n]`` indexes the alias tables)
+    and drawn again while it repeats an earlier choice of the token (which is exactly
+    drawing ∝ p among the experts not chosen yet). Columns are in draw order. With
+    ``mix = (table2 [n], share [n])`` a draw comes from row ``table2`` with probability
+    ``share`` (the popularity is the mixture ``(1 - share)·p[table] + share·p[table2]``)."""
+    n, E = table.size, prob.shape[1]
+    pflat, aflat = prob.ravel(), alias.ravel()
+    table = np.asarray(table, np.int64)
+
+    def draw(idx):
+        g = table if idx is None else table[idx]
+        m = g.shape[0] if idx is None else idx.size
+        if mix is not None:
+            t2, share = (mix[0], mix[1]) if idx is None else (mix[0][idx], mix[1][idx])
+            g = np.where(rng.random(m) < share, t2, g)
+        u = rng.random(m) * E
+        i = np.minimum(u.astype(np.int64), E - 1)
+        gi = g * E + i
+        return np.where(u - i < pflat[gi], i, aflat[gi])
+
+    out = np.empty((k, n), np.int64)         # choice-major: each choice's column contiguous
+    for j in range(k):       # choice j: drawn for every token, drawn again where it repeats
+        e = out[j] = draw(None)
+        if not j:
+            continue
+        hit = out[0] == e
+        for c in range(1, j):
+            hit |= out[c] == e
+        todo = np.flatnonzero(hit)
+        while todo.size:
+            e = draw(todo)
+            out[j, todo] = e
+            hit = out[0, todo] == e
+            for c in range(1, j):
+                hit |= out[c, todo] == e
+            todo = todo[hit]
+    return np.ascontiguousarray(out.T)
+
+
+def sample_topk(p: np.ndarray, n_tokens: int, k: int, rng: np.random.Generator, ordered: bool = True) -> np.ndarray:
+    """[n_tokens, k] distinct expert ids per token, sampled without replacement ∝ p
+    (successive sampling, :func:`draw_topk`). Columns are in draw order (the router's
+    order of choice); ``ordered`` is kept for callers and changes nothing."""
+    prob, alias = alias_tables(np.asarray(p, np.float64)[None])
+    return draw_topk(prob, alias, np.zeros(n_tokens, np.int64), k, rng)
 
 
 def _token_ranks(rng, cfg: SynthConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -138,56 +194,82 @@ def _token_ranks(rng, cfg: SynthConfig) -> tuple[np.ndarray, np.ndarray]:
     return dummy, src
 
 
+#: steps drawn together (memory: STEP_CHUNK x layers x tokens_per_step x top_k ids)
+STEP_CHUNK = 16
+
+
 def generate(cfg: SynthConfig):
-    """Yield the run dict and the tables of a synthetic run (expert_load streamed)."""
+    """The run dict and the tables of a synthetic run. ``expert_load`` (and ``routing``)
+    are re-readable streams of chunks of :data:`STEP_CHUNK` steps: every pass draws the
+    same tokens again (its own random stream), so nothing grows with the run's length."""
     cfg.validate()
-    rng = np.random.default_rng(cfg.seed)
-    p0, p1 = popularity(cfg, rng)
+    s_pop, s_steps, s_draw = np.random.SeedSequence(cfg.seed).spawn(3)
+    p0, p1 = popularity(cfg, np.random.default_rng(s_pop))
     L, E, K, T, B, R = cfg.layers, cfg.experts, cfg.top_k, cfg.steps, cfg.tokens_per_step, cfg.ranks
     groups = cfg.num_groups or (8 if E % 8 == 0 and E >= 64 else 1)
     expert_bytes = cfg.expert_bytes or 3 * cfg.hidden * 2048  # 3 FP8 matrices hidden x 2048
-    steps_rows = {"step": [], "rank": [], "phase": [], "num_tokens": [], "is_dummy": [], "start_ns": [],
-                  "end_ns": [], "inferred": []}
-    load_chunks: list[pa.Table] = []
-    routing_chunks: list[pa.Table] = []
+    rng_steps = np.random.default_rng(s_steps)
+    dummy = np.zeros((T, R), bool)
+    src = np.zeros((T, B), np.int32)
     for t in range(T):
-        a = t / (T - 1) if T > 1 else 0.0
-        pt = (1 - cfg.drift * a) * p0 + cfg.drift * a * p1
-        dummy, src = _token_ranks(rng, cfg)
-        counts_rank = np.bincount(src, minlength=R)
-        steps_rows["step"].extend([t] * R)
-        steps_rows["rank"].extend(range(R))
-        steps_rows["phase"].extend(["idle" if d else "decode" for d in dummy])
-        steps_rows["num_tokens"].extend(counts_rank.tolist())
-        steps_rows["is_dummy"].extend(dummy.tolist())
-        steps_rows["start_ns"].extend([None] * R)
-        steps_rows["end_ns"].extend([None] * R)
-        steps_rows["inferred"].extend([False] * R)
-        for layer in range(L):
-            choice = sample_topk(pt[layer], B, K, rng, ordered=cfg.per_token)
+        dummy[t], src[t] = _token_ranks(rng_steps, cfg)
+    counts_rank = np.stack([np.bincount(src[t], minlength=R) for t in range(T)]) if T else np.zeros((0, R), int)
+    steps_tbl = pa.table({
+        "step": np.repeat(np.arange(T, dtype=np.int64), R), "rank": np.tile(np.arange(R, dtype=np.int32), T),
+        "phase": np.where(dummy.ravel(), "idle", "decode"), "num_tokens": counts_rank.ravel().astype(np.int64),
+        "is_dummy": dummy.ravel(), "start_ns": pa.nulls(T * R, pa.int64()), "end_ns": pa.nulls(T * R, pa.int64()),
+        "inferred": np.zeros(T * R, bool)})
+    prob, alias = alias_tables(np.concatenate([p0, p1]))     # rows 0..L-1: p0, rows L..2L-1: p1
+
+    def draws():
+        """(first step, [n, L, B, K] expert ids) per chunk of steps, in draw order."""
+        rng = np.random.default_rng(s_draw)
+        for t0 in range(0, T, STEP_CHUNK):
+            n = min(STEP_CHUNK, T - t0)
+            table = np.tile(np.repeat(np.arange(L), B), n)
+            mix = None
+            if cfg.drift > 0 and T > 1:
+                share = np.repeat(cfg.drift * np.arange(t0, t0 + n) / (T - 1), L * B)
+                mix = (table + L, share)
+            yield t0, draw_topk(prob, alias, table, K, rng, mix).reshape(n, L, B, K)
+
+    def load_chunks():
+        for t0, ch in draws():
+            n = ch.shape[0]
+            cell = (np.arange(n)[:, None] * L + np.arange(L)[None, :])[:, :, None, None]
             if cfg.by_src_rank:
-                key = np.repeat(src, K) * E + choice.ravel()
-                c = np.bincount(key, minlength=R * E).reshape(R, E)
-                rr, ee = np.nonzero(c)
-                load_chunks.append(pa.table({
-                    "step": np.full(len(ee), t, np.int64), "layer": np.full(len(ee), layer, np.int32),
-                    "expert": ee.astype(np.int32), "slot": pa.nulls(len(ee), pa.int32()),
-                    "src_rank": rr.astype(np.int32), "tokens": c[rr, ee].astype(np.int64)}))
+                key = ((cell * R + src[t0:t0 + n, None, :, None]) * E + ch).ravel()
+                c = np.bincount(key, minlength=n * L * R * E)
+                nz = np.flatnonzero(c)
+                cl, rest = np.divmod(nz, R * E)
+                rr, ee = np.divmod(rest, E)
+                tl, ll = np.divmod(cl, L)
+                yield pa.table({"step": (t0 + tl).astype(np.int64), "layer": ll.astype(np.int32),
+                                "expert": ee.astype(np.int32), "slot": pa.nulls(nz.size, pa.int32()),
+                                "src_rank": rr.astype(np.int32), "tokens": c[nz].astype(np.int64)})
             else:
-                c = np.bincount(choice.ravel(), minlength=E)
-                load_chunks.append(pa.table({
-                    "step": np.full(E, t, np.int64), "layer": np.full(E, layer, np.int32),
-                    "expert": np.arange(E, dtype=np.int32), "slot": pa.nulls(E, pa.int32()),
-                    "src_rank": pa.nulls(E, pa.int32()), "tokens": c.astype(np.int64)}))
-            if cfg.per_token:
-                n = B * K
-                routing_chunks.append(pa.table({
-                    "step": np.full(n, t, np.int64), "layer": np.full(n, layer, np.int32),
-                    "token": np.repeat(np.arange(B, dtype=np.int64), K),
-                    "src_rank": np.repeat(src, K).astype(np.int32),
-                    "choice": np.tile(np.arange(K, dtype=np.int8), B),
-                    "expert": choice.ravel().astype(np.int32), "slot": pa.nulls(n, pa.int32()),
-                    "gate": np.full(n, 1.0 / K, np.float32)}))
+                c = np.bincount((cell * E + ch).ravel(), minlength=n * L * E)
+                m = n * L * E
+                yield pa.table({"step": np.repeat(np.arange(t0, t0 + n, dtype=np.int64), L * E),
+                                "layer": np.tile(np.repeat(np.arange(L, dtype=np.int32), E), n),
+                                "expert": np.tile(np.arange(E, dtype=np.int32), n * L),
+                                "slot": pa.nulls(m, pa.int32()), "src_rank": pa.nulls(m, pa.int32()),
+                                "tokens": c.astype(np.int64)})
+
+    def routing_chunks():
+        for t0, ch in draws():
+            n = ch.shape[0]
+            for dt in range(n):
+                for layer in range(L):
+                    m = B * K
+                    yield pa.table({
+                        "step": np.full(m, t0 + dt, np.int64), "layer": np.full(m, layer, np.int32),
+                        "token": np.repeat(np.arange(B, dtype=np.int64), K),
+                        "src_rank": np.repeat(src[t0 + dt], K).astype(np.int32),
+                        "choice": np.tile(np.arange(K, dtype=np.int8), B),
+                        "expert": ch[dt, layer].ravel().astype(np.int32), "slot": pa.nulls(m, pa.int32()),
+                        "gate": np.full(m, 1.0 / K, np.float32)})
+
     p_end = (1 - cfg.drift) * p0 + cfg.drift * p1
     truth = pa.table({
         "layer": np.repeat(np.arange(L, dtype=np.int32), E),
@@ -205,14 +287,19 @@ def generate(cfg: SynthConfig):
         "approximations": json.dumps(["synthetic run: no placement recorded, contiguous placement assumed"]),
         "meta_json": json.dumps({"synth": params}),
     }
-    tables = {"expert_load": load_chunks, "steps": pa.table(steps_rows), "true_popularity": truth}
+    tables = {"expert_load": Rereadable(load_chunks), "steps": steps_tbl, "true_popularity": truth}
     if cfg.per_token:
-        tables["routing"] = routing_chunks
+        tables["routing"] = Rereadable(routing_chunks)
     return run, tables
 
 
 def synth(store: Store, cfg: SynthConfig, run_id: str | None = None):
     """Generate a synthetic run into ``store``; returns the store's WriteResult."""
     run, tables = generate(cfg)
+    if not cfg.by_src_rank:             # complete (step, layer) grids: the dense layout
+        from ..analyze.dense import dense_chunks
+
+        load = tables.pop("expert_load")
+        tables["expert_counts"] = Rereadable(lambda: dense_chunks(load, cfg.experts))
     rid = run_id or f"synth-s{cfg.seed}"
     return store.write_run(run, tables, run_id=store.unique_run_id(rid) if run_id is None else run_id)
