@@ -213,6 +213,16 @@ def test_nccl_two_rank_trace(tmp_path):
     assert "no CPU-side collective op" not in text
     exp = {s.key: s for s in rep.sections}["exposure"]
     assert any("inferred" in f.caption for f in exp.figures)   # plain SendRecv: direction by alternation
+    # idle time of the kernel breakdown: step windows minus the union of each rank's GPU events (every
+    # event lies in one of its rank's disjoint step windows), the union by a plain sweep of the raw JSON
+    from .test_exposure import union
+
+    busy = 0.0
+    for f in sorted(d.glob("rank-*.json.gz")):
+        busy += sum(b - a for a, b in union([(e["ts"], e["ts"] + e["dur"]) for e in _kineto_kernels(f)])) * 1e3
+    win = sum(b - a for a, b in st.sql("SELECT start_ns, end_ns FROM steps").rows())
+    assert f"No kernel ran for {(win - busy) / 1e6:.2f} ms ({100 * (win - busy) / win:.1f}%) of the " \
+           f"{win / 1e6:.2f} ms of step windows" in text
 
 
 @pytest.mark.parametrize("name", ["sglang_dense_decode.json.gz"])

@@ -46,8 +46,10 @@ def build(ctx: ReportContext) -> Section | None:
             f"the same device meanwhile.")
     if ranks.height and ranks["exposed_share_of_step"].drop_nulls().len():
         worst = ranks.sort("exposed_share_of_step", descending=True, nulls_last=True).row(0, named=True)
-        head += (f" Worst rank: {worst['rank']}, exposed all-to-all is "
-                 f"{100 * (worst['exposed_share_of_step'] or 0):.1f}% of its step time.")
+        share = f"{100 * (worst['exposed_share_of_step'] or 0):.1f}%"
+        head += (f" On the trace's one rank ({worst['rank']}), exposed all-to-all is {share} of the step time."
+                 if ranks.height == 1 else
+                 f" Worst rank: {worst['rank']}, exposed all-to-all is {share} of its step time.")
     if unl:
         head += " " + unl
     md = [head, "", "Per kind:", "", md_table(_ms_cols(by_kind))]
