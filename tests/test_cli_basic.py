@@ -140,3 +140,16 @@ def test_view_column_meanings_name_real_columns(tmp_path):
         assert view in view_docs(), view
         have = {r[0] for r in con.execute(f'DESCRIBE "{view}"').fetchall()}
         assert set(cols) <= have, f"{view}: {sorted(set(cols) - have)} not in the view"
+
+
+def test_help_imports_no_data_stack():
+    """`moetrace --help` lists every command from the command files without importing them,
+    nor polars, duckdb, pyarrow, numpy or matplotlib (start-up time; measured, not timed, here)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom moetrace.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('polars', 'duckdb', 'pyarrow', 'numpy', 'matplotlib', 'moetrace.store') "
+            "if m in sys.modules]\nprint('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out and "ingest" in out and "replay" in out
