@@ -75,8 +75,9 @@ def build(ctx: ReportContext) -> Section | None:
             term.append(line)
         elif overall["med"] < WEIGHT_BOUND_TOKENS:
             line = (f"The median expert saw fewer than {WEIGHT_BOUND_TOKENS} tokens per step: on {BOUND_WHO} its "
-                    "GEMM is bound by reading the expert's weights, not by arithmetic, so extra tokens on a cold "
-                    "expert are nearly free and the hottest expert's count sets the time.")
+                    "GEMM would be bound by reading the expert's weights, not by arithmetic, so extra tokens on a "
+                    "cold expert would be nearly free and the hottest expert's count would set the time (the run's "
+                    "own GPU and dtype are not recorded).")
             md.append("")
             md.append(line)
             term.append(line)
