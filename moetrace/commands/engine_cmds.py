@@ -107,52 +107,18 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
     \b
         moetrace capture st --tiny qwen3_moe --prompts prompts.txt --max-new-tokens 4
     """
-    import torch
-
-    from ..produce.capture import byte_tokens, capture as cap_ctx, read_prompts, tiny_model
-    from ..store import Store
+    from .. import open_store
+    from ..produce.capture import capture_prompts, load_model, read_prompts, tiny_model
 
     if bool(model_path) == bool(tiny):
         raise click.UsageError("give exactly one of --model and --tiny")
     texts = read_prompts(prompts)
-    tok = None
     if tiny:
-        model = tiny_model(tiny, seed=seed)
-        source = f"capture:tiny-{tiny}"
+        model, tok, source = tiny_model(tiny, seed=seed), None, f"capture:tiny-{tiny}"
     else:
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-        except ImportError:
-            raise InputError(None, "capture needs transformers: pip install 'moetrace[capture]'") from None
-        try:
-            model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=not download)
-            tok = AutoTokenizer.from_pretrained(model_path, local_files_only=not download)
-        except (OSError, ValueError) as e:
-            raise InputError(model_path, f"cannot load model: {str(e).splitlines()[0]}") from None
-        model.eval()
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        tok.padding_side = "left"
-        source = f"capture:{model_path}"
-    vocab = model.config.vocab_size
-    with cap_ctx(model) as cap, torch.no_grad():
-        for i in range(0, len(texts), batch_size):
-            chunk = texts[i:i + batch_size]
-            if tok is not None:
-                enc = tok(chunk, return_tensors="pt", padding=True)
-                ids, mask = enc["input_ids"], enc["attention_mask"]
-            else:
-                seqs = byte_tokens(chunk, vocab)
-                n = max(len(s) for s in seqs)
-                ids = torch.tensor([[0] * (n - len(s)) + s for s in seqs])
-                mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
-            if max_new_tokens > 0:
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                               pad_token_id=model.config.pad_token_id or 0)
-            else:
-                model(input_ids=ids, attention_mask=mask)
-    st = Store(store, create=True)
-    res = cap.write(st, run_id=run_id, source=source)
+        (model, tok), source = load_model(model_path, download), f"capture:{model_path}"
+    cap = capture_prompts(model, texts, tok, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    res = cap.write(open_store(store, create=True), run_id=run_id, source=source)
     click.echo(f"run {res.run_id} ({type(model).__name__}, {len(cap.routers)} MoE layers, {cap.step + 1} steps): "
                + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
 
