@@ -230,6 +230,53 @@ def capture(model, layers: list[int] | None = None) -> Capture:
     return Capture(model, layers)
 
 
+def load_model(model_path: str, download: bool = False):
+    """A transformers causal LM and its tokenizer (left padding) from ``model_path``; from
+    the Hugging Face hub only with ``download``."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise InputError(None, "capture needs transformers: pip install 'moetrace[capture]'") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=not download)
+        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=not download)
+    except (OSError, ValueError) as e:
+        raise InputError(model_path, f"cannot load model: {str(e).splitlines()[0]}") from None
+    model.eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return model, tok
+
+
+def capture_prompts(model, texts: list[str], tokenizer=None, max_new_tokens: int = 8,
+                    batch_size: int = 8) -> Capture:
+    """Run ``texts`` through ``model`` in batches (greedy ``generate`` of ``max_new_tokens``,
+    or one forward pass with 0) while recording its routers. Without a ``tokenizer`` the
+    prompts are encoded as bytes (:func:`byte_tokens`, for tiny random models). Returns the
+    :class:`Capture` (``.write(store)`` stores it)."""
+    import torch
+
+    vocab = model.config.vocab_size
+    with capture(model) as cap, torch.no_grad():
+        for i in range(0, len(texts), batch_size):
+            chunk = texts[i:i + batch_size]
+            if tokenizer is not None:
+                enc = tokenizer(chunk, return_tensors="pt", padding=True)
+                ids, mask = enc["input_ids"], enc["attention_mask"]
+            else:
+                seqs = byte_tokens(chunk, vocab)
+                n = max(len(s) for s in seqs)
+                ids = torch.tensor([[0] * (n - len(s)) + s for s in seqs])
+                mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
+            if max_new_tokens > 0:
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=model.config.pad_token_id or 0)
+            else:
+                model(input_ids=ids, attention_mask=mask)
+    return cap
+
+
 # ----------------------------------------------------------------------------- tiny models
 TINY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 
