@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import click
 
-from ..errors import InputError
 from ._options import int_list
 
 
