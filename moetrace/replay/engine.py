@@ -128,7 +128,10 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token) -> Block:
         tokens = st.sum(axis=3, dtype=np.float64)
         touched = (st > 0).sum(axis=3)
     else:
-        tokens = _per_layer_matmul(load.astype(np.float64, copy=False), plan.share())
+        # float64 counts (the store adapter's) split in float64, as the SQL views do: the recorded
+        # plan's replay then equals skew_summary exactly; float32 arrays stay float32 (speed)
+        dt = np.float64 if load.dtype == np.float64 else np.float32
+        tokens = _per_layer_matmul(load.astype(dt, copy=False), plan.share().astype(dt))
         touched = _per_layer_matmul((load > 0).astype(np.float32), plan.copies().astype(np.float32))
     intra, inter = estimate_dispatch(load, plan, top_k, bytes_per_token)
     return Block(tokens, touched, intra, inter, exact_bytes=False)
