@@ -54,6 +54,9 @@ def build(ctx: ReportContext) -> Section | None:
         idle = int((busy["step_ns"] - busy["busy_ns"]).drop_nulls().sum())
         head += (f" No {'op' if host else 'kernel'} ran for {idle / 1e6:.2f} ms "
                  f"({100 * idle / win.sum():.1f}%) of the {win.sum() / 1e6:.2f} ms of step windows.")
+        if idle > 0.5 * win.sum():
+            head += (" That idle time is as the trace records it: kernels a profiler did not capture (for "
+                     "example inside graph replays it does not expand) count as idle.")
     kinds = tot["kind"].to_list()
     wide = (kt.pivot(on="kind", index=["rank", "step"], values="kernel_ns", aggregate_function="sum")
             .fill_null(0).join(busy, on=["rank", "step"], how="left").sort(["rank", "step"]))
