@@ -109,3 +109,18 @@ def test_exposure_and_kernels_without_spans_say_absent(store):
     assert not ex.has_a2a and ex.by_kind.height == 0
     assert "no all-to-all found" in ex.no_a2a_message() and "absent" in ex.no_a2a_message()
     assert run.kernels().height == 0
+
+
+def test_replay_reads_the_same_shape_and_imbalance(store):
+    """The case of issue #10: 4 ranks only in the recorded placement. Replay sees 4 ranks
+    (not 1), and replaying the recorded plan gives the hand-computed mean imbalance, the
+    idle (step, layer) undefined (not 1.0)."""
+    run = store.run("h")
+    assert run._replay_shape.num_ranks == run.shape.num_ranks == R
+    res = run.replay("recorded", write=False, fit_cost=False)
+    ranks = LOAD.reshape(T, L, R, E // R).sum(axis=3)
+    mean = ranks.mean(axis=2)
+    ok = mean > 0
+    want = (ranks.max(axis=2)[ok] / mean[ok]).mean()
+    assert res.judged.summary.mean_imbalance == pytest.approx(want, rel=1e-12)
+    assert run.skew(by="run")["imbalance_mean"][0] == pytest.approx(want, rel=1e-12)
