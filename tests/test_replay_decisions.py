@@ -343,3 +343,26 @@ def test_reingest_with_other_options_or_run_id_makes_a_new_run(tmp_path):
     rows = st.sql("SELECT run_id, num_ranks, source_sha256 FROM runs ORDER BY ingested_at_ns")
     assert rows["num_ranks"].to_list() == [32, 16, 32] and rows["source_sha256"].n_unique() == 1
     assert run_cli(*base, "--ranks", 32, "--run-id", "again").output.count("nothing written") == 1
+
+
+def test_groups_from_the_model_config(tmp_path):
+    """ingest --model-config: DeepSeek-V3's Hugging Face config gives 8 expert groups, top-8,
+    hidden 7168 and FP8 expert bytes 3 x 7168 x 2048; hierarchical EPLB then needs no --groups."""
+    f = shared_data("sglang_dsv3_expert_counts", "prefill_in512.json")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 256, "n_group": 8,
+                               "topk_group": 4, "num_experts_per_tok": 8, "hidden_size": 7168,
+                               "moe_intermediate_size": 2048, "quantization_config": {"quant_method": "fp8"},
+                               "torch_dtype": "bfloat16"}))
+    path = tmp_path / "st"
+    r = run_cli("ingest", f, "--store", path, "--ranks", 32, "--ranks-per-node", 8, "--model-config", cfg)
+    assert r.exit_code == 0, r.output
+    run = Store(path).sql("SELECT num_groups, top_k, hidden, expert_bytes, num_experts FROM runs").row(0)
+    assert run == (8, 8, 7168, 3 * 7168 * 2048, 256)
+    r = run_cli("replay", path, "--policy", "eplb", "--replicas", 32, "--in-sample", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["num_groups"] == 8
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"vocab_size": 5}')
+    r = run_cli("ingest", f, "--store", tmp_path / "st2", "--model-config", bad)
+    assert r.exit_code == 2 and "bad.json" in r.output and not (tmp_path / "st2").exists()

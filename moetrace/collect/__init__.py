@@ -8,6 +8,7 @@ contract and the run's shape, and only then writes to the store, one transaction
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ OPTIONS: dict[str, str] = {
     "num_ranks": "expert-parallel ranks",
     "ranks_per_node": "ranks per node",
     "num_groups": "expert groups (EPLB)",
+    "model_config": "the model's Hugging Face config.json: experts, top-k, expert groups, hidden, expert bytes",
     "num_slots": "physical expert slots per layer",
     "dp_size": "vLLM naive all-to-all: divide the recorded load by the DP size",
     "sum_ranks": "vLLM: sum per-rank dumps of one step into one run",
@@ -190,15 +192,27 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
                              + ", ".join(f.name for f in skipped[:5]) + ")")
     if skipped and on_skip is not None:
         on_skip(skipped)
+    model, model_said = {}, []
+    if options.get("model_config"):
+        from ._model_config import read_model_config
+
+        model, model_said = read_model_config(options["model_config"])
+        # options given on the command line win over the config; the config over the collectors' guesses
+        options = {**{k: v for k, v in model.items() if k in OPTIONS}, **options}
     out: list[RunData] = []
     for name, fs in groups.items():
         for rd in registry()[name].collect(fs, options):
+            for k, v in model.items():
+                if rd.run.get(k) is None:
+                    rd.run[k] = v
+            if model_said:
+                meta = json.loads(rd.run.get("meta_json") or "{}")
+                meta["model_config"] = model_said
+                rd.run["meta_json"] = json.dumps(meta)
             rd.run.setdefault("collector", name)
             if not rd.files:
                 rd.files = [str(f) for f in fs]
             if skipped:
-                import json
-
                 approx = json.loads(rd.run.get("approximations") or "[]")
                 approx.append(f"{len(skipped)} file(s) in the input folder(s) were not recognized and were skipped: "
                               + ", ".join(f.name for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))

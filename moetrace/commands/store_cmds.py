@@ -86,6 +86,8 @@ def synth(store, run_id, **kw):
 @click.option("--ranks-per-node", type=int, default=None, help="Ranks per node.")
 @click.option("--groups", "num_groups", type=int, default=None,
               help="Expert groups of the model (DeepSeek-V3/R1: 8; 1 = not grouped), for hierarchical EPLB.")
+@click.option("--model-config", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The model's Hugging Face config.json: experts, top-k, expert groups, hidden size, expert bytes.")
 @click.option("--dp-size", type=int, default=None, help="vLLM naive all-to-all: divide recorded load by DP size.")
 @click.option("--kernel-rules", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Extra kernel classification rules (profiler traces).")
