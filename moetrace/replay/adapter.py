@@ -101,13 +101,15 @@ class RunShape:
         run = store.run_row(run_id)
         notes = []
         sh = store.sql("SELECT * FROM run_shape WHERE run_id = ?", [run_id])
-        st = store.sql("""SELECT min(step) lo, count(slot) ns FROM expert_load WHERE run_id = ?""",
-                       [run_id]).row(0, named=True)
+        # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
+        st = store.sql("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
+                                 (SELECT count(slot) FROM expert_load_long WHERE run_id = ?) ns""",
+                       [run_id, run_id]).row(0, named=True)
         if not sh.height or st["lo"] is None:
             raise InputError(None, f"run {run_id!r} has no expert_load rows to replay")
         sh = sh.row(0, named=True)
-        steps = store.sql("SELECT DISTINCT step FROM expert_load WHERE run_id = ? ORDER BY step", [run_id])["step"].to_numpy()
-        layers = store.sql("SELECT DISTINCT layer FROM expert_load WHERE run_id = ? ORDER BY layer", [run_id])["layer"].to_numpy()
+        steps = store.sql("SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step", [run_id])["step"].to_numpy()
+        layers = store.sql("SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer", [run_id])["layer"].to_numpy()
         E, R, S = int(sh["num_experts"]), sh["num_ranks"], int(sh["num_slots"])
         if sh["experts_from"] != "runs":
             notes.append(f"runs.num_experts unknown: {E} ({sh['experts_from']})")
@@ -228,6 +230,21 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
     cols = "step, layer, expert, tokens" + (", slot" if want_slots else "")
     for i in range(0, steps.size, chunk_steps):
         ids = steps[i:i + chunk_steps]
+        if not want_slots:      # counts per logical expert: the dense reader (no SQL for dense runs)
+            from ..analyze.dense import read_counts
+
+            got, got_layers, counts = read_counts(store, run_id, ids)
+            if counts.shape[2] > E:
+                raise InputError(None, f"run {run_id!r}: expert_load holds expert {counts.shape[2] - 1} but the run "
+                                       f"has {E} experts")
+            load = np.zeros((ids.size, layers.size, E))
+            if np.array_equal(got, ids) and np.array_equal(got_layers, layers):
+                load[:, :, :counts.shape[2]] = counts
+            else:
+                load[np.ix_(np.searchsorted(ids, got), np.searchsorted(layers, got_layers),
+                            np.arange(counts.shape[2]))] = counts
+            yield ids, load, None
+            continue
         tbl = store.arrow(f"SELECT {cols} FROM expert_load WHERE run_id = ? AND step BETWEEN ? AND ?",
                           [run_id, int(ids[0]), int(ids[-1])])
         ti = np.searchsorted(ids, tbl.column("step").to_numpy())
