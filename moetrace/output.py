@@ -21,9 +21,20 @@ def _pretty(ctx, param, value):
 
 
 def pretty_option(f):
-    """--pretty: indent --json / --format json output (read by :func:`emit` and :func:`echo_json`)."""
+    """--pretty: indent --json / --format json output (read by :func:`emit` and :func:`echo_json`).
+    Added once however many bundles ask for it."""
+    if any(getattr(p, "name", None) == "pretty" for p in getattr(f, "__click_params__", ())):
+        return f
     return click.option("--pretty", is_flag=True, expose_value=False, callback=_pretty,
                         help="Indent JSON output.")(f)
+
+
+def json_option(f=None, *, help="Print the summary as JSON."):
+    """--json (the command's function gets ``as_json``) with --pretty to indent it; print with
+    :func:`echo_json`."""
+    def deco(g):
+        return click.option("--json", "as_json", is_flag=True, help=help)(pretty_option(g))
+    return deco(f) if f is not None else deco
 
 
 def output_options(f):
@@ -39,13 +50,14 @@ def output_options(f):
 
 def _is_pretty() -> bool:
     ctx = click.get_current_context(silent=True)
-    return bool(ctx and ctx.find_root().meta.get("moetrace.pretty") or ctx and ctx.meta.get("moetrace.pretty"))
+    return bool(ctx and ctx.meta.get("moetrace.pretty"))   # meta is shared by every context of a run
 
 
 def dumps(obj) -> str:
-    """JSON text of ``obj`` (indented under --pretty); numbers and strings as is, other
-    values through str()."""
-    return json.dumps(obj, default=str, indent=2 if _is_pretty() else None)
+    """JSON text of ``obj`` (indented under --pretty); arrays as lists, other values that
+    JSON lacks through str()."""
+    return json.dumps(obj, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o),
+                      indent=2 if _is_pretty() else None)
 
 
 def echo_json(obj) -> None:
