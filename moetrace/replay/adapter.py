@@ -32,10 +32,9 @@ from .engine import Block, approximation_notes, imbalance, replay_load, replay_r
 from .moves import moves_between, replan
 from .planners import Plan, PlanShape, align_layers, check_shape, contiguous, make_plan
 from .relabel import relabel
-from .strategies import (Change, Fixed, Judged, MoveCost, Oracle, Replan, Timing, compare_text, fastest, judge,
+from .strategies import (Fixed, Judged, MoveCost, Oracle, Replan, Timing, compare_text, fastest, judge,
                          judge_stream)
 
-_HASH_NOTE = "per-token routing"
 
 
 # ----------------------------------------------------------------------------- shape
@@ -697,6 +696,33 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape,
     return plan, js
 
 
+@dataclass
+class _InMemory:
+    """A run's counts in memory with what every strategy loop needs: the recorded plan, how
+    it is replayed, the cost model, the timing, and the block replayer (counts only; the
+    recorded plan from its per-slot counts when the run has them)."""
+    ids: np.ndarray
+    load: np.ndarray
+    slot_load: np.ndarray | None
+    recorded: Plan
+    mode: str
+    cost: costmod.CostModel
+    timing: Timing
+    fn: object
+
+
+def _in_memory(store, run_id, shape: RunShape, split: str, cost: costmod.CostModel, passes=None,
+               max_steps=None) -> _InMemory:
+    mode = _recorded_mode(store, run_id, shape)
+    ids, load, slot_load = read_load(store, run_id, shape, max_steps=max_steps, with_slots=mode == "counts")
+
+    def fn(bids, bl, bsl, plan, is_rec):
+        return replay_load(bl, plan, split, bsl if is_rec and mode == "counts" else None, shape.top_k,
+                           shape.bytes_per_token)
+
+    return _InMemory(ids, load, slot_load, recorded_plan(store, run_id, shape), mode, cost, shape.timing(passes), fn)
+
+
 # ----------------------------------------------------------------------------- drift
 @dataclass
 class DriftResult:
@@ -761,25 +787,19 @@ class DriftResult:
 
 
 def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShape, every: int, window: int,
-          opts: ReplayOptions, max_moves: int | None = None, write: bool = True, static_window=None,
-          loaded=None) -> DriftResult:
+          opts: ReplayOptions, max_moves: int | None = None, write: bool = True, static_window=None) -> DriftResult:
     """Static plan (fitted on the ``window`` steps before the judged ones, or
     ``static_window``) vs re-planning every ``every`` steps from the trailing ``window``
     steps vs an oracle; all judged on the steps after the first ``window``, against the
     recorded placement on the same steps, net of moving experts."""
     if every < 1 or window < 1:
         raise InputError(None, "--replan-every and --window must be >= 1")
-    ids, load, slot_load = loaded or read_load(store, run_id, shape, with_slots=_recorded_mode(store, run_id, shape) == "counts")
+    m = _in_memory(store, run_id, shape, opts.split, cost_model(store, run_id, shape, opts.hardware, opts.fit_cost),
+                   opts.passes)      # drift replays the counts (per-token routing not used)
+    ids, load, slot_load, recorded, mode, cost, fn = m.ids, m.load, m.slot_load, m.recorded, m.mode, m.cost, m.fn
     T = ids.size
     if T <= window:
         raise InputError(None, f"the run has {T} steps; --window {window} leaves none to judge")
-    cost = cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
-    recorded = recorded_plan(store, run_id, shape)
-    mode = _recorded_mode(store, run_id, shape)
-
-    def fn(bids, bl, bsl, plan, is_rec):   # drift replays the counts (per-token routing not used)
-        return replay_load(bl, plan, opts.split, bsl if is_rec and mode == "counts" else None, shape.top_k,
-                           shape.bytes_per_token)
 
     if static_window:
         lo, hi = static_window
@@ -791,7 +811,7 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShap
     static = make_plan(policy, load[sl].sum(axis=0), plan_shape, layers=shape.layers, plan_id=f"{policy}-static")
     static, _ = relabel(recorded, static)
     policy = static.policy          # 'eplb-global' when EPLB could not be hierarchical
-    timing = shape.timing(opts.passes)
+    timing = m.timing
     rp = Replan(policy, plan_shape, every, window, window, shape.layers, max_moves)
     strategies = {"static": Fixed(static, kind="static"), "replan": rp,
                   "oracle": Oracle(policy, plan_shape, every, window, shape.layers)}
@@ -879,20 +899,14 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
     """Replica budgets x (static, re-plan intervals) x fit windows, all judged on the same
     steps (after the largest window) against the recorded placement, net of moves.
     Returns the rows and the notes that qualify them."""
-    ids, load, slot_load = read_load(store, run_id, shape, with_slots=_recorded_mode(store, run_id, shape) == "counts")
+    m = _in_memory(store, run_id, shape, opts.split, cost_model(store, run_id, shape, opts.hardware, opts.fit_cost),
+                   opts.passes)
+    ids, load, slot_load, recorded, cost, fn, timing = m.ids, m.load, m.slot_load, m.recorded, m.cost, m.fn, m.timing
     T = ids.size
     windows = sorted(set(windows or [max(intervals) if intervals else max(1, T // 2)]))
     J = max(windows)
     if T <= J:
         raise InputError(None, f"the run has {T} steps; --window {J} leaves none to judge (give a smaller --window)")
-    cost = cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
-    recorded = recorded_plan(store, run_id, shape)
-    mode = _recorded_mode(store, run_id, shape)
-    timing = shape.timing(opts.passes)
-
-    def fn(bids, bl, bsl, plan, is_rec):
-        return replay_load(bl, plan, opts.split, bsl if is_rec and mode == "counts" else None, shape.top_k,
-                           shape.bytes_per_token)
 
     rows = []
     for rep in replicas:
@@ -1081,21 +1095,14 @@ def whatif(store, run_id: str, shape: RunShape, max_cells: int = 2_000_000, hard
     if shape.num_ranks is None:
         return None
     max_steps = max(2, max_cells // max(1, shape.layers.size * shape.num_experts))
-    ids, load, slot_load = read_load(store, run_id, shape, max_steps=max_steps,
-                                     with_slots=_recorded_mode(store, run_id, shape) == "counts")
+    m = _in_memory(store, run_id, shape, "even", costmod.preset(hardware, shape.hidden, shape.expert_bytes),
+                   max_steps=max_steps)
+    ids, load, slot_load, recorded, cost, fn, timing = m.ids, m.load, m.slot_load, m.recorded, m.cost, m.fn, m.timing
     if ids.size == 0:
         return None
     in_sample = ids.size < 2
     half = 0 if in_sample else ids.size // 2
     fit = load[:max(half, 1)].sum(axis=0)
-    cost = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
-    recorded = recorded_plan(store, run_id, shape)
-    mode = _recorded_mode(store, run_id, shape)
-    timing = shape.timing()
-
-    def fn(bids, bl, bsl, plan, is_rec):
-        return replay_load(bl, plan, "even", bsl if is_rec and mode == "counts" else None, shape.top_k,
-                           shape.bytes_per_token)
 
     cands = [("recorded", Fixed(recorded, kind="recorded"))]
     notes = []

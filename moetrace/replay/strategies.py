@@ -32,7 +32,7 @@ import numpy as np
 
 from .cost import CostModel, error_band
 from .engine import Block, LayerMetrics, Summary, layer_metrics, summarize
-from .moves import move_copies, moves_between, replan
+from .moves import move_copies, replan
 from .planners import Plan, PlanShape, make_plan
 from .relabel import relabel
 
