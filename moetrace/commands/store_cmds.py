@@ -135,7 +135,8 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
 @store_arg
 @output_options
 def runs(store, fmt, output):
-    """List runs with model and cluster shape, source and row counts.
+    """List runs with model and cluster shape, source and row counts (expert_load: rows of
+    the expert_load view, dense expert_counts rows unnested).
 
     Example:
 
@@ -147,7 +148,7 @@ def runs(store, fmt, output):
     if df.height == 0:
         click.echo("no runs")
         return
-    counts = st.row_counts()
+    counts = _with_dense_rows(st, st.row_counts())
     wide = counts.pivot(on="table", index="run_id", values="rows") if counts.height else None
     show = df.select("run_id", "collector", "source", "num_layers", "num_experts", "top_k", "num_ranks",
                      "ranks_per_node", "num_slots", "inconsistent")
@@ -155,6 +156,27 @@ def runs(store, fmt, output):
         keep = [c for c in ("expert_load", "routing", "steps", "spans", "placement") if c in wide.columns]
         show = show.join(wide.select(["run_id", *keep]), on="run_id", how="left")
     emit(show, fmt, output)
+
+
+def _with_dense_rows(st, counts):
+    """Row counts where expert_load counts the rows its view shows: the long rows plus one
+    per list element of the dense expert_counts rows (from Parquet footers, no scan)."""
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    extra = []
+    for part in sorted((st.path / "expert_counts").glob("run_id=*")):
+        n = 0
+        for f in part.glob("*.parquet"):
+            md = pq.ParquetFile(f).metadata
+            col = next(j for j in range(md.num_columns) if md.row_group(0).column(j).path_in_schema.startswith("tokens")) \
+                if md.num_row_groups else None
+            n += sum(md.row_group(i).column(col).num_values for i in range(md.num_row_groups)) if col is not None else 0
+        extra.append({"run_id": part.name.split("=", 1)[1], "table": "expert_load", "rows": n})
+    if not extra:
+        return counts
+    both = pl.concat([counts, pl.DataFrame(extra, schema=counts.schema)])
+    return both.group_by("run_id", "table", maintain_order=True).agg(pl.col("rows").sum())
 
 
 @click.command()
