@@ -19,7 +19,8 @@ class Exposure:
     - ``by_kind``: per kind (dispatch, combine, a2a_other) comm / overlapped / exposed ns
     - ``ranks``: ``a2a_rank_summary`` (exposed share of comm and of step time per rank)
     - ``groups``: ``a2a_exposure``, one row per (rank, step, micro-batch, layer, kind)
-    - ``stragglers``: ``a2a_stragglers``, the slowest rank per step
+    - ``stragglers``: ``a2a_stragglers``, three straggler notions per step (last arrival at
+      the combine, longest step, most tokens)
     - ``modes``: ``a2a_modes``, how each stream runs its all-to-all (DeepEP hook mode)
     """
 

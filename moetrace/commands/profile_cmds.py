@@ -41,7 +41,8 @@ def kernels(store, run_id, kind, limit, fmt, output):
 @run_option
 @click.option("--by", type=click.Choice(["rank", "kind", "group", "straggler", "mode"]), default="rank",
               show_default=True, help="rank: per-rank summary; kind: totals per kind; group: every (rank, step, "
-                                      "layer, micro-batch, kind); straggler: slowest rank per step; mode: stream use.")
+                                      "layer, micro-batch, kind); straggler: per step, the last rank to arrive at "
+                                      "the combine, the longest step and the rank with most tokens; mode: stream use.")
 @output_options
 def exposure(store, run_id, by, fmt, output):
     """All-to-all exposure: how much dispatch/combine time no compute kernel hid.

@@ -327,8 +327,7 @@ def decision(rows, path):
                          color=f"C{i}")
         if rec is not None:
             ax.axhline(rec, color="grey", ls="--", lw=1, label=f"recorded {rec:.3f} ms")
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0, top=max([r.net_ms for r in ok] + [rec or 0]) * 1.15 if ok else 1)
+        from_zero(ax, x=True, y=True, headroom=0.15)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("net predicted MoE time per step (ms)")
         ax.legend(loc="lower right", fontsize=8, frameon=False)
