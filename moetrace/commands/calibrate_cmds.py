@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import polars as pl
 
-from ..output import emit, output_options
+from ..output import echo_json, emit, json_option, output_options
 from ..store import Store
 from ._options import hardware_option, steps_range
 
@@ -80,7 +80,7 @@ def fit_lines(summary: dict) -> list[str]:
                    "(robust to preempted or warming-up cells).")
 @click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
-@click.option("--json", "as_json", is_flag=True, help="Print the whole summary (fit, residuals, metrics) as JSON.")
+@json_option(help="Print the whole summary (fit, residuals, metrics) as JSON.")
 @output_options
 def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, calibration_id, no_store, as_json,
               fmt, output):
@@ -103,7 +103,7 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         moetrace refrun rb --ranks 4 --experts 16 --skew 1.2 --placement eplb4.json --store st
         moetrace calibrate st --fit ra --judge rb
     """
-    from ..replay.calibrate import calibrate as run_calibration, summary_json
+    from ..replay.calibrate import calibrate as run_calibration
 
     st = Store(store)
     rid = st.resolve_run(fit_run)
@@ -118,7 +118,7 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
                               load_runs=load_runs, step_offset=step_offset,
                               write=not no_store, calibration_id=calibration_id)
     if as_json:
-        click.echo(summary_json(summary))
+        echo_json(summary)
         return
     for line in fit_lines(summary):
         click.echo(line)

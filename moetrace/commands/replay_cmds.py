@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import polars as pl
 
-from ..output import echo_json, emit, output_options
+from ..output import echo_json, emit, json_option, output_options
 from ..store import Store
 from ._options import (hardware_option, int_list, policy_option, run_option, split_option, steps_list,
                        steps_option, store_argument)
@@ -106,7 +106,7 @@ def _print_replay(res):
 @click.option("--target-imbalance", type=float, default=None, help="Move-aware re-plan: stop at this max/mean.")
 @click.option("--plan-id", default=None, help="Id to store the plan under (default: the policy name).")
 @click.option("--no-store", is_flag=True, help="Do not write the plan into the store.")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Export the plan to FILE.")
+@click.option("-o", "--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Export the plan to FILE.")
 @click.option("--out-format", type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
               show_default=True, help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON; "
               "trtllm: TensorRT-LLM moe_config.load_balancer YAML; vllm-ascend: expert map JSON (expert_map_path).")
@@ -114,7 +114,7 @@ def _print_replay(res):
 @click.option("--no-relabel", is_flag=True,
               help="Keep the planner's own rank numbering (default: ranks of a --policy plan are renamed to "
                    "keep the most experts where the start plan, --plan or the recorded one, has them).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@json_option
 def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id_in, import_file,
          max_moves, target_imbalance, plan_id, no_store, out_file, out_format, list_plans, no_relabel, as_json):
     """Make an expert placement plan (or import / re-plan / export one) and store it.
@@ -182,7 +182,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
               help="Steps for --chrome-trace (A:B or a comma list; default: the first judged).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Drift: imbalance-over-time PNG.")
 @click.option("--no-rank-rows", is_flag=True, help="Do not write replay_rank rows (large replays).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary object as JSON.")
+@json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
                    "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/timeline.md).")
