@@ -10,12 +10,13 @@ slot per rank, DeepSeek-V3 on 320 GPUs), one hour at 20 steps per second = 72,00
 
 Stages, each in a fresh process so its peak RSS is its own:
 
-1. **generate + ingest**: expert_load is generated chunk by chunk (``chunk_steps`` steps at
+1. **generate + ingest**: the counts are generated chunk by chunk (``chunk_steps`` steps at
    a time: Poisson counts around B·k·p, log-normal popularity per layer, B = 128 tokens
    per rank per step) and streamed through ``Store.write_run`` as an iterator of Arrow
-   tables: one transaction, never the whole table in memory. Rows arrive ordered by
-   step, so every Parquet row group (1M rows) covers a narrow step range and its min/max
-   statistics let step-range reads skip the rest. A recorded placement (the 64 hottest
+   tables in the dense layout (``expert_counts``: one list of 256 counts per step and
+   layer; the ``expert_load`` view shows them as rows): one transaction, never the whole
+   table in memory. Rows arrive ordered by step, so every Parquet row group covers a
+   narrow step range and its min/max statistics let step-range reads skip the rest. A recorded placement (the 64 hottest
    experts of each layer replicated on slots 256..319) goes in the same transaction.
 2. **layer_skew**: every column of the view over the whole run, written to Parquet in
    batches of ``skew_batch_steps`` steps (one query over the whole run does not fit: the
@@ -92,22 +93,17 @@ def _placement(cfg: dict, p: np.ndarray):
 
 
 def _chunks(cfg: dict, steps: int, p: np.ndarray, timing: dict):
-    import pyarrow as pa
+    """expert_counts rows (the dense layout: one list of E counts per step and layer),
+    ``chunk_steps`` steps at a time; the expert_load view shows them as E rows each."""
+    from moetrace.analyze.dense import grid_table
 
     rng = np.random.default_rng(0)
     L, E, n_step = cfg["layers"], cfg["experts"], cfg["chunk_steps"]
     lam = (cfg["ranks"] * TOKENS_PER_RANK * TOP_K) * p          # [L, E] mean tokens per expert
-    layer_col = np.repeat(np.arange(L, dtype=np.int32), E)
-    expert_col = np.tile(np.arange(E, dtype=np.int32), L)
     for s0 in range(0, steps, n_step):
         t0 = time.perf_counter()
         n = min(n_step, steps - s0)
-        m = n * L * E
-        tbl = pa.table({
-            "step": np.repeat(np.arange(s0, s0 + n, dtype=np.int64), L * E),
-            "layer": np.tile(layer_col, n), "expert": np.tile(expert_col, n),
-            "slot": pa.nulls(m, pa.int32()), "src_rank": pa.nulls(m, pa.int32()),
-            "tokens": rng.poisson(lam[None], size=(n, L, E)).astype(np.int64).ravel()})
+        tbl = grid_table(np.arange(s0, s0 + n), np.arange(L), rng.poisson(lam[None], size=(n, L, E)).astype(np.int64))
         timing["generate_s"] += time.perf_counter() - t0
         yield tbl
 
@@ -161,11 +157,11 @@ def _stage_ingest(store: str, cfg: dict, steps: int, q) -> None:
            "ranks_per_node": cfg["ranks_per_node"], "num_slots": cfg["experts"] + cfg["redundant"],
            "num_groups": 8, "hidden": 7168, "dtype_bytes": 2, "expert_bytes": 3 * 7168 * 2048,
            "approximations": json.dumps(["benchmark data: Poisson counts around a fixed log-normal popularity"])}
-    res = st.write_run(run, {"expert_load": _chunks(cfg, steps, p, timing), "placement": _placement(cfg, p)},
+    res = st.write_run(run, {"expert_counts": _chunks(cfg, steps, p, timing), "placement": _placement(cfg, p)},
                        run_id="fleet")
     secs = time.perf_counter() - t0
-    disk = sum(f.stat().st_size for f in (Path(store) / "expert_load").rglob("*.parquet"))
-    q.put({"rows": res.rows["expert_load"], "seconds": secs, "generate_s": timing["generate_s"],
+    disk = sum(f.stat().st_size for f in (Path(store) / "expert_counts").rglob("*.parquet"))
+    q.put({"rows": res.rows["expert_counts"] * cfg["experts"], "seconds": secs, "generate_s": timing["generate_s"],
            "peak_mib": peak_rss_mib(), "disk_bytes": disk, "rss_quartiles": sampler.quartiles()})
 
 

@@ -140,6 +140,7 @@ def _ok(m: dict, what: str) -> dict:
 READ_CODE = """
 import sys, time, json
 sys.path.insert(0, {repo!r})
+import pyarrow.parquet  # imported before the clock starts: read speed, not start-up
 from moetrace.store import Store
 from moetrace.analyze.dense import read_counts
 st = Store({store!r})
@@ -148,6 +149,26 @@ steps, layers, counts = read_counts(st, 'load')
 t1 = time.perf_counter()
 print(json.dumps({{"read_s": t1 - t0, "cells": int(counts.size), "total": int(counts.sum())}}))
 """
+
+
+#: share of the fleet hour (72,000 steps) whose layer_skew is timed at full size
+FLEET_FRACTION = 0.05
+
+
+def _fleet_layer_skew(size: str, tmp: Path) -> dict:
+    """bench_fleet's ingest and layer_skew stages on FLEET_FRACTION of the full run (all
+    of the small one); seconds extrapolated linearly to the whole run."""
+    from benchmarks import bench_fleet as bf
+
+    cfg = bf.SIZES[size]
+    f = FLEET_FRACTION if size == "full" else 1.0
+    steps = max(cfg["chunk_steps"], int(round(cfg["steps"] * f)))
+    (tmp / "fleet_spill").mkdir()
+    ing = bf._in_process(bf._stage_ingest, str(tmp / "fleet"), cfg, steps)
+    skew = bf._in_process(bf._stage_layer_skew, str(tmp / "fleet"), cfg, steps, str(tmp / "fleet_spill"))
+    share = steps / cfg["steps"]
+    return {"steps": steps, "rows": ing["rows"], "seconds": skew["seconds"], "full_s": skew["seconds"] / share,
+            "peak_mib": skew["peak_mib"], "share": share}
 
 
 def run(size: str = "small") -> list[dict]:
@@ -161,7 +182,7 @@ def run(size: str = "small") -> list[dict]:
             rows = make_file(f, cfg["steps"], cfg["layers"], cfg["experts"])
             mb = f.stat().st_size / 1e6
             # 1. ingest vs a plain DuckDB COPY of the same file
-            copy = _ok(measure(_py(f"import duckdb; duckdb.connect().execute(\"COPY (SELECT * FROM read_parquet('{f}')) "
+            copy = _ok(measure(_py(f"import duckdb; c = duckdb.connect(); c.execute('SET enable_progress_bar=false'); c.execute(\"COPY (SELECT * FROM read_parquet('{f}')) "
                                    f"TO '{tmp / 'copy.parquet'}' (FORMAT parquet, COMPRESSION zstd)\")")), "duckdb COPY")
             ing = _ok(measure(_cli("ingest", str(f), "--store", str(tmp / "st"), "--ranks", str(cfg["ranks"]),
                                    "--run-id", "load")), "moetrace ingest")
@@ -169,7 +190,7 @@ def run(size: str = "small") -> list[dict]:
             epr = cfg["experts"] // cfg["ranks"]
             one = (f"SELECT step, layer, max(t) / avg(t) AS imbalance FROM (SELECT step, layer, expert // {epr} AS rank, "
                    f"sum(tokens) AS t FROM read_parquet('{f}') GROUP BY ALL) GROUP BY ALL")
-            duck_skew = _ok(measure(_py(f"import duckdb; duckdb.connect().execute(\"COPY ({one}) TO "
+            duck_skew = _ok(measure(_py(f"import duckdb; c = duckdb.connect(); c.execute('SET enable_progress_bar=false'); c.execute(\"COPY ({one}) TO "
                                         f"'{tmp / 'one.parquet'}' (FORMAT parquet)\")")), "duckdb imbalance")
             skew = _ok(measure(_cli("skew", str(tmp / "st"), "--by", "step", "-o", str(tmp / "skew.parquet"))),
                        "moetrace skew")
@@ -184,6 +205,8 @@ def run(size: str = "small") -> list[dict]:
                                str(cfg["synth_steps"]), "--tokens-per-step", str(cfg["synth_tokens"])),
                           timeout=600 if size == "full" else 300)
             _ok(syn, "moetrace synth")
+            # 6. fleet-hour layer_skew (bench_fleet's stages on a share of the run, extrapolated)
+            fleet = _fleet_layer_skew(size, tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     load1 = os.getloadavg()[0]
@@ -217,6 +240,13 @@ def run(size: str = "small") -> list[dict]:
                min(helps) / GOALS["startup_s"], notes=f"best of 3{before('startup_s', '~{:.0f} s')}"),
         result(b, "start-up: moetrace runs", min(runs), "s", "goal 0.5 s", GOALS["startup_s"],
                min(runs) / GOALS["startup_s"], notes=f"best of 3{before('startup_s', '~{:.0f} s')}"),
+        result(b, "fleet layer_skew: wall time", fleet["full_s"], "s",
+               "before this work (2026-11-30)" if full else None, BEFORE["fleet_layer_skew_s"] if full else None,
+               BEFORE["fleet_layer_skew_s"] / fleet["full_s"] if full else None,
+               notes=f"goal: >= 10x faster than 592 s; {fleet['rows']:,} rows ({fleet['steps']:,} steps, "
+                     f"{fleet['share']:.3g} of the fleet hour) in {fleet['seconds']:.1f} s"
+                     + (", extrapolated to the 1.07B-row hour" if fleet["share"] < 1 else "")
+                     + f"; peak {fleet['peak_mib']:.0f} MiB (benchmarks/bench_fleet.py stages)"),
         result(b, "synth: wall time", syn["seconds"], "s", notes=f"{syn_note}; peak {syn['peak_mib']:.0f} MiB"
                                                                   f"{before('synth_s', 'did not finish in {:.0f} s')}"),
     ]
