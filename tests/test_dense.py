@@ -202,3 +202,22 @@ def test_dense_chunks_refuses_what_is_not_dense():
         list(dense.dense_chunks([t.slice(1)], E))                      # a gap
     with pytest.raises(dense.NotDense):
         list(dense.dense_chunks([t.take(np.r_[4:8, 0:4, 8:24])], E))   # out of order
+
+
+def test_shipped_sample_dense_equals_long(tmp_path):
+    """The shipped DeepSeek-V3-shaped sample goes in dense; forced long, every view agrees."""
+    from moetrace.collect import generic
+    from moetrace.collect.checks import validate_run
+
+    from .conftest import REPO
+
+    path = REPO / "sample_traces" / "dsv3_synth_expert_load.parquet"
+    stores = {}
+    for layout in ("dense", "long"):
+        opts = {"num_ranks": 32, "num_experts": 256, "top_k": 8, **({"layout": "long"} if layout == "long" else {})}
+        rd = validate_run(generic._collect([path], opts)[0], opts)
+        assert set(rd.tables) == {"expert_counts" if layout == "dense" else "expert_load"}
+        st = stores[layout] = Store(tmp_path / layout, create=True)
+        st.write_run({**rd.run, "collector": "generic"}, rd.tables, run_id="r")
+    _compare(stores["long"], stores["dense"])
+    assert stores["dense"].sql("SELECT count(*) AS n FROM expert_load")["n"][0] == 200 * 4 * 256
