@@ -418,4 +418,5 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
 
 
 register(Collector("generic", "CSV, JSONL or Parquet in the canonical expert_load or routing columns",
-                   _sniff, _collect, priority=90))
+                   _sniff, _collect, priority=90,
+                   options=("layout",)))   # --set layout=long: keep long expert_load rows (no dense layout)
