@@ -198,3 +198,14 @@ def test_sglang_response_without_top_k(tmp_path):
     with pytest.raises(InputError, match="give --top-k") as e:
         collect([f])
     assert e.value.position == "line 1 meta_info"
+
+
+def test_layers_with_different_token_counts_are_said(tmp_path):
+    for l, n in ((0, 10), (1, 12)):
+        idx, _ = _draw(n, l)
+        pq.write_table(pa.table({"indices": pa.array(list(idx), pa.list_(pa.int16()))}), tmp_path / f"layer_{l}.parquet")
+    rd = collect([tmp_path / "layer_0.parquet", tmp_path / "layer_1.parquet"])[0]
+    approx = json.loads(rd.run["approximations"])
+    assert any("1 steps have different token counts in different layers (first: step 0)" in a for a in approx)
+    load = rd.tables["expert_load"].to_pandas().groupby("layer").tokens.sum().to_dict()
+    assert load == {0: 10 * K, 1: 12 * K}

@@ -343,12 +343,13 @@ def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
     keep = ~pad
     ex, lst, pos = ex[keep], lst[keep], pos[keep]
     gate = gate[keep] if gate is not None else None
-    # a token names k distinct experts
-    key = lst * (int(ex.max()) + 2 if ex.size else 1) + ex
-    if np.unique(key).size != key.size:
-        _, first, cnt = np.unique(key, return_index=True, return_counts=True)
-        i = first[np.argmax(cnt > 1)]
+    # a token names k distinct experts: sort each list's entries (lists are contiguous), compare neighbours
+    order = np.lexsort((ex, lst))
+    same = (lst[order][1:] == lst[order][:-1]) & (ex[order][1:] == ex[order][:-1])
+    if same.any():
+        i = order[int(np.argmax(same)) + 1]
         raise InputError(path, f"a token names expert {ex[i]} twice", f"row {int(row_of[lst[i]]) + 1}")
+    del order, same
     rows = row_of[lst]
     out = {"row": rows, "layer": layer_of[lst], "expert": ex, "choice": pos, "gate": gate,
            "k": int(k_of.max()) if k_of.size else 0}
@@ -395,20 +396,23 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         approx.add(f"no step column: steps are consecutive blocks of {int(tps)} tokens in file order" if tps else
                    "no step column: the whole input is one pseudo-step (step 0); --set tokens_per_step=N cuts it "
                    "into steps")
-    if not has["token"].pop():
+    token_col = has["token"].pop()
+    if not token_col:
         approx.add("no token column: token = row order within the step and layer")
     cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
     step, layer, token, choice, expert = (cat(cols[c]) for c in ("step", "layer", "token", "choice", "expert"))
     if not expert.size:
         raise InputError(paths[0], "no expert choices left (every entry was padding)")
-    # one row per (step, layer, token, choice)
-    key = np.stack([step, layer, token, choice])
-    order = np.lexsort(key[::-1])
-    dup = np.all(key[:, order][:, 1:] == key[:, order][:, :-1], axis=0)
-    if dup.any():
-        i = order[int(np.argmax(dup)) + 1]
-        raise InputError(paths[0], f"token {token[i]} of step {step[i]}, layer {layer[i]} appears twice (two files "
-                                   "for one layer with a token column, or repeated rows)")
+    if token_col:   # one row per (step, layer, token, choice); row-order tokens are unique by construction
+        order = np.lexsort((choice, token, layer, step))
+        dup = np.ones(order.size - 1, bool)
+        for c in (step, layer, token, choice):
+            dup &= c[order][1:] == c[order][:-1]
+        if dup.any():
+            i = order[int(np.argmax(dup)) + 1]
+            raise InputError(paths[0], f"token {token[i]} of step {step[i]}, layer {layer[i]} appears twice (two "
+                                       "files for one layer with a token column, or repeated rows)")
+        del order, dup
     src = cat(cols["src_rank"]) if has["src_rank"].pop() else None
     gates = cols["gate"]
     gate = cat(gates) if all(g is not None for g in gates) else None
@@ -423,19 +427,29 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     # exact aggregate per (step, layer, expert)
     E = int(options.get("num_experts") or expert.max() + 1)
     L = int(options.get("num_layers") or layer.max() + 1)
-    flat = (step - step.min()) * (L * E) + layer * E + expert
-    u, c = np.unique(flat, return_counts=True)
     s0 = step.min()
+    flat = (step - s0) * (L * E) + layer * E + expert
+    span = int(flat.max()) + 1
+    if span <= max(1 << 24, 4 * flat.size):    # dense enough: count by index
+        c = np.bincount(flat, minlength=span)
+        u = np.flatnonzero(c)
+        c = c[u]
+    else:
+        u, c = np.unique(flat, return_counts=True)
+    del flat
     load = pa.table({"step": u // (L * E) + s0, "layer": ((u // E) % L).astype(np.int32),
                      "expert": (u % E).astype(np.int32), "slot": pa.nulls(u.size, pa.int32()),
                      "src_rank": pa.nulls(u.size, pa.int32()), "tokens": c.astype(np.int64)})
     # the same tokens pass every layer: tokens per (step, layer) should agree within a step
-    tl = np.unique(np.stack([step, layer, token]), axis=1)
-    sl, cnt = np.unique(tl[:2], axis=1, return_counts=True)
-    lo = {}
-    for s_, c_ in zip(sl[0].tolist(), cnt.tolist()):
-        lo.setdefault(s_, set()).add(c_)
-    uneven = sorted(s_ for s_, v in lo.items() if len(v) > 1)
+    # a token's entries are contiguous: a new token starts where (step, layer, token) changes
+    start = np.ones(step.size, bool)
+    start[1:] = (step[1:] != step[:-1]) | (layer[1:] != layer[:-1]) | (token[1:] != token[:-1])
+    sl = (step[start] - s0) * L + layer[start]
+    per = np.bincount(sl, minlength=int(sl.max()) + 1).reshape(-1, L) if sl.size else np.zeros((0, L), np.int64)
+    present = per > 0
+    hi = np.where(present, per, -1).max(axis=1)
+    lo_ = np.where(present, per, np.iinfo(np.int64).max).min(axis=1)
+    uneven = (np.flatnonzero(present.any(axis=1) & (hi != lo_)) + s0).tolist()
     if uneven:
         approx.add(f"{len(uneven)} steps have different token counts in different layers (first: step {uneven[0]})")
     if not options.get("num_experts"):
