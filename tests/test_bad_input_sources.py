@@ -199,3 +199,10 @@ def test_serving_api_response_bad_payload(runner, cli, tmp_path, field, words):
     f = tmp_path / "responses.jsonl"
     f.write_text('{"meta_info": {"prompt_tokens": 2, "completion_tokens": 2, ' + field + '}}\n')
     _refused(runner, cli, st, [f, "--top-k", "2"], f, position="line 1 meta_info", words=words)
+
+
+def test_trtllm_yaml_alone_is_not_a_run(runner, cli, tmp_path):
+    st = _seed(tmp_path)
+    y = tmp_path / "moe_load_balancer.yaml"
+    y.write_text("num_slots: 4\nlayer_updates_per_iter: 0\ninitial_global_assignments:\n  1: [0, 1, 2, 3]\n")
+    _refused(runner, cli, st, [y], y, words="plan --import")

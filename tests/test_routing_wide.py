@@ -209,3 +209,28 @@ def test_layers_with_different_token_counts_are_said(tmp_path):
     assert any("1 steps have different token counts in different layers (first: step 0)" in a for a in approx)
     load = rd.tables["expert_load"].to_pandas().groupby("layer").tokens.sum().to_dict()
     assert load == {0: 10 * K, 1: 12 * K}
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(hst.lists(hst.lists(hst.integers(-1, 11), min_size=1, max_size=4, unique=True), min_size=1, max_size=40),
+       hst.integers(1, 7))
+def test_load_is_the_count_of_the_lists(lists, tps):
+    """Any rows of distinct ids (-1 = padding): expert_load per (step, layer, expert) equals a
+    plain Python count over the kept entries."""
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    if all(x == -1 for row in lists for x in row):
+        return
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "layer_2.parquet"
+        pq.write_table(pa.table({"experts": pa.array(lists, pa.list_(pa.int32()))}), f)
+        rd = collect([f], options={"tokens_per_step": tps})[0]
+    want = Counter((i // tps, 2, e) for i, row in enumerate(lists) for e in row if e != -1)
+    got = {(d["step"], d["layer"], d["expert"]): d["tokens"] for d in rd.tables["expert_load"].to_pylist()}
+    assert got == dict(want)
