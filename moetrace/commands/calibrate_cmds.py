@@ -103,8 +103,6 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         moetrace refrun rb --ranks 4 --experts 16 --skew 1.2 --placement eplb4.json --store st
         moetrace calibrate st --fit ra --judge rb
     """
-    from ..replay.calibrate import calibrate as run_calibration
-
     st = Store(store)
     rid = st.resolve_run(fit_run)
     judges = [st.resolve_run(j) for j in judge_runs] or ([rid] if judge_steps else [])
@@ -114,9 +112,9 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
             raise click.BadParameter(f"{item!r} is not SPANS_RUN=LOAD_RUN", param_hint="--load")
         a, b = item.split("=", 1)
         load_runs[st.resolve_run(a)] = st.resolve_run(b)
-    summary = run_calibration(st, rid, judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
-                              load_runs=load_runs, step_offset=step_offset,
-                              write=not no_store, calibration_id=calibration_id)
+    summary = st.run(rid).calibrate(judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
+                                    load_runs=load_runs, step_offset=step_offset,
+                                    write=not no_store, calibration_id=calibration_id)
     if as_json:
         echo_json(summary)
         return
