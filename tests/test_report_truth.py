@@ -159,6 +159,25 @@ def test_refrun_kernel_breakdown_is_host_time(refrun):
     assert "host time (CPU-only trace" in sec.markdown
 
 
+def test_engine_format_samples(tmp_path):
+    """The other shipped samples: every section builds, and the stated facts of their generator
+    (sample_traces/make_engine_samples.py) come out: TensorRT-LLM rank 3 idles in iteration 103
+    (1 of 4 ranks x 8 iterations), and the balancedness mean is the mean of the scraped values."""
+    st = _ingest(tmp_path, "t", str(SAMPLES / "trtllm_stats"))
+    rep, text = _report(st, tmp_path / "rt")
+    assert "1 of 32 (step, rank) pairs were dummy steps" in text
+    assert "Dummy steps: unknown" not in text
+    st = _ingest(tmp_path, "w", str(SAMPLES / "routing_wide"), "--set", "tokens_per_step=64", "--ranks", "4",
+                 "--ranks-per-node", "4")
+    _report(st, tmp_path / "rw")
+    st = _ingest(tmp_path, "m", str(SAMPLES / "metrics_scrapes"))
+    rep, text = _report(st, tmp_path / "rm")
+    v = st.sql("SELECT balancedness FROM balancedness WHERE event = 'balancedness' AND balancedness IS NOT NULL")
+    v = v["balancedness"].to_numpy()
+    assert f"logged balancedness for {v.size} scrape intervals: mean {v.mean():.3f}" in text
+    assert f"is {np.mean(1 / v):.2f}× on average" in text
+
+
 # ----------------------------------------------------------------------------- real traces
 def _kineto_kernels(path: Path) -> list[dict]:
     doc = json.loads(gzip.open(path).read())

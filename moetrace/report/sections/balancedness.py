@@ -29,9 +29,14 @@ def build(ctx: ReportContext) -> Section | None:
     md, notes, figs = [], [], []
     if bal.height:
         v = bal["balancedness"].to_numpy()
-        text = (f"The engine ({engines}) logged balancedness for {bal.height} passes: mean **{v.mean():.3f}**, "
-                f"p10 {np.percentile(v, 10):.3f}, worst {v.min():.3f} (1.0 = every rank equally loaded; the "
-                f"busiest rank carried on average {1 / max(v.mean(), 1e-9):.2f}× the mean).")
+        what = (f"{bal.height} scrape intervals" if ctx.run.get("collector") == "prometheus"
+                else f"{bal.height} passes")
+        inv = 1 / np.maximum(v, 1e-9)
+        text = (f"The engine ({engines}) logged balancedness for {what}: mean **{v.mean():.3f}**, "
+                f"p10 {np.percentile(v, 10):.3f}, worst {v.min():.3f} (1.0 = every rank equally loaded; "
+                f"1/balancedness, the busiest rank's load over the mean rank's, is {inv.mean():.2f}× on average and "
+                f"{inv.max():.2f}× at worst"
+                + ("; for SGLang's per-layer average only approximately" if "sglang" in engines else "") + ").")
         md.append(text)
         x = bal["step"].to_numpy() if bal["step"].null_count() == 0 else np.arange(bal.height)
         figs.append(Figure(plots.lines(ctx.outdir / "balancedness_log.png", [("balancedness", x, v)],
