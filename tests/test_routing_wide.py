@@ -234,3 +234,15 @@ def test_load_is_the_count_of_the_lists(lists, tps):
     want = Counter((i // tps, 2, e) for i, row in enumerate(lists) for e in row if e != -1)
     got = {(d["step"], d["layer"], d["expert"]): d["tokens"] for d in rd.tables["expert_load"].to_pylist()}
     assert got == dict(want)
+
+
+def test_shards_of_one_layer_continue_each_other(tmp_path):
+    a, _ = _draw(5, 1)
+    b, _ = _draw(3, 2)
+    for name, idx in (("layer_3-00000.parquet", a), ("layer_3-00001.parquet", b)):
+        pq.write_table(pa.table({"indices": pa.array(list(idx), pa.list_(pa.int16()))}), tmp_path / name)
+    rd = collect([tmp_path / "layer_3-00001.parquet", tmp_path / "layer_3-00000.parquet"], options={"tokens_per_step": 4})[0]
+    r = rd.tables["routing"].to_pandas().sort_values(["step", "token", "choice"])
+    # rows 0-4 from the first shard (name order), 5-7 from the second: steps of 4 tokens
+    assert r.expert.tolist() == np.concatenate([a, b]).ravel().tolist()
+    assert (r.step * 4 + r.token).tolist() == np.repeat(np.arange(8), K).tolist()

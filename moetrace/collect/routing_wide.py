@@ -378,7 +378,9 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         row = d["row"].copy()
         if d["token"] is None:   # row order, continued across shards of one layer
             base = {int(l): offset.get(int(l), 0) for l in layers}
-            row = row + np.array([base[int(l)] for l in d["layer"]], np.int64) if row.size else row
+            lut = np.zeros(int(layers.max()) + 1 if layers.size else 1, np.int64)
+            lut[layers] = [base[int(l)] for l in layers]
+            row = row + lut[d["layer"]]
             for l in layers:
                 offset[int(l)] = base[int(l)] + d["nrows"]
         if d["step"] is not None:
