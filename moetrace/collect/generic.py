@@ -161,19 +161,27 @@ def _frames(path: Path) -> Iterator[pl.DataFrame]:
         yield df.slice(off, BATCH_ROWS)
 
 
+def _columns(df: pl.DataFrame, path: Path, req: list[str], opt: list[str], offset: int = 0) -> pl.DataFrame:
+    """The ``req`` and ``opt`` columns of ``df``: integers as Int64, required ones without
+    nulls, absent optional ones added as nulls (``offset``: rows before this batch)."""
+    cols = set(df.columns)
+    df = _ints(df.select([c for c in req + opt if c in cols]), path, offset)
+    for c in req:
+        if df[c].null_count():
+            i = int(df[c].is_null().arg_max())
+            raise InputError(path, f"column {c!r} is empty", f"row {offset + i + 1}")
+    for c in opt:
+        if c not in df.columns:
+            df = df.with_columns(pl.lit(None, dtype=pl.Int64 if c != "gate" else pl.Float32).alias(c))
+    return df
+
+
 def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shape: dict) -> pl.DataFrame:
     """One batch of expert_load rows: the contract's columns as Int64 (absent optional ones
     null), required ones non-null, counts and ids non-negative and inside ``shape``."""
     if set(df.columns) != cols:
         raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", f"row {offset + 1}")
-    df = _ints(df.select([c for c in LOAD_REQ + LOAD_OPT if c in cols]), path, offset)
-    for c in LOAD_REQ:
-        if df[c].null_count():
-            i = int(df[c].is_null().arg_max())
-            raise InputError(path, f"column {c!r} is empty", f"row {offset + i + 1}")
-    for c in LOAD_OPT:
-        if c not in df.columns:
-            df = df.with_columns(pl.lit(None, dtype=pl.Int64).alias(c))
+    df = _columns(df, path, LOAD_REQ, LOAD_OPT, offset)
     for c in ("layer", "expert", "slot", "step", "src_rank", "tokens"):
         col = df[c]
         mn = col.min()
@@ -197,11 +205,8 @@ def _cast_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set) -> pl
     """A batch the first pass checked, cast as :func:`_check_load_batch` casts it."""
     if set(df.columns) != cols:
         raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", f"row {offset + 1}")
-    df = _ints(df.select([c for c in LOAD_REQ + LOAD_OPT if c in cols]), path, offset)
-    for c in LOAD_OPT:
-        if c not in df.columns:
-            df = df.with_columns(pl.lit(None, dtype=pl.Int64).alias(c))
-    return df.select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
+    return _columns(df, path, LOAD_REQ, LOAD_OPT, offset).select(["step", "layer", "expert", "slot", "src_rank",
+                                                                   "tokens"])
 
 
 def _load_arrow(df: pl.DataFrame) -> pa.Table:
@@ -384,14 +389,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
             miss_r = [c for c in ROUTE_REQ if c not in cols]
             raise InputError(path, f"missing columns: expert_load needs {', '.join(miss_l)}; "
                                    f"routing needs {', '.join(miss_r)} (found: {', '.join(df.columns)})")
-        df = _ints(df.select([c for c in req + opt if c in cols]), path)
-        for c in req:
-            if df[c].null_count():
-                i = int(df[c].is_null().arg_max())
-                raise InputError(path, f"column {c!r} is empty", f"row {i + 1}")
-        for c in opt:
-            if c not in df.columns:
-                df = df.with_columns(pl.lit(None, dtype=pl.Int64 if c != "gate" else pl.Float32).alias(c))
+        df = _columns(df, path, req, opt)
         approx = []
         if "choice" not in cols:
             df = df.with_columns(pl.int_range(pl.len()).over(["step", "layer", "token"]).alias("choice"))
