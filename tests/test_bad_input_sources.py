@@ -206,3 +206,22 @@ def test_trtllm_yaml_alone_is_not_a_run(runner, cli, tmp_path):
     y = tmp_path / "moe_load_balancer.yaml"
     y.write_text("num_slots: 4\nlayer_updates_per_iter: 0\ninitial_global_assignments:\n  1: [0, 1, 2, 3]\n")
     _refused(runner, cli, st, [y], y, words="plan --import")
+
+
+def test_trtllm_folder_without_meta_info(runner, cli, tmp_path):
+    st = _seed(tmp_path)
+    d = _stats(tmp_path / "stats")
+    (d / "meta_info.json").unlink()
+    _refused(runner, cli, st, [d], d, words="no meta_info.json")
+
+
+def test_plan_import_refuses_a_fifo(runner, cli, tmp_path):
+    import os
+
+    st = _seed(tmp_path)
+    f = tmp_path / "plan.yaml"
+    os.mkfifo(f)
+    before = tree_hash(st)
+    res = runner.invoke(cli, ["plan", str(st), "--import", str(f), "--ranks", "1"], catch_exceptions=True)
+    assert res.exit_code == 2 and "FIFO" in res.output and str(f) in res.output, res.output
+    assert tree_hash(st) == before

@@ -279,7 +279,10 @@ def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_no
     or content). Rows are taken for ``layers`` (row index = layer id in a SGLang map
     covering every model layer; layer keys in a TensorRT-LLM config; see the module doc
     for vllm-ascend). The vllm-ascend map gives its own device count (``num_ranks``)."""
+    from ..safety import check_regular_file
+
     path = Path(path)
+    check_regular_file(path)   # a FIFO or device would hang the read
     try:
         with path.open("rb") as f:
             head = f.read(4096)
