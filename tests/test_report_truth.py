@@ -273,21 +273,23 @@ def test_whole_recording_counts_claim_no_per_step_bound(tmp_path):
 
 
 # ----------------------------------------------------------------------------- tables fit 1400 px
-CONTENT_PX = 1100 - 32          # body max-width 1100px, 1em padding each side
+CONTENT_PX = 1100               # body content box (max-width 1100px)
 CHAR_PX = 0.82 * 16 * 0.56      # table font .82em of 16px; ~0.56 em per character (Helvetica digits/lowercase)
 
 
 def estimated_table_widths(html: str) -> list[float]:
-    """Layout-free width of each table: per column the widest header piece (headers break after
-    underscores) or cell text, at CHAR_PX per character plus 12 px padding and 1 px border."""
+    """Layout-free narrowest width of each table (the sum of its columns' min-content widths,
+    which is what overflows): per column the longest piece that cannot break — a header
+    breaks after underscores and at spaces, a cell at spaces — at CHAR_PX per character plus
+    12 px padding and 1 px border."""
     out = []
     for t in re.findall(r"<table>(.*?)</table>", html, flags=re.S):
         rows = re.findall(r"<tr>(.*?)</tr>", t, flags=re.S)
         cols: list[float] = []
         for r in rows:
             for i, (tag, c) in enumerate(re.findall(r"<(th|td)>(.*?)</\1>", r, flags=re.S)):
-                txt = htmlmod.unescape(re.sub(r"<[^>]+>", "", c.replace("<wbr>", "\n")))
-                w = max((len(x) for x in (txt.split("\n") if tag == "th" else [txt])), default=0)
+                txt = htmlmod.unescape(re.sub(r"<[^>]+>", "", c.replace("<wbr>", " ")))
+                w = max((len(x) for x in txt.split()), default=0)
                 if i >= len(cols):
                     cols.append(0)
                 cols[i] = max(cols[i], w)

@@ -186,8 +186,8 @@ h2{font-size:1.3em;margin-top:2em;border-bottom:1px solid #eee;padding-bottom:.2
 .tbl{max-width:100%;overflow-x:auto}
 table{border-collapse:collapse;margin:.8em 0;font-size:.82em}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:right}
-th{white-space:normal;overflow-wrap:anywhere;vertical-align:bottom}
-td{white-space:nowrap}
+th{white-space:normal;vertical-align:bottom}
+td{white-space:normal}
 th{background:#f4f4f4}
 td:first-child,th:first-child{text-align:left}
 code{background:#f4f4f4;padding:0 3px;border-radius:3px;font-size:.92em}
