@@ -106,7 +106,8 @@ def build(ctx: ReportContext) -> Section | None:
                 ylabel="tokens per step (token-expert assignments)", ref_line=float(vals.mean()),
                 ref_label=f"mean rank {vals.mean():.0f}", highlight="max"),
                 f"Worst layer {wl}: tokens each rank received per step, averaged over steps (the most loaded "
-                "rank in red, dashed line: the mean rank). The busiest rank sets the layer's time."))
+                + ("ranks, tied, in red" if len(plots.highlighted(vals, "max")) > 1 else "rank in red")
+                + ", dashed line: the mean rank). The busiest rank sets the layer's time."))
             if strag.height:
                 total = int(layers.filter(pl.col("layer") == wl)["steps"][0])
                 txt = ", ".join(f"rank {r} ({n} of {total} steps)" for r, n in strag.iter_rows())
