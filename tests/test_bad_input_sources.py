@@ -225,3 +225,21 @@ def test_plan_import_refuses_a_fifo(runner, cli, tmp_path):
     res = runner.invoke(cli, ["plan", str(st), "--import", str(f), "--ranks", "1"], catch_exceptions=True)
     assert res.exit_code == 2 and "FIFO" in res.output and str(f) in res.output, res.output
     assert tree_hash(st) == before
+
+
+def test_trtllm_far_apart_iterations_fail_fast(runner, cli, tmp_path):
+    st = _seed(tmp_path)
+    c = np.array([1, 1, 0, 0], np.int64)
+    d = _stats(tmp_path / "stats", ranks={0: {"0_1": c, "1000000000000_1": c}, 1: {"0_1": c, "1000000000000_1": c}})
+    _refused(runner, cli, st, [d], d, words="1-999999999999 missing between 0 and 1000000000000")
+
+
+def test_wide_routing_sparse_huge_steps(tmp_path):
+    """Step ids far apart must not allocate per step id (counts are per distinct step)."""
+    from moetrace.collect import collect
+
+    f = tmp_path / "r.parquet"
+    pq.write_table(pa.table({"step": [0, 10**15], "layer": [0, 0],
+                             "indices": pa.array([[1, 2], [0, 3]], pa.list_(pa.int16()))}), f)
+    rd = collect([f])[0]
+    assert sorted(rd.tables["expert_load"].column("step").to_pylist()) == [0, 0, 10**15, 10**15]

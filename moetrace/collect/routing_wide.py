@@ -446,12 +446,13 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     # a token's entries are contiguous: a new token starts where (step, layer, token) changes
     start = np.ones(step.size, bool)
     start[1:] = (step[1:] != step[:-1]) | (layer[1:] != layer[:-1]) | (token[1:] != token[:-1])
-    sl = (step[start] - s0) * L + layer[start]
-    per = np.bincount(sl, minlength=int(sl.max()) + 1).reshape(-1, L) if sl.size else np.zeros((0, L), np.int64)
-    present = per > 0
-    hi = np.where(present, per, -1).max(axis=1)
-    lo_ = np.where(present, per, np.iinfo(np.int64).max).min(axis=1)
-    uneven = (np.flatnonzero(present.any(axis=1) & (hi != lo_)) + s0).tolist()
+    steps_sorted, si = np.unique(step[start], return_inverse=True)
+    ul, li = np.unique(layer[start], return_inverse=True)
+    pairs, cnt = np.unique(si.astype(np.int64) * ul.size + li, return_counts=True)   # sorted by step
+    ps = pairs // ul.size
+    first = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+    spread = np.maximum.reduceat(cnt, first) != np.minimum.reduceat(cnt, first)
+    uneven = steps_sorted[ps[first][spread]].tolist()
     if uneven:
         approx.add(f"{len(uneven)} steps have different token counts in different layers (first: step {uneven[0]})")
     if not options.get("num_experts"):

@@ -173,10 +173,10 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     keys = set().union(*(map(tuple, kk.tolist()) for kk, _ in counts.values()))
     iters = sorted({i for i, _ in keys})
     layers = sorted({l for _, l in keys})
-    miss_it = sorted(set(range(iters[0], iters[-1] + 1)) - set(iters))
-    if miss_it:
-        raise InputError(folder, f"iterations are not contiguous: {_ranges(miss_it)} missing between {iters[0]} "
-                                 f"and {iters[-1]}")
+    if iters[-1] - iters[0] + 1 != len(iters):   # name the gaps without enumerating the span
+        gaps = [(a + 1, b - 1) for a, b in zip(iters, iters[1:]) if b > a + 1]
+        desc = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (" ..." if len(gaps) > 5 else "")
+        raise InputError(folder, f"iterations are not contiguous: {desc} missing between {iters[0]} and {iters[-1]}")
     holes = sorted((i, l) for i in iters for l in layers if (i, l) not in keys)
     if holes:
         raise InputError(folder, f"{len(holes)} (iteration, layer) pairs have no counts on any rank, first "
