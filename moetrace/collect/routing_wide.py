@@ -334,8 +334,8 @@ def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
     if pad.any():
         approx.add("-1 entries in the expert lists taken as padding and dropped")
     if nested:  # drop layers whose every entry is 0 (dense or uncaptured in the engine's buffer)
-        zero_layers = [l for l in range(int(layer_of.max()) + 1)
-                       if not np.any(ex[np.isin(lst, np.flatnonzero(layer_of == l))])]
+        nonzero = np.bincount(layer_of[lst], weights=(ex != 0), minlength=int(layer_of.max()) + 1)
+        zero_layers = np.flatnonzero(nonzero == 0).tolist()
         if zero_layers:
             approx.add(f"layers {_ranges(zero_layers)} hold only expert 0 in every token: taken as dense / not "
                        "captured and dropped")
