@@ -388,11 +388,10 @@ class Store:
 
     def runs(self) -> pl.DataFrame:
         """The runs rows (contract columns; ones an older file lacks are NULL), oldest first.
-        Read from the runs partitions directly: no SQL view is built (``moetrace runs``)."""
-        if (self.path / ".txn").is_dir():
-            self._recover_if_abandoned()
+        Read from the runs partitions directly (no SQL view is built: ``moetrace runs``); a
+        runs file is renamed into place last, so every row here is a committed run. Never writes."""
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
-                    "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64}
+                    "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64, "int64[]": pl.List(pl.Int64)}
         empty = pl.DataFrame(schema={c.name: pl_types[c.type] for c in schema.get("runs").columns})
         frames = [pl.read_parquet(f).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
                   for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
