@@ -231,3 +231,26 @@ def test_report_section(tmp_path, runner, cli):
     rid2 = st2.run_ids()[0]
     sec2 = section.build(ReportContext(store=st2, run_id=rid2, run=st2.run_row(rid2), outdir=tmp_path / "out2"))
     assert "no all-to-all found" in sec2.markdown and not sec2.figures
+
+
+def test_inferred_layers_without_a_pair_are_called_positions_not_layers(tmp_path, runner, cli):
+    """Three plain all-to-alls in a step (an embedding exchange, say): alternation makes them
+    dispatch, combine, dispatch, so 'layer 1' has a dispatch only; the report says these are
+    positions in the step, and the per-layer figure title says the layers are inferred."""
+    from moetrace.report.base import ReportContext
+    from moetrace.report.sections import exposure as section
+
+    from .test_kineto import SENDRECV
+
+    ev = [ev_x("user_annotation", "ProfilerStep#1", 0, 10000)]
+    for i, t in enumerate((10, 200, 400)):
+        ev += [ev_x("cpu_op", "nccl:all_to_all", t, 5), launch(t + 1, i + 1), kernel(SENDRECV, t + 50, 40, i + 1)]
+    p = tmp_path / "t.json"
+    write_trace(p, ev, rank=0, world=1)
+    st = ingest(runner, cli, tmp_path / "st", p)
+    g = st.sql("SELECT layer, kind FROM a2a_exposure ORDER BY layer, kind").rows()
+    assert g == [(0, "combine"), (0, "dispatch"), (1, "dispatch")]
+    rid = st.run_ids()[0]
+    sec = section.build(ReportContext(store=st, run_id=rid, run=st.run_row(rid), outdir=tmp_path / "out"))
+    assert any("1 inferred layer(s) (1) have only a dispatch or only a combine" in n for n in sec.notes)
+    assert any("layer numbers inferred from order" in f.caption for f in sec.figures)
