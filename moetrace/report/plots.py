@@ -334,3 +334,24 @@ def decision(rows, path):
     axes[0].set_title("replica budget: net time vs memory")
     axes[1].set_title("re-plan interval: net time vs bytes moved")
     return save(fig, path)
+
+
+def predicted_vs_measured(path, measured: np.ndarray, predicted: np.ndarray, marked: np.ndarray, *, title: str,
+                          xlabel: str, ylabel: str, marked_label: str):
+    """Log-log scatter of predictions against measurements with the y = x line; ``marked``
+    (a boolean mask) points drawn in orange."""
+    fig, ax = figure(5.5, 5.0)
+    _apply_style(ax)
+    m, p, s = np.asarray(measured, float), np.asarray(predicted, float), np.asarray(marked, bool)
+    ax.scatter(m[~s], p[~s], s=12, alpha=0.6, label="rank")
+    ax.scatter(m[s], p[s], s=18, alpha=0.8, color="#DD8452", label=marked_label)
+    lo = max(min(m.min(), max(p.min(), 1e-3)) * 0.8, 1e-3)
+    hi = max(m.max(), p.max()) * 1.2
+    ax.plot([lo, hi], [lo, hi], color="k", lw=0.8, label="predicted = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    return save(fig, path)

@@ -69,32 +69,18 @@ def _scatter(ctx: ReportContext, cid: str, role: str) -> Figure | None:
                 [ctx.run_id, cid, role])
     if d.height == 0:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .. import plots
 
     m = d["measured_expert_ns"].to_numpy() / 1e3
     p = d["predicted_expert_ns"].to_numpy() / 1e3
     s = d["measured_straggler"].to_numpy()
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    ax.scatter(m[~s], p[~s], s=12, alpha=0.6, label="rank")
-    ax.scatter(m[s], p[s], s=18, alpha=0.8, color="#DD8452", label="measured straggler")
-    lo = max(min(m.min(), max(p.min(), 1e-3)) * 0.8, 1e-3)
-    hi = max(m.max(), p.max()) * 1.2
-    ax.plot([lo, hi], [lo, hi], color="k", lw=0.8, label="predicted = measured")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured expert time (µs)")
-    ax.set_ylabel("predicted expert time (µs)")
     err = np.abs(p - m) / m
     r2 = 1 - float(np.sum((p - m) ** 2)) / max(float(np.sum((m - m.mean()) ** 2)), 1e-300)
-    ax.set_title(f"Expert time, {'in-sample fit' if role == 'fit' else 'judged out of sample'} (run {ctx.run_id})\n"
-                 f"R² {r2:.2f} (predicted vs measured); |error| median {100 * np.median(err):.0f}%, "
-                 f"p90 {100 * np.percentile(err, 90):.0f}%", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = ctx.outdir / f"calibration_{ctx.run_id}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = plots.predicted_vs_measured(
+        ctx.outdir / f"calibration_{ctx.run_id}.png", m, p, s,
+        title=(f"Expert time, {'in-sample fit' if role == 'fit' else 'judged out of sample'} (run {ctx.run_id})\n"
+               f"R² {r2:.2f} (predicted vs measured); |error| median {100 * np.median(err):.0f}%, "
+               f"p90 {100 * np.percentile(err, 90):.0f}%"),
+        xlabel="measured expert time (µs)", ylabel="predicted expert time (µs)", marked_label="measured straggler")
     return Figure(path, f"Predicted vs measured expert time per (step, layer, rank), {len(m)} cells "
                         f"({int(np.sum(s))} measured stragglers highlighted).")
