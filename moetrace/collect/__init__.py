@@ -121,14 +121,6 @@ def known_options() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def check_options(options: dict) -> None:
-    """Refuse option keys no collector knows, listing the known ones."""
-    known = known_options()
-    bad = sorted(k for k in options if k not in known)
-    if bad:
-        raise InputError(None, f"unknown collector option(s) {', '.join(map(repr, bad))} (known: {', '.join(known)})")
-
-
 def head(path: Path, n: int = 4096) -> bytes:
     try:
         with open(path, "rb") as f:
