@@ -36,7 +36,6 @@ from .strategies import (Fixed, Judged, MoveCost, Oracle, Replan, Timing, compar
                          judge_stream)
 
 
-
 # ----------------------------------------------------------------------------- shape
 @dataclass
 class RunShape:
