@@ -124,3 +124,10 @@ def test_replay_reads_the_same_shape_and_imbalance(store):
     want = (ranks.max(axis=2)[ok] / mean[ok]).mean()
     assert res.judged.summary.mean_imbalance == pytest.approx(want, rel=1e-12)
     assert run.skew(by="run")["imbalance_mean"][0] == pytest.approx(want, rel=1e-12)
+
+
+def test_skew_groupings_are_named_once():
+    from moetrace.analyze import frames
+    from moetrace.run import SKEW_BY
+
+    assert set(frames._SKEW_SQL) == set(SKEW_BY)

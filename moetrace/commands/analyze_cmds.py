@@ -5,6 +5,7 @@ import click
 
 from .. import open_store
 from ..output import emit, output_options
+from ..run import SKEW_BY
 from ._options import out_option, run_option
 
 
@@ -53,7 +54,7 @@ def report(store, run_id, out, quiet, batch_steps, memory_limit):
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
 @run_option(help="Only this run (default: every run).")
-@click.option("--by", type=click.Choice(["layer", "run", "step"]), default="layer", show_default=True,
+@click.option("--by", type=click.Choice(SKEW_BY), default="layer", show_default=True,
               help="layer: distribution over steps per layer; run: one line per run; step: every (step, layer).")
 @_heavy_options
 @output_options
