@@ -207,18 +207,22 @@ KIND_COLORS = {"expert_gemm": "#4C72B0", "attention": "#55A868", "compute_other"
 def stacked(path, labels, parts: dict[str, np.ndarray], *, title: str, xlabel: str, ylabel: str,
             colors: dict[str, str] | None = None):
     """Horizontal stacked bars: one bar per label, one segment per part (legend only for
-    parts with a non-zero segment)."""
+    parts with a non-zero segment, each with its share of the whole, so a segment too thin
+    to see still says how small it is)."""
     n = len(labels)
     fig, ax = figure(9.0, min(9.0, 1.6 + 0.32 * n))
     _apply_style(ax)
     y = np.arange(n)
     left = np.zeros(n)
     colors = colors or KIND_COLORS
+    whole = float(sum(np.asarray(v, dtype=float).sum() for v in parts.values())) or 1.0
     for name, vals in parts.items():
         vals = np.asarray(vals, dtype=float)
         if not vals.any():
             continue
-        ax.barh(y, vals, left=left, color=colors.get(name, None), edgecolor="white", linewidth=0.4, label=name)
+        share = vals.sum() / whole
+        ax.barh(y, vals, left=left, color=colors.get(name, None), edgecolor="white", linewidth=0.4,
+                label=f"{name} ({'<0.1' if share < 0.0005 else f'{100 * share:.1f}'}%)")
         left += vals
     ax.set_yticks(y)
     ax.set_yticklabels([str(v) for v in labels], fontsize=8)

@@ -135,7 +135,10 @@ def _timeline(ctx: ReportContext) -> Figure | None:
     ax.set_title(f"Step {step}: compute vs dispatch vs combine per rank"
                  + ("\n(dispatch/combine labels INFERRED from order)" if inferred else ""))
     path = plots.save(fig, ctx.outdir / f"exposure_timeline_{rid}.png")
-    return Figure(path, f"Timeline of step {step} (first {MAX_TIMELINE_RANKS} ranks): "
+    n_all = int(ctx.sql("SELECT count(DISTINCT rank) AS n FROM spans WHERE run_id = ?", [rid])["n"][0])
+    which = (f"first {len(ranks)} of {n_all} ranks" if n_all > len(ranks) else
+             "its one rank" if n_all == 1 else f"all {n_all} ranks")
+    return Figure(path, f"Timeline of step {step} ({which}): "
                         + ", ".join(ln[3] for ln in lanes) + "."
                         + (" Dispatch/combine of plain all-to-alls inferred from their order (alternation)."
                            if inferred else ""))
