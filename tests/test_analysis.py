@@ -235,13 +235,23 @@ def test_structural_skew_plateau_on_synthetic_runs(physics_runs):
     np.testing.assert_array_equal(p.ravel(), p2)
     true_struct = np.array([_structural_from_popularity(p[l], 32) for l in range(4)])
     assert 1.4 <= true_struct.mean() <= 1.7
+    # what top-8 of 256 without replacement makes of it: each expert's inclusion share
+    # (an expert is picked at most once per token, so hot experts get a bit less than k*p),
+    # by an independent numpy exponential race over 100,000 tokens per layer
+    rng = np.random.default_rng(2024)
+    incl = np.empty_like(p)
+    for l in range(4):
+        keys = rng.standard_exponential((100_000, 256)) / p[l]
+        incl[l] = np.bincount(np.argpartition(keys, 7, axis=1)[:, :8].ravel(), minlength=256)
+    expect_struct = np.array([_structural_from_popularity(incl[l] / incl[l].sum(), 32) for l in range(4)])
 
     dec = {B: st.sql("SELECT * FROM skew_decomposition WHERE run_id = ? ORDER BY layer", [rid])
            for B, rid in runs.items()}
     big = dec[8192]
-    # thousands of tokens per step: the measured structural skew is the true one (top-8 of
-    # 256 without replacement barely changes inclusion shares at sigma 0.6)
-    np.testing.assert_allclose(big["structural_imbalance"].to_numpy(), true_struct, rtol=0.03)
+    # thousands of tokens per step: the measured structural skew is that of the inclusion
+    # shares, within a few percent of the popularity's own
+    np.testing.assert_allclose(big["structural_imbalance"].to_numpy(), true_struct, rtol=0.05)
+    np.testing.assert_allclose(big["structural_imbalance"].to_numpy(), expect_struct, rtol=0.02)
     assert 1.4 <= big["structural_imbalance"].mean() <= 1.7
     # small batches: more imbalance per step (sampling noise) ...
     small = dec[32]

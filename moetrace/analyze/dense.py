@@ -52,11 +52,13 @@ def _list_array(values: np.ndarray, width: int) -> pa.ListArray:
 
 
 def dense_table(steps: np.ndarray, layers: np.ndarray, counts: np.ndarray) -> pa.Table:
-    """expert_counts rows from ``counts [n, E]`` of (steps[i], layers[i]) (no run_id)."""
-    counts = np.asarray(counts)
+    """expert_counts rows from ``counts [n, E]`` of (steps[i], layers[i]) (no run_id), with
+    each row's counts also sorted descending (``tokens_desc``)."""
+    counts = np.asarray(counts, np.int64)
     E = counts.shape[1] if counts.ndim == 2 else 0
+    desc = np.sort(counts, axis=1)[:, ::-1] if counts.size else counts
     return pa.table({"step": pa.array(np.asarray(steps, np.int64)), "layer": pa.array(np.asarray(layers, np.int32)),
-                     "tokens": _list_array(counts.reshape(-1), E)})
+                     "tokens": _list_array(counts.reshape(-1), E), "tokens_desc": _list_array(desc.reshape(-1), E)})
 
 
 def grid_table(step_ids: np.ndarray, layer_ids: np.ndarray, counts: np.ndarray) -> pa.Table:

@@ -182,7 +182,9 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
             hi = steps[(c + 1) * K] if (c + 1) * K < n else None
             rng = "step >= ?" + (" AND step < ?" if hi is not None else "")
             args = [run_id, lo] + ([hi] if hi is not None else [])
-            for v in _CHUNK_VIEWS:
+            # shared inputs of several views: computed once per batch (layer_skew alone reads
+            # them once anyway, so it skips the copy)
+            for v in (_CHUNK_VIEWS if set(views) - {"layer_skew"} else ()):
                 con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" '
                             f"WHERE run_id = ? AND {rng}", args)
                 if v not in made:

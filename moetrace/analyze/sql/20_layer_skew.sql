@@ -20,13 +20,13 @@ WITH agg AS (
     UNION ALL
     SELECT run_id, step, layer,
            CAST(list_sum(tokens) AS BIGINT),
-           list_sum(list_transform(tokens, lambda x: CAST(x AS DOUBLE) * x)),
+           list_inner_product(CAST(tokens AS DOUBLE[]), CAST(tokens AS DOUBLE[])),
            CAST(len(list_filter(tokens, lambda x: x > 0)) AS BIGINT),
            CAST(len(tokens) AS BIGINT),
-           list_min(tokens),
-           list_max(tokens),
-           CAST(list_position(tokens, list_max(tokens)) - 1 AS INTEGER),
-           list_reverse_sort(CAST(tokens AS DOUBLE[]))
+           tokens_desc[-1],
+           tokens_desc[1],
+           CAST(list_position(tokens, tokens_desc[1]) - 1 AS INTEGER),
+           CAST(tokens_desc AS DOUBLE[])     -- stored sorted (schemas/expert_counts.json)
     FROM expert_counts
 )
 SELECT agg.run_id, agg.step, agg.layer, sh.num_experts, sh.top_k, agg.assignments, agg.sumsq, agg.experts_hit,
