@@ -187,14 +187,15 @@ class Run:
 
         return RunShape.from_store(self.store, self.id)
 
-    @staticmethod
-    def _replay_opts(split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
+    def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
                      passes=None):
         from .replay.adapter import ReplayOptions
+        from .replay.run_cost import run_cost_model
         from .replay.strategies import MoveCost
 
+        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost)
         return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
-                             move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes)
+                             move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 
     def plan(self, policy: str | None = None, *, ranks: int | None = None, replicas: int | None = None,
              groups: int | None = None, nodes: int | None = None, rpn: int | None = None,

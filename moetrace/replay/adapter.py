@@ -341,18 +341,18 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunS
 
 
 def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
-    base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
-    # the measured error band (issue 13): the newest calibration on the same hardware;
-    # a run with repeated timed passes (refrun cell_times) fits the matrix-checked model
-    from .calibrate import error_band, fit_from_cell_times, run_hardware
+    """The preset, or (with ``fit``) the model fitted from the run's expert_gemm spans. The
+    measured error band and the timed-pass fit come on top in
+    :func:`moetrace.replay.run_cost.run_cost_model` (what the run facade passes in as
+    ``ReplayOptions.cost``); this module does not read calibrations."""
+    model = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
+    if fit:
+        model = fit_cost_from_store(store, run_id, model, shape) or model
+    return model
 
-    fitted = (fit_from_cell_times(store, run_id, base) or fit_cost_from_store(store, run_id, base, shape)) if fit else None
-    cost = fitted if fitted is not None else base
 
-    band = error_band(store, run_hardware(store, run_id) if fitted is not None else hardware)
-    if band.rel_error is not None:
-        cost.rel_error, cost.rel_error_source = band.rel_error, band.source
-    return cost
+def _cost(store, run_id, shape: RunShape, opts) -> costmod.CostModel:
+    return opts.cost if opts.cost is not None else cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
 
 
 # ----------------------------------------------------------------------------- options, results
@@ -366,6 +366,8 @@ class ReplayOptions:
     move: MoveCost = field(default_factory=MoveCost)
     #: passes per pseudo-step of an aggregate run (times per pass then); None: the run's
     passes: int | None = None
+    #: the cost model to use (None: :func:`cost_model`, preset or fitted from spans)
+    cost: costmod.CostModel | None = None
 
 
 def new_replay_id(prefix: str = "r") -> str:
@@ -590,7 +592,7 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
     stream the run in step chunks, write ``replay_layer``/``replay_rank``/``replay_runs``
     (and ``replay_traffic`` with per-token routing)."""
     replay_id = new_replay_id()
-    cost = cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
+    cost = _cost(store, run_id, shape, opts)
     recorded = recorded_plan(store, run_id, shape)
     is_rec = plan.plan_id == "recorded"
     if is_rec:
@@ -793,7 +795,7 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShap
     recorded placement on the same steps, net of moving experts."""
     if every < 1 or window < 1:
         raise InputError(None, "--replan-every and --window must be >= 1")
-    m = _in_memory(store, run_id, shape, opts.split, cost_model(store, run_id, shape, opts.hardware, opts.fit_cost),
+    m = _in_memory(store, run_id, shape, opts.split, _cost(store, run_id, shape, opts),
                    opts.passes)      # drift replays the counts (per-token routing not used)
     ids, load, slot_load, recorded, mode, cost, fn = m.ids, m.load, m.slot_load, m.recorded, m.mode, m.cost, m.fn
     T = ids.size
@@ -898,7 +900,7 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
     """Replica budgets x (static, re-plan intervals) x fit windows, all judged on the same
     steps (after the largest window) against the recorded placement, net of moves.
     Returns the rows and the notes that qualify them."""
-    m = _in_memory(store, run_id, shape, opts.split, cost_model(store, run_id, shape, opts.hardware, opts.fit_cost),
+    m = _in_memory(store, run_id, shape, opts.split, _cost(store, run_id, shape, opts),
                    opts.passes)
     ids, load, slot_load, recorded, cost, fn, timing = m.ids, m.load, m.slot_load, m.recorded, m.cost, m.fn, m.timing
     T = ids.size
