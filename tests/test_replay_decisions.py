@@ -366,3 +366,12 @@ def test_groups_from_the_model_config(tmp_path):
     bad.write_text('{"vocab_size": 5}')
     r = run_cli("ingest", f, "--store", tmp_path / "st2", "--model-config", bad)
     assert r.exit_code == 2 and "bad.json" in r.output and not (tmp_path / "st2").exists()
+
+
+def test_pseudo_steps_have_no_drift_or_sweep(tmp_path):
+    f = shared_data("sglang_dsv3_expert_counts", "decode_in500out1500.json")
+    path = tmp_path / "st"
+    assert run_cli("ingest", f, "--store", path, "--ranks", 32, "--ranks-per-node", 8, "--groups", 8).exit_code == 0
+    for args in (("sweep", path, "--replicas", "0,32"), ("replay", path, "--policy", "eplb", "--replan-every", 5)):
+        r = run_cli(*args)
+        assert r.exit_code == 2 and "pseudo-step" in r.output, r.output

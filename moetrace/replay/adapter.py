@@ -697,6 +697,13 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape,
     return plan, js
 
 
+def _too_short(shape: RunShape, T: int, what: str, hint: str = "") -> str:
+    if shape.aggregate:
+        return (f"the run's counts aggregate a recording into {T} pseudo-step(s): there are no steps to re-plan over "
+                "or judge after a window; moetrace replay --policy P --in-sample answers imbalance on them")
+    return f"the run has {T} steps; {what} leaves none to judge{hint}"
+
+
 @dataclass
 class _InMemory:
     """A run's counts in memory with what every strategy loop needs: the recorded plan, how
@@ -800,7 +807,7 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShap
     ids, load, slot_load, recorded, mode, cost, fn = m.ids, m.load, m.slot_load, m.recorded, m.mode, m.cost, m.fn
     T = ids.size
     if T <= window:
-        raise InputError(None, f"the run has {T} steps; --window {window} leaves none to judge")
+        raise InputError(None, _too_short(shape, T, f"--window {window}"))
 
     if static_window:
         lo, hi = static_window
@@ -907,7 +914,7 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
     windows = sorted(set(windows or [max(intervals) if intervals else max(1, T // 2)]))
     J = max(windows)
     if T <= J:
-        raise InputError(None, f"the run has {T} steps; --window {J} leaves none to judge (give a smaller --window)")
+        raise InputError(None, _too_short(shape, T, f"--window {J}", " (give a smaller --window)"))
 
     rows = []
     for rep in replicas:
