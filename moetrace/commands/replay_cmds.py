@@ -11,38 +11,37 @@ from ._options import (hardware_option, int_list, policy_option, run_option, spl
                        steps_option, store_argument)
 
 
-def shape_options(f):
-    opts = [
-        run_option,
-        policy_option,
-        click.option("--ranks", type=int, default=None, help="Expert-parallel ranks (default: the run's)."),
-        click.option("--replicas", type=int, default=None, help="Redundant slots per layer (default: the run's)."),
-        click.option("--groups", type=int, default=None,
-                     help="Expert groups for hierarchical EPLB (default: the run's; DeepSeek-V3/R1: 8)."),
-        click.option("--nodes", type=int, default=None, help="Nodes (must equal ranks / ranks-per-node)."),
-        click.option("--ranks-per-node", "rpn", type=int, default=None, help="Ranks per node (default: the run's)."),
-        steps_option("--fit-window", help="Fit the plan on steps A <= step < B (default: the first half); "
-                                          "it is judged on the steps after B."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+def _stack(*opts):
+    """One decorator applying click options in the order given."""
+    def deco(f):
+        for o in reversed(opts):
+            f = o(f)
+        return f
+    return deco
 
 
-def move_options(f):
-    opts = [
-        click.option("--stall-ms", type=float, default=0.0, show_default=True,
-                     help="Time the engine stops per re-balance besides the weight transfer (e.g. 1800 for a "
-                          "synchronous SGLang rebalance)."),
-        click.option("--move-overlap", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-                     help="Share of the weight transfer hidden behind compute: 0 = synchronous engine (the step "
-                          "waits for it), e.g. 0.9 for an asynchronous one."),
-        click.option("--passes", type=int, default=None,
-                     help="Passes per recorded step when the counts aggregate a recording (times per pass)."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+cluster_options = _stack(
+    click.option("--ranks", type=int, default=None, help="Expert-parallel ranks (default: the run's)."),
+    click.option("--groups", type=int, default=None,
+                 help="Expert groups for hierarchical EPLB (default: the run's; DeepSeek-V3/R1: 8)."),
+    click.option("--nodes", type=int, default=None, help="Nodes (must equal ranks / ranks-per-node)."),
+    click.option("--ranks-per-node", "rpn", type=int, default=None, help="Ranks per node (default: the run's)."))
+
+shape_options = _stack(
+    run_option, policy_option, cluster_options,
+    click.option("--replicas", type=int, default=None, help="Redundant slots per layer (default: the run's)."),
+    steps_option("--fit-window", help="Fit the plan on steps A <= step < B (default: the first half); "
+                                      "it is judged on the steps after B."))
+
+move_options = _stack(
+    click.option("--stall-ms", type=float, default=0.0, show_default=True,
+                 help="Time the engine stops per re-balance besides the weight transfer (e.g. 1800 for a "
+                      "synchronous SGLang rebalance)."),
+    click.option("--move-overlap", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                 help="Share of the weight transfer hidden behind compute: 0 = synchronous engine (the step "
+                      "waits for it), e.g. 0.9 for an asynchronous one."),
+    click.option("--passes", type=int, default=None,
+                 help="Passes per recorded step when the counts aggregate a recording (times per pass)."))
 
 
 def _gib(b):
@@ -296,10 +295,7 @@ def _print_drift(d, plot):
               help="Re-plan intervals in steps (comma-separated); a static plan is always a row.")
 @click.option("--window", "windows", callback=int_list, default=None,
               help="Fit windows in steps (comma-separated; default: the largest interval, else half the run).")
-@click.option("--ranks", type=int, default=None, help="Expert-parallel ranks (default: the run's).")
-@click.option("--groups", type=int, default=None, help="Expert groups for hierarchical EPLB (default: the run's).")
-@click.option("--nodes", type=int, default=None, help="Nodes (must equal ranks / ranks-per-node).")
-@click.option("--ranks-per-node", "rpn", type=int, default=None, help="Ranks per node (default: the run's).")
+@cluster_options
 @split_option
 @hardware_option
 @move_options
