@@ -118,25 +118,33 @@ def build(ctx: ReportContext) -> Section | None:
         return Section(key="batch", title="Imbalance vs batch size", markdown=text, terminal=text)
     tot = dec.select(pl.col("imbalance_mean").mean(), pl.col("structural_imbalance").mean(),
                      pl.col("sampling_excess").mean()).row(0)
-    layers = [int(v) for v in dec["layer"].head(MAX_SERIES).to_list()]
-    ls = ctx.sql("SELECT layer, step, imbalance FROM layer_skew WHERE run_id = ? AND imbalance IS NOT NULL "
-                 "AND layer IN (SELECT unnest(?))", [rid, layers])
-    facts = [f for f in (batch_facts(sb, dec, ls, lyr) for lyr in layers) if f is not None]
+    # the facts of every layer (the headline speaks for all of them), sentences and curves for the most skewed
+    order = [int(v) for v in dec["layer"].to_list()]
+    ls = ctx.sql("SELECT layer, step, imbalance FROM layer_skew WHERE run_id = ? AND imbalance IS NOT NULL", [rid])
+    every = [f for f in (batch_facts(sb, dec, ls, lyr) for lyr in order) if f is not None]
+    facts = every[:MAX_SERIES]
     text = (f"Averaged over layers, a step's imbalance of **{tot[0]:.2f}×** splits into a structural part of "
             f"**{tot[1]:.2f}×** (the rank loads summed over the whole run: the popularity under this placement, "
             "which no batch size removes) and ")
+    drift = any(f.drifts for f in every)
     if abs(tot[2]) < 0.005:
         text += "no measurable sampling noise on top (less than 0.005). "
-    elif facts and all(f.flat for f in facts):
-        text += f"**{tot[2]:+.2f}** on top, which merging steps does not remove in the layers below"
+    elif every and all(f.flat for f in every):
+        text += f"**{tot[2]:+.2f}** on top, which merging steps removes in no layer"
         text += (" — drift, not sampling noise: the whole-run totals mix early and late popularity, which lowers "
-                 "the structural figure. " if any(f.drifts for f in facts) else ". ")
+                 "the structural figure. " if drift else ". ")
     else:
         text += f"**{tot[2]:+.2f}** on top (sampling noise, which shrinks as batches grow"
-        text += (", plus drift: the whole-run totals mix early and late popularity). " if any(f.drifts for f in facts)
-                 else "). ")
+        text += (", plus drift: the whole-run totals mix early and late popularity). " if drift else "). ")
     text += "Re-placing or replicating experts attacks the structural part; bigger batches only the sampling part."
     lines = [f.sentence() for f in facts]
+    rest = every[MAX_SERIES:]
+    if rest:
+        lines.append(f"The other {len(rest)} layer(s): merging changes the imbalance of the same steps by at most "
+                     f"{100 * max(f.max_change for f in rest):.1f}%"
+                     + (f"; {sum(f.drifts for f in rest)} of them drift{'s' if sum(f.drifts for f in rest) == 1 else ''}"
+                        if any(f.drifts for f in rest) else "")
+                     + ".")
     md = [text, ""] + [f"- {ln}" for ln in lines] + [
         "", "Per layer, most skewed first:", "",
         md_table(dec.select("layer", "steps", "imbalance_mean", "structural_imbalance", "sampling_excess",

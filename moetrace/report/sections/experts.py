@@ -15,7 +15,7 @@ ORDER = 20
 BOUND_GPU, BOUND_DTYPE, BOUND_TFLOPS, BOUND_TBPS, BOUND_BYTES = "H100 SXM", "BF16", 989.0, 3.35, 2
 WEIGHT_BOUND_TOKENS = int(round(BOUND_TFLOPS / BOUND_TBPS * BOUND_BYTES / 2))   # 295
 BOUND_WHO = (f"an {BOUND_GPU} with {BOUND_DTYPE} weights ({BOUND_TFLOPS:.0f} dense TFLOP/s over {BOUND_TBPS} TB/s "
-             f"of HBM: about {WEIGHT_BOUND_TOKENS} tokens)")
+             "of HBM)")
 
 
 def quantile_from_counts(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:
@@ -131,7 +131,7 @@ def build(ctx: ReportContext) -> Section | None:
         else:
             cap = ("How many tokens an expert's GEMM saw per step, over every expert, step and layer (experts that "
                    f"got nothing count at 0). Below about {WEIGHT_BOUND_TOKENS} tokens an expert GEMM on {BOUND_WHO} "
-                   "is bound by reading its weights"
+                   "would be bound by reading its weights"
                    + (" (dashed line)." if bound_shown else f"; every count here is below {top:.0f}."))
         figs.append(Figure(plots.save(fig, ctx.outdir / "experts_tokens_hist.png"), cap))
     return Section(key="experts", title="Tokens per expert", markdown="\n".join(md), terminal="\n".join(term),
