@@ -626,20 +626,16 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
                 kept.append((ids[sel], blk.tokens[sel], blk.touched[sel], m.dispatch_ns[sel], m.compute_ns[sel],
                              m.layer_ns[sel]))
 
+    def on_recorded(ids, blk):   # the recorded placement's traffic, on the same steps
+        if blk.traffic is not None:
+            agg["rtraffic"] = blk.traffic if agg["rtraffic"] is None else agg["rtraffic"] + blk.traffic
+
     chunks = iter_load(store, run_id, sub, chunk, with_slots=with_slots)
     try:
         j = judge_stream(chunks, plan, recorded, fn, cost, shape.expert_bytes, opts.move, timing=timing, kind=kind,
-                         on_block=on_block, name=policy or plan.policy)
+                         on_block=on_block, on_recorded=on_recorded, name=policy or plan.policy)
     except ValueError as e:
         raise InputError(None, f"replay of run {run_id!r}: {e}") from None
-    if shape.has_routing and not is_rec:   # the recorded plan's traffic, for the same steps
-        rt = None
-        for ids, _, _ in iter_load(store, run_id, sub, chunk):
-            b = routing_block(store, run_id, shape, recorded, opts.split, ids, mode == "routing")
-            rt = b.traffic if rt is None else rt + b.traffic
-        agg["rtraffic"] = rt
-    elif is_rec:
-        agg["rtraffic"] = agg["traffic"]
     split = "recorded" if is_rec and mode in ("counts", "routing") else opts.split
     notes = list(shape.notes) + _time_note(shape, timing)
     blk_probe = Block(np.zeros((0, 0, 0)), None, None, None, exact_bytes=shape.has_routing and not

@@ -350,9 +350,11 @@ def judge(ids: np.ndarray, load: np.ndarray, slot_load: np.ndarray | None, first
 def judge_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray, "np.ndarray | None"]], plan: Plan, recorded: Plan,
                  replay_fn: ReplayFn, cost: CostModel, expert_bytes: int, mc: MoveCost | None = None,
                  name: str | None = None, timing: Timing | None = None, kind: str = "replay",
-                 on_block: Callable[[np.ndarray, Plan, Block, LayerMetrics], None] | None = None) -> Judged:
+                 on_block: Callable[[np.ndarray, Plan, Block, LayerMetrics], None] | None = None,
+                 on_recorded: Callable[[np.ndarray, Block], None] | None = None) -> Judged:
     """:func:`judge` for one fixed ``plan`` over step chunks (bounded memory on long runs):
-    the switch from the recorded placement is charged once, at the first judged step."""
+    the switch from the recorded placement is charged once, at the first judged step.
+    ``on_recorded`` sees the recorded placement's block of every chunk."""
     mc, timing = mc or MoveCost(), timing or Timing()
     strategy = Fixed(plan, kind="recorded" if plan is recorded else kind)
     acc, pp = _Acc(), _per_pass(timing)
@@ -360,9 +362,11 @@ def judge_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray, "np.ndarray | No
         if not bid.size:
             continue
         blk, m = _metrics(replay_fn, bid, bl, bsl, plan, plan is recorded, cost, pp)
-        mr = m if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)[1]
+        rblk, mr = (blk, m) if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)
         if on_block is not None:
             on_block(bid, plan, blk, m)
+        if on_recorded is not None:
+            on_recorded(bid, rblk)
         acc.add(bid, m, mr, plan.plan_id or kind, False)
     if not acc.steps:
         raise ValueError("no judged steps")
