@@ -912,11 +912,16 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
     if T <= J:
         raise InputError(None, _too_short(shape, T, f"--window {J}", " (give a smaller --window)"))
 
-    rows = []
+    rows, described = [], []
     for rep in replicas:
         try:
             ps = shape.plan_shape(ranks=ranks, replicas=rep, groups=groups, nodes=nodes, rpn=rpn)
             check_shape(ps, shape.num_experts, policy)
+            if not described:
+                described.append(
+                    f"plans: {policy} on {ps.num_ranks} ranks ({ps.nodes()} nodes x {ps.ranks_per_node} ranks per "
+                    f"node), {shape.num_experts} experts + replicas slots, " + (
+                        f"{ps.num_groups} expert groups" if policy == "eplb" else "expert groups not used"))
         except InputError as e:
             rows.append(SweepRow(f"replicas {rep}", rep, None, 0, 0, 0.0, None, None, None, None, None, 0, 0.0, None,
                                  None, "", "", skipped=e.message))
@@ -945,8 +950,10 @@ def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int],
                     j.moved_experts, j.moved_bytes / 2**30,
                     sum(c.bytes for c in j.changes[1:]) / 2**30 / hours if hours > 0 else None,
                     float(np.median(be)) if be else None, j.verdict, j.verdict_reason))
+    if rows and all(r.skipped for r in rows):
+        raise InputError(None, "no replica budget can be planned: " + rows[0].skipped)
     band = costmod.error_band(cost)
-    notes = list(shape.notes) + _time_note(shape, timing) + [
+    notes = list(shape.notes) + _time_note(shape, timing) + described + [
         f"every row judged on the same {T - J} steps (from step {int(ids[J])}), after the largest fit window {J}; "
         f"static plans fitted on the `window` steps before them, re-plans on the trailing `window` steps",
         f"baseline: the recorded placement ({recorded.policy}) on those steps, same cost model ({cost.source.split(':')[0]})",
