@@ -180,7 +180,10 @@ def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | Non
     node_of[df["rank"].to_numpy()] = df["node"].to_numpy()
     nn = int(node_of.max()) + 1
     rpn = R // nn if R % nn == 0 else (ranks_per_node or R)
-    return Plan(p2l, max(num_experts, int(p2l.max()) + 1), R, rpn, layers=layers, policy="stored", plan_id=plan_id)
+    try:
+        return Plan(p2l, max(num_experts, int(p2l.max()) + 1), R, rpn, layers=layers, policy="stored", plan_id=plan_id)
+    except ValueError as e:   # e.g. a recorded placement that leaves experts without a slot
+        raise InputError(None, f"plan {plan_id!r} cannot be replayed: {e}") from None
 
 
 def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
