@@ -116,21 +116,6 @@ def test_only_the_cli_imports_commands():
     assert not bad, "library code must not depend on the CLI: " + "; ".join(bad)
 
 
-# A cycle inside replay/ still being broken (issue #10: the store adapter and the cost-model
-# calibration import each other's functions lazily); tolerated by name, any other fails.
-_IN_FLIGHT = [{"moetrace.replay.adapter", "moetrace.replay.calibrate"}]
-
-
 def test_no_import_cycles():
-    import pytest
-
-    g = graph()
-    tolerated = []
-    cycle = find_cycle(g)
-    while cycle is not None and set(cycle) in _IN_FLIGHT:
-        tolerated.append(" -> ".join(cycle))
-        g[cycle[0]].discard(cycle[1])
-        cycle = find_cycle(g)
+    cycle = find_cycle(graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
-    if tolerated:
-        pytest.xfail("replay/ is being split into a pure core and one store adapter: " + "; ".join(tolerated))
