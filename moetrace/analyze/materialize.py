@@ -9,7 +9,8 @@ every query that joins them rescans the run. :func:`materialize_layer_skew` ther
 1. computes ``run_shape`` and ``layer_placement`` of the run once (TEMP tables),
 2. walks the run's steps in batches of ``batch_steps`` consecutive steps (a power of two,
    chosen from the run's row count unless given): for each batch it materializes the
-   batch's ``expert_step_stats`` and ``rank_tokens_by_step`` (rank lists) and appends the batch's rows of
+   batch's per-(step, layer) expert sums and rank lists (``expert_step_stats_long``,
+   ``rank_tokens_long``, ``dense_step_stats``) and appends the batch's rows of
    ``layer_skew`` and ``tokens_per_expert``, the batch's merged windows of
    ``skew_by_batch`` (windows of up to ``batch_steps`` steps lie inside one batch, because
    batches start at multiples of ``batch_steps`` in step order) and the batch's rank
@@ -38,8 +39,8 @@ TARGET_BATCH_ROWS = 8_000_000
 
 SHAPE_VIEWS = ("run_shape", "layer_placement")
 HEAVY_VIEWS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
-_CHUNK_VIEWS = ("expert_step_stats", "rank_tokens_by_step")  # shadowed per batch, dropped after
-_PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch", "_mt_rank_rows")
+_CHUNK_VIEWS = ("expert_step_stats_long", "rank_tokens_long", "dense_step_stats")  # shadowed per batch
+_PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch", "_mt_rank_rows", "_mt_suffix")
 
 
 @dataclass
@@ -172,7 +173,9 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                     "tokens DOUBLE)")
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_per_batch (layer INTEGER, w BIGINT, batch BIGINT, "
                     "mx DOUBLE, total DOUBLE)")
-        made += ["_mt_rank_tot", "_mt_per_batch"]
+        # per-(layer, rank) suffix buckets for the windows of the last w steps (see 25_skew_by_batch.sql)
+        con.execute("CREATE OR REPLACE TEMP TABLE _mt_suffix (layer INTEGER, rank BIGINT, k BIGINT, tokens DOUBLE)")
+        made += ["_mt_rank_tot", "_mt_per_batch", "_mt_suffix"]
         top_level = min(K, _pow2_at_most(n)) if n else 1      # highest window merged inside a batch
 
         # 2. the batches
@@ -198,6 +201,8 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                 con.execute("INSERT INTO _mt_rank_tot SELECT ?, layer, rank, sum(tokens) FROM _mt_rank_rows "
                             "GROUP BY layer, rank", [c])
             if "skew_by_batch" in views:
+                con.execute(f"INSERT INTO _mt_suffix SELECT r.layer, r.rank, CAST(ceil(log2({n} - s.ord)) AS BIGINT), "
+                            "sum(r.tokens) FROM _mt_rank_rows r JOIN _mt_steps s ON s.step = r.step GROUP BY ALL")
                 # windows of 1, 2, 4, ... top_level steps, merged exactly as the view merges them
                 con.execute(f"""
                     INSERT INTO _mt_per_batch
@@ -243,20 +248,41 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                 INSERT INTO temp.skew_by_batch
                 WITH a AS (
                     SELECT sh.run_id, b.layer, b.w,
-                           avg(b.total / coalesce(sh.top_k, 1)),
+                           avg(b.total / coalesce(sh.top_k, 1)) AS tokens_per_batch,
                            avg(b.mx / (b.total / sh.num_ranks)) FILTER (WHERE b.total > 0) AS imbalance,
-                           count(*) FILTER (WHERE b.total > 0),
+                           count(*) FILTER (WHERE b.total > 0) AS batches,
                            CASE WHEN sh.top_k IS NULL
-                                THEN 'top_k unknown: tokens_per_batch counts token-expert assignments' END
+                                THEN 'top_k unknown: tokens_per_batch counts token-expert assignments' END AS note
                     FROM _mt_per_batch b CROSS JOIN temp.run_shape sh
                     WHERE sh.run_id = ? AND sh.num_ranks IS NOT NULL
                     GROUP BY sh.run_id, b.layer, b.w, sh.top_k, sh.num_ranks
+                ), levels AS (SELECT layer, w FROM a WHERE {n} % w <> 0
+                ), tail AS (
+                    SELECT layer, w, max(tokens) AS mx, sum(tokens) AS total FROM (
+                        SELECT lv.layer, lv.w, x.rank, sum(x.tokens) AS tokens
+                        FROM levels lv JOIN _mt_suffix x ON x.layer = lv.layer
+                                                        AND x.k <= CAST(round(log2(lv.w)) AS BIGINT)
+                        GROUP BY ALL)
+                    GROUP BY layer, w
+                ), tail_steps AS (
+                    SELECT lv.layer, lv.w, sum(ls.imbalance) AS s, count(ls.imbalance) AS c
+                    FROM levels lv JOIN _mt_steps s ON s.ord >= {n} - lv.w
+                    JOIN temp.layer_skew ls ON ls.step = s.step AND ls.layer = lv.layer
+                    GROUP BY ALL
                 )
-                SELECT a.*, c.steps_used, c.first_step, c.last_step, c.step_imbalance_mean,
-                       a.imbalance / c.step_imbalance_mean
-                FROM a LEFT JOIN LATERAL (   -- the same steps one at a time (see 25_skew_by_batch.sql)
+                SELECT a.run_id, a.layer, a.w, a.tokens_per_batch, a.imbalance, a.batches, a.note,
+                       c.steps_used, c.first_step, c.last_step, c.step_imbalance_mean,
+                       a.imbalance / c.step_imbalance_mean,
+                       (coalesce(a.imbalance * a.batches, 0) + coalesce(t.mx / (t.total / sh.num_ranks), 0))
+                           / nullif(a.batches + CASE WHEN t.total > 0 THEN 1 ELSE 0 END, 0),
+                       a.batches + CASE WHEN t.total > 0 THEN 1 ELSE 0 END,
+                       (c.s + coalesce(ts.s, 0)) / nullif(c.c + coalesce(ts.c, 0), 0)
+                FROM a CROSS JOIN temp.run_shape sh
+                LEFT JOIN tail t ON t.layer = a.layer AND t.w = a.w AND t.total > 0
+                LEFT JOIN tail_steps ts ON ts.layer = a.layer AND ts.w = a.w
+                LEFT JOIN LATERAL (   -- the same steps one at a time (see 25_skew_by_batch.sql)
                     SELECT count(*) AS steps_used, min(s.step) AS first_step, max(s.step) AS last_step,
-                           avg(ls.imbalance) AS step_imbalance_mean
+                           avg(ls.imbalance) AS step_imbalance_mean, sum(ls.imbalance) AS s, count(ls.imbalance) AS c
                     FROM _mt_steps s JOIN temp.layer_skew ls ON ls.step = s.step AND ls.layer = a.layer
                     WHERE s.ord < ({n} // a.w) * a.w
                 ) c ON true""", [run_id])

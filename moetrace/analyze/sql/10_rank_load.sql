@@ -143,11 +143,28 @@ WITH sh AS (
 SELECT run_id, layer, list(rank ORDER BY rank) AS ranks, list(slots ORDER BY rank) AS slots
 FROM per_rank GROUP BY run_id, layer;
 
+-- dense_step_stats: what the per-(step, layer) views need from a dense row, in one scan:
+-- the expert-level sums (sorted counts are stored: first maximum = lowest expert id) and
+-- the rank lists from the rank map (NULL without one: num_ranks unknown).
+CREATE OR REPLACE VIEW dense_step_stats AS
+SELECT c.run_id, c.step, c.layer,
+       CAST(list_sum(c.tokens) AS BIGINT) AS assignments,
+       list_inner_product(CAST(c.tokens AS DOUBLE[]), CAST(c.tokens AS DOUBLE[])) AS sumsq,
+       CAST(len(list_filter(c.tokens, lambda x: x > 0)) AS BIGINT) AS experts_hit,
+       CAST(len(c.tokens) AS BIGINT) AS experts_present,
+       c.tokens_desc[-1] AS min_present,
+       c.tokens_desc[1] AS max_tokens,
+       CAST(list_position(c.tokens, c.tokens_desc[1]) - 1 AS INTEGER) AS hottest_expert,
+       CAST(c.tokens_desc AS DOUBLE[]) AS tokens_desc,
+       m.ranks,
+       list_transform(m.slots, lambda rs: list_sum(list_transform(rs, lambda x: tokens[x.i] / x.c))) AS rank_tokens
+FROM expert_counts c LEFT JOIN dense_rank_map m ON m.run_id = c.run_id AND m.layer = c.layer;
+
 -- rank_tokens_by_step: per (run, step, layer) the ranks that received rows (ascending)
--- and their tokens, as two lists. Long rows: rank of each row (recorded slot, recorded
--- replicas, contiguous: see rank_load_sparse) summed per rank; dense rows: the rank map
--- applied to the list.
-CREATE OR REPLACE VIEW rank_tokens_by_step AS
+-- and their tokens, as two lists. Long rows (rank_tokens_long): rank of each row
+-- (recorded slot, recorded replicas, contiguous: see rank_load_sparse) summed per rank;
+-- dense rows: the rank map applied to the list (dense_step_stats).
+CREATE OR REPLACE VIEW rank_tokens_long AS
 WITH sh AS (
     SELECT run_id, num_experts AS E, num_ranks AS R, num_slots AS S FROM run_shape WHERE num_ranks IS NOT NULL
 ), reps AS (
@@ -180,11 +197,12 @@ WITH sh AS (
     FROM per_row GROUP BY run_id, step, layer, rank
 )
 SELECT run_id, step, layer, list(rank ORDER BY rank) AS ranks, list(tokens ORDER BY rank) AS tokens
-FROM long_ranks GROUP BY run_id, step, layer
+FROM long_ranks GROUP BY run_id, step, layer;
+
+CREATE OR REPLACE VIEW rank_tokens_by_step AS
+SELECT run_id, step, layer, ranks, tokens FROM rank_tokens_long
 UNION ALL
-SELECT c.run_id, c.step, c.layer, m.ranks,
-       list_transform(m.slots, lambda rs: list_sum(list_transform(rs, lambda x: tokens[x.i] / x.c))) AS tokens
-FROM expert_counts c JOIN dense_rank_map m ON m.run_id = c.run_id AND m.layer = c.layer;
+SELECT run_id, step, layer, ranks, rank_tokens FROM dense_step_stats WHERE ranks IS NOT NULL;
 
 -- rank_load_sparse: ranks that received rows (no zero-fill), one row per rank.
 CREATE OR REPLACE VIEW rank_load_sparse AS

@@ -2,32 +2,29 @@
 --
 -- expert_step_stats: one row per (run, step, layer) with the expert-level sums and the
 -- present experts' tokens sorted descending (absent experts count as zero).
--- Long rows are aggregated per (step, layer); a dense row is already one (step, layer)
--- and gets the same numbers from list functions (first maximum = lowest expert id).
+-- Long rows are aggregated per (step, layer) (expert_step_stats_long); a dense row is
+-- already one (step, layer) and gets the same numbers from list functions
+-- (dense_step_stats).
+CREATE OR REPLACE VIEW expert_step_stats_long AS
+SELECT run_id, step, layer,
+       CAST(sum(tokens) AS BIGINT) AS assignments,
+       sum(CAST(tokens AS DOUBLE) * tokens) AS sumsq,
+       count(*) FILTER (WHERE tokens > 0) AS experts_hit,
+       count(*) AS experts_present,
+       min(tokens) AS min_present,
+       max(tokens) AS max_tokens,
+       arg_max(expert, struct_pack(t := tokens, neg_expert := -expert)) AS hottest_expert,
+       list(CAST(tokens AS DOUBLE) ORDER BY tokens DESC) AS tokens_desc
+FROM expert_tokens_long
+GROUP BY run_id, step, layer;
+
 CREATE OR REPLACE VIEW expert_step_stats AS
 WITH agg AS (
-    SELECT run_id, step, layer,
-           CAST(sum(tokens) AS BIGINT) AS assignments,
-           sum(CAST(tokens AS DOUBLE) * tokens) AS sumsq,
-           count(*) FILTER (WHERE tokens > 0) AS experts_hit,
-           count(*) AS experts_present,
-           min(tokens) AS min_present,
-           max(tokens) AS max_tokens,
-           arg_max(expert, struct_pack(t := tokens, neg_expert := -expert)) AS hottest_expert,
-           list(CAST(tokens AS DOUBLE) ORDER BY tokens DESC) AS tokens_desc
-    FROM expert_tokens_long
-    GROUP BY run_id, step, layer
+    SELECT * FROM expert_step_stats_long
     UNION ALL
-    SELECT run_id, step, layer,
-           CAST(list_sum(tokens) AS BIGINT),
-           list_inner_product(CAST(tokens AS DOUBLE[]), CAST(tokens AS DOUBLE[])),
-           CAST(len(list_filter(tokens, lambda x: x > 0)) AS BIGINT),
-           CAST(len(tokens) AS BIGINT),
-           tokens_desc[-1],
-           tokens_desc[1],
-           CAST(list_position(tokens, tokens_desc[1]) - 1 AS INTEGER),
-           CAST(tokens_desc AS DOUBLE[])     -- stored sorted (schemas/expert_counts.json)
-    FROM expert_counts
+    SELECT run_id, step, layer, assignments, sumsq, experts_hit, experts_present, min_present, max_tokens,
+           hottest_expert, tokens_desc
+    FROM dense_step_stats
 )
 SELECT agg.run_id, agg.step, agg.layer, sh.num_experts, sh.top_k, agg.assignments, agg.sumsq, agg.experts_hit,
        agg.experts_present, agg.min_present, agg.max_tokens, agg.hottest_expert, agg.tokens_desc
@@ -38,20 +35,28 @@ FROM agg JOIN run_shape sh USING (run_id);
 -- Over all E logical experts (absent ones count as zero): gini, cv (population std /
 -- mean), top5pct_share (share of the ceil(5% of E) busiest experts), hottest expert and
 -- its share. A step with no tokens, or a run without num_ranks, gets NULLs and a note.
+-- Long rows join their expert sums and rank lists; a dense row has both (one scan).
 CREATE OR REPLACE VIEW layer_skew AS
-WITH rk AS (    -- ranks ascending: the first maximum is the lowest rank id
-    SELECT run_id, step, layer, list_max(tokens) AS max_rank_tokens, list_sum(tokens) AS rank_total,
-           ranks[list_position(tokens, list_max(tokens))] AS straggler_rank
-    FROM rank_tokens_by_step
-), es AS (
-    SELECT *, CAST(greatest(1, ceil(0.05 * num_experts)) AS BIGINT) AS n_top FROM expert_step_stats
+WITH base AS (
+    SELECT es.run_id, es.step, es.layer, es.assignments, es.sumsq, es.max_tokens, es.hottest_expert,
+           es.tokens_desc, rk.ranks, rk.tokens AS rank_tokens
+    FROM expert_step_stats_long es
+    LEFT JOIN rank_tokens_long rk ON rk.run_id = es.run_id AND rk.step = es.step AND rk.layer = es.layer
+    UNION ALL
+    SELECT run_id, step, layer, assignments, sumsq, max_tokens, hottest_expert, tokens_desc, ranks, rank_tokens
+    FROM dense_step_stats
+), es AS (    -- ranks ascending: the first maximum is the lowest rank id
+    SELECT b.*, sh.num_experts, sh.top_k, CAST(greatest(1, ceil(0.05 * sh.num_experts)) AS BIGINT) AS n_top,
+           list_max(b.rank_tokens) AS max_rank_tokens, list_sum(b.rank_tokens) AS rank_total,
+           b.ranks[list_position(b.rank_tokens, list_max(b.rank_tokens))] AS straggler_rank
+    FROM base b JOIN run_shape sh USING (run_id)
 )
 SELECT es.run_id, es.step, es.layer,
-       rk.max_rank_tokens,
-       rk.rank_total / lp.num_ranks AS mean_rank_tokens,
-       CASE WHEN rk.rank_total > 0 THEN rk.max_rank_tokens / (rk.rank_total / lp.num_ranks) END AS imbalance,
-       CASE WHEN rk.rank_total > 0 THEN (rk.rank_total / lp.num_ranks) / rk.max_rank_tokens END AS efficiency,
-       CASE WHEN rk.rank_total > 0 THEN CAST(rk.straggler_rank AS INTEGER) END AS straggler_rank,
+       es.max_rank_tokens,
+       es.rank_total / lp.num_ranks AS mean_rank_tokens,
+       CASE WHEN es.rank_total > 0 THEN es.max_rank_tokens / (es.rank_total / lp.num_ranks) END AS imbalance,
+       CASE WHEN es.rank_total > 0 THEN (es.rank_total / lp.num_ranks) / es.max_rank_tokens END AS efficiency,
+       CASE WHEN es.rank_total > 0 THEN CAST(es.straggler_rank AS INTEGER) END AS straggler_rank,
        CASE WHEN es.assignments > 0 THEN
            2.0 * list_inner_product(es.tokens_desc,
                                     CAST(range(es.num_experts, es.num_experts - len(es.tokens_desc), -1) AS DOUBLE[]))
@@ -73,8 +78,7 @@ SELECT es.run_id, es.step, es.layer,
             WHEN lp.experts_from <> 'runs' THEN 'num_experts inferred from the highest expert id'
        END AS note
 FROM es
-JOIN layer_placement lp ON lp.run_id = es.run_id AND lp.layer = es.layer
-LEFT JOIN rk ON rk.run_id = es.run_id AND rk.step = es.step AND rk.layer = es.layer;
+JOIN layer_placement lp ON lp.run_id = es.run_id AND lp.layer = es.layer;
 
 -- tokens_per_expert: the step's batch B = assignments / top_k tokens, experts touched vs
 -- the uniform-routing expectation E * (1 - (1 - k/E)^B), and per-expert tokens over all
