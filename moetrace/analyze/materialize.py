@@ -257,7 +257,7 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                     WHERE sh.run_id = ? AND sh.num_ranks IS NOT NULL
                     GROUP BY sh.run_id, b.layer, b.w, sh.top_k, sh.num_ranks
                 ), levels AS (SELECT layer, w FROM a WHERE {n} % w <> 0
-                ), tail AS (
+                ), tail AS (     -- the window of the last w steps where the tiling leaves steps out
                     SELECT layer, w, max(tokens) AS mx, sum(tokens) AS total FROM (
                         SELECT lv.layer, lv.w, x.rank, sum(x.tokens) AS tokens
                         FROM levels lv JOIN _mt_suffix x ON x.layer = lv.layer

@@ -12,6 +12,13 @@
 -- and comparing their imbalance with the whole run's mean would mix time with batch size.
 -- tokens_per_batch is tokens per merged batch (assignments / top_k; assignments when
 -- top_k is unknown, said in note).
+--
+-- Every step in some window: where the tiling leaves the last n mod w steps out, the
+-- window of the last w steps is added (imbalance_all over windows_all windows: the
+-- tiling's and that one; step_imbalance_all the one-step mean over the same steps, counted
+-- as often as they are covered). The last-w windows come from per-(layer, rank) suffix
+-- sums: bucket k = ceil(log2(n - ord)) holds the steps that are in the last 2^k but not
+-- in the last 2^(k-1), so the last 2^k steps are buckets 0..k.
 CREATE OR REPLACE VIEW skew_by_batch AS
 WITH RECURSIVE st AS (
     SELECT run_id, step, row_number() OVER (PARTITION BY run_id ORDER BY step) - 1 AS ord,
@@ -39,13 +46,43 @@ WITH RECURSIVE st AS (
                AS note
     FROM per_batch b JOIN run_shape sh USING (run_id)
     GROUP BY b.run_id, b.layer, b.w, sh.top_k, sh.num_ranks
+), nrun AS (
+    SELECT run_id, any_value(n_steps) AS n FROM st GROUP BY run_id
+), suffix AS (
+    SELECT r.run_id, r.layer, r.rank, CAST(ceil(log2(st.n_steps - st.ord)) AS BIGINT) AS k, sum(r.tokens) AS tokens
+    FROM rank_load_sparse r JOIN st ON st.run_id = r.run_id AND st.step = r.step
+    GROUP BY ALL
+), levels AS (      -- the levels whose tiling leaves steps out
+    SELECT a.run_id, a.layer, a.steps_per_batch AS w
+    FROM agg a JOIN nrun USING (run_id) WHERE nrun.n % a.steps_per_batch <> 0
+), tail AS (
+    SELECT run_id, layer, w, max(tokens) AS mx, sum(tokens) AS total FROM (
+        SELECT lv.run_id, lv.layer, lv.w, s.rank, sum(s.tokens) AS tokens
+        FROM levels lv JOIN suffix s ON s.run_id = lv.run_id AND s.layer = lv.layer
+                                    AND s.k <= CAST(round(log2(lv.w)) AS BIGINT)
+        GROUP BY ALL)
+    GROUP BY run_id, layer, w
+), tail_steps AS (
+    SELECT lv.run_id, lv.layer, lv.w, sum(ls.imbalance) AS s, count(ls.imbalance) AS c
+    FROM levels lv JOIN nrun USING (run_id)
+    JOIN st ON st.run_id = lv.run_id AND st.ord >= nrun.n - lv.w
+    JOIN layer_skew ls ON ls.run_id = st.run_id AND ls.step = st.step AND ls.layer = lv.layer
+    GROUP BY ALL
 )
-SELECT a.*, c.steps_used, c.first_step, c.last_step, c.step_imbalance_mean,
-       a.imbalance / c.step_imbalance_mean AS batch_gain
+SELECT a.run_id, a.layer, a.steps_per_batch, a.tokens_per_batch, a.imbalance, a.batches, a.note,
+       c.steps_used, c.first_step, c.last_step, c.step_imbalance_mean,
+       a.imbalance / c.step_imbalance_mean AS batch_gain,
+       (coalesce(a.imbalance * a.batches, 0) + coalesce(t.mx / (t.total / sh.num_ranks), 0))
+           / nullif(a.batches + CASE WHEN t.total > 0 THEN 1 ELSE 0 END, 0) AS imbalance_all,
+       a.batches + CASE WHEN t.total > 0 THEN 1 ELSE 0 END AS windows_all,
+       (c.s + coalesce(ts.s, 0)) / nullif(c.c + coalesce(ts.c, 0), 0) AS step_imbalance_all
 FROM agg a
+JOIN run_shape sh USING (run_id)
+LEFT JOIN tail t ON t.run_id = a.run_id AND t.layer = a.layer AND t.w = a.steps_per_batch AND t.total > 0
+LEFT JOIN tail_steps ts ON ts.run_id = a.run_id AND ts.layer = a.layer AND ts.w = a.steps_per_batch
 LEFT JOIN LATERAL (
     SELECT count(*) AS steps_used, min(st.step) AS first_step, max(st.step) AS last_step,
-           avg(ls.imbalance) AS step_imbalance_mean
+           avg(ls.imbalance) AS step_imbalance_mean, sum(ls.imbalance) AS s, count(ls.imbalance) AS c
     FROM st JOIN layer_skew ls ON ls.run_id = st.run_id AND ls.step = st.step AND ls.layer = a.layer
     WHERE st.run_id = a.run_id AND st.ord < (st.n_steps // a.steps_per_batch) * a.steps_per_batch
 ) c ON true;
