@@ -291,3 +291,27 @@ def test_tied_maxima_are_drawn_alike():
     assert plots.highlighted([1.0, 3.0, 3.0, 2.0], "max") == [1, 2]
     assert plots.highlighted([0.0, 0.0], "max") == [0, 1]
     assert plots.highlighted([1.0, 2.0], 1) == [1] and plots.highlighted([1.0], None) == []
+
+
+def test_skew_by_batch_uses_every_step_at_every_batch_size(tmp_path):
+    """12 steps: windows of 8 tile steps 0-7 only, so the window of the last 8 steps (4-11) is added;
+    imbalance_all, windows_all and step_imbalance_all by numpy over those windows."""
+    st = Store(tmp_path / "st", create=True)
+    cfg = SynthConfig(layers=2, experts=16, top_k=2, ranks=4, ranks_per_node=4, steps=12, tokens_per_step=24,
+                      sigma=0.8, seed=9, drift=0.8)
+    rid = synth(st, cfg).run_id
+    df = st.sql("SELECT step, layer, expert, tokens FROM expert_load WHERE run_id = ?", [rid])
+    x = np.zeros((cfg.steps, cfg.layers, cfg.experts))
+    x[df["step"].to_numpy(), df["layer"].to_numpy(), df["expert"].to_numpy()] = df["tokens"].to_numpy()
+    r = x.reshape(cfg.steps, cfg.layers, cfg.ranks, -1).sum(axis=3)
+    sb = st.sql("SELECT * FROM skew_by_batch WHERE run_id = ? ORDER BY layer, steps_per_batch", [rid])
+    for row in sb.iter_rows(named=True):
+        w, layer = row["steps_per_batch"], row["layer"]
+        wins = [(i * w, (i + 1) * w) for i in range(cfg.steps // w)] + ([(cfg.steps - w, cfg.steps)]
+                                                                         if cfg.steps % w else [])
+        merged = [r[a:b, layer].sum(axis=0) for a, b in wins]
+        assert row["windows_all"] == len(wins)
+        assert row["imbalance_all"] == pytest.approx(np.mean([m.max() / m.mean() for m in merged]))
+        steps = np.concatenate([np.arange(a, b) for a, b in wins])
+        one = r[steps, layer]
+        assert row["step_imbalance_all"] == pytest.approx(np.mean(one.max(axis=1) / one.mean(axis=1)))

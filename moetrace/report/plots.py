@@ -187,8 +187,10 @@ def plateau(path, series, *, title: str, xlabel: str, ylabel: str):
     top = 1.0
     for i, (label, x, merged, same, structural) in enumerate(series):
         c = colors[i % len(colors)]
-        ax.plot(x, merged, marker="o", markersize=4, color=c, label=f"{label}: merged batches")
-        ax.plot(x, same, linestyle=":", linewidth=1.2, color=c, label=f"{label}: same steps one at a time")
+        ax.plot(x, merged, marker="o", markersize=4, color=c, alpha=0.75, label=f"{label}: merged batches")
+        # on top and thicker: where it coincides with the solid line, merging changed nothing
+        ax.plot(x, same, linestyle=":", linewidth=2.2, color="black", alpha=0.6, zorder=3,
+                label="each: same steps one at a time" if i == 0 else None)
         top = max(top, float(np.nanmax(merged)), float(np.nanmax(same)))
         if structural is not None:
             ax.axhline(structural, color=c, linestyle="--", linewidth=1, alpha=0.8, label=f"{label}: structural")

@@ -32,8 +32,6 @@ class LayerBatch:
     tokens: np.ndarray            # tokens per batch
     merged: np.ndarray            # mean max/mean of the merged batches
     same_steps: np.ndarray        # mean one-step max/mean of the steps those batches cover
-    first_step: np.ndarray
-    last_step: np.ndarray
     structural: float | None      # whole-run rank totals: max/mean
     drop: float                   # 1 - merged/same_steps at the largest window (>= 0: merging helped)
     levels_off: bool              # the last doubling changed the gain by < a quarter of the total drop
@@ -75,9 +73,9 @@ class LayerBatch:
                   "; it is still falling at the largest batch the run allows.")
         if self.drifts:
             a, b, a0, a1, b0, b1 = self.halves
-            s += (f" The run drifts: steps {a0}–{a1} average {a:.3f}×, steps {b0}–{b1} {b:.3f}×; the longest "
-                  f"window covers steps {int(self.first_step[big])}–{int(self.last_step[big])} only, so compare each "
-                  "point with the same steps taken one at a time (dotted), not with the other points.")
+            s += (f" The run drifts: steps {a0}–{a1} average {a:.3f}×, steps {b0}–{b1} {b:.3f}×; a long batch merges "
+                  "steps of different popularity, so compare each point with the same steps taken one at a time "
+                  "(dotted), not with the other points.")
         return s
 
 
@@ -85,8 +83,9 @@ def batch_facts(sb: pl.DataFrame, dec: pl.DataFrame, ls: pl.DataFrame, layer: in
     d = sb.filter(pl.col("layer") == layer).sort("steps_per_batch")
     if d.height == 0:
         return None
-    merged = d["imbalance"].to_numpy().astype(float)
-    same = d["step_imbalance_mean"].to_numpy().astype(float)
+    # every full window of the tiling plus the window of the last w steps: every step is in some window
+    merged = d["imbalance_all"].to_numpy().astype(float)
+    same = d["step_imbalance_all"].to_numpy().astype(float)
     gain = merged / same
     drop = float(1 - gain[-1])
     levels = len(gain) >= 3 and drop > 0 and abs(gain[-1] - gain[-2]) < 0.25 * drop
@@ -100,15 +99,14 @@ def batch_facts(sb: pl.DataFrame, dec: pl.DataFrame, ls: pl.DataFrame, layer: in
                   int(b["step"][0]), int(b["step"][-1]))
         se = float(np.sqrt(a["imbalance"].var() / a.height + b["imbalance"].var() / b.height))
     return LayerBatch(layer=int(layer), w=d["steps_per_batch"].to_numpy(), tokens=d["tokens_per_batch"].to_numpy(),
-                      merged=merged, same_steps=same, first_step=d["first_step"].to_numpy(),
-                      last_step=d["last_step"].to_numpy(), structural=float(st[0]) if st.len() else None,
+                      merged=merged, same_steps=same, structural=float(st[0]) if st.len() else None,
                       drop=drop, levels_off=bool(levels), halves=halves, halves_se=se)
 
 
 def build(ctx: ReportContext) -> Section | None:
     rid = ctx.run_id
-    sb = ctx.sql("SELECT * FROM skew_by_batch WHERE run_id = ? AND imbalance IS NOT NULL "
-                 "AND step_imbalance_mean IS NOT NULL ORDER BY layer, steps_per_batch", [rid])
+    sb = ctx.sql("SELECT * FROM skew_by_batch WHERE run_id = ? AND imbalance_all IS NOT NULL "
+                 "AND step_imbalance_all IS NOT NULL ORDER BY layer, steps_per_batch", [rid])
     dec = ctx.sql("SELECT * FROM skew_decomposition WHERE run_id = ? ORDER BY imbalance_mean DESC", [rid])
     if sb.height == 0 or dec.height == 0:
         return None
@@ -152,9 +150,9 @@ def build(ctx: ReportContext) -> Section | None:
     term = [text.replace("**", ""), ""] + lines + [
         "", _render(dec.select("layer", "imbalance_mean", "structural_imbalance", "sampling_excess").head(8))]
     notes = ["Larger batches are emulated by summing the rank loads of consecutive steps (1, 2, 4, ... steps): "
-             "what one step with that many tokens would see under the same routing. Windows tile the run from its "
-             "first step; the last (steps mod window) steps fill no window of that size, so the largest windows "
-             "cover only the first steps (skew_by_batch.first_step..last_step)."]
+             "what one step with that many tokens would see under the same routing. Every full window of the tiling "
+             "from the first step is used, plus the window of the last w steps where the tiling leaves steps out, so "
+             "every step is in some batch at every size (skew_by_batch.imbalance_all over windows_all)."]
     figs = []
     if facts:
         path = plots.plateau(ctx.outdir / "batch_plateau.png",
@@ -172,8 +170,9 @@ def _caption(facts: list[LayerBatch]) -> str:
     falls = [f for f in facts if not f.flat and f.drop > 0]
     flat = [f for f in facts if f.flat]
     rises = [f for f in facts if not f.flat and f.drop <= 0]
-    parts = ["Solid: imbalance of merged batches; dotted: the same steps one at a time; dashed: the structural "
-             "skew (whole-run rank totals); y axis from 1.0 (perfect balance)."]
+    parts = ["Solid: imbalance of merged batches; black dotted: the same steps one at a time (where it lies on "
+             "the solid line, merging changed nothing); dashed: the structural skew (whole-run rank totals); y axis "
+             "from 1.0 (perfect balance)."]
     if flat and not falls:
         parts.append("Merging steps does not lower the imbalance here (less than "
                      f"{100 * FLAT:.1f}% at every batch size): it is structural, and only placement fixes it.")
