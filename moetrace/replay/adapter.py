@@ -604,7 +604,9 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
     mode = _recorded_mode(store, run_id, shape)
     fn = _replay_fn(store, run_id, shape, opts.split, mode)
     timing = shape.timing(opts.passes)
-    chunk = opts.chunk_steps
+    # a chunk's [steps, layers, ranks] arrays exist twice (the plan and the recorded baseline): half
+    # the chunk of a single replay keeps the peak memory where one replay had it
+    chunk = max(1, opts.chunk_steps // (1 if is_rec else 2))
     if shape.has_routing:   # per-token rows are k x tokens per (step, layer): keep chunks near 4 M rows
         n = store.sql("SELECT count(*) AS n FROM routing WHERE run_id = ?", [run_id])["n"][0]
         chunk = max(1, min(chunk, int(4_000_000 * shape.steps.size // max(int(n), 1))))
