@@ -5,10 +5,10 @@ needs ``step, layer, token, expert`` (optional ``choice, src_rank, slot, gate``;
 ``choice`` the order of a token's rows gives it). Routing is also aggregated into
 expert_load so every metric works on it. Each file is one run.
 
-expert_load files stream (docs/scale.md): Parquet is read in row batches of
-:data:`BATCH_ROWS`, CSV and JSONL are read whole and then cut into the same batches. A
-first pass checks every batch (integer columns, nulls, negative values, ids inside the
-shape given) and notes the shape; the rows are written in a second pass over the file,
+expert_load files stream (docs/scale.md): Parquet and JSONL are read in batches of
+:data:`BATCH_ROWS` rows, CSV in 8 MiB blocks (pyarrow's streaming reader). A first pass
+checks every batch (integer columns, nulls, negative values, ids inside the shape given
+and the contract's int32) and notes the shape; the rows are written in a second pass over the file,
 batch by batch, so memory does not grow with the file. A file whose rows are complete
 (step, layer) groups of experts 0..E-1 in order (no slot, no source rank) is stored in the
 dense layout (``expert_counts``, one row per step and layer); any other file as long
@@ -59,25 +59,9 @@ def _sniff(path: Path, head: bytes) -> bool:
     return _kind_of(path, head) is not None
 
 
-def _read(path: Path) -> pl.DataFrame:
-    name = path.name.lower()
-    try:
-        if name.endswith(".parquet"):
-            return pl.read_parquet(path)
-        if name.endswith((".jsonl", ".ndjson")):
-            return _read_jsonl(path)
-        return pl.read_csv(path, infer_schema_length=10000)
-    except InputError:
-        raise
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # polars/arrow parse errors; polars panics on some corrupt Parquet
-        # (pyo3 PanicException derives from BaseException, not Exception)
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(path, f"cannot parse: {msg}") from None
-
-
-def _read_jsonl(path: Path) -> pl.DataFrame:
+def _jsonl_batches(path: Path, batch_rows: int | None = None) -> Iterator[pl.DataFrame]:
+    """The JSON objects of a JSONL file, :data:`BATCH_ROWS` lines at a time."""
+    batch_rows = batch_rows or BATCH_ROWS
     rows = []
     with open(path, encoding="utf-8", errors="strict") as f:
         for i, line in enumerate(f, 1):
@@ -94,8 +78,14 @@ def _read_jsonl(path: Path) -> pl.DataFrame:
                 if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
                     raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
             rows.append(obj)
-    if not rows:
-        raise InputError(path, "file holds no rows")
+            if len(rows) >= batch_rows:
+                yield _json_frame(path, rows)
+                rows = []
+    if rows:
+        yield _json_frame(path, rows)
+
+
+def _json_frame(path: Path, rows: list[dict]) -> pl.DataFrame:
     try:
         return pl.DataFrame(rows, infer_schema_length=None)
     except Exception as e:
@@ -132,8 +122,9 @@ def _parse_error(path: Path, e: BaseException) -> InputError:
 
 
 def _frames(path: Path) -> Iterator[pl.DataFrame]:
-    """The file's rows in batches of at most :data:`BATCH_ROWS`: Parquet streamed by
-    row batches, CSV and JSONL read whole and cut."""
+    """The file's rows in batches: Parquet by row batches of :data:`BATCH_ROWS`, JSONL by
+    as many lines, CSV by 8 MiB blocks (pyarrow's streaming reader; column types from the
+    first block)."""
     if path.name.lower().endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -155,9 +146,28 @@ def _frames(path: Path) -> Iterator[pl.DataFrame]:
             if b.num_rows:
                 yield pl.from_arrow(b)
         return
-    df = _read(path)
-    for off in range(0, df.height, BATCH_ROWS):
-        yield df.slice(off, BATCH_ROWS)
+    if path.name.lower().endswith((".jsonl", ".ndjson")):
+        it = _jsonl_batches(path)
+    else:
+        import pyarrow.csv as pacsv
+
+        def csv_batches():
+            reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=8 << 20, use_threads=False),
+                                    convert_options=pacsv.ConvertOptions(null_values=[""]))  # "NaN" is a value
+            for b in reader:
+                yield pl.from_arrow(b)
+        it = csv_batches()
+    while True:
+        try:
+            df = next(it)
+        except StopIteration:
+            return
+        except (InputError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise _parse_error(path, e) from None
+        if df.height:
+            yield df
 
 
 def _columns(df: pl.DataFrame, path: Path, req: list[str], opt: list[str], offset: int = 0) -> pl.DataFrame:
