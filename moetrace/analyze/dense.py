@@ -79,8 +79,9 @@ class Densifier:
     a (step, layer) may straddle two chunks. :meth:`feed` raises :class:`NotDense` on the
     first chunk that breaks this (the caller keeps the long rows instead)."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, build: bool = True):
         self.E = int(num_experts)
+        self.build = build                  # False: check the order only, return nothing
         self._carry: pa.Table | None = None
         self._last_key: int | None = None
 
@@ -106,6 +107,8 @@ class Densifier:
         if (np.diff(key) <= 0).any() or (self._last_key is not None and key[0] <= self._last_key):
             raise NotDense("(step, layer) groups are not in increasing order")
         self._last_key = int(key[-1])
+        if not self.build:
+            return None
         return dense_table(step[:, 0], layer[:, 0], body.column("tokens").to_numpy().reshape(-1, E))
 
     def finish(self) -> None:

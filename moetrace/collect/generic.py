@@ -284,7 +284,7 @@ def _collect_load(path: Path, cols: set, options: dict) -> RunData:
                     brk = (st != st[0]) | (la != la[0])
                     if not brk.any():
                         raise _NotDense()
-                    densifier = _dense().Densifier(int(brk.argmax()))
+                    densifier = _dense().Densifier(int(brk.argmax()), build=False)
                 densifier.feed(_load_arrow(b))
             except (_NotDense, _dense().NotDense):
                 dens = None
