@@ -399,6 +399,36 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
                              fit={"terms": list(terms), "points": int(tok.size)}, fixed_ns=fixed, latency_ns=lat)
 
 
+#: the terms the fidelity matrix (benchmarks/bench_fidelity.py) keeps: see docs/calibration.md
+LAYER_TERMS = ("tokens", "slot", "latency", "fixed")
+
+
+def fit_from_cell_times(store, run_id: str, base: costmod.CostModel | None = None) -> costmod.CostModel | None:
+    """The cost model fitted (:func:`fit_layer_model`, :data:`LAYER_TERMS`) on a run's
+    measured ``cell_times`` (refrun --repeats medians) against its recorded routing /
+    load; None when the run has no cell_times."""
+    if not store.has_files("cell_times") or store.sql(
+            "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [run_id])["n"][0] == 0:
+        return None
+    from types import SimpleNamespace
+
+    c = observe(store, run_id)
+    ranks = np.unique(c.rank)
+    P = c.size // ranks.size
+    grid = lambda v: np.asarray(v, np.float64).reshape(P, 1, ranks.size)  # noqa: E731  (pair-major, rank-minor)
+    lay = store.sql("SELECT step, layer, any_value(layer_ns)::DOUBLE AS ns FROM cell_times WHERE run_id = ? "
+                    "GROUP BY ALL", [run_id])
+    ln = {(int(s_), int(la)): v for s_, la, v in lay.iter_rows()}
+    pairs = np.stack([c.step, c.layer], axis=1)[::ranks.size]
+    layer_ns = np.array([[ln[(int(s_), int(la))]] for s_, la in pairs])
+    blk = SimpleNamespace(tokens=grid(c.tokens), touched=grid(c.touched), bytes_intra=grid(c.bytes_intra),
+                          bytes_inter=grid(c.bytes_inter))
+    m = fit_layer_model(blk, grid(c.expert_ns), layer_ns, LAYER_TERMS, base, run_id)
+    m.source = (f"fitted on run {run_id}'s measured cell_times ({', '.join(LAYER_TERMS)}; medians of timed passes); "
+                f"bandwidths from {(base.source if base else 'preset H200').split(':')[0]}")
+    return m
+
+
 # ----------------------------------------------------------------------------- judge
 def straggler_flags(step, layer, measured, predicted):
     """Per cell: is it the measured straggler of its (step, layer) (the argmax, lowest rank
