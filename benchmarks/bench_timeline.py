@@ -10,8 +10,8 @@ steps of the slowest rank's step) and A's.
 
 At full size it also measures the wait attribution on a known cause: a control run and a
 run with rank 1 held ``DELAY_US`` per layer (``--delay-rank 1 --delay-us``); the delay
-recovered = mean per-(step, layer) ``layer_waits.net_ns`` of rank 1, delayed minus control,
-printed with its standard error.
+recovered = median per-(step, layer) ``layer_waits.net_ns`` of rank 1, delayed minus control,
+printed with its standard error (1.2533 x that of the difference of means).
 
     python benchmarks/bench_timeline.py --size small   # CI: 2 ranks, 3 steps
     python benchmarks/bench_timeline.py --size full    # 2 ranks, 4 layers, 8 steps, 256 tokens per rank; + delay
@@ -89,8 +89,8 @@ def _delay(st, tmp, cfg) -> list[dict]:
         if rank >= 0:
             culprit = wait_result(st, rid).top_culprit()["rank"]
     a, c = nets["late"], nets["ctrl"]
-    diff = a.mean() - c.mean()
-    se = float(np.sqrt(a.var(ddof=1) / a.size + c.var(ddof=1) / c.size))
+    diff = float(np.median(a) - np.median(c))
+    se = 1.2533 * float(np.sqrt(a.var(ddof=1) / a.size + c.var(ddof=1) / c.size))
     return [result("timeline", "injected delay recovered", diff / 1e6, "ms", "injected", DELAY_US / 1e3,
                    notes=f"standard error {se / 1e6:.3f} ms over {a.size} (step, layer) cells; top culprit rank "
                          f"{culprit} (injected on rank 1)")]

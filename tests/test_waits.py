@@ -7,6 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moetrace.analyze.waits import wait_result
@@ -171,9 +172,11 @@ def test_no_collectives_says_so(tmp_path, runner, cli):
 @pytest.mark.slow
 def test_injected_delay_is_attributed_to_its_rank_and_recovered(tmp_path):
     """refrun with rank 1 held DELAY µs before every layer's dispatch, and a control run
-    without it (same seed, same traffic). The attribution must name rank 1, and the mean
-    per-(step, layer) net wait charged to it, minus the control's, must recover DELAY
-    within 3 standard errors of that difference (the noise measured in the two runs)."""
+    without it (same seed, same traffic). The attribution must name rank 1, and the median
+    per-(step, layer) net wait charged to it, minus the control's, must recover DELAY within
+    3 standard errors of that difference (the noise measured in the two runs; medians: a
+    rank descheduled for many ms on a loaded machine is an outlier, not a shift), floor 10%
+    of DELAY (how late a sleeping process is woken on a loaded 2-core machine: assumed)."""
     pytest.importorskip("torch", reason="the reference run needs PyTorch")
     from moetrace.collect import ingest as ingest_paths
     from moetrace.produce.refrun import RefRunConfig, run
@@ -194,7 +197,7 @@ def test_injected_delay_is_attributed_to_its_rank_and_recovered(tmp_path):
         nets[name] = st.sql("""SELECT net_ns FROM layer_waits WHERE run_id = ? AND rank = 1 AND step IS NOT NULL
                                AND layer IS NOT NULL""", [rid])["net_ns"].to_numpy().astype(float)
         assert nets[name].size == 12                      # 6 steps x 2 layers
-    diff = nets["late"].mean() - nets["ctrl"].mean()
-    se = (nets["late"].var(ddof=1) / nets["late"].size + nets["ctrl"].var(ddof=1) / nets["ctrl"].size) ** 0.5
-    # (floor: 0.1 ms, the OS scheduling granularity, for a quiet machine where se is tiny)
-    assert abs(diff - delay_us * 1000) <= max(3 * se, 100_000), (diff, se)
+    diff = float(np.median(nets["late"]) - np.median(nets["ctrl"]))
+    # standard error of a median ~ 1.2533 x that of the mean (normal noise)
+    se = 1.2533 * (nets["late"].var(ddof=1) / nets["late"].size + nets["ctrl"].var(ddof=1) / nets["ctrl"].size) ** 0.5
+    assert abs(diff - delay_us * 1000) <= max(3 * se, 0.1 * delay_us * 1000), (diff, se)
