@@ -267,7 +267,7 @@ def check_npy_headers(path: str | os.PathLike) -> None:
         except Exception as e:  # noqa: BLE001 - any malformed header
             raise InputError(path, f"{what}: malformed .npy header ({excerpt(str(e), 80)})") from None
         if dtype.hasobject:
-            raise InputError(path, f"{what}: object arrays (pickles) are refused; moetrace loads .npy with "
+            raise InputError(path, f"cannot read {what}: object arrays (pickles) are refused; moetrace loads .npy with "
                                    "allow_pickle=False")
         check_array_elements(path, shape, what)
         return np.dtype(dtype).itemsize * int(np.prod(shape, dtype=object))

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..safety import check_regular_file, check_zip_members
 
 INSTALL_HINT = ("reading .pt dumps needs PyTorch; install the CPU build with "
                 "`pip install 'moetrace[torch]'` (or `pip install torch --index-url "
@@ -38,7 +39,11 @@ def looks_like_pt(head: bytes) -> bool:
 def load_pt(path: str | Path):
     """``torch.load(path, weights_only=True, map_location='cpu')`` with clear errors."""
     path = Path(path)
+    check_regular_file(path)
     torch = import_torch(path)
+    with open(path, "rb") as f:
+        if f.read(4) == PT_MAGIC:
+            check_zip_members(path)  # declared sizes within max_inflate_ratio / max_inflated_bytes
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # UnpicklingError, RuntimeError (truncated zip), EOFError, ...

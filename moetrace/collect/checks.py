@@ -29,13 +29,65 @@ def _check_range(rd, table: str, tbl: pa.Table, column: str, upper: int | None) 
                              f"row {i + 1}")
 
 
+def _check_count(rd, table: str, tbl: pa.Table, column: str) -> None:
+    if column not in tbl.column_names or tbl.num_rows == 0:
+        return
+    arr = tbl.column(column)
+    mx = pc.max(arr).as_py()
+    if mx is not None and mx > MAX_COUNT:
+        i = _first_bad(pc.fill_null(pc.greater(arr, MAX_COUNT), False))
+        raise InputError(_file(rd), f"{table}.{column} = {arr[i].as_py()} is beyond the largest count moetrace accepts "
+                                    f"(2^40 = {MAX_COUNT}; sums must stay exact)", f"row {i + 1}")
+
+
 def _file(rd) -> str:
     return ", ".join(rd.files) if rd.files else rd.run.get("source", "<input>")
+
+
+#: Largest token count of one row (2^40, about 1.1e12): sums over up to 2^13 rows stay
+#: below 2^53, exact in float64 and far from int64 overflow in skew and replay.
+MAX_COUNT = 2**40
+#: shape values (runs columns and the matching ingest options) and their physical range
+_SHAPE = {"num_layers": "--layers", "num_experts": "--experts", "top_k": "--top-k", "num_ranks": "--ranks",
+          "ranks_per_node": "--ranks-per-node", "num_slots": "num_slots", "num_groups": "num_groups",
+          "dp_size": "--dp-size"}
+_SHAPE_MAX = 1 << 24
+
+
+def check_shape(values: dict, file=None, source: str = "option") -> None:
+    """Shape values must be whole numbers in 1..2^24 and consistent (top_k <= experts,
+    ranks_per_node <= ranks, ranks <= slots); else one line naming the value."""
+    got = {}
+    for k, flag in _SHAPE.items():
+        v = values.get(k)
+        if v is None or v is False:
+            continue
+        name = flag if source == "option" else k
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise InputError(file, f"{name} = {v!r} is not a whole number")
+        try:
+            n = int(v)
+            if isinstance(v, float) and v != n:
+                raise ValueError
+        except (TypeError, ValueError, OverflowError):
+            raise InputError(file, f"{name} = {str(v)[:30]!r} is not a whole number") from None
+        if not 1 <= n <= _SHAPE_MAX:
+            raise InputError(file, f"{name} = {n} is out of range (1..{_SHAPE_MAX})")
+        got[k] = n
+    E, k_, R, rpn, P = (got.get(x) for x in ("num_experts", "top_k", "num_ranks", "ranks_per_node", "num_slots"))
+    if E and k_ and k_ > E:
+        raise InputError(file, f"top_k = {k_} is larger than the {E} experts (a token picks distinct experts)")
+    if R and rpn and rpn > R:
+        raise InputError(file, f"ranks_per_node = {rpn} is larger than the {R} ranks")
+    if P and E and P < E:
+        raise InputError(file, f"num_slots = {P} is smaller than the {E} experts (every expert needs a slot)")
 
 
 def validate_run(rd, options: dict):
     """Conform every table of ``rd`` (non-streamed ones) and check ids and counts."""
     run = rd.run
+    check_shape(options, _file(rd), "option")
+    check_shape(run, _file(rd), "run")
     conformed = {}
     for name, data in rd.tables.items():
         if isinstance(data, (pa.Table, dict)) or hasattr(data, "to_arrow"):
@@ -64,6 +116,10 @@ def validate_run(rd, options: dict):
     t = rd.tables.get("expert_load")
     if isinstance(t, pa.Table):
         _check_range(rd, "expert_load", t, "tokens", None)
+        _check_count(rd, "expert_load", t, "tokens")
+    t = rd.tables.get("steps")
+    if isinstance(t, pa.Table):
+        _check_count(rd, "steps", t, "num_tokens")
     t = rd.tables.get("placement")
     if isinstance(t, pa.Table):
         _check_range(rd, "placement", t, "expert", E)

@@ -31,6 +31,7 @@ import pyarrow as pa
 from ..errors import InputError
 from ..store import sha256_files
 from . import Collector, RunData, register
+from ..safety import check_regular_file
 from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 
 # SGLang ForwardMode (python/sglang/srt/model_executor/forward_batch_info.py), IntEnum with
@@ -124,6 +125,8 @@ def _stat_run(path: Path, options: dict) -> RunData:
         approx.append("aggregate logical_count over the recording: one pseudo-step (step 0)")
     if lc.ndim != 3:
         raise InputError(path, f"logical_count: expected [buffer, layers, experts], got shape {tuple(lc.shape)}")
+    if 0 in lc.shape:
+        raise InputError(path, f"logical_count has shape {list(lc.shape)}: no layers or experts (nothing recorded)")
     filled = lc.reshape(lc.shape[0], -1).sum(axis=1) > 0
     if not filled.any():
         raise InputError(path, "logical_count holds only zeros (nothing was recorded)")
@@ -153,10 +156,15 @@ def _stat_run(path: Path, options: dict) -> RunData:
 
 # ----------------------------------------------------------------------------- JSON
 def _json_run(path: Path, options: dict) -> RunData:
+    check_regular_file(path)
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise InputError(path, "not UTF-8 text") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise InputError(path, "JSON nested too deeply to parse (a crafted or corrupt file)") from None
     except ValueError as e:
         raise InputError(path, f"invalid JSON: {e.msg}", f"line {e.lineno} column {e.colno}") from None
     if not isinstance(obj, dict) or "logical_count" not in obj:
@@ -168,6 +176,8 @@ def _json_run(path: Path, options: dict) -> RunData:
     if lc.dtype == object or lc.ndim not in (2, 3):
         raise InputError(path, "logical_count must be a rectangular [layers][experts] or [N][layers][experts] "
                                "array of integers")
+    if 0 in lc.shape:
+        raise InputError(path, f"logical_count has shape {list(lc.shape)}: no layers or experts (nothing recorded)")
     lc = _check_counts(lc, path, "logical_count")
     approx = []
     if lc.ndim == 2:

@@ -29,6 +29,7 @@ import pyarrow as pa
 from ..errors import InputError
 from ..store import sha256_files
 from . import Collector, RunData, register
+from ..safety import check_npy_headers, check_regular_file
 from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 
 KEYS = ("expert_load_pass", "expert_load_window")
@@ -52,6 +53,9 @@ def initial_map(num_layers: int, num_slots: int, num_experts: int) -> np.ndarray
 
 def _read(path: Path) -> dict:
     name = path.name.lower()
+    if name.endswith((".npy", ".npz")):
+        check_regular_file(path)
+        check_npy_headers(path)  # shapes and dtypes checked before numpy allocates anything
     if name.endswith(".npy"):
         try:
             arr = np.load(path, allow_pickle=False)
@@ -83,11 +87,17 @@ def _one(path: Path, options: dict) -> RunData:
     if "expert_load_window" in d:
         win = _counts(d["expert_load_window"], path, "expert_load_window", 3)
         W = win.shape[0]
+        if 0 in win.shape:
+            raise InputError(path, f"expert_load_window has shape {list(win.shape)}: nothing recorded")
         step_done = d.get("expert_load_window_step")
         if step_done is not None:
             # EplbState.expert_load_window_step is the next write position in the ring: the
             # oldest row once it has wrapped; rows before it are unfilled (zero) until then
-            start = int(to_numpy(step_done, path, "expert_load_window_step").reshape(-1)[0]) % W
+            sd = to_numpy(step_done, path, "expert_load_window_step").reshape(-1)
+            if sd.size != 1 or sd.dtype.kind not in "iu" or not 0 <= int(sd[0]) < 2**62:
+                raise InputError(path, f"expert_load_window_step must be one non-negative integer, got "
+                                       f"{sd.size} value(s) of dtype {sd.dtype}")
+            start = int(sd[0]) % W
             win = np.concatenate([win[start:], win[:start]])
             meta["window_rotated_by"] = start
             filled = win.reshape(W, -1).sum(axis=1) > 0
@@ -107,6 +117,8 @@ def _one(path: Path, options: dict) -> RunData:
             approx.append("expert_load_pass ignored: the window holds the recorded passes")
     else:
         data = _counts(d["expert_load_pass"], path, "expert_load_pass", 2)[None]
+        if 0 in data.shape:
+            raise InputError(path, f"expert_load_pass has shape {list(data.shape[1:])}: nothing recorded")
         meta["table"] = "pass"
         approx.append("a single expert_load_pass: one step (step 0)")
     _, L, P = data.shape
