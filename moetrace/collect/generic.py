@@ -27,6 +27,7 @@ import polars as pl
 import pyarrow as pa
 
 from ..errors import InputError
+from .checks import MAX_COUNT
 from ..store import sha256_files
 from ..streams import Rereadable
 from . import Collector, RunData, head, register
@@ -198,6 +199,8 @@ def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shap
             i = int((col < 0).fill_null(False).arg_max())
             raise InputError(path, f"expert_load.{c} = {col[i]} is negative", f"row {offset + i + 1}")
         upper = shape.get(c)
+        if c == "tokens":  # counts bounded so sums stay exact (checks.MAX_COUNT, #12)
+            upper = MAX_COUNT + 1
         if c in ("layer", "expert", "slot", "src_rank"):   # int32 in the contract (schemas/expert_load.json)
             upper = min(upper, 2 ** 31) if upper is not None else 2 ** 31
         mx = col.max()
@@ -205,6 +208,8 @@ def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shap
             i = int((col >= upper).fill_null(False).arg_max())
             what = "does not fit the contract's int32" if upper == 2 ** 31 else \
                 f"is outside the run's shape (0..{upper - 1})"
+            if c == "tokens":
+                what = f"is beyond the largest count moetrace accepts (2^40 = {MAX_COUNT}; sums must stay exact)"
             raise InputError(path, f"expert_load.{c} = {col[i]} {what}", f"row {offset + i + 1}")
     return df.select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
 
