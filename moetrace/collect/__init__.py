@@ -155,6 +155,9 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
 
     options = dict(options or {})
     set_overrides(options)  # --set max_*=N raises a resource limit (safety.LIMITS)
+    from .checks import check_shape
+
+    check_shape(options)  # --ranks -4, --top-k 0, ...: refused before any collector uses them
     entries = _expand(paths)
     files = [f for f, _ in entries]
     groups: dict[str, list[Path]] = {}
