@@ -108,7 +108,8 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
     """
     from ..collect import ingest as ingest_files
 
-    options = {k: v for k, v in opts.items() if v not in (None, False)}
+    # `is`, not `in`: 0 == False, and --ranks 0 must reach the range check, not vanish (#12)
+    options = {k: v for k, v in opts.items() if v is not None and v is not False}
     options.update(extra)
 
     def said_skipped(paths):
