@@ -587,3 +587,112 @@ def test_kineto_gzip_bomb_and_long_names_hit_limits(runner, cli, store, tmp_path
     assert tree_hash(store) == before
     res = _cli(runner, cli, "ingest", g, "--store", store)  # under the default limit it ingests
     assert res.exit_code == 0, res.output
+
+
+# ----------------------------------------------------------------------------- dumps: bombs, headers, empty arrays
+def _npy_header_only(shape, descr="<i8") -> bytes:
+    import io
+
+    from numpy.lib import format as npf
+
+    buf = io.BytesIO()
+    npf.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def test_npz_declaring_a_huge_array_is_refused_before_allocation(runner, cli, store, tmp_path):
+    import zipfile
+
+    f = tmp_path / "eplb.npz"
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("expert_load_pass.npy", _npy_header_only((100_000, 100_000)))  # 74.5 GiB of int64
+    assert f.stat().st_size < 400
+    before = tree_hash(store)
+    t0 = time.monotonic()
+    msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store, "--format", "vllm"), 2, str(f),
+                         "max_array_elements")
+    assert "10000000000 elements" in msg and time.monotonic() - t0 < 20
+    g = tmp_path / "expert_load_pass.npy"
+    g.write_bytes(_npy_header_only((100_000, 100_000)))
+    one_line_error(_cli(runner, cli, "ingest", g, "--store", store), 2, str(g), "max_array_elements")
+    assert tree_hash(store) == before
+
+
+def test_npz_with_an_empty_step_array_or_empty_load(runner, cli, store, tmp_path):
+    before = tree_hash(store)
+    f = tmp_path / "a.npz"
+    np.savez(f, expert_load_window=np.ones((4, 2, 8), np.int64), expert_load_window_step=np.array([], np.int64))
+    one_line_error(_cli(runner, cli, "ingest", f, "--store", store, "--format", "vllm"), 2, str(f),
+                   "expert_load_window_step")
+    g = tmp_path / "b.npz"
+    np.savez(g, expert_load_window=np.ones((0, 2, 8), np.int64), expert_load_window_step=np.array([1], np.int64))
+    one_line_error(_cli(runner, cli, "ingest", g, "--store", store, "--format", "vllm"), 2, str(g), "nothing recorded")
+    h = tmp_path / "c.npz"
+    np.savez(h, expert_load_pass=np.ones((2, 0), np.int64))
+    one_line_error(_cli(runner, cli, "ingest", h, "--store", store, "--format", "vllm"), 2, str(h), "nothing recorded")
+    assert tree_hash(store) == before
+
+
+def test_pt_zip_bomb_is_refused_before_torch_reads_it(runner, cli, store, tmp_path):
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "ok.pt"
+    torch.save({"expert_load_pass": torch.ones((2, 8), dtype=torch.int64)}, src)
+    f = tmp_path / "expert_load_pass.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(f, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, zin.read(info))
+        prefix = zin.infolist()[0].filename.split("/")[0]
+        zout.writestr(zipfile.ZipInfo(f"{prefix}/data/99"), bytes(64 << 20), compress_type=zipfile.ZIP_DEFLATED)
+    assert (64 << 20) / f.stat().st_size > 200
+    before = tree_hash(store)
+    msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store, "--format", "vllm"), 2, str(f),
+                         "max_inflate_ratio")
+    assert "inflates to more than" in msg
+    assert tree_hash(store) == before
+
+
+def test_sglang_empty_or_deep_logical_count(runner, cli, store, tmp_path):
+    before = tree_hash(store)
+    for name, text, words in (("empty", '{"logical_count": [[]]}', "no layers or experts"),
+                              ("empty3", '{"logical_count": [[[]]]}', "no layers or experts"),
+                              ("deep", '{"logical_count": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply")):
+        f = tmp_path / f"counts {name}.json"
+        f.write_text(text)
+        msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store, "--format", "sglang"), 2, str(f))
+        assert words in msg
+    assert tree_hash(store) == before
+
+
+# ----------------------------------------------------------------------------- values out of physical range
+@pytest.mark.parametrize("args,words", [
+    (["--ranks", "-4"], "--ranks = -4"),
+    (["--ranks", "0"], "--ranks = 0"),
+    (["--ranks-per-node", "-1"], "--ranks-per-node = -1"),
+    (["--set", "num_slots=-3"], "num_slots = -3"),
+    (["--top-k", "9", "--experts", "4"], "top_k = 9 is larger than the 4 experts"),
+    (["--top-k", "0"], "--top-k = 0"),
+    (["--ranks", "4", "--ranks-per-node", "8"], "ranks_per_node = 8 is larger than the 4 ranks"),
+    (["--set", "num_ranks=abc"], "not a whole number"),
+])
+def test_shape_values_out_of_range_are_refused_at_ingest(runner, cli, store, tmp_path, args, words):
+    f = tmp_path / "load.csv"
+    f.write_text(_csv_text(experts=4))
+    before = tree_hash(store)
+    msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store, *args), 2)  # an option: no file named
+    assert words in msg and "<input>" not in msg
+    assert tree_hash(store) == before
+
+
+def test_counts_that_would_overflow_later_are_refused(runner, cli, store, tmp_path):
+    f = tmp_path / "load.csv"
+    f.write_text("step,layer,expert,tokens\n0,0,0,5\n0,0,1,4611686018427387904\n")  # 2^62
+    before = tree_hash(store)
+    msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store), 2, str(f), "row 2")
+    assert "2^40" in msg and "4611686018427387904" in msg
+    g = tmp_path / "ok.csv"
+    g.write_text(f"step,layer,expert,tokens\n0,0,0,5\n0,0,1,{2 ** 40}\n")  # the limit itself is accepted
+    assert _cli(runner, cli, "ingest", g, "--store", store).exit_code == 0
+    got = Store(store).sql("SELECT sum(tokens) AS t FROM expert_load WHERE run_id = 'ok'")["t"][0]
+    assert got == 2 ** 40 + 5

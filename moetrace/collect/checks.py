@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import schema
-from ..errors import InputError
+from ..errors import InputError, UsageError
 
 
 def _first_bad(mask: pa.ChunkedArray) -> int:
@@ -54,6 +54,11 @@ _SHAPE = {"num_layers": "--layers", "num_experts": "--experts", "top_k": "--top-
 _SHAPE_MAX = 1 << 24
 
 
+def _err(file, msg: str):
+    """An InputError naming the file, or a UsageError for an option (no file)."""
+    return InputError(file, msg) if file is not None else UsageError(msg)
+
+
 def check_shape(values: dict, file=None, source: str = "option") -> None:
     """Shape values must be whole numbers in 1..2^24 and consistent (top_k <= experts,
     ranks_per_node <= ranks, ranks <= slots); else one line naming the value."""
@@ -64,23 +69,23 @@ def check_shape(values: dict, file=None, source: str = "option") -> None:
             continue
         name = flag if source == "option" else k
         if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise InputError(file, f"{name} = {v!r} is not a whole number")
+            raise _err(file, f"{name} = {v!r} is not a whole number")
         try:
             n = int(v)
             if isinstance(v, float) and v != n:
                 raise ValueError
         except (TypeError, ValueError, OverflowError):
-            raise InputError(file, f"{name} = {str(v)[:30]!r} is not a whole number") from None
+            raise _err(file, f"{name} = {str(v)[:30]!r} is not a whole number") from None
         if not 1 <= n <= _SHAPE_MAX:
-            raise InputError(file, f"{name} = {n} is out of range (1..{_SHAPE_MAX})")
+            raise _err(file, f"{name} = {n} is out of range (1..{_SHAPE_MAX})")
         got[k] = n
     E, k_, R, rpn, P = (got.get(x) for x in ("num_experts", "top_k", "num_ranks", "ranks_per_node", "num_slots"))
     if E and k_ and k_ > E:
-        raise InputError(file, f"top_k = {k_} is larger than the {E} experts (a token picks distinct experts)")
+        raise _err(file, f"top_k = {k_} is larger than the {E} experts (a token picks distinct experts)")
     if R and rpn and rpn > R:
-        raise InputError(file, f"ranks_per_node = {rpn} is larger than the {R} ranks")
+        raise _err(file, f"ranks_per_node = {rpn} is larger than the {R} ranks")
     if P and E and P < E:
-        raise InputError(file, f"num_slots = {P} is smaller than the {E} experts (every expert needs a slot)")
+        raise _err(file, f"num_slots = {P} is smaller than the {E} experts (every expert needs a slot)")
 
 
 def validate_run(rd, options: dict):
