@@ -15,6 +15,7 @@ The truth (p0 and the popularity at the last step) goes into ``true_popularity``
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,8 +60,10 @@ class SynthConfig:
             bad("experts", f"{self.experts} experts do not divide evenly over {self.ranks} ranks")
         if self.ranks % self.ranks_per_node:
             bad("ranks_per_node", f"{self.ranks} ranks are not a multiple of {self.ranks_per_node}")
-        if self.sigma < 0:
-            bad("sigma", "must be >= 0")
+        if not math.isfinite(self.sigma) or self.sigma < 0:  # nan would store a NaN truth (#12)
+            bad("sigma", f"must be a finite number >= 0, got {self.sigma}")
+        if not 0 <= self.seed < 2**63:
+            bad("seed", f"must be within 0..2^63-1, got {self.seed}")
         if not 0 <= self.drift <= 1:
             bad("drift", "must be within [0, 1]")
         if not 0 <= self.dummy_share < 1:
