@@ -66,6 +66,7 @@ def synth(store, run_id, **kw):
     from ..produce.synth import SynthConfig, synth as run_synth
 
     cfg = SynthConfig(**kw)
+    cfg.validate()  # bad options leave no store behind (#12)
     res = run_synth(open_store(store, create=True), cfg, run_id=run_id)
     if res.skipped:
         click.echo(f"{res.message}; nothing written")
