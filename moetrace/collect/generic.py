@@ -349,6 +349,13 @@ class _NotDense(Exception):
     pass
 
 
+def _shown_columns(names) -> str:
+    """The header, only when it looks like one: a secret file's first line is never echoed (#12)."""
+    from ..safety import plausible_header
+
+    return ', '.join(names) if plausible_header(names) else 'a first line that is not a CSV header, not shown'
+
+
 def _dense():
     from ..analyze import dense
     return dense
@@ -401,7 +408,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
             miss_l = [c for c in LOAD_REQ if c not in cols]
             miss_r = [c for c in ROUTE_REQ if c not in cols]
             raise InputError(path, f"missing columns: expert_load needs {', '.join(miss_l)}; "
-                                   f"routing needs {', '.join(miss_r)} (found: {', '.join(df.columns)})")
+                                   f"routing needs {', '.join(miss_r)} (found: {_shown_columns(df.columns)})")
         df = _columns(df, path, req, opt)
         approx = []
         if "choice" not in cols:
