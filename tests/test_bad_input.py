@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from moetrace.collect import Collector, RunData, register, registry
 from moetrace.store import Store
 
-from .conftest import tree_hash
+from .conftest import REPO, tree_hash
 
 HYP = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -520,7 +520,22 @@ def test_read_only_store_refuses_cleanly_and_stays_unchanged():
                 os.chmod(os.path.join(dirpath, n), 0o444)
         os.chmod(src, 0o644)
         before = tree_hash(store_path)
-        env = {**os.environ, "HOME": str(base), "PYTHONDONTWRITEBYTECODE": "1"}
+        # the package and its contract, copied where uid 65534 can read them: the test must not
+        # depend on where the clone lives (a mktemp -d checkout is 0700)
+        pkg = base / "pkg"
+        shutil.copytree(REPO / "moetrace", pkg / "moetrace", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "schemas", pkg / "schemas")
+        for dirpath, dirnames, filenames in os.walk(pkg):
+            os.chmod(dirpath, 0o755)
+            for n in filenames:
+                os.chmod(os.path.join(dirpath, n), 0o644)
+        env = {**os.environ, "HOME": str(base), "PYTHONDONTWRITEBYTECODE": "1",
+               "PYTHONPATH": str(pkg) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        probe = _as_unprivileged([sys.executable, "-c", "import moetrace.cli, duckdb, polars"], env=env,
+                                 cwd=str(base), timeout=120)
+        if probe.returncode != 0:
+            pytest.skip("uid 65534 cannot run this interpreter or import its dependencies (the virtual "
+                        f"environment is not readable by that user): {probe.stderr.strip().splitlines()[-1:]}")
         res = _as_unprivileged([sys.executable, "-m", "moetrace", "ingest", str(src), "--store", str(store_path)],
                                env=env, cwd=str(base), timeout=120)
         assert res.returncode == 2, res.stdout + res.stderr

@@ -696,3 +696,22 @@ def test_counts_that_would_overflow_later_are_refused(runner, cli, store, tmp_pa
     assert _cli(runner, cli, "ingest", g, "--store", store).exit_code == 0
     got = Store(store).sql("SELECT sum(tokens) AS t FROM expert_load WHERE run_id = 'ok'")["t"][0]
     assert got == 2 ** 40 + 5
+
+
+def test_secret_file_content_is_never_echoed(runner, cli, store, tmp_path):
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$SECRETHASH$abcdef:20228:0:99999:7:::\nbin:*:1:0:99999:7:::\n")
+    link = tmp_path / "load.csv"
+    os.symlink(secret, link)
+    before = tree_hash(store)
+    msg = one_line_error(_cli(runner, cli, "ingest", link, "--store", store), 2, str(link), "missing columns")
+    assert "SECRETHASH" not in msg and "root" not in msg
+    assert tree_hash(store) == before
+
+
+def test_synth_options_out_of_range(runner, cli, tmp_path):
+    for args, words in ((["--seed", "-1"], "--seed"), (["--sigma", "nan"], "--sigma"), (["--ranks", "-4"], "--ranks"),
+                        (["--ranks", "0"], "--ranks"), (["--top-k", "300"], "--top-k")):
+        res = _cli(runner, cli, "synth", tmp_path / "sy", "--steps", 2, "--layers", 1, *args)
+        one_line_error(res, 2, words)
+        assert not (tmp_path / "sy").exists()  # bad options leave no store behind
