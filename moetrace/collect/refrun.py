@@ -48,8 +48,15 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
         cfg = man["config"]
         phy2log = np.asarray(man["phy2log"], np.int64)
         R, E, K, L = int(cfg["ranks"]), int(cfg["experts"]), int(cfg["top_k"]), int(cfg["layers"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise InputError(man_path, f"not a moetrace refrun manifest: {e}") from None
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
+        raise InputError(man_path, f"not a moetrace refrun manifest: {type(e).__name__}: {str(e)[:100]}") from None
+    # shape sanity before any R-sized work (0, negative, 10^9 ranks; #12)
+    from .checks import check_shape
+
+    check_shape({"num_ranks": R, "num_experts": E, "top_k": K, "num_layers": L}, man_path, "run")
+    if phy2log.ndim != 2 or R > 3 * len(files) or phy2log.shape[1] < R:
+        raise InputError(man_path, f"manifest declares {R} ranks but the folder holds {len(files)} files and "
+                                   f"phy2log has shape {list(phy2log.shape)}")
     P = phy2log.shape[1]
     spr = P // R
     need = [f"{kind}_rank{r}.parquet" for kind in ("routing", "received", "steps") for r in range(R)]
