@@ -415,6 +415,11 @@ def test_error_band_from_the_newest_calibration_on_the_same_hardware(refrun_pair
     assert band.rel_error == pytest.approx(want, rel=1e-9)
     assert "band1" in band.source and "rb" in band.source
     assert band.within(band.rel_error * 0.5) and not band.within(band.rel_error * 2)
+    from moetrace.report.base import ReportContext
+    from moetrace.report.sections import calibration as sec
+
+    out = sec.build(ReportContext(st, "rb", st.run_row("rb"), refrun_pair / "rep")).terminal
+    assert f"±{100 * want:.1f}%" in out and "within model error" in out
     for other in ("H200", "cpu: another one", None):
         b = cal.error_band(st, other)
         assert b.rel_error is None and b.source.startswith("uncalibrated preset")
@@ -504,7 +509,7 @@ def test_fidelity_matrix_small_runs_for_real(tmp_path):
 
     res = bf.run_matrix("small", tmp_path, log=lambda m: None)
     pairs = sum(len(bf.PAIRS[t[0]]) for t in bf.SIZES["small"]["traffic"])
-    assert pairs >= 6 and len(res["rows"]) == pairs * len(bf.VARIANTS)
+    assert pairs >= 6 and len(res["rows"]) == pairs * len(bf.VARIANTS) * len(bf.ESTIMATORS)
     for r in res["rows"]:
         assert r["ratio_err"] == pytest.approx(r["ratio_pred"] / r["ratio_meas"] - 1)
     text = bf.format_report(res)

@@ -49,6 +49,12 @@ def build(ctx: ReportContext) -> Section | None:
     if top["layer_mape"] is not None:
         head += (f" The layer time (slowest rank's expert + all-to-all time) is off by {_pct(top['layer_mape'])}% "
                  f"(bias {_pct(top['layer_bias']):+}%).")
+    from ...replay.calibrate import error_band, run_hardware
+
+    hw = run_hardware(ctx.store, str(top["fit_run_id"]))
+    band = error_band(ctx.store, hw)
+    head += (f" Error band of time predictions on this hardware ({hw or 'unknown'}): {band.text()}; a predicted "
+             "difference smaller than it is within model error, not a win.")
     md = [head, "", md_table(tbl, float_fmt="{:.2f}")]
     from ...output import render_table
     term = [head, "", render_table(tbl, max_rows=20)]
