@@ -178,8 +178,9 @@ def _csv(path: Path, scale: int, steps: int = 30) -> tuple[Path, int]:
 def _assert_clean(store: Path) -> None:
     assert not (store / ".txn").exists() and not (store / ".staging").exists()
     runs = Store(store).run_ids()
-    for t in ("expert_load", "runs"):
-        parts = sorted(p.name.split("=", 1)[1] for p in (store / t).glob("run_id=*"))
+    for t in ("load", "runs"):  # load: expert_load (long rows) or expert_counts (the dense layout)
+        dirs = [store / "expert_load", store / "expert_counts"] if t == "load" else [store / t]
+        parts = sorted(p.name.split("=", 1)[1] for d in dirs for p in d.glob("run_id=*"))
         assert parts == runs, (t, parts, runs)  # no partition without its runs row and vice versa
 
 
