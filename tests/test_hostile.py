@@ -25,6 +25,7 @@ from moetrace.errors import StoreError
 from moetrace.store import Store
 
 from .conftest import REPO, tree_hash
+from .test_bad_input import _seed_store as _seeded  # a store holding one run (seed-store)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -33,15 +34,6 @@ def _csv_text(steps=2, layers=2, experts=4, scale=1) -> str:
     rows += [f"{s},{l},{e},{scale * (s + 1) * (e + 2) + l}" for s in range(steps) for l in range(layers)
              for e in range(experts)]
     return "\n".join(rows) + "\n"
-
-
-def _seeded(path: Path) -> Path:
-    src = path.parent / f"seed-{path.name}.csv"
-    src.write_text(_csv_text())
-    from moetrace.collect import ingest
-
-    ingest(Store(path, create=True), [src])
-    return path
 
 
 @pytest.fixture
