@@ -127,7 +127,12 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
     rid = store.resolve_run(run_id)
     run = store.run_row(rid)
     out = Path(outdir) if outdir is not None else Path(f"moetrace-report-{rid}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # --out file/sub, a read-only folder: one line, exit 2 (#12)
+        from ..errors import UsageError
+
+        raise UsageError(f"{out}: cannot create the report folder ({e.strerror})") from None
     ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
     report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run))
     configure(store.con, memory_limit)
