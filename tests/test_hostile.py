@@ -720,3 +720,34 @@ def test_refrun_manifest_with_absurd_ranks(runner, cli, store, tmp_path, ranks):
     t0 = time.monotonic()
     one_line_error(_cli(runner, cli, "ingest", d, "--store", store), 2, str(man), "num_ranks")
     assert time.monotonic() - t0 < 20 and tree_hash(store) == before
+
+
+# ----------------------------------------------------------------------------- report
+def test_report_out_that_cannot_be_created_and_failed_sections(runner, cli, tmp_path, monkeypatch):
+    st = tmp_path / "st"
+    assert _cli(runner, cli, "synth", st, "--steps", 4, "--layers", 2, "--experts", 16, "--ranks", 4,
+                "--ranks-per-node", 4, "--top-k", 2).exit_code == 0
+    (tmp_path / "file").write_text("x")
+    before = tree_hash(st)
+    one_line_error(_cli(runner, cli, "report", st, "--out", tmp_path / "file" / "sub", "--quiet"), 2,
+                   str(tmp_path / "file" / "sub"), "cannot create the report folder")
+    assert tree_hash(st) == before
+    from moetrace.report import build as rb
+
+    real = rb.discover_sections
+
+    def with_a_broken_one():
+        class Broken:
+            __name__ = "moetrace.report.sections.broken"
+            ORDER = 1
+
+            @staticmethod
+            def build(ctx):
+                raise RuntimeError("boom")
+
+        return [Broken, *real()]
+
+    monkeypatch.setattr(rb, "discover_sections", with_a_broken_one)
+    res = _cli(runner, cli, "report", st, "--out", tmp_path / "rep", "--quiet")
+    assert res.exit_code == 1, res.output
+    assert "section(s) Broken failed" in res.output and (tmp_path / "rep" / "report.md").exists()
