@@ -1,0 +1,324 @@
+"""The metric views on Spark SQL, from the same definitions DuckDB runs.
+
+The views in ``moetrace/analyze/sql/*.sql`` are the product's definitions of every metric.
+Spark does not get a second hand-written copy: each DuckDB statement is transpiled with
+sqlglot (``read="duckdb", write="spark"``), then the few adaptations Spark needs are
+applied, all of them listed in :data:`ADAPTATIONS` with the reason for each. The store's
+tables are registered as Spark temp views straight from the hive-partitioned Parquet
+folders (no export), with the schema taken from ``schemas/`` so that an absent table is an
+empty view of the right types, as in DuckDB.
+
+Local mode by default (``local[*]``); a cluster through the usual Spark settings: a
+``--master`` URL (``spark://host:7077``, ``yarn``, ``k8s://...``) or Spark Connect
+(``SPARK_REMOTE=sc://host:15002`` or ``remote=``). Needs ``pip install 'moetrace[spark]'``
+and a Java runtime (17 or newer for Spark 4).
+
+User text never reaches SQL here: the store path goes to ``DataFrameReader.parquet`` as a
+path, table names come from the contract, and the query is the user's own SQL.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import pyarrow as pa
+
+from . import schema
+from .errors import StoreError
+
+# Spark's types for the contract's column types.
+_SPARK_TYPES = {"string": "string", "bool": "boolean", "int8": "tinyint", "int16": "smallint",
+                "int32": "int", "int64": "bigint", "float32": "float", "float64": "double"}
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """One hand-made change to sqlglot's Spark output: what it rewrites and why."""
+    name: str
+    reason: str
+
+
+# Everything Spark needs beyond what sqlglot produces, applied on the syntax tree in
+# :func:`_adapt`. Kept short on purpose: a view that needs more is better rewritten in
+# portable SQL at its definition.
+ADAPTATIONS: tuple[Adaptation, ...] = (
+    Adaptation("temporary views",
+               "the views live in the Spark session next to the store's tables, not in a metastore"),
+    Adaptation("ordered list aggregate",
+               "DuckDB's list(x ORDER BY k) keeps the order; sqlglot writes COLLECT_LIST(x), which does "
+               "not: sort_array over struct(k, x), then keep x"),
+    Adaptation("list_sum", "aggregate(list, 0D, (a, v) -> a + v)"),
+    Adaptation("list_inner_product", "aggregate(zip_with(a, b, (x, y) -> x * y), 0D, (s, v) -> s + v)"),
+    Adaptation("materialized CTE", "WITH x AS MATERIALIZED (...) is a DuckDB planner hint; Spark has none: dropped"),
+    Adaptation("quantile_cont", "sqlglot writes PERCENTILE_CONT(x, p), which Spark parses as an ordered-set "
+               "aggregate; Spark's PERCENTILE(x, p) is the same exact, linearly interpolated quantile"),
+    Adaptation("decimal literals", "DuckDB computes with a literal like 1.0 as a DOUBLE once it divides; Spark "
+               "keeps DECIMAL and rounds quotients to 6 places: such literals become DOUBLE"),
+    Adaptation("count(DISTINCT) OVER", "Spark has no DISTINCT window aggregates: size(collect_set(x) OVER w)"),
+    Adaptation("unnest with its subscripts", "SELECT generate_subscripts(l, 1), unnest(l) FROM t (the dense "
+               "expert_counts unnested) has two generators; Spark takes one: POSEXPLODE(l) AS (pos, val) "
+               "in a subquery, the subscript is pos + 1"),
+    Adaptation("cast of a generator", "CAST(unnest(l) AS T): Spark takes no generator inside an expression: "
+               "EXPLODE(CAST(l AS ARRAY<T>))"),
+    Adaptation("list_position", "same 1-based search: ARRAY_POSITION"),
+    Adaptation("row_number type", "ROW_NUMBER() is BIGINT in DuckDB and INT in Spark; a recursive CTE that "
+               "mixes it with BIGINT fails to merge types: CAST(... AS BIGINT)"),
+    Adaptation("skew_by_batch: windows without recursion",
+               "the view merges pairs of steps level by level in a recursive CTE (cheap in DuckDB); Spark's "
+               "recursive CTEs take no aggregate over the recursive reference, so on Spark the CTE `merged` "
+               "is one GROUP BY per window level w = 1, 2, 4, ... <= n_steps: the same sums"),
+    Adaptation("len", "the views measure lists only (len(list)); Spark's LENGTH takes strings: SIZE(list)"),
+    Adaptation("list_slice", "DuckDB list_slice(l, begin, end) is 1-based and inclusive: slice(l, begin, end - begin + 1)"),
+)
+
+
+def _adapt(tree):
+    """Apply :data:`ADAPTATIONS` (but the first, done on the text) to a sqlglot tree."""
+    from sqlglot import exp, parse_one
+
+    def sql(node):
+        return _adapt(node.copy()).sql(dialect="spark")
+
+    def rewrite(node):
+        if isinstance(node, exp.Select):
+            subs = [a for a in node.find_all(exp.Anonymous) if str(a.this).upper() == "GENERATE_SUBSCRIPTS"]
+            explodes = list(node.find_all(exp.Explode))
+            if subs and len(explodes) == 1 and all(sql(a.expressions[0]) == sql(explodes[0].this) for a in subs):
+                node = node.copy()
+                lst = sql(node.find(exp.Explode).this)
+                src = node.args["from_"].this.sql(dialect="spark")
+                for a in list(node.find_all(exp.Anonymous)):
+                    if str(a.this).upper() == "GENERATE_SUBSCRIPTS":
+                        a.replace(parse_one("(__pos + 1)", read="spark"))
+                node.find(exp.Explode).replace(exp.column("__val"))
+                node.set("from_", parse_one(f"SELECT 1 FROM (SELECT *, POSEXPLODE({lst}) AS (__pos, __val) "
+                                            f"FROM {src}) AS __px", read="spark").args["from_"])
+                return node
+        if isinstance(node, exp.Window) and isinstance(node.this, exp.RowNumber) and not isinstance(node.parent, exp.Cast):
+            return exp.Cast(this=node.copy(), to=exp.DataType.build("BIGINT"))
+        if isinstance(node, exp.Cast) and isinstance(node.this, exp.Explode):
+            to = node.to.sql(dialect="spark")
+            return parse_one(f"EXPLODE(CAST({sql(node.this.this)} AS ARRAY<{to}>))", read="spark")
+        if isinstance(node, exp.ArrayAgg) and isinstance(node.this, exp.Order):
+            keys = node.this.expressions
+            desc = {bool(k.args.get("desc")) for k in keys}
+            if len(desc) != 1:
+                raise ValueError("ordered list aggregate with mixed ASC/DESC keys has no Spark form here")
+            fields = ", ".join(f"{sql(k.this)} AS k{i}" for i, k in enumerate(keys))
+            asc = "FALSE" if desc.pop() else "TRUE"
+            return parse_one(f"TRANSFORM(SORT_ARRAY(COLLECT_LIST(STRUCT({fields}, {sql(node.this.this)} AS v)), "
+                             f"{asc}), s -> s.v)", read="spark")
+        if isinstance(node, exp.CTE) and node.args.get("materialized"):
+            node = node.copy()
+            node.set("materialized", None)
+            return node
+        if isinstance(node, exp.PercentileCont) and node.args.get("expression") is not None:
+            return parse_one(f"PERCENTILE({sql(node.this)}, {sql(node.expression)})", read="spark")
+        if isinstance(node, exp.Literal) and not node.is_string and "." in node.this:
+            return parse_one(f"CAST({node.this} AS DOUBLE)", read="spark")
+        if (isinstance(node, exp.Window) and isinstance(node.this, exp.Count)
+                and isinstance(node.this.this, exp.Distinct)):
+            win = node.copy()
+            arg = sql(node.this.this.expressions[0])
+            win.set("this", parse_one(f"COLLECT_SET({arg})", read="spark"))
+            return parse_one(f"SIZE(x)", read="spark").transform(
+                lambda n: win if isinstance(n, exp.Column) and n.name == "x" else n)
+        if isinstance(node, exp.Length):
+            return parse_one(f"SIZE({sql(node.this)})", read="spark")
+        if isinstance(node, exp.Anonymous):
+            name, args = str(node.this).upper(), [sql(a) for a in node.expressions]
+            if name == "LIST_SUM" and len(args) == 1:
+                return parse_one(f"AGGREGATE({args[0]}, 0D, (acc, v) -> acc + v)", read="spark")
+            if name == "LIST_INNER_PRODUCT" and len(args) == 2:
+                return parse_one(f"AGGREGATE(ZIP_WITH({args[0]}, {args[1]}, (x, y) -> x * y), 0D, "
+                                 f"(acc, v) -> acc + v)", read="spark")
+            if name == "LIST_POSITION" and len(args) == 2:
+                return parse_one(f"ARRAY_POSITION({args[0]}, {args[1]})", read="spark")
+            if name == "LIST_SLICE" and len(args) == 3:
+                return parse_one(f"SLICE({args[0]}, {args[1]}, ({args[2]}) - ({args[1]}) + 1)", read="spark")
+        return node
+
+    return tree.transform(rewrite)
+
+
+# The Spark form of skew_by_batch's recursive CTE `merged` (see ADAPTATIONS): level w holds,
+# for each batch = ord DIV w, the tokens of the steps ord in [batch*w, (batch+1)*w).
+_MERGED_BY_LEVEL = """
+SELECT r.run_id, r.layer, lv.w, st.ord DIV lv.w AS batch, r.rank, SUM(r.tokens) AS tokens,
+       MAX(st.n_steps) AS n_steps
+FROM rank_load_sparse AS r JOIN st ON st.run_id = r.run_id AND st.step = r.step
+JOIN (SELECT CAST(POW(2, e) AS BIGINT) AS w FROM (SELECT EXPLODE(SEQUENCE(0, 62)) AS e)) AS lv
+  ON lv.w <= st.n_steps
+GROUP BY r.run_id, r.layer, lv.w, st.ord DIV lv.w, r.rank
+"""
+
+
+def _unrecurse_skew_by_batch(tree):
+    from sqlglot import exp, parse_one
+
+    w = tree.find(exp.With)
+    if w is None or not w.args.get("recursive"):
+        return tree
+    for cte in w.expressions:
+        if cte.alias_or_name == "merged":
+            cte.set("this", parse_one(_MERGED_BY_LEVEL, read="spark"))
+            alias = cte.args.get("alias")
+            if alias is not None:
+                alias.set("columns", None)
+            w.set("recursive", False)
+    return tree
+
+
+_VIEW_ADAPTATIONS = {"skew_by_batch": _unrecurse_skew_by_batch}
+
+
+def _view_name(stmt: str) -> str:
+    m = re.match(r'\s*CREATE\s+(?:OR\s+REPLACE\s+)?(?:TEMP(?:ORARY)?\s+)?VIEW\s+"?([A-Za-z_][A-Za-z0-9_]*)"?',
+                 stmt, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a CREATE VIEW statement: {stmt[:60]!r}")
+    return m.group(1)
+
+
+def transpile(duckdb_sql: str) -> str:
+    """One DuckDB statement as Spark SQL: sqlglot, then :data:`ADAPTATIONS`."""
+    import sqlglot
+
+    trees = sqlglot.parse(duckdb_sql, read="duckdb")
+    if len(trees) != 1:
+        raise ValueError(f"expected one statement, got {len(trees)}")
+    tree = trees[0]
+    fix = _VIEW_ADAPTATIONS.get(_view_name(duckdb_sql)) if re.match(r"\s*CREATE", duckdb_sql, re.I) else None
+    if fix is not None:
+        tree = fix(tree)
+    text = _adapt(tree).sql(dialect="spark")
+    return re.sub(r"^\s*CREATE\s+OR\s+REPLACE\s+VIEW\s+", "CREATE OR REPLACE TEMPORARY VIEW ", text,
+                  flags=re.IGNORECASE)
+
+
+@lru_cache(maxsize=None)
+def spark_view_statements() -> tuple[tuple[str, str], ...]:
+    """(view name, Spark SQL) for every metric view, in definition order."""
+    from .analyze import view_statements
+
+    return tuple((_view_name(s), transpile(s)) for s in view_statements())
+
+
+def _spark_type(t: str) -> str:
+    """A contract type as Spark DDL; ``int64[]`` (a list) is ``array<bigint>``."""
+    m = re.fullmatch(r"(\w+)\[\d*\]", t)
+    return f"array<{_SPARK_TYPES[m.group(1)]}>" if m else _SPARK_TYPES[t]
+
+
+def spark_schema(table: str):
+    """The contract of ``table`` as a pyspark StructType (run_id included)."""
+    from pyspark.sql.types import _parse_datatype_string
+
+    ts = schema.get(table)
+    ddl = ", ".join(f"`{c.name}` {_spark_type(c.type)}" for c in ts.columns)
+    return _parse_datatype_string(ddl)
+
+
+def session(master: str | None = None, remote: str | None = None, app_name: str = "moetrace",
+            conf: dict[str, str] | None = None):
+    """A SparkSession: Spark Connect when ``remote`` (or ``SPARK_REMOTE``) is set, else
+    classic Spark on ``master`` (default ``local[*]``, or ``spark.master`` from the
+    environment's Spark configuration when ``MASTER`` is set)."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise StoreError("Spark is not installed: pip install 'moetrace[spark]' (and a Java runtime)") from None
+    remote = remote or os.environ.get("SPARK_REMOTE")
+    b = SparkSession.builder.appName(app_name)
+    if remote:
+        b = b.remote(remote)
+    else:
+        b = b.master(master or os.environ.get("MASTER") or "local[*]")
+        b = (b.config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
+             # many small joins over views: broadcasting each one costs more than it saves
+             .config("spark.sql.autoBroadcastJoinThreshold", "-1")
+             # DuckDB gives NULL for a list index out of range and for x / 0; so does
+             # Spark outside ANSI mode (ANSI raises)
+             .config("spark.sql.ansi.enabled", "false")
+             .config("spark.log.structuredLogging.enabled", "false"))
+    # run_id is a string whatever it looks like (a run called 2024 stays '2024')
+    b = b.config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
+    # DuckDB's integer division and casts follow ANSI rules; so does Spark 4 by default
+    b = b.config("spark.sql.session.timeZone", "UTC")
+    for k, v in (conf or {}).items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    if not remote:
+        # a failed analysis is raised to the caller; the JVM's copy of it is noise
+        spark.sparkContext.setLogLevel("FATAL")
+    return spark
+
+
+def _table_frame(spark, root: Path, table: str, committed):
+    """The store's files of ``table`` (committed runs only, as the DuckDB views show), or
+    an empty frame of the contract's types."""
+    st = spark_schema(table)
+    d = root / table
+    if d.is_dir() and any(d.glob("run_id=*/*.parquet")):
+        df = spark.read.schema(st).option("basePath", str(d)).parquet(str(d))
+        df = df.select(*[f"`{c}`" for c in st.fieldNames()])
+        if committed is not None:
+            df = df.join(committed, on="run_id", how="left_semi")
+        return df
+    return spark.createDataFrame([], st)
+
+
+def register_store(spark, store_path: str | os.PathLike, strict: bool = True) -> list[str]:
+    """Every contract table of the store as a temp view (empty with the contract's types
+    when the store has no files for it), then every metric view. Returns the view names.
+    A metric view Spark cannot take raises :class:`StoreError` naming it; with
+    ``strict=False`` it is left out (and the views built on it), so the rest still run."""
+    from .analyze.dense import expert_load_views
+
+    root = Path(store_path)
+    runs = _table_frame(spark, root, "runs", None)
+    committed = runs.select("run_id")
+    names = []
+    for table in schema.load_all():
+        df = runs if table == "runs" else _table_frame(spark, root, table, committed)
+        # expert_load: its long rows under another name, then the store's own view over
+        # them and the dense expert_counts (the same statement DuckDB runs, transpiled)
+        df.createOrReplaceTempView("expert_load_long" if table == "expert_load" else table)
+        names.append(table)
+    for stmt in expert_load_views('CREATE OR REPLACE VIEW "expert_load" AS SELECT 1')[1:]:
+        spark.sql(transpile(stmt))
+    for name, stmt in spark_view_statements():
+        try:
+            spark.sql(stmt)
+        except Exception as e:  # a view Spark cannot take is a bug in ADAPTATIONS: name it
+            if not strict:
+                continue
+            first = " ".join(str(e).strip().split("\n")[:2])[:400]
+            raise StoreError(f"metric view {name!r} does not run on Spark: {first}") from None
+        names.append(name)
+    return names
+
+
+def to_arrow(df) -> pa.Table:
+    """A Spark DataFrame as an Arrow table (through pandas-free Arrow when available)."""
+    if hasattr(df, "toArrow"):
+        return df.toArrow()
+    import pandas as pd  # noqa: F401  (pyspark's toPandas needs it)
+
+    return pa.Table.from_pandas(df.toPandas(), preserve_index=False)
+
+
+def sql(store_path: str | os.PathLike, query: str, master: str | None = None, remote: str | None = None,
+        spark=None) -> pa.Table:
+    """Run ``query`` over the store's tables and metric views on Spark; an Arrow table."""
+    own = spark is None
+    spark = spark or session(master=master, remote=remote)
+    try:
+        register_store(spark, store_path)
+        return to_arrow(spark.sql(query))
+    finally:
+        if own:
+            spark.stop()
