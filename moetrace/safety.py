@@ -119,6 +119,13 @@ def set_overrides(options: dict | None) -> None:
             _OVERRIDES[k] = _as_int(v, f"--set {k}")
 
 
+def resolved_limits() -> dict[str, int]:
+    """Every limit's current value (--set, environment or default), resolved in this
+    process: what a worker process is handed (:func:`set_overrides` there), so limits a
+    user raised or lowered apply in workers too, whatever environment they started with."""
+    return {name: limit(name) for name in LIMITS}
+
+
 def _as_int(v, what: str) -> int:
     try:
         n = int(float(v)) if not isinstance(v, int) else v

@@ -57,6 +57,32 @@ _TXID_RE = re.compile(r"[0-9a-f]{12}")
 _SAFE_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
+#: characters DuckDB's read_parquet (and polars, Spark) take as a file pattern in a path,
+#: even in a literal file name: ``a[1]`` reads ``a1``, ``x*y`` reads every ``x..y``
+GLOB_CHARS = "*?[]{}"
+
+
+def check_store_path(path: Path) -> None:
+    """Refuse a store path holding a pattern character: the views read the store through
+    ``read_parquet('<store>/<table>/*/*.parquet')`` and DuckDB cannot be told to take a
+    folder name literally (an escaped ``\\[`` matches nothing), so such a store would read
+    another folder's files. Raises StoreError (one line, exit 2) before anything is read."""
+    bad = "".join(c for c in GLOB_CHARS if c in str(path))
+    if bad:
+        raise StoreError(f"{path}: the store path holds {bad!r}, which DuckDB reads as a file pattern (it would "
+                         f"read other folders' files); move or rename the store, or open it through a symlink "
+                         f"whose path has none of {GLOB_CHARS}")
+
+
+_DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
+               "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE", "int64[]": "BIGINT[]"}
+
+#: required columns added to a contract after stores were written without them, and how a
+#: view computes them from such a store's files (the writer's definition is the reference:
+#: ``tokens_desc`` is ``dense_table``'s counts sorted descending)
+DERIVED_WHEN_MISSING = {("expert_counts", "tokens_desc"): "list_reverse_sort(tokens)"}
+
+
 def sanitize_run_id(text: str) -> str:
     rid = _RUN_ID_RE.sub("_", text).strip("._-")
     return rid[:RUN_ID_MAX].rstrip("._-") or "run"
@@ -119,6 +145,7 @@ class Store:
     def __init__(self, path: str | os.PathLike, create: bool = False):
         self.path = Path(path)
         self._con: duckdb.DuckDBPyConnection | None = None
+        check_store_path(self.path)
         marker = self.path / STORE_MARKER
         if not marker.exists():
             if not create:
@@ -130,8 +157,31 @@ class Store:
                     raise StoreError(f"{self.path}: not a moetrace store (no {STORE_MARKER})")
                 return  # an empty folder reads as an empty store; a read never writes
             self._init()
-        elif create:
+            return
+        self._check_format(marker)
+        if create:
             self._recover_if_abandoned()  # a writer's open: crash leftovers go now
+
+    def _check_format(self, marker: Path) -> None:
+        """The marker names the store format: a store of a newer format (or a marker that
+        is not one) is refused with one line before anything reads its tables."""
+        try:
+            raw = b""
+            if marker.is_file():  # not a FIFO or device; a few KiB at most are read
+                with open(marker, "rb") as f:
+                    raw = f.read(1 << 16)
+            doc = json.loads(raw)
+            fmt = doc["moetrace_store_format"]
+            ok = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= 1
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            ok, doc, fmt = False, None, None
+        if not ok:
+            raise StoreError(f"{marker}: not a moetrace store marker (expected JSON with an integer "
+                             f"moetrace_store_format); nothing was read")
+        if fmt > STORE_FORMAT:
+            by = str(doc.get("created_by", "a newer moetrace"))[:40]
+            raise StoreError(f"{self.path}: store format {fmt} (written by moetrace {by}); this moetrace "
+                             f"({__version__}) reads format {STORE_FORMAT} or older: upgrade moetrace to read it")
 
     # ------------------------------------------------------------------ creation, locking
     def _init(self) -> None:
@@ -312,35 +362,97 @@ class Store:
         d = self.path / table
         return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
 
-    def _view_sql(self, table: str, relative: bool) -> str:
+    def _view_sql(self, table: str, relative: bool, present: set[str] | None = None) -> str:
         """A table's view. Tables other than ``runs`` show only committed runs (whose
         ``runs`` row is in place: it is renamed last), so a reader never sees part of a run
-        being written or left by a crash; readers never recover."""
+        being written or left by a crash; readers never recover.
+
+        ``present``: the columns the table's files hold, when some contract column is in
+        none of them (a store written before that column existed): a nullable one reads
+        NULL, one in :data:`DERIVED_WHEN_MISSING` is computed, any other is refused."""
         ts = schema.get(table)
         name = sql_identifier(table)
         if self.has_files(table):
             glob = sql_literal(self.table_glob(table, relative))
-            cols = ", ".join(sql_identifier(c) for c in ts.column_names)
+            cols = ", ".join(sql_identifier(c) if present is None or c in present
+                             else f"{self._missing_column(table, c)} AS {sql_identifier(c)}" for c in ts.column_names)
             committed = "" if table == "runs" else " WHERE run_id IN (SELECT run_id FROM \"runs\")"
             return (f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} FROM read_parquet({glob}, "
                     f"hive_partitioning=true, hive_types={{'run_id': VARCHAR}}, union_by_name=true){committed}")
-        duck = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT",
-                "int32": "INTEGER", "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE",
-                "int64[]": "BIGINT[]"}
-        cols = ", ".join(f"CAST(NULL AS {duck[c.type]}) AS {sql_identifier(c.name)}" for c in ts.columns)
+        cols = ", ".join(f"CAST(NULL AS {_DUCK_TYPES[c.type]}) AS {sql_identifier(c.name)}" for c in ts.columns)
         return f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} WHERE false"
 
-    def view_statements(self, relative: bool = False) -> list[str]:
+    def _missing_column(self, table: str, column: str) -> str:
+        """The SQL that stands for ``column`` in a store whose ``table`` files predate it."""
+        col = next(c for c in schema.get(table).columns if c.name == column)
+        if (table, column) in DERIVED_WHEN_MISSING:
+            return DERIVED_WHEN_MISSING[table, column]
+        if col.nullable:
+            return f"CAST(NULL AS {_DUCK_TYPES[col.type]})"
+        found = sorted(self.file_versions(table)) or ["unknown"]
+        raise StoreError(f"{self.path}: table {table!r} was written with schema version {', '.join(found)}, whose files "
+                         f"lack the required column {column!r} of version {schema.get(table).version}; this moetrace "
+                         f"({__version__}) cannot read it: re-ingest the sources into a new store, or read it with "
+                         f"the moetrace that wrote it")
+
+    def file_versions(self, table: str) -> set[str]:
+        """The schema versions recorded in the footers of ``table``'s files."""
+        out = set()
+        for f in (self.path / table).glob("run_id=*/*.parquet"):
+            try:
+                meta = pq.read_schema(f).metadata or {}
+            except (OSError, pa.ArrowException):
+                continue
+            out.add(meta.get(schema.META_VERSION, b"none").decode(errors="replace"))
+        return out
+
+    def _present_columns(self, con: duckdb.DuckDBPyConnection, table: str, relative: bool) -> set[str]:
+        glob = sql_literal(self.table_glob(table, relative))
+        rows = con.execute(f"DESCRIBE SELECT * FROM read_parquet({glob}, hive_partitioning=true, "
+                           f"hive_types={{'run_id': VARCHAR}}, union_by_name=true)").fetchall()
+        return {r[0] for r in rows}
+
+    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False) -> None:
+        """Create every view on ``con``. A store written before a contract column existed
+        (no file of the table holds it) fails to bind; then the views are made again with
+        that column NULL (or derived): older stores are read as they are, never rewritten."""
+        try:
+            for stmt in self.view_statements(relative):
+                con.execute(stmt)
+            return
+        except duckdb.BinderException as e:
+            first = e
+        present = {}
+        for t in schema.load_all():
+            if self.has_files(t):
+                cols = self._present_columns(con, t, relative)
+                if set(schema.get(t).column_names) - cols:
+                    present[t] = cols
+        if not present:
+            why = str(first).strip().splitlines()[0][:200]
+            raise StoreError(f"{self.path}: cannot define the store's views ({why}); the store may have been "
+                             f"written by another moetrace version than {__version__}") from None
+        try:
+            for stmt in self.view_statements(relative, present):
+                con.execute(stmt)
+        except duckdb.Error as e:
+            why = str(e).strip().splitlines()[0][:200]
+            raise StoreError(f"{self.path}: cannot read this store's tables ({why}); it was written by another "
+                             f"moetrace version than {__version__}: re-ingest the sources into a new store") from None
+
+    def view_statements(self, relative: bool = False, present: dict[str, set[str]] | None = None) -> list[str]:
         """CREATE VIEW statements: one per contract table (``runs`` first: the others
-        filter on it), then the analysis views."""
+        filter on it), then the analysis views. ``present``: {table: columns its files
+        hold} for tables of an older store that lack a contract column."""
         from .analyze import view_statements as analysis_views
 
         from .analyze.dense import expert_load_views
 
+        present = present or {}
         tables = sorted(schema.load_all(), key=lambda t: t != "runs")
-        stmts = [self._view_sql(t, relative) for t in tables]
+        stmts = [self._view_sql(t, relative, present.get(t)) for t in tables]
         # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
-        stmts += expert_load_views(self._view_sql("expert_load", relative))
+        stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load")))
         return stmts + analysis_views()
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
@@ -357,8 +469,7 @@ class Store:
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
             con.execute(f"SET temp_directory={sql_literal(tmp)}")
-        for stmt in self.view_statements():
-            con.execute(stmt)
+        self._define_views(con)
         return con
 
     @property
@@ -370,8 +481,7 @@ class Store:
     def refresh(self) -> None:
         """Re-create views (after a write added a table that was empty)."""
         if self._con is not None:
-            for stmt in self.view_statements():
-                self._con.execute(stmt)
+            self._define_views(self._con)
 
     def sql(self, query: str, params=None) -> pl.DataFrame:
         """Run SQL over the store's views and return a polars DataFrame."""
@@ -622,8 +732,7 @@ class Store:
                 con.execute(f"ATTACH {sql_literal(tmp)} AS cat")
             con.execute("USE cat")
             con.execute(f"SET file_search_path={sql_literal(self.path.resolve())}")
-            for stmt in self.view_statements(relative=True):
-                con.execute(stmt)
+            self._define_views(con, relative=True)
             con.execute("USE memory")
             con.execute("DETACH cat")
             con.close()

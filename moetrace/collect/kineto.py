@@ -53,6 +53,9 @@ class _Args(msgspec.Struct, gc=False):
     device: _I32 | None = None
     stream: _I32 | None = None
     collective: str | None = msgspec.field(default=None, name="Collective name")
+    # process group of a collective (PyTorch puts it on NCCL kernels and record_param_comms ops)
+    pg_name: str | int | None = msgspec.field(default=None, name="Process Group Name")
+    pg_ranks: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Ranks")
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -66,10 +69,16 @@ class _Event(msgspec.Struct, gc=False):
     args: _Args | None = None
 
 
+class _PgConfig(msgspec.Struct):
+    pg_name: str | int | None = None
+    ranks: list[int] | str | None = None
+
+
 class _Dist(msgspec.Struct):
     rank: int | None = None
     world_size: int | None = None
     backend: str | None = None
+    pg_config: list[_PgConfig] | None = None
 
 
 class _Top(msgspec.Struct):
@@ -377,11 +386,13 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
     base = top.baseTimeNanoseconds
     dist = top.distributedInfo
     info = {"n_events": n_events, "base_ns": base, "sha256": None, "rank": dist.rank if dist else None,
-            "world_size": dist.world_size if dist else None, "bytes": n_bytes, "all_cpu_ops": all_cpu_ops}
+            "world_size": dist.world_size if dist else None, "bytes": n_bytes, "all_cpu_ops": all_cpu_ops,
+            "pg_names": [str(g.pg_name) for g in (dist.pg_config or []) if g.pg_name is not None] if dist else []}
     del buf, top
     absolute = base is not None
     base_ns = int(base) if base is not None else 0
     gpu, launch, cpu = acc.gpu, acc.launch, acc.cpu
+    gpu["pg_arg"], cpu["pg_arg"] = acc.gpu_pg, acc.cpu_pg
     for ts_list, dur_list, idx, cols in ((acc.ts["gpu"], acc.gpu_dur, acc.gpu_idx, gpu),
                                          (acc.ts["cpu"], acc.cpu_dur, acc.cpu_idx, cpu)):
         starts = ts_column(ts_list, idx, base_ns, path)
@@ -423,6 +434,8 @@ class _Acc:
 
     def __init__(self):
         self.gpu = {k: [] for k in GPU_SCHEMA}
+        self.gpu_pg: list = []   # process group of each kept device event (None: not in the trace)
+        self.cpu_pg: list = []
         self.launch = {"correlation": [], "pid": [], "tid": []}
         self.cpu = {k: [] for k in CPU_SCHEMA}
         self.gpu_ts, self.gpu_dur, self.gpu_idx = [], [], []
@@ -501,6 +514,7 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
                               else ((e.tid if type(e.tid) is int else _int(e.tid)) or 0) for _, e in g])
         gpu["correlation"].extend([e.args.correlation if e.args is not None else None for _, e in g])
         gpu["coll_arg"].extend([e.args.collective if e.args is not None else None for _, e in g])
+        acc.gpu_pg.extend([_pg_of(e.args) for _, e in g])
         gpu_ts.extend([e.ts for _, e in g])
         gpu_dur.extend([e.dur for _, e in g])
         gpu_idx.extend([b0 + i for i, _ in g])
@@ -519,6 +533,21 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
         cpu_ts.extend([e.ts for _, e in c])
         cpu_dur.extend([e.dur for _, e in c])
         cpu_idx.extend([b0 + i for i, _ in c])
+        acc.cpu_pg.extend([_pg_of(e.args) for _, e in c])
+
+
+def _pg_of(args) -> str | None:
+    """A collective's process group from its event args: the group's name, else its ranks
+    (``ranks [0,1]``); None when the event does not say."""
+    if args is None:
+        return None
+    if args.pg_name is not None and str(args.pg_name) != "":
+        return str(args.pg_name)
+    raw = bytes(args.pg_ranks).strip()
+    if raw and raw != b"null":
+        txt = raw.decode("utf-8", "replace").strip('"').replace(" ", "")
+        return f"ranks {txt}" if txt not in ("", "[]") else None
+    return None
 
 
 _NUM_RE = r"^-?\d+(?:\.\d*)?$"
@@ -656,13 +685,12 @@ def _parse_parallel(paths: list[Path], progress: bool, jobs: int, classifier: Cl
     workers finish, this process labels and classifies its own ranks (``parts``, by file
     index: :func:`rank_part` of ranks with device activity)."""
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
 
     # not fork: polars' thread pool in this process could deadlock a forked child
     ctx = mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
     ends = ctx.Array("q", [0, len(paths)])  # [next from the front, one past the next from the back]
     out: list = [None] * len(paths)
-    ex = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=ctx, initializer=_worker_init, initargs=(ends,))
+    ex = _worker_pool(ctx, jobs - 1, ends)
     try:
         futs = [ex.submit(_worker_loop, paths, progress) for _ in range(jobs - 1)]
         while (i := _claim(ends, from_back=False)) is not None:
@@ -685,9 +713,25 @@ def _parse_parallel(paths: list[Path], progress: bool, jobs: int, classifier: Cl
 _ENDS = None  # a worker's handle on the parent's claim counters
 
 
-def _worker_init(ends) -> None:
+def _worker_pool(ctx, workers: int, ends):
+    """The parsing workers: each gets the claim counters and this process's resource limits
+    (``--set max_*=N``, ``MOETRACE_MAX_*`` or the defaults, resolved here: a forkserver
+    child does not see this process's ``--set`` nor an environment changed after it started)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ..safety import resolved_limits
+
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                               initargs=(ends, resolved_limits()))
+
+
+def _worker_init(ends, limits: dict | None = None) -> None:
     global _ENDS
     _ENDS = ends
+    if limits is not None:
+        from ..safety import set_overrides
+
+        set_overrides(limits)
 
 
 def _claim(ends, from_back: bool) -> int | None:
@@ -723,7 +767,13 @@ def _parse_frames_worker(path: Path, progress: bool):
 
 def _parse_frames(path: Path, progress: bool):
     info, gpu, launch, cpu = parse_file(path, progress=progress)
-    out = info, frame(gpu, GPU_SCHEMA), frame(launch, LAUNCH_SCHEMA), frame(cpu, CPU_SCHEMA)
+    # the process group of each event (column pg_arg); a trace whose distributedInfo.pg_config
+    # lists one group has no other: its collectives without a group are in that one (said)
+    only = info["pg_names"][0] if len(info["pg_names"]) == 1 else None
+    info["pg_filled"] = only is not None and (None in gpu["pg_arg"] or None in cpu["pg_arg"])
+    out = (info, frame(gpu, GPU_SCHEMA).with_columns(pl.Series("pg_arg", gpu["pg_arg"], pl.Utf8).fill_null(only)),
+           frame(launch, LAUNCH_SCHEMA),
+           frame(cpu, CPU_SCHEMA).with_columns(pl.Series("pg_arg", cpu["pg_arg"], pl.Utf8).fill_null(only)))
     cap = limit("max_name_bytes")
     for f in out[1:]:
         if "name" in f.columns and f.height:
@@ -770,6 +820,10 @@ def _collect_run(items: list, options: dict) -> RunData:
     if len(time_bases) > 1:
         raise InputError(paths[0], "files mix absolute (epoch) and relative timestamps; they cannot form one run")
     tables, approx, meta = build(ranks, classifier)
+    filled = sorted({info["pg_names"][0] for _, info, _ in items if info.get("pg_filled")})
+    if filled:
+        approx.append(f"process group of collectives without one in the trace taken from distributedInfo.pg_config, "
+                      f"which lists one group ({', '.join(filled)})")
     meta.update({"format": "kineto", "world_size": sorted(world), "files": [p.name for p in paths]})
     # sha256 over the files' own sha256s (each taken while the file was read anyway)
     from ..store import sha256_text  # (not at import: parsing workers need no store)

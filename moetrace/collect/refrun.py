@@ -33,7 +33,8 @@ def _sniff(path: Path, head: bytes) -> bool:
 
 def _read_parquet(p: Path) -> pl.DataFrame:
     try:
-        return pl.read_parquet(p)
+        with open(p, "rb") as fh:  # a handle: polars reads a path as a pattern (a folder run[1] reads run1)
+            return pl.read_parquet(fh)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # polars panics (pyo3 PanicException, a BaseException) on some corrupt files

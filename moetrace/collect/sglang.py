@@ -217,7 +217,9 @@ def _csv_run(paths: list[Path], options: dict) -> RunData:
         m = _CSV_NAME.search(p.name)
         rank = int(m.group(1)) if m else None
         try:
-            df = pl.read_csv(p, schema_overrides={"layer_id": pl.Int64, "expert_id": pl.Int64, "count": pl.Float64})
+            with open(p, "rb") as fh:  # a handle: polars reads a path as a pattern (rank[0].csv reads rank0.csv)
+                df = pl.read_csv(fh, schema_overrides={"layer_id": pl.Int64, "expert_id": pl.Int64,
+                                                       "count": pl.Float64})
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InputError(p, f"cannot parse CSV: {msg}") from None
