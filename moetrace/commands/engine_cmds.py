@@ -40,6 +40,9 @@ def _idle(ctx, param, values):
 @click.option("--delay-rank", default=-1, show_default=True,
               help="Hold this rank's compute --delay-us per layer (a known cause for `moetrace waits`; -1: none).")
 @click.option("--delay-us", default=0.0, show_default=True, help="Injected delay per layer, µs.")
+@click.option("--delay-every", default=1, show_default=True,
+              help="Inject the delay in every N-th step only (2: the other steps are a control run interleaved "
+                   "with the delayed ones).")
 @click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
               help="2: two micro-batches per step, the all-to-all of one in flight while the other computes.")
 @click.option("--repeats", default=1, show_default=True,
@@ -72,7 +75,10 @@ def refrun(outdir, store_path, run_id, no_profile, quiet, **kw):
     pct = lambda v: "n/a (1 pass)" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     click.echo(f"noise over {nz['passes']} timed pass(es), median relative spread (p75-p25)/median per cell: "
                f"expert {pct(nz['expert_spread_p50'])}, MoE {pct(nz['moe_spread_p50'])}, "
-               f"layer {pct(nz['layer_spread_p50'])}" + ("; ranks oversubscribed the CPU cores"
+               f"layer {pct(nz['layer_spread_p50'])}"
+               + (f"; CPU basis: expert {pct(nz['expert_cpu_spread_p50'])}, layer {pct(nz['layer_cpu_spread_p50'])}"
+                  if nz.get("expert_cpu_spread_p50") is not None else "")
+               + ("; ranks oversubscribed the CPU cores"
                                                          if nz["oversubscribed"] else ""))
     if store_path:
         from ..collect import ingest

@@ -67,6 +67,7 @@ class RefRunConfig:
     timeout_s: float = 300.0
     delay_rank: int = -1              # this rank's compute is held delay_us per layer (-1: none)
     delay_us: float = 0.0
+    delay_every: int = 1              # delay only steps s with s % delay_every == 0 (2: interleaved control)
     micro_batches: int = 1            # 2: two micro-batches, a2a of one while the other computes
     repeats: int = 1                  # timed passes over all steps (median and spread per cell)
     warmup: int = 1                   # untimed iterations of the first step before the timed passes
@@ -90,6 +91,8 @@ class RefRunConfig:
             bad("--threads-per-rank must be >= 1")
         if self.delay_rank >= self.ranks or self.delay_us < 0:
             bad("--delay-rank must be < --ranks and --delay-us >= 0")
+        if self.delay_every < 1:
+            bad("--delay-every must be >= 1")
         if self.micro_batches not in (1, 2):
             bad("--micro-batches must be 1 or 2")
         if self.tokens_per_rank < 0 or self.prefill_tokens < 0:
@@ -266,14 +269,18 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
         routing, received, steps = [], [], []
         # issue 16: injected delay and two-micro-batch layers (produce/refrun_timeline.py)
         tl = refrun_timeline.LayerEnv(torch, dist, F, rank, R, K, P, H, prior, w_router, w_attn, local, l2p, cnt,
-                                      slot_rank, expert_mlp, cfg.delay_us if rank == cfg.delay_rank else 0.0)
+                                      slot_rank, expert_mlp, cfg.delay_us if rank == cfg.delay_rank else 0.0,
+                                      cfg.delay_every)
 
         def a2a(t, out_rows, in_splits, out_splits):
             out = t.new_empty((out_rows,) + tuple(t.shape[1:]))
             dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits)
             return out
 
-        timing = []   # (pass, step, layer, dispatch start, expert start, expert end, combine end), monotonic ns
+        # (pass, step, layer, dispatch start, expert start, expert end, combine end) in monotonic ns, then the
+        # CPU time of this rank's main thread (time.thread_time_ns: not advanced while the OS runs other
+        # processes) in its experts and from dispatch start to combine end; -1: not measured
+        timing = []
 
         def one_step(step, record, tpass):
             """Run ``step`` on this rank; ``record``: keep routing, load and step bounds;
@@ -288,15 +295,15 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             x = torch.randn(T, H, generator=_seeded(torch, cfg.seed, 4, step, rank))
             for layer in range(L):
                 if cfg.micro_batches == 2:
-                    x, recs, tt = refrun_timeline.two_micro_batch_layer(tl, layer, x, tok_ids, choose_slots)
+                    x, recs, tt = refrun_timeline.two_micro_batch_layer(tl, layer, x, tok_ids, choose_slots, step)
                     if record:
                         refrun_timeline.keep(recs, step, layer, R, P, routing, received)
                     if tpass >= 0:
-                        timing.append((tpass, step, layer, *tt))
+                        timing.append((tpass, step, layer, *tt, -1, -1))   # CPU times: not split per micro-batch
                     continue
                 with torch.profiler.record_function(f"attention layer {layer}"):
                     x = x + torch.tanh(x @ w_attn[layer]) * 0.5
-                    refrun_timeline.delay(tl.delay_us)
+                    refrun_timeline.delay(tl.delay_at(step))
                 with torch.profiler.record_function(f"router layer {layer}"):
                     logits = x @ w_router[layer].T + prior
                     probs = F.softmax(logits, dim=-1)
@@ -308,6 +315,7 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                 order = np.argsort(dest, kind="stable")
                 send = np.bincount(dest, minlength=R).astype(np.int64)
                 td0 = time.monotonic_ns()
+                cd0 = time.thread_time_ns()
                 with torch.profiler.record_function(f"dispatch layer {layer}"):
                     recv = torch.empty(R, dtype=torch.int64)
                     dist.all_to_all_single(recv, torch.from_numpy(send))
@@ -316,10 +324,12 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                     rx = a2a(rows, sum(recv_l), send.tolist(), recv_l)
                     rslot = a2a(torch.from_numpy(slots.ravel()[order]), sum(recv_l), send.tolist(), recv_l)
                 te0 = time.monotonic_ns()
+                ce0 = time.thread_time_ns()
                 with torch.profiler.record_function(f"experts layer {layer}"):
                     rs = rslot.numpy()
                     # rows grouped by slot (stable: each slot's rows keep their order), one call per slot
                     y = refrun_timeline.experts(tl, layer, rx, rs)
+                ce1 = time.thread_time_ns()
                 te1 = time.monotonic_ns()
                 if record and len(rs):
                     # tokens received per (source rank, slot): the measured load of this rank
@@ -329,9 +339,10 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                     received.append((np.full(len(sr), step), np.full(len(sr), layer), sr, ss, c[sr, ss]))
                 with torch.profiler.record_function(f"combine layer {layer}"):
                     back = a2a(y, T * K, recv_l, send.tolist())
+                cc1 = time.thread_time_ns()
                 tc1 = time.monotonic_ns()
                 if tpass >= 0:
-                    timing.append((tpass, step, layer, td0, te0, te1, tc1))
+                    timing.append((tpass, step, layer, td0, te0, te1, tc1, ce1 - ce0, cc1 - cd0))
                 if T:
                     out = torch.empty_like(back)
                     out[torch.from_numpy(order)] = back
@@ -397,11 +408,12 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             "num_tokens": np.array([s[1] for s in steps], np.int64),
             "start_ns": np.array([s[2] for s in steps], np.int64),
             "end_ns": np.array([s[3] for s in steps], np.int64)}), os.path.join(outdir, f"steps_rank{rank}.parquet"))
-        tm = np.array(timing, np.int64).reshape(-1, 7)
+        tm = np.array(timing, np.int64).reshape(-1, 9)
         pq.write_table(pa.table({
             "pass": tm[:, 0].astype(np.int32), "step": tm[:, 1], "layer": tm[:, 2].astype(np.int32),
             "rank": np.full(len(tm), rank, np.int32), "dispatch_start_ns": tm[:, 3], "expert_start_ns": tm[:, 4],
-            "expert_end_ns": tm[:, 5], "combine_end_ns": tm[:, 6]}), os.path.join(outdir, f"timing_rank{rank}.parquet"))
+            "expert_end_ns": tm[:, 5], "combine_end_ns": tm[:, 6],
+            "expert_cpu_ns": pa.array(tm[:, 7], mask=tm[:, 7] < 0), "moe_cpu_ns": pa.array(tm[:, 8], mask=tm[:, 8] < 0)}), os.path.join(outdir, f"timing_rank{rank}.parquet"))
     finally:
         dist.destroy_process_group()
 
@@ -440,14 +452,29 @@ def summarize_timing(timing):
     table, as a dict of columns) and the run's noise level.
 
     ``timing``: rows (pass, step, layer, rank, dispatch_start_ns, expert_start_ns,
-    expert_end_ns, combine_end_ns) as a polars frame. Per pass, a rank's expert time is
-    expert end − start, its all-to-all time dispatch + combine, its MoE time combine end −
-    dispatch start, and the layer's time the last combine end − the last dispatch start
-    over the ranks (time.monotonic_ns, one clock for all processes). The noise
-    level is the median over cells of the relative spread ((p75 − p25) / median over
-    passes) of the expert time, of the MoE time and of the layer time."""
+    expert_end_ns, combine_end_ns[, expert_cpu_ns, moe_cpu_ns]) as a polars frame. Per
+    pass, a rank's expert time is expert end − start, its all-to-all time dispatch +
+    combine, its MoE time combine end − dispatch start, and the layer's time the last
+    combine end − the last dispatch start over the ranks (time.monotonic_ns, one clock for
+    all processes).
+
+    CPU basis (when the file has the CPU columns): a rank's expert CPU time and MoE CPU
+    time are its main thread's CPU time (``time.thread_time_ns``) in its experts and from
+    dispatch start to combine end; the layer's CPU time of a pass is the max over ranks of
+    the MoE CPU time (the busiest rank's own work; the time it waits for peers or for the
+    OS to schedule it is not in it). With one torch thread per rank the expert compute
+    runs in that thread; gloo's transfers run in its own threads, so the all-to-all's wait
+    costs no main-thread CPU.
+
+    The noise level is the median over cells of the relative spread ((p75 − p25) / median
+    over passes) of the expert time, of the MoE time, of the layer time, and of the CPU
+    expert and layer times."""
     import polars as pl
 
+    has_cpu = {"expert_cpu_ns", "moe_cpu_ns"} <= set(timing.columns)
+    if not has_cpu:
+        timing = timing.with_columns(pl.lit(None, pl.Int64).alias("expert_cpu_ns"),
+                                     pl.lit(None, pl.Int64).alias("moe_cpu_ns"))
     t = timing.with_columns(
         (pl.col("expert_end_ns") - pl.col("expert_start_ns")).alias("ex"),
         (pl.col("expert_start_ns") - pl.col("dispatch_start_ns") + pl.col("combine_end_ns")
@@ -457,25 +484,36 @@ def summarize_timing(timing):
     # monotonic clock for all rank processes), so a rank's late arrival from non-MoE work
     # is not counted, the wait of the fastest ranks for the slowest is
     lay = t.group_by(["pass", "step", "layer"]).agg(
-        (pl.col("combine_end_ns").max() - pl.col("dispatch_start_ns").max()).alias("lay"))
-    lay_cells = lay.group_by(["step", "layer"]).agg(pl.col("lay")).sort(["step", "layer"])
+        (pl.col("combine_end_ns").max() - pl.col("dispatch_start_ns").max()).alias("lay"),
+        # CPU basis: the busiest rank's MoE CPU time (null when any rank lacks it)
+        pl.when(pl.col("moe_cpu_ns").null_count() == 0).then(pl.col("moe_cpu_ns").max()).alias("lay_cpu"))
+    lay_cells = lay.group_by(["step", "layer"]).agg(pl.col("lay"), pl.col("lay_cpu")).sort(["step", "layer"])
     lay_med = {}
-    for s, layer, v in lay_cells.iter_rows():
+    for s, layer, v, vc in lay_cells.iter_rows():
         v = np.asarray(v, np.float64)
-        lay_med[(s, layer)] = (int(round(float(np.median(v)))), _rel_spread(v), int(v.min()))
-    cells = t.group_by(["step", "layer", "rank"]).agg(pl.col("ex"), pl.col("cm"), pl.col("moe")).sort(
-        ["step", "layer", "rank"])
+        vc = np.asarray([x for x in vc if x is not None], np.float64)
+        lay_med[(s, layer)] = (int(round(float(np.median(v)))), _rel_spread(v), int(v.min()),
+                               int(round(float(np.median(vc)))) if vc.size == len(v) else None,
+                               _rel_spread(vc) if vc.size == len(v) else None)
+    cells = t.group_by(["step", "layer", "rank"]).agg(pl.col("ex"), pl.col("cm"), pl.col("moe"),
+                                                       pl.col("expert_cpu_ns")).sort(["step", "layer", "rank"])
     cols = {k: [] for k in ("step", "layer", "rank", "passes", "expert_ns", "expert_spread", "expert_min_ns", "comm_ns",
-                            "moe_ns", "moe_spread", "layer_ns", "layer_spread", "layer_min_ns")}
-    for s, layer, r, ex, cm, moe in cells.iter_rows():
+                            "moe_ns", "moe_spread", "layer_ns", "layer_spread", "layer_min_ns", "expert_cpu_ns",
+                            "expert_cpu_spread", "layer_cpu_ns", "layer_cpu_spread")}
+    for s, layer, r, ex, cm, moe, exc in cells.iter_rows():
         ex, cm, moe = (np.asarray(v, np.float64) for v in (ex, cm, moe))
-        ln, lsp, lmin = lay_med[(s, layer)]
+        exc = np.asarray([x for x in exc if x is not None], np.float64)
+        exc = exc if exc.size == ex.size else None
+        ln, lsp, lmin, lcpu, lcsp = lay_med[(s, layer)]
         for k, v in (("step", s), ("layer", layer), ("rank", r), ("passes", ex.size),
                      ("expert_ns", int(round(float(np.median(ex))))), ("expert_spread", _rel_spread(ex)),
                      ("expert_min_ns", int(ex.min())),
                      ("comm_ns", int(round(float(np.median(cm))))), ("moe_ns", int(round(float(np.median(moe))))),
                      ("moe_spread", _rel_spread(moe)), ("layer_ns", ln), ("layer_spread", lsp),
-                     ("layer_min_ns", lmin)):
+                     ("layer_min_ns", lmin),
+                     ("expert_cpu_ns", None if exc is None else int(round(float(np.median(exc))))),
+                     ("expert_cpu_spread", None if exc is None else _rel_spread(exc)),
+                     ("layer_cpu_ns", lcpu), ("layer_cpu_spread", lcsp)):
             cols[k].append(v)
 
     def p50(vals):
@@ -484,6 +522,8 @@ def summarize_timing(timing):
     noise = {"passes": int(t["pass"].n_unique()) if t.height else 0,
              "expert_spread_p50": p50(cols["expert_spread"]), "moe_spread_p50": p50(cols["moe_spread"]),
              "layer_spread_p50": p50([v[1] for v in lay_med.values()]),
+             "expert_cpu_spread_p50": p50(cols["expert_cpu_spread"]),
+             "layer_cpu_spread_p50": p50([v[4] for v in lay_med.values()]),
              "definition": "median over (step, layer, rank) cells of (p75 - p25) / median over the timed passes"}
     return cols, noise
 

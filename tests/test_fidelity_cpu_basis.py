@@ -1,0 +1,92 @@
+"""The CPU basis of the reference run's timings (issue #13): each rank's main-thread CPU
+time in its experts and from dispatch start to combine end, summarized per (step, layer,
+rank) next to the wall-clock medians. Numbers are worked out by hand here."""
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from moetrace.produce.refrun import summarize_timing
+
+
+def _timing(cpu: bool = True) -> pl.DataFrame:
+    # 1 step, 1 layer, 2 ranks, 3 passes; wall: dispatch start, expert start/end, combine end
+    rows = []
+    #         pass rank  d0    e0    e1    c1   expert_cpu moe_cpu
+    for p, r, d0, e0, e1, c1, ec, mc in [
+            (0, 0, 100, 110, 210, 230, 90, 105),
+            (1, 0, 1000, 1010, 1130, 1150, 95, 112),
+            (2, 0, 2000, 2020, 2100, 2130, 70, 99),
+            (0, 1, 105, 120, 160, 232, 35, 50),
+            (1, 1, 990, 1000, 1050, 1151, 40, 58),
+            (2, 1, 2010, 2030, 2090, 2131, 38, 55)]:
+        rows.append({"pass": p, "step": 0, "layer": 0, "rank": r, "dispatch_start_ns": d0, "expert_start_ns": e0,
+                     "expert_end_ns": e1, "combine_end_ns": c1, "expert_cpu_ns": ec, "moe_cpu_ns": mc})
+    df = pl.DataFrame(rows)
+    return df if cpu else df.drop(["expert_cpu_ns", "moe_cpu_ns"])
+
+
+def test_cpu_basis_medians_by_hand():
+    cols, noise = summarize_timing(_timing())
+    got = pl.DataFrame(cols).sort("rank")
+    # rank 0 expert CPU: 90, 95, 70 -> median 90; p75 - p25 = 92.5 - 80 = 12.5
+    assert got["expert_cpu_ns"].to_list() == [90, 38]
+    assert got["expert_cpu_spread"][0] == pytest.approx(12.5 / 90)
+    # rank 1: 35, 40, 38 -> median 38; p75 39, p25 36.5
+    assert got["expert_cpu_spread"][1] == pytest.approx(2.5 / 38)
+    # layer CPU per pass = max over ranks of moe CPU: 105, 112, 99 -> median 105 (p75 108.5, p25 102)
+    assert got["layer_cpu_ns"].to_list() == [105, 105]
+    assert got["layer_cpu_spread"][0] == pytest.approx(6.5 / 105)
+    # wall clock unchanged: layer per pass = last combine end - last dispatch start
+    lay = [232 - 105, 1151 - 1000, 2131 - 2010]
+    assert got["layer_ns"][0] == int(np.median(lay))
+    assert noise["expert_cpu_spread_p50"] == pytest.approx(round(float(np.median([12.5 / 90, 2.5 / 38])), 4))
+    assert noise["layer_cpu_spread_p50"] == pytest.approx(round(6.5 / 105, 4))
+
+
+def test_timing_without_cpu_columns_gives_nulls():
+    """Timing files written before the CPU basis existed: the CPU columns are null, the
+    wall-clock ones as before."""
+    cols, noise = summarize_timing(_timing(cpu=False))
+    assert cols["expert_cpu_ns"] == [None, None] and cols["layer_cpu_ns"] == [None, None]
+    assert cols["expert_ns"] == [100, 50]
+    assert noise["expert_cpu_spread_p50"] is None
+
+
+def test_cpu_basis_in_the_cell_times_contract():
+    from moetrace import schema
+
+    cols, _ = summarize_timing(_timing())
+    t = schema.conform("cell_times", {**cols, "run_id": ["r"] * len(cols["step"])})
+    assert t.column("layer_cpu_ns").to_pylist() == [105, 105]
+    cols, _ = summarize_timing(_timing(cpu=False))
+    t = schema.conform("cell_times", {**cols, "run_id": ["r"] * len(cols["step"])})
+    assert t.column("expert_cpu_ns").null_count == 2
+
+
+@pytest.mark.slow
+def test_refrun_cpu_time_is_within_the_wall_time(tmp_path):
+    """A real tiny run: a thread's CPU time over an interval cannot exceed the interval's wall
+    time, and cell_times' CPU columns are the medians of the per-pass values."""
+    pytest.importorskip("torch")
+    from moetrace.collect import collect
+    from moetrace.produce.refrun import RefRunConfig, run
+
+    cfg = RefRunConfig(ranks=2, experts=4, layers=1, hidden=32, ffn=64, steps=2, tokens_per_rank=16, seed=1,
+                       profile=False, repeats=3, warmup=1, progress=False)
+    run(cfg, tmp_path / "o")
+    raw = pl.concat([pl.read_parquet(tmp_path / "o" / f"timing_rank{r}.parquet") for r in range(2)])
+    assert raw["expert_cpu_ns"].null_count() == 0 and (raw["expert_cpu_ns"] > 0).all()
+    slack = 2_000_000   # the CPU clock's own granularity and the two clocks' reads are not simultaneous
+    assert (raw["expert_cpu_ns"] <= raw["expert_end_ns"] - raw["expert_start_ns"] + slack).all()
+    assert (raw["moe_cpu_ns"] <= raw["combine_end_ns"] - raw["dispatch_start_ns"] + slack).all()
+    assert (raw["moe_cpu_ns"] >= raw["expert_cpu_ns"]).all()
+    cells = collect([tmp_path / "o"])[0].tables["cell_times"]
+    cells = pl.DataFrame(cells)
+    for c in cells.iter_rows(named=True):
+        sel = raw.filter((pl.col("step") == c["step"]) & (pl.col("layer") == c["layer"]))
+        mine = sel.filter(pl.col("rank") == c["rank"])["expert_cpu_ns"].to_numpy()
+        assert c["expert_cpu_ns"] == int(round(float(np.median(mine))))
+        per_pass = sel.group_by("pass").agg(pl.col("moe_cpu_ns").max())["moe_cpu_ns"].to_numpy()
+        assert c["layer_cpu_ns"] == int(round(float(np.median(per_pass))))
