@@ -180,6 +180,23 @@ class Run:
 
         return run_whatifs(self.store, self.id, **kw)
 
+    def stored_whatifs(self) -> "pl.DataFrame | None":
+        """The newest ``replay_whatif`` rows of each kind written for this run (long form,
+        one metric per row); None when ``moetrace whatif`` never wrote any."""
+        from .replay.whatif_store import latest
+
+        return latest(self.store, self.id)
+
+    def placement_whatif(self, max_cells: int = 2_000_000):
+        """The report's in-memory placement what-if (nothing written): the recorded placement
+        and a few plans fitted on the first half of the steps (of the first ``max_cells``
+        steps x layers x experts), judged on the rest, net of moves
+        (:class:`moetrace.replay.adapter.WhatIf`; None without a rank count). Raises
+        ``InputError`` when the run has no expert load to replay."""
+        from .replay.adapter import whatif
+
+        return whatif(self.store, self.id, self._replay_shape, max_cells)
+
     # ------------------------------------------------------------------ what-ifs (replay)
     @cached_property
     def _replay_shape(self):
@@ -276,15 +293,48 @@ class Run:
                              self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
-              ranks: int | None = None, groups=None, nodes=None, rpn=None, **opts):
+              ranks: int | None = None, groups=None, nodes=None, rpn=None, write: bool = False,
+              sweep_id: str | None = None, workers: int | None = None, scheduler: str | None = None, **opts):
         """The operator's decision table: replica budgets x re-plan intervals x fit windows,
         judged on the same steps against the recorded placement: net time, extra memory per
-        rank, moved bytes per hour, verdict. Returns a
-        :class:`moetrace.replay.adapter.SweepResult` (``.frame()``, ``.rows``, ``.notes``)."""
+        rank, moved bytes per hour, verdict. ``write`` stores every cell (``replay_runs``
+        kind ``sweep`` and its ``replay_layer`` rows). ``workers`` (a local Dask cluster of
+        that many processes) or ``scheduler`` (an existing one, ``tcp://host:8786``) fan
+        the cells out (:mod:`moetrace.replay.distributed`): same rows, written once, here.
+        Returns a :class:`moetrace.replay.adapter.SweepResult` (``.frame()``, ``.rows``,
+        ``.notes``)."""
         from .replay import adapter
 
-        return adapter.sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
-                             windows, self._replay_opts(**opts), ranks=ranks, groups=groups, nodes=nodes, rpn=rpn)
+        job = adapter.plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
+                                 windows, self._replay_opts(**opts), ranks=ranks, groups=groups, nodes=nodes,
+                                 rpn=rpn, write=write, sweep_id=sweep_id)
+        if workers is None and scheduler is None:
+            return adapter.finish_sweep(self.store, job, adapter.run_sweep_cells(self.store, job))
+        from .replay import distributed
+
+        return distributed.sweep(self.store, [job], workers=workers, scheduler=scheduler)[0]
+
+    @property
+    def hardware(self) -> str | None:
+        """The hardware the run was measured on, as its collector recorded it (None: unknown)."""
+        from .replay.calibrate import run_hardware
+
+        return run_hardware(self.store, self.id)
+
+    def error_band(self):
+        """The error band of predicted times on this run's hardware: the newest out-of-sample
+        calibration stored for it, else the uncalibrated default
+        (:class:`moetrace.replay.calibrate.ErrorBand`)."""
+        from .replay.calibrate import error_band
+
+        return error_band(self.store, self.hardware)
+
+    def calibrations(self) -> "pl.DataFrame | None":
+        """One row per (calibration, role) stored for this run, newest first, metrics
+        recomputed in SQL from the stored cells; None when the store holds no calibration."""
+        from .replay.calibrate import stored_summary
+
+        return stored_summary(self.store, self.id)
 
     def calibrate(self, judge=(), **kw) -> dict:
         """Fit the replay cost model on this run's measured spans (expert time = a·tokens +

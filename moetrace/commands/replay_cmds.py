@@ -300,9 +300,15 @@ def _print_drift(d, plot):
 @hardware_option
 @move_options
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
+@click.option("--save", is_flag=True, help="Store every cell (replay_runs kind 'sweep', with its replay_layer rows).")
+@click.option("--workers", type=int, default=None,
+              help="Judge the cells on a local Dask cluster of N worker processes (pip install 'moetrace[cluster]').")
+@click.option("--scheduler", default=None, envvar="DASK_SCHEDULER_ADDRESS", show_envvar=True,
+              help="Judge the cells on an existing Dask cluster (e.g. tcp://host:8786); workers read the store "
+                   "at the same path, results are written here.")
 @output_options
 def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, stall_ms,
-          move_overlap, passes, plot, fmt, output):
+          move_overlap, passes, plot, save, workers, scheduler, fmt, output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
     (moving experts charged), extra expert memory per rank, bytes moved per hour and a
@@ -312,11 +318,18 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
 
     \b
         moetrace sweep demo --replicas 0,16,32,64 --replan-every 10,25 --stall-ms 50
+        moetrace sweep demo --replan-every 10,25 --workers 2 --save
+        moetrace sweep demo --replan-every 10,25 --scheduler tcp://10.0.0.5:8786
     """
+    from click.core import ParameterSource
+
+    if workers is not None and click.get_current_context().get_parameter_source("scheduler") is \
+            ParameterSource.ENVIRONMENT:
+        scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
     run = Store(store).run(run_id)
     res = run.sweep(policy, replicas=replicas or [], intervals=intervals or [], windows=windows, ranks=ranks,
                     groups=groups, nodes=nodes, rpn=rpn, split=split, hardware=hardware, stall_ms=stall_ms,
-                    overlap=move_overlap, passes=passes)
+                    overlap=move_overlap, passes=passes, write=save, workers=workers, scheduler=scheduler or None)
     if plot:
         from ..report.plots import decision as decision_plot
 

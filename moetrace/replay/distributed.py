@@ -1,0 +1,144 @@
+"""Replay sweeps fanned out on a Dask cluster (``moetrace sweep --workers N`` / ``--scheduler``).
+
+A sweep's cells (replica budgets x re-plan intervals x fit windows, for one run or many)
+are independent: :func:`moetrace.replay.adapter.plan_sweep` lists them on the client,
+each cell becomes one Dask task that opens the store read-only (``Store(path)``: a reader
+never writes and never recovers), reads the run's counts from the Parquet files itself and
+judges the cell with :func:`moetrace.replay.adapter.sweep_cell`, the function the
+single-process sweep calls. The results come back to the client, which assembles the
+decision table and, when the sweep is stored, writes it in one transaction per run
+(:func:`moetrace.replay.adapter.finish_sweep`): workers never write.
+
+Workers must see the store at the same path as the client (a shared or network file
+system on a real cluster); a worker that cannot open it fails its task with the store's
+one-line error. A worker keeps the last runs it read in memory (keyed by the files of the
+run, so a store changed between sweeps is read again).
+
+Why Dask and not Ray (docs/scale.md): it is a pip package (``moetrace[cluster]``) with no
+daemon to install, its ``LocalCluster`` runs in-process for tests and CI, and an existing
+cluster is one address (``tcp://host:8786``); its tasks are plain Python functions.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import UsageError
+from . import adapter
+
+#: seconds the client waits for an existing scheduler before giving up
+CONNECT_TIMEOUT_S = 10
+#: runs a worker keeps in memory between tasks
+_CACHE_RUNS = 2
+_cache: "OrderedDict[tuple, object]" = OrderedDict()
+
+
+def _need_dask():
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        raise UsageError("--workers / --scheduler need Dask: pip install 'moetrace[cluster]'") from None
+
+
+def run_fingerprint(store_path, run_id: str) -> tuple:
+    """The committed files of a run (path, size, mtime): a worker's cached counts are
+    reused only while these are unchanged."""
+    base = Path(store_path)
+    out = []
+    for table in sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        part = base / table / f"run_id={run_id}"
+        if part.is_dir():
+            for f in sorted(part.glob("*.parquet")):
+                st = f.stat()
+                out.append((f"{table}/{f.name}", st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _context(opener, store_path: str, job: adapter.SweepJob, fingerprint: tuple):
+    key = (store_path, job.run_id, fingerprint, job.opts.split, job.opts.passes, job.opts.cost.to_json())
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    store = opener(store_path)      # Store(path): a reader (no create, no recovery)
+    try:
+        m = adapter.sweep_context(store, job)
+    finally:
+        store.close()
+    _cache[key] = m
+    while len(_cache) > _CACHE_RUNS:
+        _cache.popitem(last=False)
+    return m
+
+
+def judge_cells(opener, store_path: str, job: adapter.SweepJob, fingerprint: tuple,
+                cells: list[adapter.SweepCell]) -> list[adapter.SweepCellResult]:
+    """One Dask task: judge ``cells`` of ``job`` on a worker (reads, never writes).
+    ``opener`` is the client's store class (``Store``, opened read-only by path)."""
+    m = _context(opener, store_path, job, fingerprint)
+    return [adapter.sweep_cell(m, job, c) for c in cells]
+
+
+@contextlib.contextmanager
+def client_for(workers: int | None = None, scheduler: str | None = None) -> Iterator[object]:
+    """A Dask client: on a new LocalCluster of ``workers`` processes (one thread each), or
+    on the existing scheduler at ``scheduler`` (else ``DASK_SCHEDULER_ADDRESS``). An
+    unreachable scheduler is a one-line UsageError (exit 2)."""
+    if workers is not None and scheduler is not None:
+        raise UsageError("give --workers N (a local cluster) or --scheduler ADDRESS (an existing one), not both")
+    if workers is not None and workers < 1:
+        raise UsageError(f"--workers must be >= 1 (got {workers})")
+    address = scheduler if workers is None else None
+    if workers is None and not address:
+        address = os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+        if not address:
+            raise UsageError("no Dask cluster: give --workers N, --scheduler ADDRESS or set DASK_SCHEDULER_ADDRESS")
+    _need_dask()
+    from distributed import Client, LocalCluster
+
+    if address is None:
+        # the scheduler's HTTP port clashing with another cluster's is not worth a warning here
+        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
+        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                          silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+            yield client
+        return
+    try:
+        client = Client(address, timeout=CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError, ValueError, TypeError) as e:
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--scheduler {address!r}: no Dask scheduler reachable ({why}); nothing was written") from None
+    with client:
+        yield client
+
+
+def run_jobs(client, store, jobs: list[adapter.SweepJob], cells_per_task: int = 1) -> list[adapter.SweepResult]:
+    """Fan the cells of ``jobs`` out on ``client`` (``cells_per_task`` per task), gather
+    them and finish each job on the client (stored sweeps are written here, one
+    transaction per run)."""
+    path = str(Path(store.path).resolve())
+    futures, owner = [], []
+    for n, job in enumerate(jobs):
+        fp = run_fingerprint(path, job.run_id)
+        cells = job.cells
+        for i in range(0, len(cells), cells_per_task):
+            futures.append(client.submit(judge_cells, type(store), path, job, fp, cells[i:i + cells_per_task],
+                                         pure=False))
+            owner.append(n)
+    results: list[list] = [[] for _ in jobs]
+    for n, part in zip(owner, client.gather(futures)):
+        results[n].extend(part)
+    return [adapter.finish_sweep(store, job, res) for job, res in zip(jobs, results)]
+
+
+def sweep(store, jobs: list[adapter.SweepJob], workers: int | None = None, scheduler: str | None = None,
+          cells_per_task: int = 1) -> list[adapter.SweepResult]:
+    """Run planned sweeps (:func:`moetrace.replay.adapter.plan_sweep`, one per run) on a
+    local cluster of ``workers`` processes or on the scheduler at ``scheduler``; the
+    results equal the single-process sweep's."""
+    with client_for(workers, scheduler) as client:
+        return run_jobs(client, store, jobs, cells_per_task)
