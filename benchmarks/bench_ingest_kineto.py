@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import main, result  # noqa: E402
+from benchmarks.common import Skipped, main, result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO.parent / "shared" / "data" / "deepseek_ep64_train_rank0.json.gz"
@@ -126,8 +126,7 @@ def _measure(python: str, body: str, timeout: float = 3600) -> dict:
 
 def run(size: str) -> list[dict]:
     if not SOURCE.exists():
-        print(f"skipped: {SOURCE} not found", file=sys.stderr)
-        return []
+        raise Skipped(f"its source trace {SOURCE} is absent (../shared/data is not in a fresh clone)")
     ranks, steps = SIZES[size]
     tmp = Path(tempfile.mkdtemp(prefix="moetrace-bench-kineto-", dir="/tmp"))
     try:

@@ -18,6 +18,12 @@ import time
 from contextlib import contextmanager
 
 
+class Skipped(Exception):
+    """Raised by a benchmark's ``run`` when what it measures is absent here (a real trace
+    under ../shared/data, a GPU): ``run_all.py`` records it as skipped, with the message as
+    the reason, instead of as a failure."""
+
+
 def result(benchmark: str, metric: str, value: float, unit: str, baseline: str | None = None,
            baseline_value: float | None = None, ratio: float | None = None, notes: str = "") -> dict:
     """One measured figure; ``ratio`` is how many times better than the baseline (>1 = faster/smaller)."""
@@ -67,7 +73,11 @@ def main(run) -> None:
     ap.add_argument("--size", choices=["small", "full"], default="small")
     ap.add_argument("--json", action="store_true", help="print results as JSON")
     args = ap.parse_args()
-    rows = run(args.size)
+    try:
+        rows = run(args.size)
+    except Skipped as e:
+        print(f"skipped: {e}", file=sys.stderr)
+        return
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

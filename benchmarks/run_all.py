@@ -13,7 +13,8 @@ figure with its unit and, where the benchmark measured one, the baseline it was 
 with (pandas, HolisticTraceAnalysis, a plain-Python loop, ...) and the ratio (how many
 times better than the baseline; > 1 means moetrace wins). Running a subset with --only
 updates those benchmarks' entries and keeps the others, each entry saying at which size
-and when it ran. Exit code 1 when a benchmark failed.
+and when it ran. A benchmark whose input is absent here raises ``benchmarks.common.Skipped``
+and is listed as skipped with the reason. Exit code 1 when a benchmark failed.
 """
 from __future__ import annotations
 
@@ -49,12 +50,16 @@ RUNNER = """
 import json, resource, sys, time, importlib
 sys.path.insert(0, {repo!r})
 mod = importlib.import_module({module!r})  # a real module name: spawned workers can import it again
+from benchmarks.common import Skipped
 t0 = time.perf_counter()
-rows = mod.run({size!r})
+try:
+    rows, skipped = mod.run({size!r}), None
+except Skipped as e:
+    rows, skipped = [], str(e)
 wall = time.perf_counter() - t0
 peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 with open({out!r}, "w") as f:
-    json.dump({{"rows": rows, "wall_s": wall, "peak_rss_mib": peak / 1024.0}}, f)
+    json.dump({{"rows": rows, "skipped": skipped, "wall_s": wall, "peak_rss_mib": peak / 1024.0}}, f)
 """
 
 
@@ -86,6 +91,9 @@ def run_one(name: str, path: Path, size: str, timeout: float) -> dict:
             return {"benchmark": name, "status": "failed", "size": size, "wall_s": wall,
                     "error": "\n".join(tail), "results": []}
         doc = json.loads(out.read_text())
+    if doc.get("skipped"):
+        return {"benchmark": name, "status": "skipped", "size": size, "wall_s": wall, "error": doc["skipped"],
+                "results": []}
     rows = doc["rows"]
     bad = [r for r in rows if not isinstance(r, dict) or not {"metric", "value", "unit"} <= set(r)]
     if not isinstance(rows, list) or not rows or bad:
@@ -179,7 +187,7 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=float) + "\n")
     (out / "results.md").write_text(markdown(doc))
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}", file=sys.stderr)
-    return 0 if all(entries[k]["status"] == "ok" for k in benches) else 1
+    return 0 if all(entries[k]["status"] in ("ok", "skipped") for k in benches) else 1
 
 
 if __name__ == "__main__":
