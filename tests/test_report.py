@@ -315,3 +315,55 @@ def test_skew_by_batch_uses_every_step_at_every_batch_size(tmp_path):
         steps = np.concatenate([np.arange(a, b) for a, b in wins])
         one = r[steps, layer]
         assert row["step_imbalance_all"] == pytest.approx(np.mean(one.max(axis=1) / one.mean(axis=1)))
+
+
+# a time with its unit that is not followed by an error band ("1.23 ms" without " ±25%")
+UNBANDED_TIME = re.compile(r"\d(?:[\d.,]*\d)? (?:ms|µs)(?! ±\d+%)")
+
+
+def test_every_predicted_time_carries_its_error_band(tmp_path):
+    """The replay section's times are cost-model predictions (the recorded placement's too):
+    each one printed carries its band, in the sentence and in the table (time_band)."""
+    st = Store(tmp_path / "st", create=True)
+    rid = synth(st, SynthConfig(layers=2, experts=16, top_k=2, ranks=4, ranks_per_node=4, steps=24,
+                                tokens_per_step=256, sigma=0.9, seed=3)).run_id
+    run = st.run(rid)
+
+    def replay_section(out):
+        rep = rbuild.build_report(st, rid, tmp_path / out)
+        return {s.key: s for s in rep.sections}["replay"]
+
+    sec = replay_section("memory")                       # nothing stored: the in-memory what-if
+    head = sec.markdown.split("\n\n")[0]
+    assert re.search(r"\d ms ±\d+%", head) and not UNBANDED_TIME.findall(head), head
+    assert "carries its error band: ±25% (uncalibrated" in head
+    rows = [r for r in sec.markdown.splitlines() if r.startswith("| ") and "plan" not in r]
+    assert rows and all("±25%" in r for r in rows)     # every timed row of the table has its band
+    run.replay(policy="eplb", replicas=4, fit_window=(0, 12))
+    run.drift("eplb", every=6)
+    sec = replay_section("stored")
+    head = sec.markdown.split("\n\n")[0]
+    assert re.search(r"\d ms ±\d+%", head) and not UNBANDED_TIME.findall(head), head
+    assert "time_band" in sec.markdown
+    # the drift caption says what these plans' imbalance was, averaged here over the stored
+    # per-(step, layer) rows, and how much of the static-to-oracle gap re-planning closed
+    per = st.sql("""SELECT regexp_extract(replay_id, '-([a-z]+)$', 1) AS plan, avg(imbalance) AS m FROM replay_layer
+                    WHERE replay_id IN (SELECT replay_id FROM replay_runs WHERE kind LIKE 'drift-%') GROUP BY 1""")
+    m = dict(per.iter_rows())
+    cap = [f.caption for f in sec.figures if "Mean imbalance over the judged steps" in f.caption][0]
+    assert f"static plan {m['static']:.3f}×, re-planned {m['replan']:.3f}×, oracle {m['oracle']:.3f}×" in cap
+    if m["replan"] < m["static"] and m["static"] > m["oracle"]:
+        share = (m["static"] - m["replan"]) / (m["static"] - m["oracle"])
+        assert f"closes {100 * share:.0f}% of the gap" in cap
+    else:
+        assert "closes" not in cap
+
+
+def test_drift_caption_states_only_what_the_means_say():
+    from moetrace.report.sections.replay import drift_caption
+
+    c = drift_caption({"static": 1.4, "replan": 1.2, "oracle": 1.1})
+    assert "static plan 1.400×, re-planned 1.200×, oracle 1.100×" in c and "closes 67% of the gap" in c
+    c = drift_caption({"static": 1.2, "replan": 1.25, "oracle": 1.1})
+    assert "did not lower the imbalance" in c and "closes" not in c and "recovers" not in c
+    assert "lowers it by 0.100×" in drift_caption({"static": 1.3, "replan": 1.2})

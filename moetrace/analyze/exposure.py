@@ -31,13 +31,19 @@ class Exposure:
     groups: pl.DataFrame = field(default_factory=pl.DataFrame)
     stragglers: pl.DataFrame = field(default_factory=pl.DataFrame)
     modes: pl.DataFrame = field(default_factory=pl.DataFrame)
+    #: (name_id, collective) of inferred dispatch/combine kernels whose name says no direction
+    #: (the classifier gives plain 'a2a', e.g. an NCCL SendRecv): their label came from order
+    undirected: frozenset = frozenset()
 
     @property
     def has_a2a(self) -> bool:
         return bool(self.presence.get("has_a2a"))
 
-    def __getitem__(self, key: str):   # t["by_kind"], as the report section reads it
-        return getattr(self, key)
+    def direction_inferred(self, spans: pl.DataFrame) -> bool:
+        """Whether any of these spans (columns kind, inferred, name_id, collective) is a
+        dispatch or combine whose direction was inferred from the order of all-to-alls."""
+        a = spans.filter(pl.col("inferred") & pl.col("kind").is_in(["dispatch", "combine"]))
+        return any(pair in self.undirected for pair in a.select("name_id", "collective").unique().iter_rows())
 
     def no_a2a_message(self) -> str:
         return no_a2a_message(self.run_id, self.presence)
@@ -63,12 +69,17 @@ def exposure(store, run_id: str) -> Exposure:
                                [run_id])
     out.modes = store.sql("SELECT * EXCLUDE (run_id) FROM a2a_modes WHERE run_id = ? ORDER BY rank, device, stream",
                           [run_id])
+    out.undirected = _undirected(store, run_id)
     return out
 
 
-def exposure_tables(store, run_id: str) -> Exposure:
-    """The report section's name for :func:`exposure`."""
-    return exposure(store, run_id)
+def _undirected(store, run_id: str) -> frozenset:
+    from ..collect.classify import classify
+
+    kn = store.sql("""SELECT DISTINCT s.name_id, s.collective, kn.name FROM spans s
+                       LEFT JOIN kernel_names kn ON kn.run_id = s.run_id AND kn.name_id = s.name_id
+                       WHERE s.run_id = ? AND s.inferred AND s.kind IN ('dispatch', 'combine')""", [run_id])
+    return frozenset((n, c) for n, c, name in kn.iter_rows() if classify(name or "", c) == "a2a")
 
 
 def no_a2a_message(run_id: str, pres: dict) -> str:

@@ -49,6 +49,12 @@ class WhatIfReport:
     rel_error_source: str = costmod.UNCALIBRATED_SOURCE
     rows: int = 0
 
+    def frame(self):
+        """The report as ``replay_whatif`` rows (polars, long form, without ``run_id``)."""
+        import polars as pl
+
+        return pl.from_arrow(rows_table(self)).drop("run_id")
+
 
 # ----------------------------------------------------------------------------- inputs
 def overlap_inputs(store, run_id: str) -> dict | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import polars as pl
@@ -31,7 +32,15 @@ class ReportContext:
     outdir: Path
 
     def sql(self, query: str, params=None) -> pl.DataFrame:
+        """SQL over the store's views (the metric definitions of ``analyze/sql``)."""
         return self.store.sql(query, params)
+
+    @cached_property
+    def facade(self):
+        """The run as :class:`moetrace.run.Run`: a section reaches analysis and replay
+        through it (or through :meth:`sql`), never by importing them
+        (``tests/test_report_imports.py``)."""
+        return self.store.run(self.run_id)
 
 
 def md_table(df: pl.DataFrame, float_fmt: str = "{:.3f}", max_rows: int = 40) -> str:

@@ -21,9 +21,7 @@ def _pct(v):
 
 
 def build(ctx: ReportContext) -> Section | None:
-    from ...replay.calibrate import stored_summary
-
-    df = stored_summary(ctx.store, ctx.run_id)
+    df = ctx.facade.calibrations()
     if df is None or df.height == 0:
         return None
     rows = []
@@ -49,10 +47,8 @@ def build(ctx: ReportContext) -> Section | None:
     if top["layer_mape"] is not None:
         head += (f" The layer time (slowest rank's expert + all-to-all time) is off by {_pct(top['layer_mape'])}% "
                  f"(bias {_pct(top['layer_bias']):+}%).")
-    from ...replay.calibrate import error_band, run_hardware
-
-    hw = run_hardware(ctx.store, str(top["fit_run_id"]))
-    band = error_band(ctx.store, hw)
+    fit = ctx.store.run(str(top["fit_run_id"]))
+    hw, band = fit.hardware, fit.error_band()
     head += (f" Error band of time predictions on this hardware ({hw or 'unknown'}): {band.text()}; a predicted "
              "difference smaller than it is within model error, not a win.")
     md = [head, "", md_table(tbl, float_fmt="{:.2f}")]

@@ -48,7 +48,7 @@ def build(ctx: ReportContext) -> Section | None:
             ylabel="dummy steps (% of the rank's steps)", ref_line=100 * share,
             ref_label=f"all ranks {100 * share:.1f}%", highlight="max"),
             "Share of each rank's steps that were dummy steps (no tokens, forward run only to keep the "
-            "collectives aligned); dashed: the average over ranks; red: the rank(s) with the largest share"
+            "collectives aligned); dashed: all ranks together; red: the rank(s) with the largest share"
             + (" (tied)" if len(plots.highlighted(vals, "max")) > 1 else "") + "."))
     return Section(key="dummy", title="Dummy steps", markdown="\n".join(md), terminal="\n".join(term),
                    figures=figs, notes=notes)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ...analyze.exposure import exposure_tables, hook_mode_message, no_a2a_message
 from ...collect.classify import A2A_KINDS, COMPUTE_KINDS
 from ..base import Figure, ReportContext, Section, md_table
 
@@ -32,13 +31,13 @@ def build(ctx: ReportContext) -> Section | None:
     has_spans = ctx.sql("SELECT count(*) AS n FROM spans WHERE run_id = ?", [rid])["n"][0]
     if not has_spans:
         return None  # not a profiler run: nothing to say
-    t = exposure_tables(ctx.store, rid)
+    t = ctx.facade.exposure()
     notes = []  # the run's approximations are printed by the report header already
-    unl = unlabelled_sentence(t["presence"])
-    if not t["presence"]["has_a2a"]:
-        msg = no_a2a_message(rid, t["presence"]) + (" " + unl if unl else "")
+    unl = unlabelled_sentence(t.presence)
+    if not t.has_a2a:
+        msg = t.no_a2a_message() + (" " + unl if unl else "")
         return Section("exposure", "All-to-all exposure", markdown=msg, terminal=msg, notes=notes)
-    by_kind, ranks = t["by_kind"], t["ranks"]
+    by_kind, ranks = t.by_kind, t.ranks
     tot_comm = int(by_kind["comm_ns"].sum())
     tot_exp = int(by_kind["exposed_ns"].sum())
     head = (f"All-to-all kernels ran for {_ms(tot_comm)} (union per rank, step, layer, micro-batch and kind); "
@@ -57,27 +56,27 @@ def build(ctx: ReportContext) -> Section | None:
     md += ["", "Per rank (share of comm = exposed / comm; share of step = exposed / step time):", "",
            md_table(_ms_cols(ranks))]
     term += ["", _plain(_ms_cols(ranks).head(16))]
-    if t["stragglers"].height:
-        sent = straggler_sentence(t["stragglers"])
-        md += ["", sent, "", md_table(_ms_cols(t["stragglers"].sort("step")))]
+    if t.stragglers.height:
+        sent = straggler_sentence(t.stragglers)
+        md += ["", sent, "", md_table(_ms_cols(t.stragglers.sort("step")))]
         term += ["", sent]
-    hook = hook_mode_message(t["modes"])
+    hook = t.hook_mode_message()
     if hook:
         notes.append(hook)
-    if t["groups"]["inferred"].any():
+    if t.groups["inferred"].any():
         notes.append("Layer (and, for plain all-to-alls, direction) of some groups was inferred from the order of "
                      "dispatches within the step; 'inferred' marks them in a2a_exposure and in the figure titles.")
-        lone = lone_layers(t["groups"])
+        lone = lone_layers(t.groups)
         if lone:
             notes.append(f"{len(lone)} inferred layer(s) ({', '.join(map(str, lone[:8]))}"
                          f"{', ...' if len(lone) > 8 else ''}) have only a dispatch or only a combine in some step: "
                          "the all-to-alls do not come in dispatch/combine pairs, so these 'layers' are positions in "
                          "the step, not MoE layers (a non-MoE all-to-all, e.g. embedding exchange, looks like this).")
     figs = []
-    p = _timeline(ctx)
+    p = _timeline(ctx, t)
     if p is not None:
         figs.append(p)
-    p = _layer_bars(ctx, t["groups"])
+    p = _layer_bars(ctx, t.groups)
     if p is not None:
         figs.append(p)
     return Section("exposure", "All-to-all exposure", markdown="\n".join(md), terminal="\n".join(term),
@@ -95,8 +94,8 @@ def _plain(df: pl.DataFrame) -> str:
     return render_table(df, max_rows=20)
 
 
-def _timeline(ctx: ReportContext) -> Figure | None:
-    """Lanes per rank for the step with the most all-to-all time."""
+def _timeline(ctx: ReportContext, t=None) -> Figure | None:
+    """Lanes per rank for the step with the most all-to-all time (``t``: the run's Exposure)."""
     from .. import plots
 
     rid = ctx.run_id
@@ -131,7 +130,7 @@ def _timeline(ctx: ReportContext) -> Figure | None:
     ax.set_yticklabels(yl, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the first span of the step")
-    inferred = direction_inferred(ctx, spans.filter(pl.col("kind").is_in(["dispatch", "combine"])))
+    inferred = (t or ctx.facade.exposure()).direction_inferred(spans)
     ax.set_title(f"Step {step}: compute vs dispatch vs combine per rank"
                  + ("\n(dispatch/combine labels INFERRED from order)" if inferred else ""))
     path = plots.save(fig, ctx.outdir / f"exposure_timeline_{rid}.png")
@@ -217,16 +216,3 @@ def lone_layers(groups: pl.DataFrame) -> list[int]:
     k = g.group_by(["rank", "step", "micro_batch", "layer"]).agg(pl.col("kind").n_unique().alias("n"))
     return sorted(set(k.filter(pl.col("n") < 2)["layer"].to_list()))
 
-
-def direction_inferred(ctx: ReportContext, a2a: pl.DataFrame) -> bool:
-    """Whether any of these dispatch/combine spans got its direction from the order of
-    all-to-alls: its kernel name says no direction (the classifier gives 'a2a', e.g. an
-    NCCL SendRecv) and no annotation gave one (the span is marked inferred)."""
-    from ...collect.classify import classify
-
-    a2a = a2a.filter(pl.col("inferred"))
-    if a2a.height == 0:
-        return False
-    names = ctx.sql("SELECT name_id, name FROM kernel_names WHERE run_id = ?", [ctx.run_id])
-    pairs = a2a.select("name_id", "collective").unique().join(names, on="name_id", how="left")
-    return any(classify(n or "", c) == "a2a" for _, c, n in pairs.iter_rows())

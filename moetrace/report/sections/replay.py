@@ -27,6 +27,19 @@ def _ms(ms: float | None) -> str:
     return f"{ms:.2f} ms" if ms >= 0.1 else f"{ms * 1e3:.2f} µs"
 
 
+def _band(rel: float | None) -> str:
+    return "±?" if rel is None else f"±{100 * rel:.0f}%"
+
+
+def band_sentence(bands: list[tuple[float | None, str]]) -> str:
+    """Every time of the section is a cost-model prediction (the recorded placement's too):
+    its error band(s), with their sources."""
+    uniq = list(dict.fromkeys(bands))
+    return ("Every time in this section is predicted by the cost model (the recorded placement's too: the same "
+            "model on the recorded plan) and carries its error band: "
+            + "; ".join(f"{_band(r)} ({src})" for r, src in uniq) + ".")
+
+
 def _pct(x, rec) -> str:
     if x is None or rec is None or not rec:
         return ""
@@ -41,20 +54,15 @@ def _stored(ctx: ReportContext):
 
 
 def _whatif(ctx: ReportContext):
-    from ...replay.adapter import RunShape, whatif
     from ...errors import InputError
 
     try:
-        shape = RunShape.from_store(ctx.store, ctx.run_id)
-        w = whatif(ctx.store, ctx.run_id, shape, WHATIF_MAX_CELLS)
+        return ctx.facade.placement_whatif(WHATIF_MAX_CELLS)
     except InputError:   # no expert_load, or no rank count: nothing to replay
         return None
-    return w
 
 
 def _whatif_section(ctx, w) -> Section:
-    from ...replay.strategies import fastest
-
     unit = "pass" if w.timing.per_pass else "step"
     rows = []
     for j in w.results:
@@ -63,10 +71,12 @@ def _whatif_section(ctx, w) -> Section:
                      f"predicted_ms_per_{unit}": None if j.gross_step_ns is None else j.gross_step_ns / 1e6,
                      f"net_ms_per_{unit}": None if j.net_step_ns is None else j.net_step_ns / 1e6,
                      "recorded_ms": None if j.recorded_step_ns is None else j.recorded_step_ns / 1e6,
+                     "time_band": None if j.gross_step_ns is None else _band(w.error_band[0]),
                      "moved_experts": j.moved_experts, "verdict": "baseline" if j.kind == "recorded" else j.verdict})
     df = pl.DataFrame(rows)
     rec = w.results[0]
-    best = fastest(w.results)
+    best = w.fastest()
+    b = _band(w.error_band[0])
     if rec.gross_step_ns is None:
         text = (f"Replayed against the run's recorded counts, the recorded placement runs at max/mean "
                 f"**{rec.summary.mean_imbalance:.2f}×**. The counts aggregate many passes and their number is "
@@ -75,14 +85,16 @@ def _whatif_section(ctx, w) -> Section:
         if bi is not None:
             text += f" Most balanced: **{bi.name}** at {bi.summary.mean_imbalance:.2f}×."
     elif best is None:
-        text = f"The recorded placement runs at {_ms(rec.gross_step_ns / 1e6)} per {unit}; no other plan could be made."
+        text = (f"The recorded placement runs at {_ms(rec.gross_step_ns / 1e6)} {b} per {unit}; no other plan could "
+                f"be made. {band_sentence([w.error_band])}")
     else:
         text = (f"Recorded placement: max/mean **{rec.summary.mean_imbalance:.2f}×**, {_ms(rec.gross_step_ns / 1e6)} "
-                f"of MoE time per {unit}. Fastest net: **{best.name}**, {_ms(best.net_step_ns / 1e6)} vs "
-                f"{_ms(best.recorded_step_ns / 1e6)} recorded{_pct(best.net_step_ns, best.recorded_step_ns)} "
-                f"(gross {_ms(best.gross_step_ns / 1e6)}; {best.moved_experts} expert moves charged), max/mean "
-                f"{best.summary.mean_imbalance:.2f}×. Verdict: **{best.verdict}** ({best.verdict_reason}). Run "
-                "`moetrace replay` / `moetrace sweep` for stored results, drift and the decision table.")
+                f"{b} of MoE time per {unit}. Fastest net: **{best.name}**, {_ms(best.net_step_ns / 1e6)} {b} vs "
+                f"{_ms(best.recorded_step_ns / 1e6)} {b} recorded{_pct(best.net_step_ns, best.recorded_step_ns)} "
+                f"(gross {_ms(best.gross_step_ns / 1e6)} {b}; {best.moved_experts} expert moves charged), max/mean "
+                f"{best.summary.mean_imbalance:.2f}×. Verdict: **{best.verdict}** ({best.verdict_reason}). "
+                f"{band_sentence([w.error_band])} Run `moetrace replay` / `moetrace sweep` for stored results, drift "
+                "and the decision table.")
     return Section(key="replay", title="Replay: alternative placements", markdown="\n".join([text, "", md_table(df)]),
                    terminal="\n".join([text.replace("**", ""), "", _render(df)]), notes=w.notes)
 
@@ -105,18 +117,26 @@ def build(ctx: ReportContext) -> Section | None:
         (col("recorded_step_ns") / 1e6).alias("recorded_ms"), (pl.col("predicted_step_ns") / 1e6).alias("predicted_ms"),
         (col("net_step_ns") / 1e6).alias("net_ms"), "moved_experts", (pl.col("moved_bytes") / 2**30).alias("moved_GiB"),
         col("verdict").alias("verdict"), "exact_bytes")
+    bands = [_stored_band(sj) for sj in stored["summary_json"].to_list()]
+    timed = [t is not None for t in show["predicted_ms"].to_list()]
+    at = show.columns.index("net_ms") + 1
+    show = show.insert_column(at, pl.Series("time_band", [_band(r) if t else None for t, (r, _) in zip(timed, bands)],
+                                            pl.Utf8))
     deployable = show.filter(~pl.col("kind").is_in(["drift-oracle"]) & (pl.col("policy") != "plan recorded")
                              & pl.col("net_ms").is_not_null())
     lines = [f"{show.height} stored replay(s), each judged against the recorded placement on the same steps with "
              "the same cost model; net = predicted time plus the cost of moving experts."]
     if deployable.height:
         b = deployable.sort("net_ms").row(0, named=True)
-        lines.append(f"Fastest net: **{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(b['net_ms'])} vs "
-                     f"{_ms(b['recorded_ms'])} recorded{_pct(b['net_ms'], b['recorded_ms'])}, gross "
-                     f"{_ms(b['predicted_ms'])}, {b['moved_experts']} expert moves; judged on {b['judged_on']}. "
+        tb = b["time_band"]
+        lines.append(f"Fastest net: **{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(b['net_ms'])} {tb} vs "
+                     f"{_ms(b['recorded_ms'])} {tb} recorded{_pct(b['net_ms'], b['recorded_ms'])}, gross "
+                     f"{_ms(b['predicted_ms'])} {tb}, {b['moved_experts']} expert moves; judged on {b['judged_on']}. "
                      f"Verdict: **{b['verdict']}**.")
     elif show.filter(pl.col("predicted_ms").is_null()).height:
         lines.append("The counts aggregate many passes of unknown number: imbalance answers only, no time per step.")
+    if any(timed):
+        lines.append(band_sentence([bd for t, bd in zip(timed, bands) if t]))
     text = " ".join(lines)
     table = show.drop("replay_id", "plan")
     md = [text, "", md_table(table)]
@@ -134,6 +154,15 @@ def build(ctx: ReportContext) -> Section | None:
             notes.append(f"Cost model: {src}")
     return Section(key="replay", title="Replay: alternative placements and re-planning", markdown="\n".join(md),
                    terminal="\n".join(term), figures=figs, notes=notes)
+
+
+def _stored_band(summary_json: str | None) -> tuple[float | None, str]:
+    """(relative error, source) the replay stored with its predicted times."""
+    try:
+        b = json.loads(summary_json or "{}").get("error_band") or {}
+    except ValueError:
+        b = {}
+    return b.get("rel"), b.get("source") or "no error band stored with this replay"
 
 
 def _drift_figure(ctx, stored) -> list[Figure]:
@@ -154,9 +183,29 @@ def _drift_figure(ctx, stored) -> list[Figure]:
                        r["moved_bytes"]))
     p = plots.drift(ctx.outdir / "replay_drift.png", step, curves,
                     title="Imbalance over time: static vs re-planned vs oracle")
-    return [Figure(p, "A plan fitted once goes stale as popularity drifts; re-planning from a trailing window "
-                      "recovers most of the gap to the oracle (fitted on the very steps it is judged on, a lower "
-                      "bound). The table above charges each re-plan its expert moves.")]
+    return [Figure(p, drift_caption({c[0]: c[2] for c in curves}))]
+
+
+def drift_caption(means: dict) -> str:
+    """What the drift figure shows, from the mean imbalance of each plan (``static``,
+    ``replan``, ``oracle``; max/mean over the judged steps): only what these numbers say."""
+    names = {"static": "static plan", "replan": "re-planned", "oracle": "oracle"}
+    got = {k: means[k] for k in names if means.get(k) is not None}
+    out = ("Mean imbalance over the judged steps: "
+           + ", ".join(f"{names[k]} {v:.3f}×" for k, v in got.items())
+           + (" (the oracle is fitted on the very steps it is judged on: a lower bound)" if "oracle" in got else "")
+           + ".")
+    st, rp, orc = got.get("static"), got.get("replan"), got.get("oracle")
+    if st is not None and rp is not None:
+        if rp >= st:
+            out += " Re-planning did not lower the imbalance below the static plan's."
+        elif orc is not None and st > orc:
+            share = (st - rp) / (st - orc)
+            out += (f" Re-planning from a trailing window closes {100 * share:.0f}% of the gap between the static "
+                    "plan and the oracle.")
+        else:
+            out += f" Re-planning lowers it by {st - rp:.3f}×."
+    return out + " The table above charges each re-plan its expert moves."
 
 
 def _traffic_figures(ctx, stored) -> list[Figure]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ...analyze.waits import wait_result
 from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 42
@@ -18,7 +17,7 @@ def build(ctx: ReportContext) -> Section | None:
     rid = ctx.run_id
     if not ctx.sql("SELECT count(*) AS n FROM spans WHERE run_id = ?", [rid])["n"][0]:
         return None
-    res = wait_result(ctx.store, rid)
+    res = ctx.facade.waits()
     cover = res.coverage_message()
     if not res.has_instances:
         return Section("waits", "Who waited for whom", markdown=cover, terminal=cover)

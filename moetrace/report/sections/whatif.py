@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import polars as pl
 
-from ...replay.whatif_store import latest, rows_table, run_whatifs
 from ..base import ReportContext, Section, md_table
 
 ORDER = 62
@@ -15,14 +14,14 @@ ORDER = 62
 
 def build(ctx: ReportContext) -> Section | None:
     rid = ctx.run_id
-    df = latest(ctx.store, rid)
+    df = ctx.facade.stored_whatifs()
     computed = False
     notes = []
     if df is None:
         if not ctx.sql("SELECT count(*) AS n FROM spans WHERE run_id = ?", [rid])["n"][0]:
             return None
-        rep = run_whatifs(ctx.store, rid, domains=(), write=False)
-        df = pl.from_arrow(rows_table(rep)).drop("run_id")
+        rep = ctx.facade.whatif(domains=(), write=False)
+        df = rep.frame()
         notes.extend(rep.notes)
         computed = True
         if df.height == 0:
@@ -32,12 +31,13 @@ def build(ctx: ReportContext) -> Section | None:
              .select("kind", "scenario", "metric", pl.col("before").round(1), pl.col("after").round(1),
                      "after/before", "unit"))
     band = df["rel_error"].drop_nulls()
+    pm = f" ±{100 * float(band.max()):.0f}%" if band.len() else ""   # on every predicted time below
     lines = []
     ov = whole.filter((pl.col("kind") == "overlap") & (pl.col("metric") == "step_ns"))
     if ov.height:
         r = ov.row(0, named=True)
         lines.append(f"**Two micro-batches**: mean step {r['before'] / 1e6:.2f} ms recorded -> "
-                     f"{r['after'] / 1e6:.2f} ms predicted ({r['after/before']:.2f}x).")
+                     f"{r['after'] / 1e6:.2f} ms{pm} predicted ({r['after/before']:.2f}x).")
     dg = df.filter((pl.col("kind") == "disaggregation") & (pl.col("metric") == "tokens_per_gpu_s"))
     if dg.height:
         best = dg.sort("after", descending=True).row(0, named=True)
@@ -46,7 +46,7 @@ def build(ctx: ReportContext) -> Section | None:
     dm = whole.filter((pl.col("kind") == "domain") & (pl.col("metric") == "a2a_ns_per_step"))
     if dm.height:
         lines.append("**NVLink domain size**: " + "; ".join(
-            f"{d} ranks -> {a / 1e6:.3f} ms all-to-all per step" for d, a in
+            f"{d} ranks -> {a / 1e6:.3f} ms{pm} all-to-all per step" for d, a in
             sorted((int(s.split(' ')[0]), a) for s, a in zip(dm["scenario"].to_list(), dm["after"].to_list()))) + ".")
     if band.len():
         lines.append(f"Every predicted value carries an error band of ±{100 * float(band.max()):.0f}% "
