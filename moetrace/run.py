@@ -303,16 +303,20 @@ class Run:
         the cells out (:mod:`moetrace.replay.distributed`): same rows, written once, here.
         Returns a :class:`moetrace.replay.adapter.SweepResult` (``.frame()``, ``.rows``,
         ``.notes``)."""
+        job = self.plan_sweep(policy, replicas, intervals, windows, ranks=ranks, groups=groups, nodes=nodes,
+                              rpn=rpn, write=write, sweep_id=sweep_id, **opts)
+        return run_sweeps(self.store, [job], workers=workers, scheduler=scheduler)[0]
+
+    def plan_sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
+                   ranks: int | None = None, groups=None, nodes=None, rpn=None, write: bool = False,
+                   sweep_id: str | None = None, **opts):
+        """The sweep's cells, checked, nothing judged yet (a
+        :class:`moetrace.replay.adapter.SweepJob` for :func:`run_sweeps`)."""
         from .replay import adapter
 
-        job = adapter.plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
-                                 windows, self._replay_opts(**opts), ranks=ranks, groups=groups, nodes=nodes,
-                                 rpn=rpn, write=write, sweep_id=sweep_id)
-        if workers is None and scheduler is None:
-            return adapter.finish_sweep(self.store, job, adapter.run_sweep_cells(self.store, job))
-        from .replay import distributed
-
-        return distributed.sweep(self.store, [job], workers=workers, scheduler=scheduler)[0]
+        return adapter.plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
+                                  windows, self._replay_opts(**opts), ranks=ranks, groups=groups, nodes=nodes,
+                                  rpn=rpn, write=write, sweep_id=sweep_id)
 
     @property
     def hardware(self) -> str | None:
@@ -355,4 +359,37 @@ class Run:
         return build_report(self.store, self.id, outdir, **kw)
 
 
-__all__ = ["Run", "Shape", "SKEW_BY"]
+def run_sweeps(store, jobs, workers: int | None = None, scheduler: str | None = None) -> list:
+    """Judge planned sweeps (:meth:`Run.plan_sweep`, one per run: plans x windows x budgets
+    x runs) in this process, or as independent tasks on a local Dask cluster of ``workers``
+    processes / the existing one at ``scheduler``; each stored sweep is written here, once
+    per run. Returns one :class:`moetrace.replay.adapter.SweepResult` per job."""
+    if workers is None and scheduler is None:
+        from .replay import adapter
+
+        return [adapter.finish_sweep(store, job, adapter.run_sweep_cells(store, job)) for job in jobs]
+    from .replay import distributed
+
+    return distributed.sweep(store, jobs, workers=workers, scheduler=scheduler)
+
+
+def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = None, scheduler: str | None = None,
+               **kw) -> tuple[list, list[str]]:
+    """The sweep of every run in ``run_ids`` (keyword arguments as :meth:`Run.sweep`),
+    fanned out together: (results of the runs that can be swept, notes naming the runs
+    that cannot and why). All runs refused: the first run's error."""
+    from .errors import InputError
+
+    jobs, skipped, first = [], [], None
+    for rid in run_ids:
+        try:
+            jobs.append(store.run(rid).plan_sweep(policy, **kw))
+        except InputError as e:
+            first = first or e
+            skipped.append(f"run {rid} not swept: {e.message}")
+    if not jobs:
+        raise first or InputError(None, "the store has no runs to sweep")
+    return run_sweeps(store, jobs, workers=workers, scheduler=scheduler), skipped
+
+
+__all__ = ["Run", "Shape", "SKEW_BY", "run_sweeps", "sweep_runs"]

@@ -192,3 +192,23 @@ def test_cli_workers_local_cluster_saves_once(store_path, tmp_path):
     drop = ["replay_id", "summary_json", "params_json"]    # ids carry the sweep's own id and time
     assert ra.drop(drop).equals(rb.drop(drop), null_equal=True)
     assert la.drop("replay_id").equals(lb.drop("replay_id"), null_equal=True)
+
+
+def test_cli_all_runs_fanned_out_together(store_path, tmp_path, cluster):
+    """`--all-runs`: every run's cells are tasks of one fan-out (plans x windows x budgets x
+    runs); each run's rows equal its own single-process sweep, each run stored once."""
+    c, _ = cluster
+    p = _copy(store_path, tmp_path, "all")
+    sweep = ("--replicas", "0,8", "--replan-every", "5", "--window", "10", "--format", "json")
+    r = run_cli("sweep", p, "--all-runs", *sweep, "--save", "--scheduler", c.scheduler_address)
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [x["run_id"] for x in got] == ["r0"] * 4 + ["r1"] * 4
+    for rid in ("r0", "r1"):
+        one = run_cli("sweep", store_path, "--run", rid, *sweep)
+        rows = json.loads(one.stdout.strip().splitlines()[-1])
+        mine = [{k: v for k, v in x.items() if k != "run_id"} for x in got if x["run_id"] == rid]
+        assert all(_same_value(a[k], b[k]) for a, b in zip(rows, mine) for k in a) and len(mine) == len(rows)
+        assert len(list((p / "replay_runs" / f"run_id={rid}").glob("*.parquet"))) == 1
+        assert Store(p).sql("SELECT count(*) n FROM replay_runs WHERE run_id = ? AND kind = 'sweep'",
+                            [rid])["n"][0] == 4

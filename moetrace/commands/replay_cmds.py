@@ -300,6 +300,8 @@ def _print_drift(d, plot):
 @hardware_option
 @move_options
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
+@click.option("--all-runs", is_flag=True,
+              help="Sweep every run in the store (a run_id column; runs that cannot be swept are noted).")
 @click.option("--save", is_flag=True, help="Store every cell (replay_runs kind 'sweep', with its replay_layer rows).")
 @click.option("--workers", type=int, default=None,
               help="Judge the cells on a local Dask cluster of N worker processes (pip install 'moetrace[cluster]').")
@@ -308,7 +310,7 @@ def _print_drift(d, plot):
                    "at the same path, results are written here.")
 @output_options
 def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, stall_ms,
-          move_overlap, passes, plot, save, workers, scheduler, fmt, output):
+          move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt, output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
     (moving experts charged), extra expert memory per rank, bytes moved per hour and a
@@ -326,18 +328,30 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
     if workers is not None and click.get_current_context().get_parameter_source("scheduler") is \
             ParameterSource.ENVIRONMENT:
         scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
-    run = Store(store).run(run_id)
-    res = run.sweep(policy, replicas=replicas or [], intervals=intervals or [], windows=windows, ranks=ranks,
-                    groups=groups, nodes=nodes, rpn=rpn, split=split, hardware=hardware, stall_ms=stall_ms,
-                    overlap=move_overlap, passes=passes, write=save, workers=workers, scheduler=scheduler or None)
-    if plot:
-        from ..report.plots import decision as decision_plot
+    kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows, ranks=ranks, groups=groups,
+              nodes=nodes, rpn=rpn, split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
+              passes=passes, write=save, workers=workers, scheduler=scheduler or None)
+    if all_runs:
+        from ..errors import UsageError
+        from ..run import sweep_runs
 
-        decision_plot(res.rows, plot)
-        click.echo(f"wrote {plot}", err=True)
-    df = res.frame(brief=fmt in (None, "table") and not output)
+        if run_id is not None or plot:
+            raise UsageError("--all-runs sweeps every run: leave out --run and --plot")
+        st = Store(store)
+        results, skipped = sweep_runs(st, st.run_ids(), policy, **kw)
+        df = pl.concat([r.frame(brief=fmt in (None, "table") and not output).select(
+            pl.lit(r.run_id).alias("run_id"), pl.all()) for r in results], how="diagonal_relaxed")
+        notes = skipped + [f"{r.run_id}: {n}" for r in results for n in r.notes]
+    else:
+        res = Store(store).run(run_id).sweep(policy, **kw)
+        if plot:
+            from ..report.plots import decision as decision_plot
+
+            decision_plot(res.rows, plot)
+            click.echo(f"wrote {plot}", err=True)
+        df, notes = res.frame(brief=fmt in (None, "table") and not output), res.notes
     if fmt in (None, "table"):
-        for n in res.notes:
+        for n in notes:
             click.echo(f"note: {n}", err=True)
     emit(df, fmt, output)
 

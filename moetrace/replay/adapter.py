@@ -887,6 +887,7 @@ class SweepResult:
     notes: list[str]
     #: the stored sweep's id (its cells are ``replay_runs`` rows ``<sweep_id>-<cell>``); None: not stored
     sweep_id: str | None = None
+    run_id: str | None = None
 
     def frame(self, brief: bool = False):
         """The decision table as a polars frame (one row per cell, skipped cells say why);
@@ -1076,7 +1077,7 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
                                                  "cell_window": c.window}))
             layers += r.layer_tables
         store.append(job.run_id, {"replay_layer": layers, "replay_runs": runs})
-    return SweepResult(rows, notes, job.sweep_id)
+    return SweepResult(rows, notes, job.sweep_id, job.run_id)
 
 
 def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
