@@ -60,6 +60,9 @@ class WaitResult:
                 msg += (f" ({c['lanes_counts_differ']} of {c['lanes']} lanes have different span counts per rank, "
                         "so order matching there may be off after the first missing span)")
         msg += "."
+        if c.get("matched_group_inferred"):
+            msg += (f" {c['matched_group_inferred']} of them were paired by stream lane and order: the trace names no "
+                    "process group for them (inferred; collectives of different groups on one lane could be paired).")
         if self.clock_inconsistent:
             msg += (f" In {self.clock_inconsistent} matched instances a rank's span ended before the last rank "
                     "arrived: the ranks' clocks disagree (traces are aligned only to their shared time base) or "
@@ -75,7 +78,84 @@ def wait_result(store, run_id: str) -> WaitResult:
     matrix = store.sql("SELECT * EXCLUDE (run_id) FROM wait_matrix WHERE run_id = ? ORDER BY rank, waited_for",
                        [run_id])
     inst = store.sql("""SELECT * EXCLUDE (run_id) FROM coll_instances WHERE run_id = ?
-                        ORDER BY first_arrival_ns, lane, coll_key""", [run_id])
+                        ORDER BY first_arrival_ns, grp, coll_key""", [run_id])
     bad = int(inst["clock_inconsistent"].sum()) if inst.height else 0
     return WaitResult(run_id, coverage, ranks, matrix, inst, bad)
 
+
+
+@dataclass
+class WaitShift:
+    """How much each rank's net wait moved between two sets of steps (e.g. steps with an
+    injected delay against the interleaved steps without): per rank (``by="layer"``: the
+    per-(step, layer) net of ``layer_waits``) or per (rank, collective, position in the
+    layer) (``by="position"``: the per-instance net of ``instance_waits``)."""
+    run_id: str
+    by: str
+    ranks: pl.DataFrame   # rank[, coll_key, pos, kind], shift_ns, se_ns, n_a, n_b, median_a_ns, median_b_ns
+
+    def top(self) -> dict | None:
+        """The row whose net wait rose most (ties: lowest rank), or None without cells."""
+        if self.ranks.height == 0:
+            return None
+        keys = ["shift_ns", "rank"] + (["coll_key", "pos"] if self.by == "position" else [])
+        return self.ranks.sort(keys, descending=[True] + [False] * (len(keys) - 1)).row(0, named=True)
+
+    @property
+    def straggler(self) -> int | None:
+        """The rank whose net wait rose most."""
+        t = self.top()
+        return None if t is None else int(t["rank"])
+
+
+def _robust_se_of_median(v: np.ndarray) -> float:
+    """Standard error of a median: 1.2533 sigma / sqrt(n), sigma from the median absolute
+    deviation (1.4826 MAD): a rank descheduled for many ms on a loaded machine is an
+    outlier, not spread."""
+    if v.size < 2:
+        return float("inf")
+    sigma = 1.4826 * float(np.median(np.abs(v - np.median(v))))
+    return 1.2533 * sigma / np.sqrt(v.size)
+
+
+def wait_shift(store, run_id: str, steps_a, steps_b=None, by: str = "layer") -> WaitShift:
+    """Per rank (or per rank, collective and position in the layer, ``by="position"``):
+    the median net wait over the cells of ``steps_a`` minus the median over those of
+    ``steps_b`` (default: every other step), with the standard error of that difference
+    (:func:`_robust_se_of_median` of each side).
+
+    Net wait (``instance_waits.net_ns``, summed per layer in ``layer_waits``) = the wait a
+    rank caused per waiting peer − the wait it suffered: a rank held d longer before one
+    collective in every layer of ``steps_a`` shows a shift of d there (and the others
+    about −d/(ranks − 1)). The median is over cells: a rank descheduled mid-layer on a
+    loaded machine is one outlier cell, not a shift. ``by="position"`` isolates the
+    collective where the lateness enters from the noise of the others in the layer."""
+    if by == "layer":
+        keys = ["rank"]
+        cells = store.sql("""SELECT rank, step, CAST(net_ns AS DOUBLE) AS net_ns FROM layer_waits
+                             WHERE run_id = ? AND step IS NOT NULL AND layer IS NOT NULL""", [run_id])
+    elif by == "position":
+        keys = ["rank", "coll_key", "pos", "kind"]
+        cells = store.sql("""SELECT rank, coll_key, pos, any_value(kind) OVER (PARTITION BY rank, coll_key, pos) AS kind,
+                                    step, net_ns FROM instance_waits
+                             WHERE run_id = ? AND step IS NOT NULL AND layer IS NOT NULL""", [run_id])
+    else:
+        raise ValueError(f"by must be 'layer' or 'position', not {by!r}")
+    a = [int(x) for x in steps_a]
+    rows = []
+    for key, c in cells.group_by(keys, maintain_order=True):
+        in_a = c["step"].is_in(a)
+        in_b = ~in_a if steps_b is None else c["step"].is_in([int(x) for x in steps_b])
+        va = c.filter(in_a)["net_ns"].to_numpy().astype(float)
+        vb = c.filter(in_b)["net_ns"].to_numpy().astype(float)
+        if va.size == 0 or vb.size == 0:
+            continue
+        ma, mb = float(np.median(va)), float(np.median(vb))
+        se = float(np.hypot(_robust_se_of_median(va), _robust_se_of_median(vb)))
+        rows.append({**dict(zip(keys, key)), "shift_ns": ma - mb, "se_ns": se, "n_a": int(va.size),
+                     "n_b": int(vb.size), "median_a_ns": ma, "median_b_ns": mb})
+    schema = {"rank": pl.Int64, "coll_key": pl.Utf8, "pos": pl.Int64, "kind": pl.Utf8}
+    schema = {k: schema[k] for k in keys} | {"shift_ns": pl.Float64, "se_ns": pl.Float64, "n_a": pl.Int64,
+                                             "n_b": pl.Int64, "median_a_ns": pl.Float64, "median_b_ns": pl.Float64}
+    out = pl.DataFrame(rows, schema=schema).sort(keys)
+    return WaitShift(run_id, by, out)

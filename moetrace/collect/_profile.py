@@ -127,10 +127,12 @@ def _host_events(ev: RankEvents) -> pl.DataFrame:
         coll.with_columns(pl.col("name").alias("coll_arg")),
         top.drop("_prev_end").with_columns(pl.lit(None, pl.Utf8).alias("coll_arg")),
     ])
+    if "pg_arg" not in out.columns:
+        out = out.with_columns(pl.lit(None, pl.Utf8).alias("pg_arg"))
     return out.select(
         "name", pl.lit("host_op").alias("cat"), pl.lit(-1, pl.Int32).alias("device"),
         pl.col("tid").cast(pl.Int32, strict=False).fill_null(-1).alias("stream"), "start_ns", "end_ns",
-        pl.lit(None, pl.Int64).alias("correlation"), "coll_arg",
+        pl.lit(None, pl.Int64).alias("correlation"), "coll_arg", "pg_arg",
         pl.col("pid").alias("pid"), pl.col("tid").alias("tid"), pl.col("start_ns").alias("t"))
 
 
@@ -157,6 +159,8 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
             pl.col("pid").fill_null(main_pid if main_pid is not None else -1),
             pl.col("tid").fill_null(-1),
             pl.coalesce("ts_ns", "start_ns").alias("t")).drop("ts_ns")
+    if "pg_arg" not in pts.columns:   # (a collector that reads no process group)
+        pts = pts.with_columns(pl.lit(None, pl.Utf8).alias("pg_arg"))
     pts = pts.with_row_index("_i")
     pts = _enclosing(pts, fams["step"], ["pid"], "step")
     coll_names = fams["coll"].with_columns(pl.col("name").alias("cname"))
@@ -279,6 +283,9 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
             "rank", pl.col("device").cast(pl.Int32), pl.col("stream").cast(pl.Int32), "kind", "name_id",
             "start_ns", "end_ns", pl.col("step").cast(pl.Int64), pl.col("layer").cast(pl.Int32),
             pl.col("mb").cast(pl.Int32).alias("micro_batch"), "inferred", "correlation", "collective",
+            pl.when(pl.col("collective").is_not_null() | pl.col("kind").is_in(["dispatch", "combine", "a2a_other",
+                                                                              "comm_other"]))
+            .then(pl.col("pg_arg")).otherwise(None).alias("process_group"),
         ).sort(["rank", "start_ns", "device", "stream"])
     steps = pl.DataFrame(step_rows, schema={"step": pl.Int64, "rank": pl.Int32, "start_ns": pl.Int64,
                                             "end_ns": pl.Int64, "inferred": pl.Boolean})

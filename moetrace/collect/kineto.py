@@ -771,9 +771,11 @@ def _parse_frames(path: Path, progress: bool):
     # lists one group has no other: its collectives without a group are in that one (said)
     only = info["pg_names"][0] if len(info["pg_names"]) == 1 else None
     info["pg_filled"] = only is not None and (None in gpu["pg_arg"] or None in cpu["pg_arg"])
-    out = (info, frame(gpu, GPU_SCHEMA).with_columns(pl.Series("pg_arg", gpu["pg_arg"], pl.Utf8).fill_null(only)),
-           frame(launch, LAUNCH_SCHEMA),
-           frame(cpu, CPU_SCHEMA).with_columns(pl.Series("pg_arg", cpu["pg_arg"], pl.Utf8).fill_null(only)))
+    pg = {k: pl.Series("pg_arg", d["pg_arg"], pl.Utf8) for k, d in (("gpu", gpu), ("cpu", cpu))}
+    if only is not None:
+        pg = {k: v.fill_null(only) for k, v in pg.items()}
+    out = (info, frame(gpu, GPU_SCHEMA).with_columns(pg["gpu"]), frame(launch, LAUNCH_SCHEMA),
+           frame(cpu, CPU_SCHEMA).with_columns(pg["cpu"]))
     cap = limit("max_name_bytes")
     for f in out[1:]:
         if "name" in f.columns and f.height:

@@ -58,6 +58,13 @@ class LayerEnv:
     slot_rank: np.ndarray
     expert_mlp: object
     delay_us: float = 0.0           # this rank's injected delay per layer (0: none)
+    delay_every: int = 1            # the delay is injected in steps s with s % delay_every == 0
+
+    def delay_at(self, step: int) -> float:
+        """The delay (µs) this rank injects in each layer of ``step``: ``delay_us`` in every
+        ``delay_every``-th step (from step 0), else 0 — with 2, the undelayed steps are a
+        control run interleaved with the delayed ones, under the same machine load."""
+        return self.delay_us if self.delay_us > 0 and step % self.delay_every == 0 else 0.0
 
 
 def experts(env: LayerEnv, layer: int, rx, rs: np.ndarray):
@@ -78,7 +85,7 @@ def experts(env: LayerEnv, layer: int, rx, rs: np.ndarray):
     return y
 
 
-def two_micro_batch_layer(env: LayerEnv, layer: int, x, tok_ids: np.ndarray, choose_slots):
+def two_micro_batch_layer(env: LayerEnv, layer: int, x, tok_ids: np.ndarray, choose_slots, step: int = 0):
     """One MoE layer with two micro-batches (see the module docstring).
 
     Returns ``(x_out, records, times)``: ``records`` one tuple per micro-batch
@@ -98,8 +105,8 @@ def two_micro_batch_layer(env: LayerEnv, layer: int, x, tok_ids: np.ndarray, cho
         n = xm.shape[0]
         with rec(f"attention layer {layer} micro_batch {m}"):
             xm = xm + torch.tanh(xm @ env.w_attn[layer]) * 0.5
-            if m == 0 and env.delay_us > 0:
-                delay(env.delay_us)
+            if m == 0:
+                delay(env.delay_at(step))
         with rec(f"router layer {layer} micro_batch {m}"):
             probs = F.softmax(xm @ env.w_router[layer].T + env.prior, dim=-1)
             gate, chosen = torch.topk(probs, K, dim=-1)
