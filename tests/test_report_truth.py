@@ -42,10 +42,15 @@ def _ingest(root: Path, name: str, *args: str) -> Store:
     return Store(root / name)
 
 
+#: every report this module renders, for the layout and figure checks at the end
+RENDERED: list = []
+
+
 def _report(st: Store, out: Path, run_id: str | None = None):
     rep = build_report(st, run_id, out)
     text = rep.terminal()
     assert "(section failed)" not in text, text
+    RENDERED.append(rep)
     return rep, text
 
 
@@ -105,6 +110,29 @@ def test_dsv3_batch_plateau_says_structural_and_drift_not_a_fall(dsv3):
     cap = sec.figures[0].caption
     assert "falls as batches grow" not in cap and "levels off" not in cap
     assert "does not lower the imbalance" in cap and "drifts" in cap
+
+
+def test_dsv3_figure_captions_state_the_data(dsv3):
+    """The numbers in the captions, by hand from the raw counts: the straggler rank boxed in each
+    heatmap (the rank with most tokens in most steps), the drift halves of the batch plot, and
+    the weight-read bound (BF16: 2 FLOPs and 2 bytes per weight per token, so the bound is
+    TFLOP/s over TB/s tokens)."""
+    rep, text, ranks = dsv3
+    T = ranks.shape[0]
+    caps = [f.caption for s in rep.sections for f in s.figures]
+    heat = [c for c in caps if "tokens each logical expert received per step" in c]
+    assert heat
+    for c in heat:
+        layer = int(re.match(r"Layer (\d+):", c).group(1))
+        top = np.bincount(ranks[:, layer].argmax(axis=-1), minlength=ranks.shape[2])
+        assert f"most often the straggler (rank {int(top.argmax())})" in c
+    batch = {s.key: s for s in rep.sections}["batch"].figures[0].caption
+    for layer in (3, 0, 1):
+        a, b = _imb(ranks[: T // 2, layer]).mean(), _imb(ranks[T // 2:, layer]).mean()
+        assert f"layer {layer}: {a:.2f}× in the first half, {b:.2f}× in the second" in batch
+    assert "first steps only" not in batch          # every step is in some window at every size
+    hist = [c for c in caps if "tokens an expert's GEMM saw per step" in c][0]
+    assert f"Below about {round(989 / 3.35)} tokens" in hist and "(989 dense TFLOP/s over 3.35 TB/s of HBM)" in hist
 
 
 def test_dsv3_experts_headline_and_weight_bound(dsv3):
@@ -300,7 +328,25 @@ def estimated_table_widths(html: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def rendered(dsv3, refrun):
-    return [dsv3[0].html_path, refrun[1].html_path]
+    """The HTML of every report rendered in this module (dsv3 and refrun at least; the real
+    traces too when ../shared/data is there and their tests ran first)."""
+    return list(dict.fromkeys([dsv3[0].html_path, refrun[1].html_path] + [r.html_path for r in RENDERED]))
+
+
+def test_every_figure_is_written_referenced_and_inlined(rendered):
+    """Layout-free: each figure a section returned is a PNG in the report folder, linked from
+    report.md with its caption, and inlined byte for byte in report.html with that caption."""
+    import base64
+
+    for rep in [r for r in RENDERED if r.html_path in rendered]:
+        md, page = rep.md_path.read_text(), rep.html_path.read_text()
+        inlined = re.findall(r'<figure><img alt="([^"]*)" src="data:image/png;base64,([^"]+)">', page)
+        assert len(inlined) == len(rep.figures), rep.html_path
+        for f, (alt, data) in zip(rep.figures, inlined):
+            png = Path(f.path)
+            assert png.parent == rep.outdir and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+            assert f"]({png.name})" in md and f"_{f.caption}_" in md
+            assert base64.b64decode(data) == png.read_bytes() and htmlmod.unescape(alt) == f.caption
 
 
 def test_tables_fit_a_1400px_window_by_estimate(rendered):

@@ -190,8 +190,9 @@ def _caption(facts: list[LayerBatch]) -> str:
     if drift:
         parts.append("The run drifts (" + ", ".join(f"layer {f.layer}: {f.halves[0]:.2f}× in the first half, "
                                                    f"{f.halves[1]:.2f}× in the second" for f in drift)
-                     + "): the largest windows cover the first steps only, so a point differs from its neighbours "
-                       "by time as well as batch size; the dotted line holds time fixed.")
+                     + "): a long window merges steps of different popularity, so a point differs from its "
+                       "neighbours by time as well as batch size; the dotted line (the same steps one at a time) "
+                       "holds time fixed.")
     return " ".join(parts)
 
 
