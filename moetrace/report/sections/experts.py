@@ -56,12 +56,16 @@ def build(ctx: ReportContext) -> Section | None:
         notes.append("top_k is unknown for this run: tokens per step and the expected experts touched cannot be "
                      "derived (only token-expert assignments are known).")
     if overall["m"] is not None:
-        b = f"{overall['b']:.0f} tokens per step, so each" if overall["b"] is not None else "Each"
-        per = "over the whole recording" if whole else "per step on average"
-        if whole:
-            b = "Each"
-        text = (f"{b} of the {E} experts got **{overall['m']:.1f}** tokens {per} "
-                f"(median expert {overall['med']:.1f}, busiest {overall['mx']:.1f}). ")
+        if whole:   # one aggregate count per (layer, expert): averages over layers, not over steps
+            n_l = int(ctx.sql("SELECT count(*) AS n FROM tokens_per_expert WHERE run_id = ? AND assignments > 0",
+                              [rid])["n"][0])
+            text = (f"Over the whole recording an expert got **{overall['m']:,.0f}** tokens on average (of the {E} "
+                    f"experts of a layer, averaged over the {n_l} layers with routed tokens: median expert "
+                    f"{overall['med']:,.0f}, busiest {overall['mx']:,.0f}). ")
+        else:
+            b = f"{overall['b']:.0f} tokens per step, so each" if overall["b"] is not None else "Each"
+            text = (f"{b} of the {E} experts got **{overall['m']:.1f}** tokens per step on average "
+                    f"(median expert {overall['med']:.1f}, busiest {overall['mx']:.1f}). ")
         if overall["hit_exp"] is not None and not whole:
             text += (f"A step touched {overall['hit']:.1f} experts per layer; uniform routing would touch "
                      f"{overall['hit_exp']:.1f} (E·(1−(1−k/E)^B)).")

@@ -26,9 +26,12 @@ def build(ctx: ReportContext) -> Section | None:
     exp_w, exp_t = int(ranks["exposed_wait_ns"].sum()), int(ranks["exposed_transfer_ns"].sum())
     top = res.top_culprit()
     head = (f"Across {res.instances.height} matched collective instances the ranks waited "
-            f"{tot_wait / 1e6:.2f} ms in all for the last rank to arrive. Of the exposed collective time "
-            f"(no compute running on the rank), {exp_w / 1e6:.2f} ms was **waiting for a peer** and "
-            f"{exp_t / 1e6:.2f} ms was **transfer** after everyone had arrived.")
+            f"{tot_wait / 1e6:.2f} ms in all for the last rank to arrive. With no compute running on the rank, "
+            f"{exp_w / 1e6:.2f} ms went to **waiting for a peer** and {exp_t / 1e6:.2f} ms to **transfer** after "
+            "everyone had arrived"
+            + (f" (the waits of the {res.clock_inconsistent} instances whose clocks disagree run past the waiting "
+               "rank's own collective span, so these can add up to more than its collective time)."
+               if res.clock_inconsistent else "."))
     if top is not None and top["caused_wait_ns"]:
         head += (f" Rank {top['rank']} made the others wait most: {top['caused_wait_ns'] / 1e6:.2f} ms, "
                  f"last to arrive at {top['times_last']} of {res.instances.height} instances.")

@@ -37,7 +37,9 @@ def build(ctx: ReportContext) -> Section | None:
     if ov.height:
         r = ov.row(0, named=True)
         lines.append(f"**Two micro-batches**: mean step {r['before'] / 1e6:.2f} ms recorded -> "
-                     f"{r['after'] / 1e6:.2f} ms{pm} predicted ({r['after/before']:.2f}x).")
+                     f"{r['after'] / 1e6:.2f} ms{pm} predicted ({r['after/before']:.2f}x)"
+                     + (f", a change within the{pm} error band: not a predicted win."
+                        if band.len() and abs(r["after/before"] - 1) <= float(band.max()) else "."))
     dg = df.filter((pl.col("kind") == "disaggregation") & (pl.col("metric") == "tokens_per_gpu_s"))
     if dg.height:
         best = dg.sort("after", descending=True).row(0, named=True)
