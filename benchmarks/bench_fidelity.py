@@ -58,15 +58,16 @@ PAIRS = {
     "r2-skew0.6": [("contiguous", "eplb+r"), ("contiguous", "greedy")],
     "r4-skew1.2": [("contiguous", "eplb+r"), ("contiguous", "greedy")],
 }
-#: model variants, cumulative: the terms of the cost model each one fits on run A
+#: model variants: the terms of the cost model each one fits on run A
 VARIANTS = {
     "a": ("tokens",),
     "a+b (replay before #13)": ("tokens", "slot"),
     "+latency": ("tokens", "slot", "latency"),
-    "+fixed": ("tokens", "slot", "latency", "fixed"),
-    "+bytes": ("tokens", "slot", "latency", "fixed", "bytes"),
+    "+latency+contention": ("tokens", "slot", "latency", "contention"),
+    "+latency+fixed": ("tokens", "slot", "latency", "fixed"),
+    "+latency+fixed+bytes": ("tokens", "slot", "latency", "fixed", "bytes"),
 }
-CHOSEN = "+latency"
+CHOSEN = "+latency+contention"
 #: what is measured, and how a cell's repeated passes are summarized; the model is fitted and
 #: judged on the same one:
 #: * ``median``: wall-clock (time.monotonic_ns), median over passes — what the host delivered,
@@ -189,8 +190,6 @@ def evaluate(model, blk_a, blk_b, meas_a, meas_b) -> dict:
 
 
 def run_matrix(size: str, workdir: Path, log=print) -> dict:
-    from moetrace.replay.calibrate import fit_layer_model
-
     sz = SIZES[size]
     load0 = os.getloadavg()
     rows = []
@@ -236,23 +235,53 @@ def run_matrix(size: str, workdir: Path, log=print) -> dict:
                 **{k: np.asarray(getattr(blk, k)).tolist() for k in ("tokens", "touched", "bytes_intra", "bytes_inter")}}
         for a_name, b_name in PAIRS[name]:
             A, B = runs[a_name], runs[b_name]
-            blk_a = _block(A["routing"], A["phy2log"], ranks, sz)
-            blk_b = _block(A["routing"], B["phy2log"], ranks, sz)      # A's routing under B's plan
             # the replay of A's routing must give B's measured per-slot load: the tokens are exact
+            blk_b = _block(A["routing"], B["phy2log"], ranks, sz)
             blk_b_own = _block(B["routing"], B["phy2log"], ranks, sz)
             assert np.array_equal(blk_b.tokens, blk_b_own.tokens), "A's routing under B's plan != B's load"
-            for est in ESTIMATORS:
-                meas_a, meas_b = _arrays(A, sz, est), _arrays(B, sz, est)
-                for vname, terms in VARIANTS.items():
-                    model = fit_layer_model(blk_a, meas_a[0], meas_a[2], terms)
-                    ev = evaluate(model, blk_a, blk_b, meas_a, meas_b)
-                    rows.append({"traffic": name, "ranks": ranks, "A": a_name, "B": b_name, "variant": vname,
-                                 "estimator": est, **ev,
-                                 "params": {"a_ns": model.a_ns, "b_ns": model.b_ns, "fixed_ns": model.fixed_ns,
-                                            "latency_ns": model.latency_ns, "nvlink_Bps": model.nvlink_Bps}})
+            assert np.array_equal(blk_b.tokens, np.asarray(data[name][b_name]["tokens"])), "routing differs from A's"
+        rows += score(name, ranks, data[name], sz)
     return {"size": size, "rows": rows, "runs": runs_info, "data": data, "load_before": load0, "load_after": os.getloadavg(),
             "cpu_cores": len(os.sched_getaffinity(0)), "wall_s": time.time() - t_start,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def score(name: str, ranks: int, data: dict, sz: dict) -> list[dict]:
+    """One row per (pair, basis, model variant) of traffic ``name``: the model fitted on run
+    A's measured cells only, judged on run B. ``data``: per placement, its pooled cells and
+    the replay of A's routing under its plan (what :func:`run_matrix` keeps)."""
+    from types import SimpleNamespace
+
+    from moetrace.replay.calibrate import fit_layer_model
+
+    blk = {pol: SimpleNamespace(**{k: np.asarray(d[k], np.float64)
+                                   for k in ("tokens", "touched", "bytes_intra", "bytes_inter")})
+           for pol, d in data.items()}
+    runs = {pol: {"cells": d["cells"], "ranks": ranks} for pol, d in data.items()}
+    rows = []
+    for a_name, b_name in PAIRS[name]:
+        for est in ESTIMATORS:
+            meas_a, meas_b = _arrays(runs[a_name], sz, est), _arrays(runs[b_name], sz, est)
+            for vname, terms in VARIANTS.items():
+                model = fit_layer_model(blk[a_name], meas_a[0], meas_a[2], terms)
+                ev = evaluate(model, blk[a_name], blk[b_name], meas_a, meas_b)
+                rows.append({"traffic": name, "ranks": ranks, "A": a_name, "B": b_name, "variant": vname,
+                             "estimator": est, **ev,
+                             "params": {"a_ns": model.a_ns, "b_ns": model.b_ns, "fixed_ns": model.fixed_ns,
+                                        "latency_ns": model.latency_ns, "contention": model.contention,
+                                        "nvlink_Bps": model.nvlink_Bps}})
+    return rows
+
+
+def rescore(path: Path) -> dict:
+    """Re-score a stored full-size result (its measured cells) with the current model
+    variants: the same runs, no re-run; the date of the runs is kept."""
+    res = json.loads(Path(path).read_text())
+    sz = SIZES[res["size"]]
+    ranks = {name: r for name, r, _, _ in sz["traffic"]}
+    res["rows"] = [row for name, d in res["data"].items() for row in score(name, ranks[name], d, sz)]
+    res["rescored"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return res
 
 
 def summarize(rows: list[dict], variant: str, estimator: str = "median") -> dict:
@@ -290,28 +319,35 @@ def _targets_line(rows: list[dict], est: str, pct) -> str:
 def format_report(res: dict) -> str:
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     out = [f"fidelity matrix, size {res['size']}, {res['date']}, {res['cpu_cores']} CPU cores, load average "
-           f"{res['load_before'][0]:.2f} before / {res['load_after'][0]:.2f} after (1 min), {res['wall_s']:.0f} s",
+           f"{res['load_before'][0]:.2f} before / {res['load_after'][0]:.2f} after (1 min), {res['wall_s']:.0f} s"
+           + (f" (re-scored {res['rescored']} from the stored cells of these runs)" if res.get("rescored") else ""),
            f"per pair: model {CHOSEN} fitted on run A only"]
     ests = [e for e in ("median", "cpu") if any(r["estimator"] == e for r in res["rows"])]
+    slow = {(r["traffic"], r["placement"]): r.get("host_slowdown") for r in res["runs"]}
     for est in ests:
+        wall = est != "cpu"
         out += ["", f"measured = {BASIS_WORDS[est]}", "",
                 "| traffic | A -> B | layer MAPE | step MAPE | ratio B/A pred | meas | error | straggler right "
-                "(decided / all) |", "|---|---|---|---|---|---|---|---|"]
+                "(decided / all) |" + (" host slowdown B/A |" if wall else ""),
+                "|---|---|---|---|---|---|---|---|" + ("---|" if wall else "")]
         for r in res["rows"]:
             if r["variant"] != CHOSEN or r["estimator"] != est:
                 continue
+            sa, sb = slow.get((r["traffic"], r["A"])), slow.get((r["traffic"], r["B"]))
             out.append(f"| {r['traffic']} | {r['A']} -> {r['B']} | {pct(r['layer_mape'])} | {pct(r['step_mape'])} | "
                        f"{r['ratio_pred']:.3f} | {r['ratio_meas']:.3f} | {100 * r['ratio_err']:+.1f}% | "
                        f"{r['straggler_hits']}/{r['straggler_decided']} of {r['straggler_pairs']} "
-                       f"(all: {r['straggler_hits_all']}/{r['straggler_pairs']}) |")
-    out += ["", "| variant (terms fitted on A) | measured | ratio error median | worst | layer MAPE | "
-            "step MAPE | straggler right (decided) |", "|---|---|---|---|---|---|---|"]
+                       f"(all: {r['straggler_hits_all']}/{r['straggler_pairs']}) |"
+                       + ((f" {sb / sa:.2f} |" if sa and sb else " n/a |") if wall else ""))
+    out += ["", "| variant | terms fitted on A | measured | ratio error median | worst | layer MAPE | "
+            "step MAPE | straggler right (decided) |", "|---|---|---|---|---|---|---|---|"]
     for est in ESTIMATORS:
         if not any(r["estimator"] == est for r in res["rows"]):
             continue
         for v in VARIANTS:
             s = summarize(res["rows"], v, est)
-            out.append(f"| {v} | {est} | {pct(s['ratio_err_median'])} | {pct(s['ratio_err_worst'])} | "
+            out.append(f"| {v} | {', '.join(VARIANTS[v])} | {est} | {pct(s['ratio_err_median'])} | "
+                       f"{pct(s['ratio_err_worst'])} | "
                        f"{pct(s['layer_mape'])} | {pct(s['step_mape'])} | {pct(s['straggler_hit'])} of "
                        f"{s['straggler_decided']} |")
     if any("host_slowdown" in r for r in res["runs"]):
@@ -328,13 +364,17 @@ def format_report(res: dict) -> str:
     return "\n".join(out)
 
 
-def run(size: str) -> list[dict]:
-    with heavy_lock(size), tempfile.TemporaryDirectory(prefix="moetrace-fidelity-") as tmp:
-        res = run_matrix(size, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True))
+RESULT = Path(__file__).resolve().parent / "results" / "fidelity_full.md"
+
+
+def run(size: str, res: dict | None = None) -> list[dict]:
+    if res is None:
+        with heavy_lock(size), tempfile.TemporaryDirectory(prefix="moetrace-fidelity-") as tmp:
+            res = run_matrix(size, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True))
     text = format_report(res)
     print(text, file=sys.stderr, flush=True)
     if size == "full":   # the table the docs quote, with its date and load
-        out = Path(__file__).resolve().parent / "results" / "fidelity_full.md"
+        out = RESULT
         out.write_text(text + "\n")
         (out.with_suffix(".json")).write_text(json.dumps(res, indent=1, default=float) + "\n")
     s = summarize(res["rows"], CHOSEN)
@@ -354,4 +394,8 @@ def run(size: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(run)
+    if sys.argv[1:2] == ["--rescore"]:
+        # python benchmarks/bench_fidelity.py --rescore [FILE.json]: the same runs, current model variants
+        run("full", rescore(Path(sys.argv[2]) if len(sys.argv) > 2 else RESULT.with_suffix(".json")))
+    else:
+        main(run)

@@ -18,7 +18,7 @@ SPR = E // R
 A_TRUE, B_TRUE = 37.0, 1500.0                     # ns per token, ns per slot touched
 LAT, CI, CO = 4000.0, 0.5, 4.0                   # ns, ns per byte intra node, ns per byte inter node
 SPAN_COLS = ("rank", "device", "stream", "kind", "name_id", "start_ns", "end_ns", "step", "layer", "micro_batch",
-             "inferred", "correlation", "collective")
+             "inferred", "correlation", "collective", "process_group")
 
 
 def _routing(seed, steps=T):
@@ -84,7 +84,7 @@ def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True, wha
     def add(r, kind, t0, dur, s, layer):
         for k, v in (("rank", r), ("device", r), ("stream", 7), ("kind", kind), ("name_id", 0), ("start_ns", t0),
                      ("end_ns", t0 + int(dur)), ("step", s + span_step_shift), ("layer", layer), ("micro_batch", None),
-                     ("inferred", False), ("correlation", None), ("collective", None)):
+                     ("inferred", False), ("correlation", None), ("collective", None), ("process_group", None)):
             spans[k].append(v)
 
     for s in range(T):

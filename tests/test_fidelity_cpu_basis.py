@@ -90,3 +90,58 @@ def test_refrun_cpu_time_is_within_the_wall_time(tmp_path):
         assert c["expert_cpu_ns"] == int(round(float(np.median(mine))))
         per_pass = sel.group_by("pass").agg(pl.col("moe_cpu_ns").max())["moe_cpu_ns"].to_numpy()
         assert c["layer_cpu_ns"] == int(round(float(np.median(per_pass))))
+
+
+# ----------------------------------------------------------------------------- contention term
+def test_overlap_is_the_pairwise_min_sum():
+    """overlap_ns (sort + cumulative sum) equals the plain double loop Σ_{j≠r} min(w_j, w_r)."""
+    from moetrace.replay.cost import overlap_ns
+
+    rng = np.random.default_rng(3)
+    w = rng.integers(0, 50, (5, 3, 7)).astype(float)    # ties included
+    want = np.zeros_like(w)
+    for idx in np.ndindex(w.shape[:-1]):
+        row = w[idx]
+        want[idx] = [sum(min(row[j], row[r]) for j in range(row.size) if j != r) for r in range(row.size)]
+    assert np.array_equal(overlap_ns(w), want)
+    # two ranks by hand: each loses the smaller one's work
+    assert overlap_ns(np.array([10.0, 4.0])).tolist() == [4.0, 4.0]
+    assert overlap_ns(np.array([3.0])).tolist() == [0.0]
+
+
+def test_contention_by_hand_and_recovered_by_the_fit():
+    from types import SimpleNamespace
+
+    from moetrace.replay import calibrate as cal
+    from moetrace.replay.cost import CostModel
+
+    # 3 ranks, work 10, 20, 40 ns, contention 0.5: rank 0 loses 0.5 * (10 + 10) = 10,
+    # rank 1 0.5 * (10 + 20) = 15, rank 2 0.5 * (10 + 20) = 15
+    m = CostModel(1.0, 0.0, 1e30, 1e30, "", contention=0.5)
+    _, c, _ = m.rank_ns(np.array([10.0, 20.0, 40.0]), np.zeros(3), np.zeros(3), np.zeros(3))
+    assert c.tolist() == pytest.approx([20.0, 35.0, 55.0])
+    # the fit recovers a, b, the contention and the latency from exact times
+    rng = np.random.default_rng(11)
+    t_, l_, r_ = 10, 2, 4
+    tok = rng.integers(1, 300, (t_, l_, r_)).astype(float)
+    tch = np.minimum(tok, rng.integers(1, 8, (t_, l_, r_))).astype(float)
+    zero = np.zeros_like(tok)
+    blk = SimpleNamespace(tokens=tok, touched=tch, bytes_intra=zero, bytes_inter=zero)
+    a, b, g, lat = 40.0, 900.0, 0.15, 50000.0
+    work = a * tok + b * tch
+    ov = np.array([[[sum(min(work[s, la, j], work[s, la, r]) for j in range(r_) if j != r) for r in range(r_)]
+                    for la in range(l_)] for s in range(t_)])
+    comp = work + g * ov
+    layer = lat + comp.max(axis=2)
+    free = CostModel(0.0, 0.0, 1e30, 1e30, "bytes cost nothing")
+    fm = cal.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency", "contention"), base=free)
+    assert (fm.a_ns, fm.b_ns, fm.contention, fm.latency_ns) == pytest.approx((a, b, g, lat), rel=1e-6)
+    d, c, cb = fm.rank_ns(tok, tch, zero, zero)
+    assert (d + c + cb).max(axis=2) == pytest.approx(layer, rel=1e-9)
+    # without the term the same data is fitted worse (the contention is real in these times)
+    f0 = cal.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency"), base=free)
+    d0, c0, cb0 = f0.rank_ns(tok, tch, zero, zero)
+    assert np.abs((d0 + c0 + cb0).max(axis=2) / layer - 1).mean() > 1e-3
+    # ranks that do not share anything: the fitted contention is 0
+    fz = cal.fit_layer_model(blk, work, lat + work.max(axis=2), ("tokens", "slot", "latency", "contention"), base=free)
+    assert fz.contention == pytest.approx(0.0, abs=1e-9) and fz.a_ns == pytest.approx(a, rel=1e-6)

@@ -343,7 +343,7 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
 
 
 # ----------------------------------------------------------------------------- layer model
-TERMS = ("tokens", "slot", "latency", "fixed", "bytes")
+TERMS = ("tokens", "slot", "latency", "fixed", "bytes", "contention")
 
 
 def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("tokens", "slot", "latency", "fixed"),
@@ -358,6 +358,10 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
     * ``tokens`` (always): a ns per token-expert row; ``slot``: b ns per slot touched;
       ``fixed``: a fixed cost per rank and layer — fitted together by least squares on
       the per-rank expert times (every coefficient ≥ 0);
+    * ``contention``: with them, the ns a rank loses per ns that another rank computes at
+      the same time (:func:`~moetrace.replay.cost.overlap_ns`); the overlap depends on a
+      and b, so the fit alternates: overlap from the last a, b; least squares of a, b (,
+      fixed) and the contention; until a and b settle;
     * ``latency``: the layer's all-to-all latency, the median over (step, layer) of the
       measured layer time minus the slowest rank's predicted compute (the time the fastest
       ranks wait for the slowest is in the max);
@@ -371,17 +375,29 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
     base = base or costmod.preset("H200")
     tok = np.asarray(block.tokens, np.float64)
     tch = np.asarray(block.touched, np.float64)
-    cols = [tok.ravel()] + ([tch.ravel()] if "slot" in terms else []) + (
-        [np.ones(tok.size)] if "fixed" in terms else [])
-    coef = nonneg_lstsq(np.stack(cols, axis=1), np.asarray(expert_ns, np.float64).ravel())
-    a = float(coef[0])
-    b = float(coef[1]) if "slot" in terms else 0.0
-    fixed = float(coef[-1]) if "fixed" in terms else 0.0
-    comp = fixed + a * tok + b * tch
+    y = np.asarray(expert_ns, np.float64).ravel()
+    names = [n for n in ("tokens", "slot", "fixed") if n in terms or n == "tokens"]
+    design = {"tokens": tok.ravel(), "slot": tch.ravel(), "fixed": np.ones(tok.size)}
+    X = np.stack([design[n] for n in names], axis=1)
+    coef = dict(zip(names, nonneg_lstsq(X, y)))
+    g = 0.0
+    if "contention" in terms:
+        for _ in range(100):
+            work = coef["tokens"] * tok + coef.get("slot", 0.0) * tch
+            c = nonneg_lstsq(np.column_stack([X, costmod.overlap_ns(work).ravel()]), y)
+            new, g = dict(zip(names, c[:-1])), float(c[-1])
+            settled = all(abs(new[n] - coef[n]) <= 1e-9 * max(abs(coef[n]), 1.0) for n in names)
+            coef = new
+            if settled:
+                break
+    a, b, fixed = float(coef["tokens"]), float(coef.get("slot", 0.0)), float(coef.get("fixed", 0.0))
     lat, bw = 0.0, base.nvlink_Bps
     if "latency" in terms or "bytes" in terms:
-        slow = comp.argmax(axis=2)[..., None]
+        # the layer time the model gives without latency (bytes at the base bandwidths)
+        m0 = costmod.CostModel(a, b, base.nvlink_Bps, base.internode_Bps, "", fixed_ns=fixed, contention=g)
+        d, comp, cb = m0.rank_ns(tok, tch, block.bytes_intra, block.bytes_inter)
         if "bytes" in terms:
+            slow = comp.argmax(axis=2)[..., None]
             rest = np.asarray(layer_ns, np.float64) - np.take_along_axis(comp, slow, 2)[..., 0]
             byt = 2 * np.take_along_axis(np.asarray(block.bytes_intra, np.float64)
                                          + np.asarray(block.bytes_inter, np.float64), slow, 2)[..., 0]
@@ -389,18 +405,16 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
             lat, per_byte = float(c[0]), float(c[1])
             bw = 1e9 / per_byte if per_byte > 0 else base.nvlink_Bps
         else:
-            # the layer time the model gives without latency (bytes at the base bandwidths)
-            m0 = costmod.CostModel(a, b, base.nvlink_Bps, base.internode_Bps, "", fixed_ns=fixed)
-            d, c, cb = m0.rank_ns(tok, tch, block.bytes_intra, block.bytes_inter)
-            lat = max(0.0, float(np.median(np.asarray(layer_ns, np.float64) - (d + c + cb).max(axis=2))))
+            lat = max(0.0, float(np.median(np.asarray(layer_ns, np.float64) - (d + comp + cb).max(axis=2))))
     return costmod.CostModel(a_ns=a, b_ns=b, nvlink_Bps=bw, internode_Bps=bw if "bytes" in terms else base.internode_Bps,
                              source=f"fitted on run {run_id} ({', '.join(terms)}): {tok.size} (step, layer, rank) "
                                     f"expert times, {np.size(layer_ns)} layer times",
-                             fit={"terms": list(terms), "points": int(tok.size)}, fixed_ns=fixed, latency_ns=lat)
+                             fit={"terms": list(terms), "points": int(tok.size)}, fixed_ns=fixed, latency_ns=lat,
+                             contention=g)
 
 
 #: the terms the fidelity matrix (benchmarks/bench_fidelity.py) keeps: see docs/calibration.md
-LAYER_TERMS = ("tokens", "slot", "latency")
+LAYER_TERMS = ("tokens", "slot", "latency", "contention")
 
 
 def fit_from_cell_times(store, run_id: str, base: costmod.CostModel | None = None) -> costmod.CostModel | None:

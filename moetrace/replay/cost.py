@@ -2,11 +2,18 @@
 
 For one (step, layer) and rank r::
 
-    compute_r  = fixed_ns + a_ns · tokens_r + b_ns · slots_touched_r   (overhead + GEMM work + weight reads)
+    work_r     = a_ns · tokens_r + b_ns · slots_touched_r            (GEMM work + weight reads)
+    compute_r  = fixed_ns + work_r + contention · Σ_{j≠r} min(work_j, work_r)
     dispatch_r = latency_ns / 2 + bytes_intra_r / nvlink_Bps + bytes_inter_r / internode_Bps
     combine_r  = dispatch_r                                       (the same rows travel back)
     rank_r     = dispatch_r + compute_r + combine_r
     layer      = max_r rank_r                                     (the combine is a barrier)
+
+The contention term (issue 13, measured by the fidelity matrix, docs/calibration.md): the
+ranks start their experts together after the dispatch, and for every ns that another rank
+computes at the same time a rank loses ``contention`` ns (ranks that share cores, caches or
+memory bandwidth: the CPU reference run; 0 where every rank has its own device, as the GPU
+presets assume). With it, ``rank_ns`` needs the ranks on the last axis.
 
 Parameters come from a named hardware preset (datasheet peaks times an achieved
 efficiency; the figures and their sources are in docs/replay.md) scaled to the run's model
@@ -56,6 +63,7 @@ class CostModel:
     #: time a layer costs beyond the slowest rank's compute and bytes
     fixed_ns: float = 0.0
     latency_ns: float = 0.0
+    contention: float = 0.0
 
     def describe(self) -> dict:
         return asdict(self)
@@ -69,10 +77,31 @@ class CostModel:
                 + np.asarray(bytes_inter, np.float64) * (1e9 / self.internode_Bps))
 
     def rank_ns(self, tokens, touched, bytes_intra, bytes_inter):
-        """Per-rank (dispatch, compute, combine) in ns, broadcasting over any shape."""
+        """Per-rank (dispatch, compute, combine) in ns, broadcasting over any shape (ranks on
+        the last axis when ``contention`` > 0)."""
         comm = self.transfer_ns(bytes_intra, bytes_inter) + self.latency_ns / 2
-        compute = self.fixed_ns + self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        compute = self.fixed_ns + work
+        if self.contention:
+            compute = compute + self.contention * overlap_ns(work)
         return comm, compute, comm
+
+
+def overlap_ns(work) -> np.ndarray:
+    """Per rank (last axis): Σ over the other ranks j of min(work_j, work_r), the time other
+    ranks compute while rank r does, when all start together. O(R log R) per row (sort and
+    cumulative sum), no R × R array."""
+    w = np.asarray(work, np.float64)
+    if w.ndim == 0 or w.shape[-1] < 2:
+        return np.zeros_like(w)
+    R = w.shape[-1]
+    order = np.argsort(w, axis=-1, kind="stable")
+    ws = np.take_along_axis(w, order, -1)
+    # sorted position i: the i smaller ranks count whole, the R-1-i others count ws[i] each
+    ov = (np.cumsum(ws, axis=-1) - ws) + ws * (R - 1 - np.arange(R))
+    out = np.empty_like(ov)
+    np.put_along_axis(out, order, ov, -1)
+    return out
 
 
 def preset(name: str, hidden: int | None = None, expert_bytes: int | None = None,
