@@ -55,7 +55,7 @@ SIZES = {
     "small": dict(ranks=32, ranks_per_node=8, layers=4, experts=256, redundant=32, steps=240, chunk_steps=80,
                   fit_steps=80, duck_memory="1GB", skew_batch_steps=100),
     "full": dict(ranks=320, ranks_per_node=8, layers=58, experts=256, redundant=64, steps=72_000, chunk_steps=200,
-                 fit_steps=1000, duck_memory="4GB", skew_batch_steps=500),
+                 fit_steps=1000, duck_memory="4GB", skew_batch_steps=1000),
 }
 TOP_K = 8
 TOKENS_PER_RANK = 128
@@ -188,7 +188,8 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
         # run_shape and layer_placement aggregate the whole expert_load (max expert id, slot
         # presence per layer) and carry no step filter: computed once, not once per batch,
         # or every batch rescans the whole run and the stage grows quadratically
-        for v in ("run_shape", "layer_placement"):
+        # (and dense_rank_map, the per-layer rank lookup of the dense rows, built from them)
+        for v in ("run_shape", "layer_placement", "dense_rank_map"):
             con.execute(f"CREATE TEMP TABLE _m_{v} AS SELECT * FROM {v}")
             con.execute(f"CREATE OR REPLACE VIEW {v} AS SELECT * FROM _m_{v}")
     b = cfg["skew_batch_steps"]

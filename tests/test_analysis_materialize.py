@@ -95,7 +95,7 @@ def test_batched_views_equal_the_plain_views(store, batch_steps):
             else:
                 assert m.batches == 1               # tiny run: one batch
             temp = set(st.sql("SELECT table_name FROM duckdb_tables() WHERE temporary")["table_name"].to_list())
-            assert temp == {"run_shape", "layer_placement", "layer_skew", "tokens_per_expert", "skew_by_batch",
+            assert temp == {"run_shape", "layer_placement", "dense_rank_map", "layer_skew", "tokens_per_expert", "skew_by_batch",
                             "skew_decomposition"}
             for v in KEYS:     # the summaries read the materialized layer_skew
                 _assert_same(st.sql(f"SELECT * FROM {v}").sort(KEYS[v]), want[v], f"{rid} {v} batch={batch_steps}")
@@ -123,7 +123,7 @@ def test_only_layer_skew(store):
     want = _plain(st, "skew_summary", rec)
     m = materialize_layer_skew(st, rec, 2, views=("layer_skew",))
     try:
-        assert set(m.tables) == {"run_shape", "layer_placement", "layer_skew"}
+        assert set(m.tables) == {"run_shape", "layer_placement", "dense_rank_map", "layer_skew"}
         _assert_same(st.sql("SELECT * FROM skew_summary").sort("layer"), want, "skew_summary")
     finally:
         drop_materialized(st.con, m)

@@ -6,7 +6,8 @@ fleet-size run (a billion expert_load rows) runs out of any fixed memory limit.
 ``run_shape`` and ``layer_placement`` aggregate the whole run and take no step filter, so
 every query that joins them rescans the run. :func:`materialize_layer_skew` therefore
 
-1. computes ``run_shape`` and ``layer_placement`` of the run once (TEMP tables),
+1. computes ``run_shape``, ``layer_placement`` and ``dense_rank_map`` of the run once
+   (TEMP tables),
 2. walks the run's steps in batches of ``batch_steps`` consecutive steps (a power of two,
    chosen from the run's row count unless given): for each batch it materializes the
    batch's per-(step, layer) expert sums and rank lists (``expert_step_stats_long``,
@@ -37,7 +38,7 @@ from typing import Callable
 # near 1 GiB of DuckDB memory (measured on the fleet benchmark: 500 steps x 14,848 rows)
 TARGET_BATCH_ROWS = 8_000_000
 
-SHAPE_VIEWS = ("run_shape", "layer_placement")
+SHAPE_VIEWS = ("run_shape", "layer_placement", "dense_rank_map")   # no step filter: once per run
 HEAVY_VIEWS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
 _CHUNK_VIEWS = ("expert_step_stats_long", "rank_tokens_long", "dense_step_stats")  # shadowed per batch
 _PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch", "_mt_rank_rows", "_mt_suffix")
