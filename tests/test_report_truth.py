@@ -186,6 +186,9 @@ def test_refrun_kernel_breakdown_is_host_time(refrun):
     st, rep, text = refrun
     sec = {s.key: s for s in rep.sections}["kernels"]
     assert "host time (CPU-only trace" in sec.markdown
+    # no GPU in this trace: the all-to-alls and the compute that could hide them are host ops
+    assert "All-to-all host ops ran for" in text and "no compute host op ran on the same host" in text
+    assert "All-to-all kernels" not in text
 
 
 def test_engine_format_samples(tmp_path):

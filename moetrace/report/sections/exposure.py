@@ -40,9 +40,12 @@ def build(ctx: ReportContext) -> Section | None:
     by_kind, ranks = t.by_kind, t.ranks
     tot_comm = int(by_kind["comm_ns"].sum())
     tot_exp = int(by_kind["exposed_ns"].sum())
-    head = (f"All-to-all kernels ran for {_ms(tot_comm)} (union per rank, step, layer, micro-batch and kind); "
-            f"**{_ms(tot_exp)} ({100 * tot_exp / max(tot_comm, 1):.1f}%) was exposed** — no compute kernel ran on "
-            f"the same device meanwhile.")
+    # a CPU-only trace (gloo): the all-to-alls and the compute are host ops on device -1, not kernels
+    host = bool(ctx.sql("SELECT bool_and(device < 0) AS h FROM spans WHERE run_id = ?", [rid])["h"][0])
+    what, dev = ("host ops", "host") if host else ("kernels", "device")
+    head = (f"All-to-all {what} ran for {_ms(tot_comm)} (union per rank, step, layer, micro-batch and kind); "
+            f"**{_ms(tot_exp)} ({100 * tot_exp / max(tot_comm, 1):.1f}%) was exposed** — no compute "
+            f"{what[:-1]} ran on the same {dev} meanwhile.")
     if ranks.height and ranks["exposed_share_of_step"].drop_nulls().len():
         worst = ranks.sort("exposed_share_of_step", descending=True, nulls_last=True).row(0, named=True)
         share = f"{100 * (worst['exposed_share_of_step'] or 0):.1f}%"

@@ -116,7 +116,7 @@ def build(ctx: ReportContext) -> Section | None:
         "num_steps", "mean_imbalance", col("recorded_mean_imbalance").alias("recorded_imbalance"),
         (col("recorded_step_ns") / 1e6).alias("recorded_ms"), (pl.col("predicted_step_ns") / 1e6).alias("predicted_ms"),
         (col("net_step_ns") / 1e6).alias("net_ms"), "moved_experts", (pl.col("moved_bytes") / 2**30).alias("moved_GiB"),
-        col("verdict").alias("verdict"), "exact_bytes")
+        col("verdict").alias("verdict"), col("verdict_reason").alias("verdict_reason"), "exact_bytes")
     bands = [_stored_band(sj) for sj in stored["summary_json"].to_list()]
     timed = [t is not None for t in show["predicted_ms"].to_list()]
     at = show.columns.index("net_ms") + 1
@@ -132,13 +132,13 @@ def build(ctx: ReportContext) -> Section | None:
         lines.append(f"Fastest net: **{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(b['net_ms'])} {tb} vs "
                      f"{_ms(b['recorded_ms'])} {tb} recorded{_pct(b['net_ms'], b['recorded_ms'])}, gross "
                      f"{_ms(b['predicted_ms'])} {tb}, {b['moved_experts']} expert moves; judged on {b['judged_on']}. "
-                     f"Verdict: **{b['verdict']}**.")
+                     f"Verdict: **{b['verdict']}**" + (f" ({b['verdict_reason']})." if b["verdict_reason"] else "."))
     elif show.filter(pl.col("predicted_ms").is_null()).height:
         lines.append("The counts aggregate many passes of unknown number: imbalance answers only, no time per step.")
     if any(timed):
         lines.append(band_sentence([bd for t, bd in zip(timed, bands) if t]))
     text = " ".join(lines)
-    table = show.drop("replay_id", "plan")
+    table = show.drop("replay_id", "plan", "verdict_reason")
     md = [text, "", md_table(table)]
     term = [text.replace("**", ""), "", _render(table)]
     figs += _drift_figure(ctx, stored)
