@@ -106,6 +106,8 @@ def test_cli_capture_tiny(tmp_path, runner, cli):
     res = runner.invoke(cli, ["capture", str(tmp_path / "st"), "--tiny", "mixtral", "--prompts", str(prompts),
                               "--max-new-tokens", "3"])
     assert res.exit_code == 0, res.output
+    # progress on stderr (one line per batch: 3 prompts in one batch, a prefill and 2 decode passes)
+    assert "capture: 3 of 3 prompts, 3 forward passes recorded" in res.stderr and "capture:" not in res.stdout
     st = Store(tmp_path / "st")
     rid = st.run_ids()[0]
     steps = st.sql("SELECT step, phase, num_tokens FROM steps WHERE run_id = ? ORDER BY step", [rid])

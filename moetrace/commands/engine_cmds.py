@@ -122,7 +122,8 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
         model, tok, source = tiny_model(tiny, seed=seed), None, f"capture:tiny-{tiny}"
     else:
         (model, tok), source = load_model(model_path, download), f"capture:{model_path}"
-    cap = capture_prompts(model, texts, tok, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    cap = capture_prompts(model, texts, tok, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                          progress=lambda line: click.echo(line, err=True))   # progress on stderr
     res = cap.write(open_store(store, create=True), run_id=run_id, source=source)
     click.echo(f"run {res.run_id} ({type(model).__name__}, {len(cap.routers)} MoE layers, {cap.step + 1} steps): "
                + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))

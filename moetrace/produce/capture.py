@@ -250,11 +250,11 @@ def load_model(model_path: str, download: bool = False):
 
 
 def capture_prompts(model, texts: list[str], tokenizer=None, max_new_tokens: int = 8,
-                    batch_size: int = 8) -> Capture:
+                    batch_size: int = 8, progress=None) -> Capture:
     """Run ``texts`` through ``model`` in batches (greedy ``generate`` of ``max_new_tokens``,
     or one forward pass with 0) while recording its routers. Without a ``tokenizer`` the
     prompts are encoded as bytes (:func:`byte_tokens`, for tiny random models). Returns the
-    :class:`Capture` (``.write(store)`` stores it)."""
+    :class:`Capture` (``.write(store)`` stores it). ``progress(line)`` gets a line per batch."""
     import torch
 
     vocab = model.config.vocab_size
@@ -274,6 +274,9 @@ def capture_prompts(model, texts: list[str], tokenizer=None, max_new_tokens: int
                                pad_token_id=model.config.pad_token_id or 0)
             else:
                 model(input_ids=ids, attention_mask=mask)
+            if progress is not None:
+                progress(f"capture: {min(i + batch_size, len(texts))} of {len(texts)} prompts, "
+                         f"{cap.step + 1} forward passes recorded")
     return cap
 
 
