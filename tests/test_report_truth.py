@@ -210,6 +210,36 @@ def test_engine_format_samples(tmp_path):
     assert f"is {np.mean(1 / v):.2f}× on average" in text
 
 
+def test_routing_sample_skew_and_tokens_from_the_token_rows(tmp_path):
+    """dsv3_synth_routing.parquet (per-token routing, read as 32 ranks): the skew headline and
+    tokens per step counted from the token rows."""
+    st = _ingest(tmp_path, "st", str(SAMPLES / "dsv3_synth_routing.parquet"), "--ranks", "32", "--ranks-per-node", "8",
+                 "--experts", "256")
+    rep, text = _report(st, tmp_path / "rep")
+    raw = pl.read_parquet(SAMPLES / "dsv3_synth_routing.parquet")
+    T, L, E, R = raw["step"].max() + 1, raw["layer"].max() + 1, 256, 32
+    load = np.zeros((T, L, E))
+    np.add.at(load, (raw["step"].to_numpy(), raw["layer"].to_numpy(), raw["expert"].to_numpy()), 1)
+    imb = _imb(load.reshape(T, L, R, E // R).sum(axis=3))
+    assert f"carried {imb.mean():.2f}× the mean rank load on average" in text and f"worst {imb.max():.2f}×" in text
+    tokens = raw.group_by(["step", "layer"]).agg(pl.col("token").n_unique())["token"].to_numpy().mean()
+    assert f"{tokens:.0f} tokens per step, so each of the 256 experts got {load.mean():.1f} tokens" in text
+
+
+def test_refrun_eplb_sample_skew_from_the_raw_rank_files(tmp_path):
+    """The re-run under the EPLB plan: its skew headline from its own received_rank files."""
+    d = SAMPLES / "refrun_eplb"
+    st = _ingest(tmp_path, "st", str(d), "--run-id", "refrun_eplb")
+    rep, text = _report(st, tmp_path / "rep")
+    rec = pl.concat([pl.read_parquet(p) for p in sorted(d.glob("received_rank*.parquet"))])
+    g = rec.group_by(["step", "layer", "rank"]).agg(pl.col("tokens").sum())
+    ranks = np.zeros((g["step"].max() + 1, g["layer"].max() + 1, 4))
+    ranks[g["step"].to_numpy(), g["layer"].to_numpy(), g["rank"].to_numpy()] = g["tokens"].to_numpy()
+    ok = ranks.sum(axis=-1) > 0
+    imb = _imb(np.where(ok[..., None], ranks, 1.0))[ok]
+    assert f"carried {imb.mean():.2f}× the mean rank load on average" in text
+
+
 # ----------------------------------------------------------------------------- real traces
 def _kineto_kernels(path: Path) -> list[dict]:
     doc = json.loads(gzip.open(path).read())
@@ -307,8 +337,13 @@ def test_nsys_export(tmp_path):
     assert "Kernel time by kind" in text and "Dummy steps: unknown" in text
 
 
-def test_whole_recording_counts_claim_no_per_step_bound(tmp_path):
-    p = shared_data("sglang_dsv3_expert_counts", "decode_in1000out1000.json")
+SGLANG_COUNTS = ["decode_in1000out1000", "decode_in2000out100", "decode_in500out1500", "prefill_in1000out1000",
+                 "prefill_in1024", "prefill_in2048", "prefill_in4096", "prefill_in512"]
+
+
+@pytest.mark.parametrize("name", SGLANG_COUNTS)
+def test_whole_recording_counts_claim_no_per_step_bound(tmp_path, name):
+    p = shared_data("sglang_dsv3_expert_counts", f"{name}.json")
     st = _ingest(tmp_path, "st", str(p))
     rep, text = _report(st, tmp_path / "rep")
     assert "over the whole recording" in text
