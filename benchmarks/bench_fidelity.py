@@ -67,7 +67,7 @@ VARIANTS = {
     "+latency+fixed": ("tokens", "slot", "latency", "fixed"),
     "+latency+fixed+bytes": ("tokens", "slot", "latency", "fixed", "bytes"),
 }
-CHOSEN = "+latency+contention"
+CHOSEN = "+latency"
 #: what is measured, and how a cell's repeated passes are summarized; the model is fitted and
 #: judged on the same one:
 #: * ``median``: wall-clock (time.monotonic_ns), median over passes — what the host delivered,

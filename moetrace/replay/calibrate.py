@@ -414,7 +414,7 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
 
 
 #: the terms the fidelity matrix (benchmarks/bench_fidelity.py) keeps: see docs/calibration.md
-LAYER_TERMS = ("tokens", "slot", "latency", "contention")
+LAYER_TERMS = ("tokens", "slot", "latency")
 
 
 def fit_from_cell_times(store, run_id: str, base: costmod.CostModel | None = None) -> costmod.CostModel | None:
