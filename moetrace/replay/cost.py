@@ -9,11 +9,12 @@ For one (step, layer) and rank r::
     rank_r     = dispatch_r + compute_r + combine_r
     layer      = max_r rank_r                                     (the combine is a barrier)
 
-The contention term (issue 13, measured by the fidelity matrix, docs/calibration.md): the
-ranks start their experts together after the dispatch, and for every ns that another rank
-computes at the same time a rank loses ``contention`` ns (ranks that share cores, caches or
-memory bandwidth: the CPU reference run; 0 where every rank has its own device, as the GPU
-presets assume). With it, ``rank_ns`` needs the ranks on the last axis.
+The contention term (issue 13): the ranks start their experts together after the
+dispatch, and for every ns that another rank computes at the same time a rank loses
+``contention`` ns (ranks that share cores, caches or memory bandwidth; 0 where every rank
+has its own device, as the GPU presets assume). With it, ``rank_ns`` needs the ranks on
+the last axis. It is 0 unless fitted on request: the fidelity matrix did not confirm it on
+held-out runs (docs/calibration.md), so the replay's fit leaves it out.
 
 Parameters come from a named hardware preset (datasheet peaks times an achieved
 efficiency; the figures and their sources are in docs/replay.md) scaled to the run's model
