@@ -44,6 +44,7 @@ TARGETS = {
     "ingest_kineto": "ingest >= 1 GB of multi-rank Kineto traces >= 10x faster than HolisticTraceAnalysis; "
                      "peak memory < 2x the uncompressed input",
     "fleet": "320 ranks x 58 layers x 72,000 steps (~1e9 rows): ingest, layer_skew, one replay within 24 GiB",
+    "sweep_cluster": "replay sweep on a LocalCluster of 2 workers vs one process (speedup; rows equal)",
 }
 
 RUNNER = """
