@@ -60,18 +60,31 @@ _SAFE_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 #: characters DuckDB's read_parquet (and polars, Spark) take as a file pattern in a path,
 #: even in a literal file name: ``a[1]`` reads ``a1``, ``x*y`` reads every ``x..y``
 GLOB_CHARS = "*?[]{}"
+#: a relative path that starts like a URI (``file:``, ``s3:``, ``mem:``): Arrow writes
+#: ``file:/x`` to ``/x``
+_URI_START_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:")
 
 
 def check_store_path(path: Path) -> None:
-    """Refuse a store path holding a pattern character: the views read the store through
+    """Refuse a store path that DuckDB or Arrow would not take literally, so that it would
+    read (or write) another folder's files: a pattern character (the views read
     ``read_parquet('<store>/<table>/*/*.parquet')`` and DuckDB cannot be told to take a
-    folder name literally (an escaped ``\\[`` matches nothing), so such a store would read
-    another folder's files. Raises StoreError (one line, exit 2) before anything is read."""
-    bad = "".join(c for c in GLOB_CHARS if c in str(path))
+    folder name literally: an escaped ``\\[`` matches nothing), a leading ``~`` (both
+    expand it to the home folder; the shell did not, so it was quoted) or a relative path
+    that starts like a URI (``file:/x``). Raises StoreError (one line, exit 2) before
+    anything is read or created."""
+    text = str(path)
+    bad = "".join(c for c in GLOB_CHARS if c in text)
     if bad:
         raise StoreError(f"{path}: the store path holds {bad!r}, which DuckDB reads as a file pattern (it would "
                          f"read other folders' files); move or rename the store, or open it through a symlink "
                          f"whose path has none of {GLOB_CHARS}")
+    if text.startswith("~"):
+        raise StoreError(f"{path}: the store path starts with '~', which DuckDB and Arrow read as the home folder "
+                         f"(the shell did not expand it: it was quoted); give the full path")
+    if not path.is_absolute() and _URI_START_RE.match(text):
+        raise StoreError(f"{path}: the store path starts like a URI ({text.split(':', 1)[0]}:), which Arrow "
+                         f"would write elsewhere; give the full path")
 
 
 _DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
@@ -369,24 +382,53 @@ class Store:
 
         ``present``: the columns the table's files hold, when some contract column is in
         none of them (a store written before that column existed): a nullable one reads
-        NULL, one in :data:`DERIVED_WHEN_MISSING` is computed, any other is refused."""
+        NULL, any other is refused; one in :data:`DERIVED_WHEN_MISSING` is computed where
+        a file lacks it (:meth:`_column_sql`)."""
         ts = schema.get(table)
         name = sql_identifier(table)
         if self.has_files(table):
             glob = sql_literal(self.table_glob(table, relative))
-            cols = ", ".join(sql_identifier(c) if present is None or c in present
-                             else f"{self._missing_column(table, c)} AS {sql_identifier(c)}" for c in ts.column_names)
+            cols = ", ".join(self._column_sql(table, c, present) for c in ts.column_names)
             committed = "" if table == "runs" else " WHERE run_id IN (SELECT run_id FROM \"runs\")"
             return (f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} FROM read_parquet({glob}, "
                     f"hive_partitioning=true, hive_types={{'run_id': VARCHAR}}, union_by_name=true){committed}")
         cols = ", ".join(f"CAST(NULL AS {_DUCK_TYPES[c.type]}) AS {sql_identifier(c.name)}" for c in ts.columns)
         return f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} WHERE false"
 
+    def _column_sql(self, table: str, column: str, present: set[str] | None) -> str:
+        """One column of a table's view: the column itself, or what stands for it where the
+        table's files predate it. A derived column (:data:`DERIVED_WHEN_MISSING`) is looked
+        up in every file's footer, since a store that was written on after an upgrade holds
+        both kinds of file (the column read NULL from the older ones): it is the column
+        where every file has it, computed where none has, and the two coalesced otherwise."""
+        ident = sql_identifier(column)
+        if (table, column) in DERIVED_WHEN_MISSING:
+            lacking, total = self._files_lacking(table, column)
+            if lacking == 0:
+                return ident
+            derived = DERIVED_WHEN_MISSING[table, column]
+            return f"{derived} AS {ident}" if lacking == total else f"coalesce({ident}, {derived}) AS {ident}"
+        if present is None or column in present:
+            return ident
+        return f"{self._missing_column(table, column)} AS {ident}"
+
+    def _files_lacking(self, table: str, column: str) -> tuple[int, int]:
+        """(files of ``table`` whose footer lacks ``column``, files of ``table``); a file
+        whose footer cannot be read counts as lacking it (the view then coalesces, which
+        is right either way)."""
+        lacking = total = 0
+        for f in (self.path / table).glob("*/*.parquet"):  # what the view reads (table_glob)
+            total += 1
+            try:
+                names = pq.read_schema(f).names
+            except (OSError, pa.ArrowException):
+                names = ()
+            lacking += column not in names
+        return lacking, total
+
     def _missing_column(self, table: str, column: str) -> str:
         """The SQL that stands for ``column`` in a store whose ``table`` files predate it."""
         col = next(c for c in schema.get(table).columns if c.name == column)
-        if (table, column) in DERIVED_WHEN_MISSING:
-            return DERIVED_WHEN_MISSING[table, column]
         if col.nullable:
             return f"CAST(NULL AS {_DUCK_TYPES[col.type]})"
         found = sorted(self.file_versions(table)) or ["unknown"]
@@ -497,7 +539,8 @@ class Store:
         return query_arrow(self.con, query, params)
 
     def runs(self) -> pl.DataFrame:
-        """The runs rows (contract columns; ones an older file lacks are NULL), oldest first.
+        """The runs rows (contract columns; nullable ones an older file lacks are NULL, a
+        required one is refused: :meth:`_missing_column`), oldest first.
         Read from the runs partitions directly (no SQL view is built: ``moetrace runs``); a
         runs file is renamed into place last, so every row here is a committed run. Never writes."""
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
@@ -505,6 +548,10 @@ class Store:
         empty = pl.DataFrame(schema={c.name: pl_types[c.type] for c in schema.get("runs").columns})
         frames = [pl.read_parquet(f).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
                   for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
+        for f in frames:  # a required column older files lack is refused, as the views do
+            for c in schema.get("runs").columns:
+                if not c.nullable and c.name not in f.columns:
+                    self._missing_column("runs", c.name)
         df = pl.concat([empty, *frames], how="diagonal_relaxed") if frames else empty
         return df.select(empty.columns).sort("ingested_at_ns", "run_id")
 
@@ -731,7 +778,7 @@ class Store:
                     raise
                 con.execute(f"ATTACH {sql_literal(tmp)} AS cat")
             con.execute("USE cat")
-            con.execute(f"SET file_search_path={sql_literal(self.path.resolve())}")
+            con.execute(f"SET file_search_path={sql_literal(self._search_path())}")
             self._define_views(con, relative=True)
             con.execute("USE memory")
             con.execute("DETACH cat")
@@ -750,6 +797,19 @@ class Store:
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
         return target
+
+    def _search_path(self) -> Path:
+        """The store's folder as DuckDB's ``file_search_path`` while the catalog's views are
+        bound: its absolute path, not the resolved one (a symlink is how a store under a
+        folder with pattern characters is opened). The setting is a comma-separated list of
+        folders whose entries are globbed: a ``,`` or a pattern character would bind the
+        views to another folder's files, so such a path is refused."""
+        where = self.path.absolute()
+        bad = "".join(c for c in GLOB_CHARS + "," if c in str(where))
+        if bad:
+            raise StoreError(f"{where}: the store's full path holds {bad!r}, which DuckDB's file_search_path reads as "
+                             f"a list or a pattern; catalog not written (open the store through a path without them)")
+        return where
 
     def _refresh_catalog(self) -> str | None:
         """Rewrite catalog.duckdb when there is one. Runs after a commit: a failure is a
