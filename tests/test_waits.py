@@ -170,6 +170,25 @@ def test_process_group_from_its_ranks_when_unnamed(tmp_path, runner, cli):
     assert _matrix(wait_result(st, rid))[(0, 1)] == 30_000
 
 
+def test_odd_process_group_args_are_not_read_and_do_not_refuse_the_trace(tmp_path, runner, cli):
+    """A group name that is an object, ranks that are not a list of ints, a pg_config that
+    is not a list: the group is not read (NULL, matched by lane), the trace is ingested."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for r, s in ((0, 100), (1, 130)):
+        ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000),
+              kernel(AR, s, 200 - s, r + 1, stream=20, device=r,
+                     **{"Collective name": "allreduce", "Process Group Name": {"x": 1}, "Process Group Ranks": "?"})]
+        text = ('{"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": %d, "world_size": 2, '
+                '"pg_config": {"not": "a list"}}, "traceEvents": [\n%s\n]}' % (r, ",\n".join(ev)))
+        (folder / f"rank{r}_trace.json").write_text(text)
+    st = ingest(runner, cli, tmp_path / "st", folder)
+    rid = st.resolve_run(None)
+    assert st.sql("SELECT count(*) AS n FROM spans WHERE run_id = ? AND process_group IS NOT NULL", [rid])["n"][0] == 0
+    res = wait_result(st, rid)
+    assert res.coverage["matched_group_inferred"] == 1 and _matrix(res) == {(0, 1): 30_000}
+
+
 def test_single_group_of_pg_config_is_said(tmp_path, runner, cli):
     """A CPU-only (gloo) trace names no group per op; its distributedInfo.pg_config lists
     one, so every collective is in it: filled in, and said in runs.approximations."""

@@ -54,7 +54,7 @@ class _Args(msgspec.Struct, gc=False):
     stream: _I32 | None = None
     collective: str | None = msgspec.field(default=None, name="Collective name")
     # process group of a collective (PyTorch puts it on NCCL kernels and record_param_comms ops)
-    pg_name: str | int | None = msgspec.field(default=None, name="Process Group Name")
+    pg_name: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Name")
     pg_ranks: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Ranks")
 
 
@@ -70,15 +70,14 @@ class _Event(msgspec.Struct, gc=False):
 
 
 class _PgConfig(msgspec.Struct):
-    pg_name: str | int | None = None
-    ranks: list[int] | str | None = None
+    pg_name: msgspec.Raw = msgspec.Raw(b"")
 
 
 class _Dist(msgspec.Struct):
     rank: int | None = None
     world_size: int | None = None
     backend: str | None = None
-    pg_config: list[_PgConfig] | None = None
+    pg_config: msgspec.Raw = msgspec.Raw(b"")   # read leniently (_pg_names): never a reason to refuse
 
 
 class _Top(msgspec.Struct):
@@ -387,7 +386,7 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
     dist = top.distributedInfo
     info = {"n_events": n_events, "base_ns": base, "sha256": None, "rank": dist.rank if dist else None,
             "world_size": dist.world_size if dist else None, "bytes": n_bytes, "all_cpu_ops": all_cpu_ops,
-            "pg_names": [str(g.pg_name) for g in (dist.pg_config or []) if g.pg_name is not None] if dist else []}
+            "pg_names": _pg_names(dist.pg_config) if dist else []}
     del buf, top
     absolute = base is not None
     base_ns = int(base) if base is not None else 0
@@ -539,15 +538,42 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
 def _pg_of(args) -> str | None:
     """A collective's process group from its event args: the group's name, else its ranks
     (``ranks [0,1]``); None when the event does not say."""
-    if args is None:
+    if args is None or (not len(args.pg_name) and not len(args.pg_ranks)):   # (most events: no group args)
         return None
-    if args.pg_name is not None and str(args.pg_name) != "":
-        return str(args.pg_name)
-    raw = bytes(args.pg_ranks).strip()
-    if raw and raw != b"null":
-        txt = raw.decode("utf-8", "replace").strip('"').replace(" ", "")
-        return f"ranks {txt}" if txt not in ("", "[]") else None
-    return None
+    name = _plain(args.pg_name)
+    if name:
+        return name
+    txt = _plain(args.pg_ranks).replace(" ", "")
+    return f"ranks {txt}" if _RANKS_RE.fullmatch(txt) else None
+
+
+_RANKS_RE = re.compile(r"\[\d+(?:,\d+)*\]")
+
+
+def _pg_names(raw: msgspec.Raw) -> list[str]:
+    """The group names of ``distributedInfo.pg_config`` ([] when absent or malformed)."""
+    try:
+        groups = msgspec.json.decode(bytes(raw), type=list[_PgConfig]) if bytes(raw).strip() else []
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return []
+    return [n for n in (_plain(g.pg_name) for g in groups) if n]
+
+
+def _plain(raw: msgspec.Raw) -> str:
+    """A string or number arg as text ('' for null, absent or anything else): a group arg
+    of an unexpected type is not read, never a reason to refuse the trace."""
+    b = bytes(raw).strip()
+    if b[:1] == b'"':
+        try:
+            return msgspec.json.decode(b, type=str)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return ""
+    if b[:1] == b"[":   # a list of ranks
+        try:
+            return "[" + ",".join(str(r) for r in msgspec.json.decode(b, type=list[int])) + "]"
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return ""
+    return b.decode("ascii", "replace") if b and re.fullmatch(rb"-?\d+", b) else ""
 
 
 _NUM_RE = r"^-?\d+(?:\.\d*)?$"
