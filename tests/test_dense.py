@@ -221,3 +221,29 @@ def test_shipped_sample_dense_equals_long(tmp_path):
         st.write_run({**rd.run, "collector": "generic"}, rd.tables, run_id="r")
     _compare(stores["long"], stores["dense"])
     assert stores["dense"].sql("SELECT count(*) AS n FROM expert_load")["n"][0] == 200 * 4 * 256
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_generic_ingest_dense_with_groups_across_batches(tmp_path, monkeypatch, suffix):
+    """The generic collector's second pass (Parquet: step, layer and tokens only, no second
+    check) rebuilds the same counts when (step, layer) groups straddle its batches."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from moetrace.collect import generic, ingest
+
+    T, L, E = 7, 3, 10
+    counts = np.random.default_rng(5).poisson(4.0, size=(T, L, E)).astype(np.int64)
+    t = pa.table({"step": np.repeat(np.arange(100, 100 + T), L * E), "layer": np.tile(np.repeat(np.arange(L), E), T),
+                  "expert": np.tile(np.arange(E), T * L), "tokens": counts.reshape(-1)})
+    f = tmp_path / f"load.{suffix}"
+    pq.write_table(t, f) if suffix == "parquet" else pacsv.write_csv(t, f)
+    monkeypatch.setattr(generic, "BATCH_ROWS", 13)      # 13 rows: groups of 10 straddle batches
+    st = Store(tmp_path / "st", create=True)
+    (res,) = ingest(st, [f], options={"num_ranks": 2}, run_id="r")
+    assert res.rows.get("expert_counts") == T * L            # stored densely
+    steps, layers, got = dense.read_counts(st, "r")
+    assert steps.tolist() == list(range(100, 100 + T)) and layers.tolist() == list(range(L))
+    assert np.array_equal(got, counts)
+    desc = np.array(st.sql("SELECT tokens_desc FROM expert_counts ORDER BY step, layer")["tokens_desc"].to_list())
+    assert np.array_equal(desc, -np.sort(-counts.reshape(T * L, E), axis=1))

@@ -44,6 +44,22 @@ def expert_load_views(long_view_sql: str) -> list[str]:
     return [long_sql, union]
 
 
+def _np(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A null-free integer Arrow column as numpy, from its buffers (zero-copy for one chunk).
+    ``to_numpy`` would do the same, but pyarrow imports pandas the first time it is called
+    (a third of a second of every ``moetrace ingest``)."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    parts = []
+    for a in chunks:
+        if not pa.types.is_integer(a.type) or a.null_count:
+            raise TypeError(f"expected a null-free integer column, got {a.type}")
+        dt = np.dtype(str(a.type))                 # int8..int64, uint8..uint64
+        parts.append(np.frombuffer(a.buffers()[1], dtype=dt, count=len(a), offset=a.offset * dt.itemsize))
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 # ----------------------------------------------------------------------------- writing
 def _list_array(values: np.ndarray, width: int) -> pa.ListArray:
     n = values.size // width if width else 0
@@ -79,14 +95,26 @@ class Densifier:
     a (step, layer) may straddle two chunks. :meth:`feed` raises :class:`NotDense` on the
     first chunk that breaks this (the caller keeps the long rows instead)."""
 
-    def __init__(self, num_experts: int, build: bool = True):
+    def __init__(self, num_experts: int, build: bool = True, check: bool = True):
         self.E = int(num_experts)
         self.build = build                  # False: check the order only, return nothing
-        self._carry: pa.Table | None = None
+        self.check = check                  # False: the rows were checked already (a second pass
+        self._carry: pa.Table | None = None  # over the same file); ``expert`` is not read
         self._last_key: int | None = None
 
     def feed(self, c: pa.Table) -> pa.Table | None:
         E = self.E
+        if not self.check:
+            c = c.select(["step", "layer", "tokens"])
+            if self._carry is not None and self._carry.num_rows:
+                c = pa.concat_tables([self._carry, c.cast(self._carry.schema)])
+            full = (c.num_rows // E) * E
+            self._carry = c.slice(full)
+            if not full or not self.build:
+                return None
+            body = c.slice(0, full)
+            return dense_table(_np(body.column("step"))[::E], _np(body.column("layer"))[::E],
+                               _np(body.column("tokens")).reshape(-1, E))
         for col in ("slot", "src_rank"):
             if col in c.column_names and c.column(col).null_count != c.num_rows:
                 raise NotDense(f"{col} is set")
@@ -98,9 +126,9 @@ class Densifier:
         if not full:
             return None
         body = c.slice(0, full)
-        step = body.column("step").to_numpy().reshape(-1, E)
-        layer = body.column("layer").to_numpy().reshape(-1, E)
-        expert = body.column("expert").to_numpy().reshape(-1, E)
+        step = _np(body.column("step")).reshape(-1, E)
+        layer = _np(body.column("layer")).reshape(-1, E)
+        expert = _np(body.column("expert")).reshape(-1, E)
         if not ((expert == np.arange(E)).all() and (step == step[:, :1]).all() and (layer == layer[:, :1]).all()):
             raise NotDense("rows are not complete (step, layer) groups in expert order")
         key = step[:, 0].astype(np.int64) * (1 << 32) + layer[:, 0].astype(np.int64)
@@ -109,7 +137,7 @@ class Densifier:
         self._last_key = int(key[-1])
         if not self.build:
             return None
-        return dense_table(step[:, 0], layer[:, 0], body.column("tokens").to_numpy().reshape(-1, E))
+        return dense_table(step[:, 0], layer[:, 0], _np(body.column("tokens")).reshape(-1, E))
 
     def finish(self) -> None:
         if self._carry is not None and self._carry.num_rows:
@@ -180,13 +208,13 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
             continue
         t = pf.read_row_groups(groups, columns=["step", "layer", "tokens"])
         tok = t.column("tokens").combine_chunks()
-        off = tok.offsets.to_numpy()
+        off = _np(tok.offsets)
         width = np.diff(off)
         E = int(width[0]) if width.size else 0
         if width.size and (width != E).any():
             raise ValueError(f"{f}: expert_counts lists of different lengths")
-        vals = tok.values.to_numpy()[off[0]:off[-1]].reshape(-1, E) if width.size else np.zeros((0, 0), np.int64)
-        parts.append((t.column("step").to_numpy(), t.column("layer").to_numpy(), vals))
+        vals = _np(tok.values)[off[0]:off[-1]].reshape(-1, E) if width.size else np.zeros((0, 0), np.int64)
+        parts.append((_np(t.column("step")), _np(t.column("layer")), vals))
     long_rows = None
     if _run_files(store, "expert_load", run_id):
         q = "SELECT step, layer, expert, tokens FROM expert_load_long WHERE run_id = ?"

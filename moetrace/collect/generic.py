@@ -122,30 +122,36 @@ def _parse_error(path: Path, e: BaseException) -> InputError:
     return InputError(path, f"cannot parse: {msg}")
 
 
+def _parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """A Parquet file's rows in record batches of :data:`BATCH_ROWS` (``columns``: only those)."""
+    import pyarrow.parquet as pq
+
+    try:
+        it = pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise _parse_error(path, e) from None
+    while True:
+        try:
+            b = next(it)
+        except StopIteration:
+            return
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise _parse_error(path, e) from None
+        if b.num_rows:
+            yield b
+
+
 def _frames(path: Path) -> Iterator[pl.DataFrame]:
     """The file's rows in batches: Parquet by row batches of :data:`BATCH_ROWS`, JSONL by
     as many lines, CSV by 8 MiB blocks (pyarrow's streaming reader; column types from the
     first block)."""
     if path.name.lower().endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            it = pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            raise _parse_error(path, e) from None
-        while True:
-            try:
-                b = next(it)
-            except StopIteration:
-                return
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:
-                raise _parse_error(path, e) from None
-            if b.num_rows:
-                yield pl.from_arrow(b)
+        for b in _parquet_batches(path):
+            yield pl.from_arrow(b)
         return
     if path.name.lower().endswith((".jsonl", ".ndjson")):
         it = _jsonl_batches(path)
@@ -290,7 +296,7 @@ def _collect_load(path: Path, cols: set, options: dict) -> RunData:
                     if not brk.any():
                         raise _NotDense()
                     densifier = _dense().Densifier(int(brk.argmax()), build=False)
-                densifier.feed(_load_arrow(b))
+                densifier.feed(b.select(["step", "layer", "expert", "slot", "src_rank", "tokens"]).to_arrow())
             except (_NotDense, _dense().NotDense):
                 dens = None
         rows += b.height
@@ -319,9 +325,27 @@ def _collect_load(path: Path, cols: set, options: dict) -> RunData:
                                    f"expert={dup['expert']} ({dup['len']} rows)")
     big = bool(options.get("progress")) or rows > PROGRESS_ROWS
 
+    parquet = path.name.lower().endswith(".parquet")
+
     def stream() -> Iterator[pa.Table]:
         p = _Progress(path, "written", big)
         off = 0
+        if dens is not None and parquet:
+            # dense Parquet: the first pass checked every row and the (step, layer, expert)
+            # order, so this pass reads step, layer and tokens only and checks nothing again
+            d = _dense().Densifier(E_run, check=False)
+            batches = (pa.Table.from_batches([b]) for b in _parquet_batches(path, ["step", "layer", "tokens"]))
+            for b in batches:
+                b = pa.table({"step": b.column("step").cast(pa.int64()), "layer": b.column("layer").cast(pa.int32()),
+                              "tokens": b.column("tokens").cast(pa.int64())})
+                off += b.num_rows
+                out = d.feed(b)
+                if out is not None and out.num_rows:
+                    yield out
+                p(off)
+            d.finish()
+            p(off, force=big)
+            return
         d = _dense().Densifier(E_run) if dens is not None else None
         for df in _frames(path):       # checked in the first pass: only the casts again
             b = _load_arrow(_cast_load_batch(df, path, off, cols))
