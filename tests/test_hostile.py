@@ -600,6 +600,55 @@ def test_kineto_gzip_bomb_and_long_names_hit_limits(runner, cli, store, tmp_path
     assert res.exit_code == 0, res.output
 
 
+def test_kineto_parsing_workers_get_the_parents_limits(runner, cli, store, tmp_path, monkeypatch):
+    """Kineto files are parsed by worker processes (--set jobs=N, or inputs of 256 MiB and
+    more) started through a forkserver, which sees neither this process's --set nor an
+    environment changed after it started: the workers are handed the resolved limits. The
+    worker here parses the file alone (the parent claims nothing), so what it refuses or
+    accepts is its own limit."""
+    import multiprocessing as mp
+
+    from moetrace.collect import kineto
+    from moetrace.safety import set_overrides
+
+    f = tmp_path / "rank0.pt.trace.json"
+    f.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [_kev(name="n" * 5000), _kev(name="k", ts=1005)]}))
+    ctx = mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
+
+    def in_worker():
+        ex = kineto._worker_pool(ctx, 1, ctx.Array("q", [0, 1]))   # one file, all the worker's
+        try:
+            [(i, res)] = ex.submit(kineto._worker_loop, [f], False).result(timeout=300)
+        finally:
+            ex.shutdown(wait=True)
+        assert i == 0
+        return res
+
+    try:
+        set_overrides({"max_name_bytes": 4096})          # --set lowers it: the worker refuses
+        res = in_worker()
+        assert res[0] == "error" and "max_name_bytes=4096" in res[2] and "5000 bytes" in res[2], res
+        set_overrides({})
+        monkeypatch.setenv("MOETRACE_MAX_NAME_BYTES", "4000")  # set after the forkserver started
+        res = in_worker()
+        assert res[0] == "error" and "max_name_bytes=4000" in res[2], res
+        set_overrides({"max_name_bytes": 100_000})       # --set raises it over the environment's
+        res = in_worker()
+        assert res[0] == "ok" and res[1][0]["n_events"] == 2, res[:1]
+    finally:
+        set_overrides({})
+    # through the command: two rank files, both named 5000 bytes, parsed by this process and
+    # one worker (whichever claims each); lowered, refused; raised over the environment, ingested
+    g = tmp_path / "rank1.pt.trace.json"
+    g.write_text(f.read_text())
+    before = tree_hash(store)
+    one_line_error(_cli(runner, cli, "ingest", f, g, "--store", store, "--set", "jobs=2", "--set",
+                        "max_name_bytes=4096"), 2, "max_name_bytes=4096")
+    assert tree_hash(store) == before
+    res = _cli(runner, cli, "ingest", f, g, "--store", store, "--set", "jobs=2", "--set", "max_name_bytes=100000")
+    assert res.exit_code == 0, res.output
+
+
 # ----------------------------------------------------------------------------- dumps: bombs, headers, empty arrays
 def _npy_header_only(shape, descr="<i8") -> bytes:
     import io
