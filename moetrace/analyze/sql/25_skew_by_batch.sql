@@ -23,7 +23,7 @@ CREATE OR REPLACE VIEW skew_by_batch AS
 WITH RECURSIVE st AS (
     SELECT run_id, step, row_number() OVER (PARTITION BY run_id ORDER BY step) - 1 AS ord,
            count(*) OVER (PARTITION BY run_id) AS n_steps
-    FROM (SELECT DISTINCT run_id, step FROM expert_load)
+    FROM (SELECT DISTINCT run_id, step FROM step_layers)   -- one row per (step, layer), not per expert
 ), merged(run_id, layer, w, batch, rank, tokens, n_steps) AS (
     SELECT r.run_id, r.layer, CAST(1 AS BIGINT), st.ord, r.rank, r.tokens, st.n_steps
     FROM rank_load_sparse r JOIN st ON st.run_id = r.run_id AND st.step = r.step
