@@ -14,9 +14,12 @@ For each pair (A, B) — the model fitted on A only:
   per-layer time, per-step MoE time (sum over layers), the time ratio B/A of the whole
   run (both sides predicted by the same model, as a replay would tell an operator), and
   the straggler rank per (step, layer);
-* measured: ``cell_times`` of run B (per layer: median over passes of the max over ranks
-  of the dispatch-start-to-combine-end time; straggler: the rank with the largest median
-  expert time).
+* measured: ``cell_times`` of run B, on two bases (:data:`ESTIMATORS`): wall clock (per
+  layer: median over passes of the last combine end minus the last dispatch start;
+  straggler: the rank with the largest median expert time) and CPU (each rank's
+  main-thread CPU time: the model's own error, without the host's scheduling of other
+  jobs). Per run, the host slowdown (wall / CPU layer time) is printed: the measured wall
+  ratio B/A is the CPU ratio times the ratio of the two runs' slowdowns.
 
 Targets (issue #13): ratio error median ≤ 5 % and worst ≤ 10 %; per-layer time MAPE
 ≤ 10 %; straggler right in ≥ 90 % of the (step, layer) where the predicted gap between
@@ -26,6 +29,7 @@ every pair, so a term is kept only when the matrix shows it helps.
 
     python benchmarks/bench_fidelity.py --size small   # CI: 2 ranks, 6 pairs, ~1 min
     python benchmarks/bench_fidelity.py --size full    # 2 and 4 ranks, 8 pairs
+    python benchmarks/bench_fidelity.py --rescore [FILE.json]   # stored cells, current variants
 
 The machine's load (``os.getloadavg``) is printed before and after: on a shared host the
 timings are noisy and the table says so.
