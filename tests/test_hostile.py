@@ -577,6 +577,21 @@ def test_deep_json_is_one_line(runner, cli, store, tmp_path, where):
     assert tree_hash(store) == before
 
 
+@pytest.mark.parametrize("name, text, needle", [
+    ("plan.json", '{"phy2log": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deeply"),
+    ("deep.json", "[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
+    ("eplb.yaml", "num_slots: 8\ninitial_global_assignments: " + "[" * 100_000 + "]" * 100_000 + "\n",
+     "YAML nested too deeply")])
+def test_plan_import_of_deep_json_or_yaml_is_one_line(runner, cli, store, tmp_path, name, text, needle):
+    """plan --import of a 100k-deep document (SGLang / EPLB JSON, TensorRT-LLM YAML): one
+    line naming the file, exit 2, no plan stored."""
+    f = tmp_path / name
+    f.write_text(text)
+    before = tree_hash(store)
+    one_line_error(_cli(runner, cli, "plan", store, "--import", f, "--ranks", 2), 2, str(f), needle)
+    assert tree_hash(store) == before
+
+
 def test_kineto_gzip_bomb_and_long_names_hit_limits(runner, cli, store, tmp_path):
     f = tmp_path / "rank0.pt.trace.json.gz"
     with gzip.open(f, "wb", compresslevel=9) as g:

@@ -178,6 +178,8 @@ def read_trtllm_yaml(path: str | Path, num_experts: int | None = None) -> Trtllm
         raise InputError(path, "not UTF-8 text") from None
     except OSError as e:
         raise InputError(path, f"cannot read: {e.strerror}") from None
+    except RecursionError:
+        raise InputError(path, "YAML nested too deeply to parse (more than the parser's recursion limit)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1} column {mark.column + 1}" if mark is not None else None
