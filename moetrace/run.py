@@ -172,6 +172,16 @@ class Run:
 
         return wait_result(self.store, self.id)
 
+    def wait_shift(self, steps_a, steps_b=None, by: str = "position"):
+        """How much each rank's net wait rose in ``steps_a`` against ``steps_b`` (default:
+        the other steps): the median shift and its standard error per rank
+        (``by="layer"``) or per rank, collective and position in the layer
+        (``by="position"``); a delay injected with ``refrun --delay-every 2`` shows at its
+        rank and collective (:func:`moetrace.analyze.waits.wait_shift`)."""
+        from .analyze.waits import wait_shift
+
+        return wait_shift(self.store, self.id, steps_a, steps_b, by=by)
+
     def whatif(self, **kw):
         """Two-micro-batch overlap, attention/FFN disaggregation and NVLink domain size on
         the recorded timeline (:func:`moetrace.replay.whatif_store.run_whatifs`, keyword

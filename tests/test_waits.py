@@ -255,6 +255,28 @@ def test_nccl_2rank_waits_match_raw_trace(tmp_path, runner, cli):
     assert res.clock_inconsistent > 0 and "clocks disagree" in res.coverage_message()
 
 
+def test_waits_shift_steps_names_the_late_rank(tmp_path, runner, cli):
+    """Rank 1 reaches the dispatch 50 µs after rank 0 in step 0 and together with it in
+    step 1: step 0 against step 1, rank 1's net wait rose 50 µs, rank 0's fell 50 µs."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for r in (0, 1):
+        ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000), ev_x("user_annotation", "ProfilerStep#1", 1000, 1000),
+              kernel(DISPATCH, 100 + 50 * r, 100 - 50 * r, 10 * r + 1, stream=20, device=r),
+              kernel(DISPATCH, 1100, 100, 10 * r + 2, stream=20, device=r)]
+        write_trace(folder / f"rank{r}_trace.json", ev, rank=r, world=2)
+    ingest(runner, cli, tmp_path / "st", folder)
+    out = runner.invoke(cli, ["waits", str(tmp_path / "st"), "--shift-steps", "0", "--by", "instance",
+                              "--format", "json"])
+    assert out.exit_code == 0, out.output
+    rows = {r["rank"]: r["shift_ms"] for r in json.loads(out.output)}
+    assert rows == {0: -0.05, 1: 0.05}
+    out = runner.invoke(cli, ["waits", str(tmp_path / "st"), "--shift-steps", "even"])
+    assert out.exit_code == 0 and "largest rise: rank 1: +0.050 ms" in out.output, out.output
+    bad = runner.invoke(cli, ["waits", str(tmp_path / "st"), "--shift-steps", "x"])
+    assert bad.exit_code == 2
+
+
 def test_report_section_draws_the_heatmap(tmp_path, runner, cli):
     from moetrace.report.base import ReportContext
     from moetrace.report.sections import waits

@@ -17,8 +17,13 @@ from ._options import hardware_option, run_option
 @click.option("--by", type=click.Choice(["rank", "matrix", "instance"]), default="rank", show_default=True,
               help="rank: wait caused and suffered per rank, exposed split into waiting and transfer; matrix: "
                    "who waited for whom (ns summed over instances); instance: every matched collective instance.")
+@click.option("--shift-steps", default=None,
+              help="Compare the net wait (caused per peer - suffered) of these steps ('even', 'odd' or a comma "
+                   "list) with the other steps: per rank (per (step, layer) cells), or with --by instance per rank, "
+                   "collective and position in the layer, the median shift and its standard error. A delay injected with `refrun "
+                   "--delay-every 2` shows at its rank and collective.")
 @output_options
-def waits(store, run_id, by, fmt, output):
+def waits(store, run_id, by, shift_steps, fmt, output):
     """Who waited for whom: collective instances matched across ranks.
 
     Each collective instance (the n-th all-to-all, all-reduce, ... of a stream on every
@@ -31,8 +36,13 @@ def waits(store, run_id, by, fmt, output):
     Example:
 
         moetrace waits st --by matrix
+        moetrace waits st --shift-steps even --by instance
     """
-    res = Store(store).run(run_id).waits()
+    run = Store(store).run(run_id)
+    if shift_steps is not None:
+        _shift(run, shift_steps, by, fmt, output)
+        return
+    res = run.waits()
     if not res.has_instances:
         click.echo(res.coverage_message())
         return
@@ -53,6 +63,31 @@ def waits(store, run_id, by, fmt, output):
         if top is not None and top["caused_wait_ns"]:
             click.echo(f"rank {top['rank']} made the others wait most: {top['caused_wait_ns'] / 1e6:.3f} ms in all, "
                        f"last to arrive at {top['times_last']} of {res.instances.height} instances.")
+
+
+def _shift(run, spec: str, by: str, fmt, output) -> None:
+    steps = sorted(run.store.sql("SELECT DISTINCT step FROM layer_waits WHERE run_id = ? AND step IS NOT NULL",
+                                 [run.id])["step"].to_list())
+    if spec in ("even", "odd"):
+        chosen = [s for s in steps if s % 2 == (0 if spec == "even" else 1)]
+    else:
+        try:
+            chosen = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{spec!r} is not 'even', 'odd' or a comma-separated list of steps",
+                                     param_hint="--shift-steps") from None
+    ws = run.wait_shift(chosen, by="position" if by == "instance" else "layer")
+    if ws.ranks.height == 0:
+        click.echo(f"run {run.id}: no matched collective instances in both the chosen and the other steps.")
+        return
+    df = ws.ranks.with_columns([(pl.col(c) / 1e6).round(3).alias(c[:-3] + "_ms") for c in ws.ranks.columns
+                                if c.endswith("_ns")]).drop([c for c in ws.ranks.columns if c.endswith("_ns")])
+    emit(df, fmt, output, max_rows=200)
+    if fmt == "table" and not output:
+        t = ws.top()
+        where = f", {t['kind']} #{t['pos']} of the layer" if "pos" in t else ""
+        click.echo(f"\nlargest rise: rank {t['rank']}{where}: {t['shift_ns'] / 1e6:+.3f} ms "
+                   f"(standard error {t['se_ns'] / 1e6:.3f} ms; {t['n_a']} cells against {t['n_b']}).")
 
 
 def _ints(ctx, param, value):
