@@ -56,6 +56,13 @@ def sqlite_ro_uri(path: str | os.PathLike) -> str:
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB|K|M|G|T|%)?\s*$", re.IGNORECASE)
 
 
+def arrow_path(path: str | os.PathLike) -> str:
+    """A local file's path as Arrow must be given it to open that file: absolute. Arrow
+    expands a leading ``~`` (a quoted ``'~/x.parquet'`` reads ``$HOME/x.parquet``) and reads
+    a relative ``file:/x`` as the URI of ``/x``; an absolute path is taken literally."""
+    return os.path.abspath(os.fspath(path))
+
+
 def memory_limit(value: str | None, what: str = "--memory-limit") -> str | None:
     """Validate a DuckDB memory size ('8GB', '512MiB', '50%'); returns it normalised."""
     if value is None:

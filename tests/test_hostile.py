@@ -577,6 +577,25 @@ def test_deep_json_is_one_line(runner, cli, store, tmp_path, where):
     assert tree_hash(store) == before
 
 
+@pytest.mark.parametrize("name", ["~/load.parquet", "file:{home}/load.parquet"])
+def test_parquet_input_named_like_home_or_a_uri_reads_the_named_file(runner, cli, tmp_path, monkeypatch, name):
+    """Arrow expands a leading ``~`` and reads a relative ``file:/x`` as ``/x``: a quoted
+    ``'~/load.parquet'`` would ingest ``$HOME/load.parquet``. The named file (under the
+    working folder) is what is ingested; the other one is never read."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    name = name.format(home=home)
+    rows = {"step": [0, 0], "layer": [0, 0], "expert": [0, 1], "tokens": [3, 5]}
+    home.mkdir()
+    pq.write_table(pa.table({**rows, "tokens": [1000, 2000]}), home / "load.parquet")   # not this one
+    (work / name).parent.mkdir(parents=True)
+    pq.write_table(pa.table(rows), work / name)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    res = _cli(runner, cli, "ingest", name, "--store", tmp_path / "st", "--format", "generic")
+    assert res.exit_code == 0, res.output
+    assert Store(tmp_path / "st").sql("SELECT sum(tokens) AS t FROM expert_load")["t"][0] == 3 + 5
+
+
 @pytest.mark.parametrize("name, text, needle", [
     ("plan.json", '{"phy2log": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deeply"),
     ("deep.json", "[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),

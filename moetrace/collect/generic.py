@@ -126,8 +126,10 @@ def _parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[p
     """A Parquet file's rows in record batches of :data:`BATCH_ROWS` (``columns``: only those)."""
     import pyarrow.parquet as pq
 
+    from ..safety import arrow_path
+
     try:
-        it = pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        it = pq.ParquetFile(arrow_path(path)).iter_batches(batch_size=BATCH_ROWS, columns=columns)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:

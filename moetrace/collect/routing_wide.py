@@ -60,7 +60,9 @@ def _schema(path: Path, head: bytes) -> pa.Schema | None:
         if name.endswith(".parquet") and head[:4] == _PQ_MAGIC:
             import pyarrow.parquet as pq
 
-            return pq.read_schema(path)
+            from ..safety import arrow_path
+
+            return pq.read_schema(arrow_path(path))
         if name.endswith(_ARROW_EXT) and head[:6] == _IPC_MAGIC:
             import pyarrow.ipc as ipc
 
@@ -100,7 +102,9 @@ def _read(path: Path) -> pa.Table:
         if name.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            return pq.read_table(path)
+            from ..safety import arrow_path
+
+            return pq.read_table(arrow_path(path))
         if name.endswith(_ARROW_EXT):
             import pyarrow.ipc as ipc
 
