@@ -392,6 +392,10 @@ def test_calibrate_refrun_pair_end_to_end(refrun_pair, runner, cli):
     assert s["straggler_hit_rate"] == pytest.approx(m["straggler_hit_rate"])
 
     assert "medians over 1 timed pass(es)" in " ".join(out["fit"]["input_notes"])
+    # the host slowdown note: summed wall-clock layer time / summed CPU-basis layer time, by hand
+    lt = st.sql("SELECT layer_ns, layer_cpu_ns FROM cell_times WHERE run_id = 'ra' AND rank = 0")
+    slow = lt["layer_ns"].sum() / lt["layer_cpu_ns"].sum()
+    assert f"wall-clock layer time = {slow:.2f} x its CPU-basis time" in " ".join(out["fit"]["input_notes"])
 
 
 def test_error_band_from_the_newest_calibration_on_the_same_hardware(refrun_pair, runner, cli):

@@ -139,6 +139,13 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
         passes = store.sql("SELECT min(passes) AS p FROM cell_times WHERE run_id = ?", [spans_run])["p"][0]
         notes.append(f"measured times: medians over {passes} timed pass(es) per (step, layer, rank) (table "
                      "cell_times), not profiler spans")
+        if "layer_cpu_ns" in store.sql("SELECT * FROM cell_times LIMIT 0").columns:
+            sl = store.sql("""SELECT sum(layer_ns)::DOUBLE / sum(layer_cpu_ns) AS s FROM cell_times
+                              WHERE run_id = ? AND rank = (SELECT min(rank) FROM cell_times WHERE run_id = ?)
+                              HAVING count(layer_cpu_ns) = count(*)""", [spans_run, spans_run])
+            if sl.height and sl["s"][0] is not None:
+                notes.append(f"host slowdown of run {spans_run}: wall-clock layer time = {sl['s'][0]:.2f} x its "
+                             "CPU-basis time (other processes sharing the cores; wall-clock errors include it)")
     else:
         ex = store.sql("""SELECT step + ? AS step, layer, rank, sum(end_ns - start_ns)::DOUBLE AS dur FROM spans
                           WHERE run_id = ? AND kind = 'expert_gemm' AND step IS NOT NULL AND layer IS NOT NULL
