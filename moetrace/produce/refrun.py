@@ -594,8 +594,10 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
     t0 = time.time()
     cfg_dict = asdict(cfg)
     cfg_dict["placement"] = cfg.placement if isinstance(cfg.placement, str) else "custom"
-    ctx = mp.start_processes(worker, args=(cfg_dict, phy2log.tolist(), str(out), _free_port()), nprocs=cfg.ranks,
-                             join=False, start_method="spawn")
+    from ..safety import arrow_path  # the ranks write with Arrow: absolute, so '~' and 'file:' are literal
+
+    ctx = mp.start_processes(worker, args=(cfg_dict, phy2log.tolist(), arrow_path(out), _free_port()),
+                             nprocs=cfg.ranks, join=False, start_method="spawn")
     deadline = time.time() + cfg.timeout_s
     while not ctx.join(timeout=1.0):
         if time.time() > deadline:
@@ -605,7 +607,8 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
             raise RuntimeError(f"reference run did not finish within {cfg.timeout_s:.0f} s")
     import polars as pl
 
-    timing = pl.concat([pl.read_parquet(out / f"timing_rank{r}.parquet") for r in range(cfg.ranks)])
+    # bytes, not a path: polars reads a path as a pattern (an --out a[1] would read a1's files)
+    timing = pl.concat([pl.read_parquet((out / f"timing_rank{r}.parquet").read_bytes()) for r in range(cfg.ranks)])
     _, noise = summarize_timing(timing)
     noise.update({"cpu_cores": cores, "oversubscribed": oversubscribed,
                   "loadavg_1m_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None})
