@@ -14,7 +14,7 @@ from moetrace.analyze.waits import wait_result
 from moetrace.store import Store
 
 from .conftest import shared_data
-from .test_kineto import ev_x, kernel, write_trace
+from .test_kineto import ev_x, kernel, launch, write_trace
 
 DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
 COMBINE = "void deep_ep::intranode::combine<8>(int4*)"
@@ -160,6 +160,29 @@ def test_without_process_groups_matching_falls_back_to_lanes_and_says_so(tmp_pat
     assert res.coverage["matched"] == 2 and res.coverage["matched_group_inferred"] == 2
     assert _matrix(res) == {(0, 3): 70_000 + 20_000, (1, 3): 40_000 + 10_000, (2, 3): 60_000 + 15_000}
     assert "process group" in res.coverage_message() and "inferred" in res.coverage_message()
+
+
+def test_process_group_from_the_record_param_comms_around_the_launch(tmp_path, runner, cli):
+    """Kernels without group args take the group of the record_param_comms op (same
+    thread) whose span holds their launch: the two TP groups are kept apart again."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for r, (ar, _) in PG_ARRIVE.items():
+        tp = "1" if r < 2 else "2"
+        ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000),
+              ev_x("cpu_op", "record_param_comms", 40, 10, **{"Collective name": "allreduce",
+                                                             "Process Group Name": tp}),
+              launch(45, 10 * r + 1),
+              kernel(AR, ar, (200 if r < 2 else 250) - ar, 10 * r + 1, stream=20, device=r,
+                     **{"Collective name": "allreduce"})]
+        write_trace(folder / f"rank{r}_trace.json", ev, rank=r, world=4)
+    st = ingest(runner, cli, tmp_path / "st", folder)
+    rid = st.resolve_run(None)
+    assert set(st.sql("SELECT process_group FROM spans WHERE run_id = ? AND collective IS NOT NULL",
+                      [rid])["process_group"]) == {"1", "2"}
+    res = wait_result(st, rid)
+    assert res.coverage["matched_group_inferred"] == 0
+    assert _matrix(res) == {(0, 1): 30_000, (2, 3): 60_000}
 
 
 def test_process_group_from_its_ranks_when_unnamed(tmp_path, runner, cli):

@@ -9,7 +9,9 @@ does the rest, the same way for every profiler:
   launch: ``ProfilerStep#N`` (step), a collective op such as ``nccl:all_to_all`` (which
   collective a SendRecv kernel belongs to), a ``dispatch``/``combine`` annotation (the
   direction of a plain all-to-all), a layer annotation (``layer 3``, ``layers.3``) and a
-  micro-batch annotation (``micro_batch 1``, DualPipe's ``(F)``/``(B)``/``(W)`` suffix);
+  micro-batch annotation (``micro_batch 1``, DualPipe's ``(F)``/``(B)``/``(W)`` suffix) and
+  the ``record_param_comms`` op naming a collective's process group (when the kernel's own
+  args do not);
 * classifies each kernel with the one classifier (:mod:`moetrace.collect.classify`);
 * fills in what no annotation gave, and says so (``spans.inferred``): the layer from the
   order of dispatches within (rank, step, micro-batch); the direction of an all-to-all
@@ -165,6 +167,10 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
     pts = _enclosing(pts, fams["step"], ["pid"], "step")
     coll_names = fams["coll"].with_columns(pl.col("name").alias("cname"))
     pts = _enclosing(pts, coll_names, ["pid", "tid"], "coll_op", take="cname")
+    if "pg_arg" in ev.cpu.columns:   # a kernel without group args: the record_param_comms around its launch
+        pg_ops = ev.cpu.filter((pl.col("name") == "record_param_comms") & pl.col("pg_arg").is_not_null())
+        pts = _enclosing(pts, pg_ops.sort("start_ns"), ["pid", "tid"], "_pg_op", take="pg_arg")
+        pts = pts.with_columns(pl.coalesce("pg_arg", "_pg_op").alias("pg_arg")).drop("_pg_op")
     pts = _enclosing(pts, fams["phase"], ["pid"], "phase")
     pts = _enclosing(pts, fams["layer"], ["pid"], "layer_a")
     pts = _enclosing(pts, fams["mb"], ["pid"], "mb")

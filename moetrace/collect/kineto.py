@@ -493,9 +493,12 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
         k = code(e.cat)
         if k is None:
             continue
-        if k == 3:  # a CPU op: kept when a collective
+        if k == 3:  # a CPU op: kept when a collective (or the record_param_comms naming its process group)
             n = e.name
-            if type(n) is str and n[:1] in first and n.startswith(_COLL_PREFIXES) and e.ph == "X":
+            if type(n) is str and e.ph == "X" and (
+                    (n[:1] in first and n.startswith(_COLL_PREFIXES))
+                    or (n == "record_param_comms" and e.args is not None
+                        and (len(e.args.pg_name) or len(e.args.pg_ranks)))):
                 ca((i, e))
         elif k == 1:
             la((i, e))
