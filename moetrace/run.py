@@ -118,7 +118,7 @@ class Run:
 
     # ------------------------------------------------------------------ measured metrics
     def skew(self, by: str = "layer", *, batch_steps: int | None = None, memory_limit: str | None = None,
-             progress=None) -> "pl.DataFrame":
+             progress=None, sql=None) -> "pl.DataFrame":
         """Imbalance (max/mean rank tokens: time lost at the combine barrier), efficiency,
         Gini, top-5% share, hottest expert and straggler rank.
 
@@ -127,9 +127,13 @@ class Run:
         (step, layer) (``layer_skew``). Steps without tokens have an undefined imbalance:
         NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means.
         The per-(step, layer) view is computed once, in batches of ``batch_steps`` steps,
-        DuckDB capped at ``memory_limit``; ``progress(line)`` gets progress lines."""
-        from .analyze.frames import skew
+        DuckDB capped at ``memory_limit``; ``progress(line)`` gets progress lines. With
+        ``sql`` (a :class:`moetrace.spark.SparkSQL`'s ``sql``), the views run on that engine
+        as they are, unbatched."""
+        from .analyze.frames import skew, skew_frame
 
+        if sql is not None:
+            return skew_frame(sql, self.id, by)
         return skew(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit, progress=progress)
 
     def tokens_per_expert(self) -> "pl.DataFrame":
@@ -147,14 +151,15 @@ class Run:
 
         return dummy_steps(self.store, self.id, by)
 
-    def exposure(self) -> "Exposure":
+    def exposure(self, sql=None) -> "Exposure":
         """All-to-all exposure from profiler spans: how much dispatch/combine time no
         compute kernel on the same device hid, per kind, rank, group, straggler and
         stream mode (:class:`moetrace.analyze.exposure.Exposure`; ``has_a2a`` False when
-        the run has no all-to-all kernel at all)."""
+        the run has no all-to-all kernel at all). ``sql``: run the view queries elsewhere
+        (a :class:`moetrace.spark.SparkSQL`'s ``sql``)."""
         from .analyze.exposure import exposure
 
-        return exposure(self.store, self.id)
+        return exposure(self.store, self.id, sql=sql)
 
     def kernels(self, kind: str | None = None, limit: int | None = None,
                 name_width: int | None = None) -> "pl.DataFrame":

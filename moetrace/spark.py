@@ -72,6 +72,12 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "is one GROUP BY per window level w = 1, 2, 4, ... <= n_steps: the same sums"),
     Adaptation("len", "the views measure lists only (len(list)); Spark's LENGTH takes strings: SIZE(list)"),
     Adaptation("list_slice", "DuckDB list_slice(l, begin, end) is 1-based and inclusive: slice(l, begin, end - begin + 1)"),
+    Adaptation("list index", "DuckDB's l[i] is 1-based and l[-1] is the last element; sqlglot shifts positive "
+               "literal indexes only (and -1 to -2, which Spark reads as NULL): every list index becomes "
+               "ELEMENT_AT(l, i), Spark's 1-based, negative-from-the-end form"),
+    Adaptation("unnest of several lists", "DuckDB's SELECT unnest(a) AS x, unnest(b) AS y zips the lists (NULL "
+               "past the shorter); Spark allows one generator per SELECT (and a second would be a cross "
+               "product): INLINE(ARRAYS_ZIP(a, b)) AS (x, y)"),
 )
 
 
@@ -83,7 +89,28 @@ def _adapt(tree):
         return _adapt(node.copy()).sql(dialect="spark")
 
     def rewrite(node):
+        if isinstance(node, exp.Bracket) and len(node.expressions) == 1 and not (
+                isinstance(node.expressions[0], exp.Literal) and node.expressions[0].is_string):
+            i = node.expressions[0]  # as written in DuckDB (parsed by _duckdb_dialect: no shift)
+            lit = isinstance(i, exp.Literal) or (isinstance(i, exp.Neg) and isinstance(i.this, exp.Literal))
+            idx = sql(i) if lit else f"CAST({sql(i)} AS INT)"  # Spark's ELEMENT_AT takes an INT
+            return parse_one(f"ELEMENT_AT({sql(node.this)}, {idx})", read="spark")
         if isinstance(node, exp.Select):
+            gens = [k for k, p in enumerate(node.expressions)
+                    if isinstance(p, exp.Alias) and isinstance(p.this, exp.Explode)]
+            if len(gens) > 1 and not any(str(a.this).upper() == "GENERATE_SUBSCRIPTS"
+                                         for a in node.find_all(exp.Anonymous)):
+                if gens != list(range(gens[0], gens[0] + len(gens))):
+                    raise ValueError("unnest of several lists must be adjacent in the SELECT list")
+                node = node.copy()
+                projs = list(node.expressions)
+                lists = ", ".join(sql(projs[k].this.this) for k in gens)
+                names = ", ".join(projs[k].alias for k in gens)
+                inline = parse_one(f"SELECT INLINE(ARRAYS_ZIP({lists})) AS ({names})",
+                                   read="spark").expressions[0]
+                projs[gens[0]:gens[-1] + 1] = [inline]
+                node.set("expressions", projs)
+                return node
             subs = [a for a in node.find_all(exp.Anonymous) if str(a.this).upper() == "GENERATE_SUBSCRIPTS"]
             explodes = list(node.find_all(exp.Explode))
             if subs and len(explodes) == 1 and all(sql(a.expressions[0]) == sql(explodes[0].this) for a in subs):
@@ -183,11 +210,24 @@ def _view_name(stmt: str) -> str:
     return m.group(1)
 
 
+@lru_cache(maxsize=None)
+def _duckdb_dialect():
+    """DuckDB as sqlglot reads it, but list indexes kept as written (1-based): sqlglot
+    would shift them to 0-based for the Spark text, literals only and -1 wrongly; the
+    "list index" adaptation turns each into ELEMENT_AT, which is 1-based like DuckDB."""
+    from sqlglot.dialects.duckdb import DuckDB
+
+    class DuckDBListIndex(DuckDB):
+        INDEX_OFFSET = 0
+
+    return DuckDBListIndex
+
+
 def transpile(duckdb_sql: str) -> str:
     """One DuckDB statement as Spark SQL: sqlglot, then :data:`ADAPTATIONS`."""
     import sqlglot
 
-    trees = sqlglot.parse(duckdb_sql, read="duckdb")
+    trees = sqlglot.parse(duckdb_sql, read=_duckdb_dialect())
     if len(trees) != 1:
         raise ValueError(f"expected one statement, got {len(trees)}")
     tree = trees[0]
@@ -243,7 +283,8 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
              # DuckDB gives NULL for a list index out of range and for x / 0; so does
              # Spark outside ANSI mode (ANSI raises)
              .config("spark.sql.ansi.enabled", "false")
-             .config("spark.log.structuredLogging.enabled", "false"))
+             .config("spark.log.structuredLogging.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false"))
     # run_id is a string whatever it looks like (a run called 2024 stays '2024')
     b = b.config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
     # DuckDB's integer division and casts follow ANSI rules; so does Spark 4 by default
@@ -322,3 +363,48 @@ def sql(store_path: str | os.PathLike, query: str, master: str | None = None, re
     finally:
         if own:
             spark.stop()
+
+
+class SparkSQL:
+    """The store's tables and metric views registered on a Spark session, queried like
+    :meth:`moetrace.store.Store.sql`: ``sql(query, params)`` returns a polars DataFrame.
+
+    The library's readers write DuckDB SQL; ``dialect="duckdb"`` (the default) transpiles
+    such a query with the same rules as the views; ``dialect="spark"`` runs the text as
+    written (a user's own Spark SQL). ``?`` parameters are bound by Spark, never pasted
+    into the text. A query Spark refuses is a :class:`StoreError` with its first line."""
+
+    def __init__(self, store_path: str | os.PathLike, master: str | None = None, remote: str | None = None,
+                 spark=None):
+        self._own = spark is None
+        self.spark = spark or session(master=master, remote=remote)
+        try:
+            register_store(self.spark, store_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def sql(self, query: str, params=None, dialect: str = "duckdb"):
+        import polars as pl
+
+        text = transpile(query) if dialect == "duckdb" else query
+        try:
+            df = self.spark.sql(text, args=list(params)) if params else self.spark.sql(text)
+            tbl = to_arrow(df)
+        except Exception as e:
+            if type(e).__module__.split(".")[0] not in ("pyspark", "py4j"):
+                raise
+            first = " ".join(str(e).strip().split("\n")[:1])[:400]
+            raise StoreError(f"Spark SQL error: {first}") from None
+        return pl.from_arrow(tbl) if tbl.num_columns else pl.DataFrame()
+
+    def close(self) -> None:
+        if self._own and self.spark is not None:
+            self.spark.stop()
+        self.spark = None
+
+    def __enter__(self) -> "SparkSQL":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -184,20 +184,14 @@ def test_the_store_exercises_the_views(store):
     assert store.sql("SELECT count(*) AS n FROM a2a_exposure")["n"][0] > 0
 
 
-# Views that do not yet give DuckDB's rows on Spark (2026-12-01): the dense list path
-# (1-based list indexing and list functions over expert_counts) and the views built on it,
-# plus two rounding/tie differences. Known gaps, listed rather than hidden; an xpass shows
-# when one is fixed.
-KNOWN_DIFFERENT = {
-    "dense_step_stats", "rank_tokens_by_step", "rank_load_sparse", "rank_load", "expert_step_stats",
-    "layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition", "skew_summary",
-    "run_skew_summary", "a2a_stragglers", "layer_waits",
-}
+# Views that do not give DuckDB's rows on Spark, each with the reason: none since the list
+# index, multi-unnest and explicit-rounding fixes (2026-12-01). Kept so that a newly found
+# engine difference is listed here with its reason rather than hidden.
+KNOWN_DIFFERENT: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("view", [
-    pytest.param(v, marks=pytest.mark.xfail(reason="known Spark/DuckDB difference (see KNOWN_DIFFERENT)",
-                                            strict=False))
+    pytest.param(v, marks=pytest.mark.xfail(reason=KNOWN_DIFFERENT[v], strict=True))
     if v in KNOWN_DIFFERENT else v for v in _view_names()])
 def test_view_equal_on_spark_and_duckdb(store, spark, view):
     from moetrace.spark import to_arrow

@@ -52,33 +52,36 @@ class Exposure:
         return hook_mode_message(self.modes)
 
 
-def exposure(store, run_id: str) -> Exposure:
-    pres = store.sql("SELECT * FROM a2a_presence WHERE run_id = ?", [run_id])
+def exposure(store, run_id: str, sql=None) -> Exposure:
+    """See :meth:`moetrace.run.Run.exposure`. ``sql(query, params)`` runs the view queries
+    (default: the store's DuckDB; :class:`moetrace.spark.SparkSQL` runs them on Spark)."""
+    sql = sql or store.sql
+    pres = sql("SELECT * FROM a2a_presence WHERE run_id = ?", [run_id])
     out = Exposure(run_id, pres.row(0, named=True) if pres.height else dict(_NO_SPANS))
     if not out.has_a2a:
         return out
-    out.by_kind = store.sql("""
+    out.by_kind = sql("""
         SELECT kind, count(*) AS groups, sum(comm_ns) AS comm_ns, sum(overlapped_ns) AS overlapped_ns,
                sum(exposed_ns) AS exposed_ns, sum(exposed_ns) / nullif(sum(comm_ns), 0) AS exposed_share,
                bool_or(inferred) AS inferred
         FROM a2a_exposure WHERE run_id = ? GROUP BY kind ORDER BY kind""", [run_id])
-    out.ranks = store.sql("SELECT * EXCLUDE (run_id) FROM a2a_rank_summary WHERE run_id = ? ORDER BY rank", [run_id])
-    out.groups = store.sql("""SELECT * EXCLUDE (run_id) FROM a2a_exposure WHERE run_id = ?
-                              ORDER BY rank, step, micro_batch NULLS FIRST, layer NULLS FIRST, kind""", [run_id])
-    out.stragglers = store.sql("SELECT * EXCLUDE (run_id) FROM a2a_stragglers WHERE run_id = ? ORDER BY step",
-                               [run_id])
-    out.modes = store.sql("SELECT * EXCLUDE (run_id) FROM a2a_modes WHERE run_id = ? ORDER BY rank, device, stream",
-                          [run_id])
-    out.undirected = _undirected(store, run_id)
+    out.ranks = sql("SELECT * FROM a2a_rank_summary WHERE run_id = ? ORDER BY rank", [run_id]).drop("run_id")
+    out.groups = sql("""SELECT * FROM a2a_exposure WHERE run_id = ?
+                        ORDER BY rank, step, micro_batch NULLS FIRST, layer NULLS FIRST, kind""",
+                     [run_id]).drop("run_id")
+    out.stragglers = sql("SELECT * FROM a2a_stragglers WHERE run_id = ? ORDER BY step", [run_id]).drop("run_id")
+    out.modes = sql("SELECT * FROM a2a_modes WHERE run_id = ? ORDER BY rank, device, stream",
+                    [run_id]).drop("run_id")
+    out.undirected = _undirected(sql, run_id)
     return out
 
 
-def _undirected(store, run_id: str) -> frozenset:
+def _undirected(sql, run_id: str) -> frozenset:
     from ..collect.classify import classify
 
-    kn = store.sql("""SELECT DISTINCT s.name_id, s.collective, kn.name FROM spans s
-                       LEFT JOIN kernel_names kn ON kn.run_id = s.run_id AND kn.name_id = s.name_id
-                       WHERE s.run_id = ? AND s.inferred AND s.kind IN ('dispatch', 'combine')""", [run_id])
+    kn = sql("""SELECT DISTINCT s.name_id, s.collective, kn.name FROM spans s
+                LEFT JOIN kernel_names kn ON kn.run_id = s.run_id AND kn.name_id = s.name_id
+                WHERE s.run_id = ? AND s.inferred AND s.kind IN ('dispatch', 'combine')""", [run_id])
     return frozenset((n, c) for n, c, name in kn.iter_rows() if classify(name or "", c) == "a2a")
 
 

@@ -38,6 +38,14 @@ def skew(store, run_id: str, by: str = "layer", *, batch_steps: int | None = Non
         drop_materialized(store.con, m)
 
 
+def skew_frame(sql, run_id: str, by: str = "layer") -> pl.DataFrame:
+    """The skew rows of one run straight from the views through ``sql(query, params)``
+    (a Store's or :class:`moetrace.spark.SparkSQL`'s): no batching, the engine plans it."""
+    if by not in _SKEW_SQL:
+        raise InputError(None, f"skew by {by!r}: choose from {', '.join(_SKEW_SQL)}")
+    return sql(_SKEW_SQL[by], [run_id])
+
+
 def tokens_per_expert(store, run_id: str) -> pl.DataFrame:
     """See :meth:`moetrace.run.Run.tokens_per_expert`."""
     return store.sql("SELECT * FROM tokens_per_expert WHERE run_id = ? ORDER BY step, layer", [run_id])

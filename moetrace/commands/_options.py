@@ -151,3 +151,37 @@ def kv_options(known=None):
         return out
 
     return cb
+
+
+def engine_options(f):
+    """``--engine duckdb|spark`` with ``--master`` / ``--remote`` for Spark: the metric views
+    on a local Spark session (default ``local[*]``), a cluster (``spark://host:7077``,
+    ``yarn``, ``k8s://...``) or Spark Connect (``sc://host:15002``; also ``SPARK_REMOTE``).
+    The store path must be readable by the Spark executors (a shared file system)."""
+    f = click.option("--remote", metavar="sc://HOST:PORT", default=None,
+                     help="Spark Connect server (default: $SPARK_REMOTE); with --engine spark.")(f)
+    f = click.option("--master", metavar="URL", default=None,
+                     help="Spark master (default: $MASTER or local[*]); with --engine spark.")(f)
+    f = click.option("--engine", type=click.Choice(["duckdb", "spark"]), default="duckdb", show_default=True,
+                     help="Where the metric SQL runs: DuckDB in this process, or Spark (pip install "
+                          "'moetrace[spark]' and a Java runtime).")(f)
+    return f
+
+
+def engine_sql(store, engine: str, master: str | None, remote: str | None):
+    """A context giving the ``sql(query, params)`` that ``--engine`` chose: None for DuckDB
+    (the Run facade's default), else a :class:`moetrace.spark.SparkSQL` over ``store``
+    (its session stopped on exit)."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def ctx():
+        if engine != "spark":
+            yield None
+            return
+        from ..spark import SparkSQL
+
+        with SparkSQL(store.path, master=master, remote=remote) as sp:
+            yield sp.sql
+
+    return ctx()

@@ -6,7 +6,7 @@ import click
 from .. import open_store
 from ..output import emit, output_options
 from ..run import SKEW_BY
-from ._options import out_option, run_option
+from ._options import engine_options, engine_sql, out_option, run_option
 
 
 def _progress(line: str) -> None:
@@ -61,8 +61,9 @@ def report(store, run_id, out, quiet, batch_steps, memory_limit):
 @click.option("--by", type=click.Choice(SKEW_BY), default="layer", show_default=True,
               help="layer: distribution over steps per layer; run: one line per run; step: every (step, layer).")
 @_heavy_options
+@engine_options
 @output_options
-def skew(store, run_id, by, batch_steps, memory_limit, fmt, output):
+def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, fmt, output):
     """Quick skew table: imbalance (max/mean rank tokens), efficiency, Gini and the hottest
     expert, from the layer_skew / skew_summary views.
 
@@ -80,7 +81,9 @@ def skew(store, run_id, by, batch_steps, memory_limit, fmt, output):
     if not runs:
         click.echo("no runs")
         return
-    frames = [r.skew(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress) for r in runs]
+    with engine_sql(st, engine, master, remote) as sql:   # --engine spark: the views on Spark
+        frames = [r.skew(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress, sql=sql)
+                  for r in runs]
     df = pl.concat([f for f in frames if f.height] or frames[:1], how="vertical_relaxed")
     emit(df, fmt, output)
 

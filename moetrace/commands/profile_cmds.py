@@ -6,7 +6,7 @@ import click
 
 from .. import open_store
 from ..output import emit, output_options
-from ._options import run_option
+from ._options import engine_options, engine_sql, run_option
 
 
 @click.command("kernels")
@@ -43,8 +43,9 @@ def kernels(store, run_id, kind, limit, fmt, output):
               show_default=True, help="rank: per-rank summary; kind: totals per kind; group: every (rank, step, "
                                       "layer, micro-batch, kind); straggler: per step, the last rank to arrive at "
                                       "the combine, the longest step and the rank with most tokens; mode: stream use.")
+@engine_options
 @output_options
-def exposure(store, run_id, by, fmt, output):
+def exposure(store, run_id, by, engine, master, remote, fmt, output):
     """All-to-all exposure: how much dispatch/combine time no compute kernel hid.
 
     comm = union of the all-to-all kernel intervals; overlapped = the part of it during
@@ -55,8 +56,10 @@ def exposure(store, run_id, by, fmt, output):
 
         moetrace exposure st --by kind
     """
-    run = open_store(store).run(run_id)
-    t = run.exposure()
+    st = open_store(store)
+    run = st.run(run_id)
+    with engine_sql(st, engine, master, remote) as sql:   # --engine spark: the views on Spark
+        t = run.exposure(sql=sql)
     if not t.has_a2a:
         click.echo(t.no_a2a_message())
         return

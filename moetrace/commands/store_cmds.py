@@ -5,7 +5,7 @@ import click
 
 from .. import open_store
 from ..output import emit, output_options
-from ._options import kv_options, store_argument
+from ._options import engine_options, kv_options, store_argument
 
 store_arg = store_argument
 
@@ -184,16 +184,27 @@ def _with_dense_rows(st, counts):
 @click.command()
 @store_arg
 @click.argument("query")
+@engine_options
 @output_options
-def sql(store, query, fmt, output):
-    """Run DuckDB SQL over the store's views (expert_load, routing, steps, spans, ...).
+def sql(store, query, engine, master, remote, fmt, output):
+    """Run SQL over the store's tables and metric views (expert_load, routing, steps, spans,
+    layer_skew, ...): DuckDB SQL here, or Spark SQL with --engine spark (the same views,
+    transpiled from their DuckDB definitions; see docs/scale.md).
 
     Example:
 
     \b
         moetrace sql demo "SELECT step, layer, sum(tokens) FROM expert_load GROUP BY ALL LIMIT 5"
+        moetrace sql demo --engine spark "SELECT layer, avg(imbalance) FROM layer_skew GROUP BY layer"
     """
-    emit(open_store(store).sql(query), fmt, output)
+    st = open_store(store)
+    if engine == "spark":
+        from ..spark import SparkSQL
+
+        with SparkSQL(st.path, master=master, remote=remote) as sp:
+            emit(sp.sql(query, dialect="spark"), fmt, output)
+        return
+    emit(st.sql(query), fmt, output)
 
 
 @click.command()

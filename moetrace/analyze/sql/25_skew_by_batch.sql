@@ -68,9 +68,19 @@ WITH RECURSIVE st AS (
     JOIN st ON st.run_id = lv.run_id AND st.ord >= nrun.n - lv.w
     JOIN layer_skew ls ON ls.run_id = st.run_id AND ls.step = st.step AND ls.layer = lv.layer
     GROUP BY ALL
+), c AS (
+    -- the steps the tiling from step 0 covers at each window size (a plain join, not a
+    -- correlated LATERAL: the same rows, and Spark can run it)
+    SELECT a.run_id, a.layer, a.steps_per_batch AS w, count(*) AS steps_used, min(st.step) AS first_step,
+           max(st.step) AS last_step, avg(ls.imbalance) AS step_imbalance_mean, sum(ls.imbalance) AS s,
+           count(ls.imbalance) AS c
+    FROM agg a
+    JOIN st ON st.run_id = a.run_id AND st.ord < (st.n_steps // a.steps_per_batch) * a.steps_per_batch
+    JOIN layer_skew ls ON ls.run_id = st.run_id AND ls.step = st.step AND ls.layer = a.layer
+    GROUP BY a.run_id, a.layer, a.steps_per_batch
 )
 SELECT a.run_id, a.layer, a.steps_per_batch, a.tokens_per_batch, a.imbalance, a.batches, a.note,
-       c.steps_used, c.first_step, c.last_step, c.step_imbalance_mean,
+       coalesce(c.steps_used, 0) AS steps_used, c.first_step, c.last_step, c.step_imbalance_mean,
        a.imbalance / c.step_imbalance_mean AS batch_gain,
        (coalesce(a.imbalance * a.batches, 0) + coalesce(t.mx / (t.total / sh.num_ranks), 0))
            / nullif(a.batches + CASE WHEN t.total > 0 THEN 1 ELSE 0 END, 0) AS imbalance_all,
@@ -80,12 +90,7 @@ FROM agg a
 JOIN run_shape sh USING (run_id)
 LEFT JOIN tail t ON t.run_id = a.run_id AND t.layer = a.layer AND t.w = a.steps_per_batch AND t.total > 0
 LEFT JOIN tail_steps ts ON ts.run_id = a.run_id AND ts.layer = a.layer AND ts.w = a.steps_per_batch
-LEFT JOIN LATERAL (
-    SELECT count(*) AS steps_used, min(st.step) AS first_step, max(st.step) AS last_step,
-           avg(ls.imbalance) AS step_imbalance_mean, sum(ls.imbalance) AS s, count(ls.imbalance) AS c
-    FROM st JOIN layer_skew ls ON ls.run_id = st.run_id AND ls.step = st.step AND ls.layer = a.layer
-    WHERE st.run_id = a.run_id AND st.ord < (st.n_steps // a.steps_per_batch) * a.steps_per_batch
-) c ON true;
+LEFT JOIN c ON c.run_id = a.run_id AND c.layer = a.layer AND c.w = a.steps_per_batch;
 
 -- skew_decomposition: a layer's mean step imbalance split into its structural part
 -- (max/mean of the rank loads summed over the whole run, i.e. the run's mean popularity

@@ -74,8 +74,11 @@ WITH r AS (
     SELECT run_id, step, max(ranks) AS ranks,
            max(rank) FILTER (WHERE by_wait = 1) AS last_arrival_rank,
            max(combine_exposed_ns) FILTER (WHERE by_wait = 1) AS last_arrival_combine_exposed_ns,
-           max(median_combine_exposed_ns)::BIGINT AS median_combine_exposed_ns,
-           (max(median_combine_exposed_ns) - max(combine_exposed_ns) FILTER (WHERE by_wait = 1))::BIGINT AS wait_ns,
+           -- a median of an even count ends in .5: rounded half away from zero, explicitly
+           -- (a bare cast rounds half to even in DuckDB and truncates on Spark)
+           CAST(round(max(median_combine_exposed_ns)) AS BIGINT) AS median_combine_exposed_ns,
+           CAST(round(max(median_combine_exposed_ns) - max(combine_exposed_ns) FILTER (WHERE by_wait = 1))
+                AS BIGINT) AS wait_ns,
            max(rank) FILTER (WHERE by_len = 1) AS longest_step_rank,
            max(step_ns) FILTER (WHERE by_len = 1) AS longest_step_ns
     FROM r

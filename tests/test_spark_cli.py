@@ -1,0 +1,79 @@
+"""``--engine spark`` on the commands: ``sql``, ``skew`` and ``exposure`` give on Spark
+local mode what they give on DuckDB (the same views, transpiled), and a query Spark refuses
+is one line with exit code 2. Marked spark+slow (a JVM per command): ``-m "not spark"``
+skips it; ``.ci/run`` installs Java and pyspark."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from moetrace.cli import cli
+
+from .conftest import REPO
+from .test_spark_views import _require_spark
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+SAMPLES = REPO / "sample_traces"
+
+
+def _cli(args, code=0):
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == code, f"moetrace {' '.join(args)} -> {r.exit_code}: {r.output}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    _require_spark()
+    root = tmp_path_factory.mktemp("sparkcli") / "st"
+    _cli(["ingest", str(root), str(SAMPLES / "refrun"), "--run-id", "refrun"])
+    _cli(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",
+          "--steps", "6", "--tokens-per-step", "64", "--seed", "5", "--run-id", "syn"])
+    return str(root)
+
+
+def _json(args):
+    return json.loads(_cli([*args, "--format", "json"]).output)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            x, y = ra[k], rb[k]
+            if isinstance(x, float) and isinstance(y, (int, float)):
+                assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12), (k, x, y)
+            else:
+                assert x == y, (k, x, y)
+
+
+def test_sql_on_spark_equals_duckdb(store):
+    q = "SELECT layer, count(*) AS n, sum(tokens) AS tokens FROM expert_load WHERE run_id = 'syn' GROUP BY layer ORDER BY layer"
+    _same(_json(["sql", store, "--engine", "spark", q]), _json(["sql", store, q]))
+    # every (step, layer) of a synthetic run sums to tokens_per_step x top_k = 64 x 4 (by hand)
+    rows = _json(["sql", store, "--engine", "spark",
+                  "SELECT DISTINCT assignments FROM layer_skew WHERE run_id = 'syn'"])
+    assert rows == [{"assignments": 256}]
+
+
+@pytest.mark.parametrize("by", ["layer", "run", "step"])
+def test_skew_on_spark_equals_duckdb(store, by):
+    _same(_json(["skew", store, "--run", "syn", "--by", by, "--engine", "spark"]),
+          _json(["skew", store, "--run", "syn", "--by", by]))
+
+
+@pytest.mark.parametrize("by", ["rank", "kind", "straggler"])
+def test_exposure_on_spark_equals_duckdb(store, by):
+    _same(_json(["exposure", store, "--run", "refrun", "--by", by, "--engine", "spark"]),
+          _json(["exposure", store, "--run", "refrun", "--by", by]))
+
+
+def test_bad_query_is_one_line_exit_2(store):
+    r = _cli(["sql", store, "--engine", "spark", "SELECT nope FROM layer_skew"], code=2)
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Spark SQL error" in lines[0] and "nope" in lines[0]
