@@ -169,6 +169,15 @@ LAYER_SKEW_COLUMNS = ("step, layer, max_rank_tokens, mean_rank_tokens, imbalance
                       "top5pct_share, hottest_expert, hottest_share, assignments, num_ranks, placement_source")
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process, every thread (DuckDB's too): on a shared machine it moves
+    far less with the load than the wall time."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
     """layer_skew in step-range batches: the view's per-(step, layer) lists and sorts do not
     spill, so one query over a billion rows runs out of any fixed memory_limit (measured:
@@ -184,6 +193,7 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
     outdir.mkdir()
     sampler = _RssSampler()
     t0 = time.perf_counter()
+    c0 = _cpu_s()
     if os.environ.get("MOETRACE_FLEET_NO_MATERIALIZE") != "1":
         # run_shape and layer_placement aggregate the whole expert_load (max expert id, slot
         # presence per layer) and carry no step filter: computed once, not once per batch,
@@ -197,9 +207,10 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
         con.execute(f"COPY (SELECT {LAYER_SKEW_COLUMNS} FROM layer_skew WHERE step >= {s0} AND step < {s0 + b}) "
                     f"TO '{outdir / f'part-{k:05d}.parquet'}' (FORMAT parquet)")
     secs = time.perf_counter() - t0
+    cpu = _cpu_s() - c0
     s = con.execute(f"SELECT count(*), avg(imbalance), max(imbalance), avg(gini), count(DISTINCT placement_source) "
                     f"FROM read_parquet('{outdir}/*.parquet')").fetchone()
-    q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "out_rows": s[0], "mean_imbalance": s[1],
+    q.put({"seconds": secs, "cpu_s": cpu, "peak_mib": peak_rss_mib(), "out_rows": s[0], "mean_imbalance": s[1],
            "max_imbalance": s[2], "mean_gini": s[3], "placement_sources": s[4], "batch_steps": b,
            "rss_quartiles": sampler.quartiles()})
 
@@ -305,6 +316,9 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
                notes=f"{skew['out_rows']:,} (step, layer) rows, every column, in batches of {skew['batch_steps']} "
                      f"steps; DuckDB {THREADS} threads, memory_limit {cfg['duck_memory']}, temp under /tmp"
                      f"{extra(skew['seconds'])}"),
+        result(b, "layer_skew: CPU time", skew["cpu_s"], "s",
+               notes=f"user + system seconds of the stage's process, DuckDB's {THREADS} threads included (less "
+                     f"sensitive to other jobs than the wall time){extra(skew['cpu_s'])}"),
         result(b, "layer_skew: rows/s", rows / skew["seconds"], "rows/s",
                notes=f"mean imbalance {skew['mean_imbalance']:.3f}, max {skew['max_imbalance']:.3f}"),
         result(b, "layer_skew: peak RSS", skew["peak_mib"], "MiB", notes=f"max RSS per quarter {q4(skew)} MiB"),

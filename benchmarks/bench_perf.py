@@ -195,7 +195,7 @@ def _fleet_layer_skew(size: str, tmp: Path) -> dict:
     skew = bf._in_process(bf._stage_layer_skew, str(tmp / "fleet"), cfg, steps, str(tmp / "fleet_spill"))
     share = steps / cfg["steps"]
     return {"steps": steps, "rows": ing["rows"], "seconds": skew["seconds"], "full_s": skew["seconds"] / share,
-            "peak_mib": skew["peak_mib"], "share": share}
+            "cpu_s": skew["cpu_s"], "full_cpu_s": skew["cpu_s"] / share, "peak_mib": skew["peak_mib"], "share": share}
 
 
 def run(size: str = "small") -> list[dict]:
@@ -283,6 +283,8 @@ def run(size: str = "small") -> list[dict]:
                      + f"{fleet['rows']:,} rows ({fleet['steps']:,} steps, "
                      f"{fleet['share']:.3g} of the fleet hour) in {fleet['seconds']:.1f} s"
                      + (", extrapolated to the 1.07B-row hour" if fleet["share"] < 1 else "")
+                     + f"; CPU {fleet['cpu_s']:.1f} s ({fleet['full_cpu_s']:.0f} s for the hour: "
+                     f"{fleet['full_cpu_s'] / 2:.0f} s on 2 idle cores)"
                      + f"; peak {fleet['peak_mib']:.0f} MiB (benchmarks/bench_fleet.py stages)"),
         result(b, "synth: wall time", syn["seconds"], "s",
                "before this work (2026-11-30)" if full else None, BEFORE["synth_s"] if full else None,
