@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import MoetraceError, UsageError
 from . import adapter
 
 #: seconds the client waits for an existing scheduler before giving up
@@ -101,10 +101,11 @@ def client_for(workers: int | None = None, scheduler: str | None = None) -> Iter
     from distributed import Client, LocalCluster
 
     if address is None:
-        # the scheduler's HTTP port clashing with another cluster's is not worth a warning here
-        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
-        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                          silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        with warnings.catch_warnings():   # another cluster's HTTP port in use: not worth a warning here
+            warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                                   silence_logs=logging.ERROR)
+        with cluster, Client(cluster) as client:
             yield client
         return
     try:
@@ -129,8 +130,15 @@ def run_jobs(client, store, jobs: list[adapter.SweepJob], cells_per_task: int = 
             futures.append(client.submit(judge_cells, type(store), path, job, fp, cells[i:i + cells_per_task],
                                          pure=False))
             owner.append(n)
+    try:
+        gathered = client.gather(futures)
+    except MoetraceError:
+        raise                   # a task's own one-line error (a store a worker cannot open, bad input)
+    except Exception as e:      # the cluster's: a worker lost, a connection closed
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}" if str(e).strip() else type(e).__name__
+        raise MoetraceError(f"the Dask cluster did not finish the sweep ({why}); nothing was written") from None
     results: list[list] = [[] for _ in jobs]
-    for n, part in zip(owner, client.gather(futures)):
+    for n, part in zip(owner, gathered):
         results[n].extend(part)
     return [adapter.finish_sweep(store, job, res) for job, res in zip(jobs, results)]
 
