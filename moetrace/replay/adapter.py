@@ -1071,7 +1071,7 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
             r = got[c.index]
             res = ReplayResult(c.replay_id, job.run_id, r.judged, r.judged.plan.describe(), opts.split, False, cost,
                                f"{T - J} steps after the largest fit window {J}", notes, band, opts.move, timing,
-                               job.policy)
+                               f"{job.policy} {r.row.what}")      # the report tells the cells apart by it
             runs.append(_runs_row(res, "sweep", {**job.params, "sweep_id": job.sweep_id, "cell": r.row.what,
                                                  "cell_replicas": c.replicas, "cell_replan_every": c.every,
                                                  "cell_window": c.window}))
