@@ -181,8 +181,7 @@ def _row_groups(pf, lo, hi) -> list[int]:
 def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step ids [T], layer ids [L], counts int64 [T, L, E]) of one run: tokens per logical
-    expert, summed over slots and source ranks; a (step, layer) without rows is zero. The
-    array may be a read-only view of the Parquet buffers (copy it to write into it).
+    expert, summed over slots and source ranks; a (step, layer) without rows is zero.
 
     ``steps``: None (every step of the run), an (lo, hi) pair (lo <= step < hi) or an array
     of step ids (the steps returned are those of the run among them). Dense runs are read
@@ -206,15 +205,28 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
         groups = _row_groups(pf, lo, hi)
         if not groups:
             continue
-        t = pf.read_row_groups(groups, columns=["step", "layer", "tokens"])
-        tok = t.column("tokens").combine_chunks()
-        off = _np(tok.offsets)
-        width = np.diff(off)
-        E = int(width[0]) if width.size else 0
-        if width.size and (width != E).any():
-            raise ValueError(f"{f}: expert_counts lists of different lengths")
-        vals = _np(tok.values)[off[0]:off[-1]].reshape(-1, E) if width.size else np.zeros((0, 0), np.int64)
-        parts.append((_np(t.column("step")), _np(t.column("layer")), vals))
+        # row group by row group into one array: the counts are held once (reading the
+        # groups together and combining their chunks held them twice)
+        n = sum(pf.metadata.row_group(g).num_rows for g in groups)
+        step, layer, vals, pos = np.empty(n, np.int64), np.empty(n, np.int64), None, 0
+        for g in groups:
+            t = pf.read_row_group(g, columns=["step", "layer", "tokens"])
+            for a in t.column("tokens").chunks:
+                off = _np(a.offsets)
+                width = np.diff(off)
+                if not width.size:
+                    continue
+                if vals is None:
+                    vals = np.empty((n, int(width[0])), np.int64)
+                if (width != vals.shape[1]).any():
+                    raise ValueError(f"{f}: expert_counts lists of different lengths")
+                vals[pos:pos + width.size] = _np(a.values)[off[0]:off[-1]].reshape(-1, vals.shape[1])
+                pos += width.size
+            step[pos - t.num_rows:pos] = _np(t.column("step"))
+            layer[pos - t.num_rows:pos] = _np(t.column("layer"))
+        if vals is None:
+            vals = np.zeros((0, 0), np.int64)
+        parts.append((step[:pos], layer[:pos], vals[:pos]))
     long_rows = None
     if _run_files(store, "expert_load", run_id):
         q = "SELECT step, layer, expert, tokens FROM expert_load_long WHERE run_id = ?"
