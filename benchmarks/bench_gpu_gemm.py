@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import main, result  # noqa: E402
+from benchmarks.common import Skipped, main, result  # noqa: E402
 
 SIZES = {
     "small": dict(hidden=64, inter=32, dtype="float32", experts=[1, 2, 4], tokens=[1, 4, 16, 64], iters=5,
@@ -101,8 +101,7 @@ def run(size: str) -> list[dict]:
     sz = SIZES[size]
     dev = sz["device"]
     if dev == "cuda" and not torch.cuda.is_available():
-        print("no GPU here: the full size needs one (the presets stay datasheet figures)", file=sys.stderr)
-        return []
+        raise Skipped("no GPU here: the full size needs one (the presets stay datasheet figures)")
     gpu = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
     rows = time_grid(sz["hidden"], sz["inter"], sz["dtype"], sz["experts"], sz["tokens"], sz["iters"], dev)
     plain, tiled = fit(rows), fit(rows, sz["tile"])

@@ -325,6 +325,10 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True) ->
     names = []
     for table in schema.load_all():
         df = runs if table == "runs" else _table_frame(spark, root, table, committed)
+        if table == "expert_counts":  # a store written before tokens_desc: sorted on read, as DuckDB does
+            from pyspark.sql import functions as F
+
+            df = df.withColumn("tokens_desc", F.coalesce(F.col("tokens_desc"), F.sort_array("tokens", asc=False)))
         # expert_load: its long rows under another name, then the store's own view over
         # them and the dense expert_counts (the same statement DuckDB runs, transpiled)
         df.createOrReplaceTempView("expert_load_long" if table == "expert_load" else table)
