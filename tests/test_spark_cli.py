@@ -32,7 +32,7 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("sparkcli") / "st"
     _cli(["ingest", str(root), str(SAMPLES / "refrun"), "--run-id", "refrun"])
     _cli(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",
-          "--steps", "6", "--tokens-per-step", "64", "--seed", "5", "--run-id", "syn"])
+          "--ranks-per-node", "2", "--steps", "6", "--tokens-per-step", "64", "--seed", "5", "--run-id", "syn"])
     return str(root)
 
 
