@@ -307,6 +307,13 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
     for k, v in (conf or {}).items():
         b = b.config(k, v)
     spark = b.getOrCreate()
+    try:   # a refused query is raised to the caller (one line); pyspark's JSON log of it is noise
+        from pyspark.logger import PySparkLogger
+
+        for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+            PySparkLogger.getLogger(name).disabled = True
+    except ImportError:   # pyspark < 4 has no such logger
+        pass
     if not remote:
         # a failed analysis is raised to the caller; the JVM's copy of it is noise
         spark.sparkContext.setLogLevel("FATAL")
