@@ -260,7 +260,7 @@ def test_cost_fitted_from_spans(tmp_path):
         np.add.at(load, (t.column("step").to_numpy(), t.column("layer").to_numpy(), t.column("expert").to_numpy()),
                   t.column("tokens").to_numpy())
     rows = {k: [] for k in ("rank", "device", "stream", "kind", "name_id", "start_ns", "end_ns", "step", "layer",
-                            "micro_batch", "inferred", "correlation", "collective")}
+                            "micro_batch", "inferred", "correlation", "collective", "process_group")}
     for s in range(4):
         for li in range(2):
             for r in range(4):
@@ -268,7 +268,8 @@ def test_cost_fitted_from_spans(tmp_path):
                 dur = int(40 * x.sum() + 900 * (x > 0).sum())
                 for k, v in (("rank", r), ("device", r), ("stream", 7), ("kind", "expert_gemm"), ("name_id", 0),
                              ("start_ns", 0), ("end_ns", dur), ("step", s), ("layer", li), ("micro_batch", None),
-                             ("inferred", False), ("correlation", None), ("collective", None)):
+                             ("inferred", False), ("correlation", None), ("collective", None),
+                             ("process_group", None)):
                     rows[k].append(v)
     tables["spans"] = rows
     st = Store(tmp_path / "c", create=True)
