@@ -289,6 +289,10 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
         b = b.remote(remote)
     else:
         b = b.master(master or os.environ.get("MASTER") or "local[*]")
+        # local mode runs the tasks in the driver: Spark's 1g default is too small for the
+        # plans of the nested views (skew_by_batch holds layer_skew twice); only read when
+        # this call starts the JVM. MOETRACE_SPARK_DRIVER_MEMORY or conf= to change it.
+        b = b.config("spark.driver.memory", os.environ.get("MOETRACE_SPARK_DRIVER_MEMORY", "4g"))
         b = (b.config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
              # many small joins over views: broadcasting each one costs more than it saves
              .config("spark.sql.autoBroadcastJoinThreshold", "-1")
@@ -297,6 +301,10 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
              .config("spark.sql.ansi.enabled", "false")
              .config("spark.log.structuredLogging.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")
+             # the driver keeps every finished query's plan for the UI (1,000 by default):
+             # with plans this large that alone fills the heap over a few dozen queries
+             .config("spark.sql.ui.retainedExecutions", "5").config("spark.ui.retainedJobs", "20")
+             .config("spark.ui.retainedStages", "20").config("spark.ui.retainedTasks", "200")
              # the views nest deeply (layer_skew under skew_by_batch, twice): inferring
              # constraints over such plans costs minutes in the optimizer; results are the same
              .config("spark.sql.constraintPropagation.enabled", "false"))

@@ -124,7 +124,7 @@ def spark(store):
     _require_spark()
     from moetrace import spark as ms
 
-    sp = ms.session("local[2]", conf={"spark.driver.memory": "2g"})
+    sp = ms.session("local[2]")
     ms.register_store(sp, store.path)
     yield sp
     sp.stop()
