@@ -54,3 +54,8 @@ def cli():
 
     group.load_all()   # commands are imported on demand; tests walk cli.commands
     return group
+
+
+def invoke(runner, cli, *args):
+    """``cli`` through a click runner with every argument as text, exceptions caught."""
+    return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)

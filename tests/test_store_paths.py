@@ -17,14 +17,10 @@ import pytest
 from moetrace.store import GLOB_CHARS, Store
 from moetrace.errors import StoreError
 
-from .conftest import tree_hash
+from .conftest import invoke as _cli, tree_hash
 
 SYNTH = ["--layers", "2", "--experts", "8", "--top-k", "2", "--ranks", "2", "--ranks-per-node", "2", "--steps", "3",
          "--tokens-per-step", "64"]
-
-
-def _cli(runner, cli, *args):
-    return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
 
 
 def _one_line(res, *needles: str) -> str:
