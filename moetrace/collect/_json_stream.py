@@ -42,11 +42,12 @@ class _Reader:
         self.path, self.fh = path, fh
         self.buf, self.pos, self.off, self.eof = b"", 0, 0, False
 
-    def more(self, n: int = 1 << 20) -> bool:
-        """Read up to n more bytes (dropping what was consumed); False at end of file."""
+    def more(self, n: int | None = None) -> bool:
+        """Read up to n (:data:`BLOCK`) more bytes (dropping what was consumed); False at
+        end of file."""
         if self.eof:
             return False
-        chunk = self.fh.read(n)
+        chunk = self.fh.read(n or BLOCK)
         if not chunk:
             self.eof = True
             return False
@@ -255,18 +256,20 @@ def _array(r: _Reader, rect: str, ndims: tuple[int, ...]) -> Iterator[tuple[int,
     r.pos += 1                                  # the outer '['
     shape = None
     while True:
-        if len(r.buf) - r.pos < BLOCK // 2:
+        if len(r.buf) - r.pos < BLOCK:
             r.more(BLOCK)
         seg = np.frombuffer(r.buf, np.uint8, offset=r.pos)
-        opens, closes = seg == ord("["), seg == ord("]")
-        depth = np.cumsum(opens.astype(np.int32) - closes)
+        # the depth at every bracket (brackets are a few per thousand bytes of digits)
+        br = np.flatnonzero((seg == ord("[")) | (seg == ord("]")))
+        close = seg[br] == ord("]")
+        depth = np.cumsum(np.where(close, -1, 1))
         end = np.flatnonzero(depth < 0)
-        stop = int(end[0]) if end.size else len(seg)   # the outer ']' (or the buffer's end)
+        stop = int(br[end[0]]) if end.size else len(seg)   # the outer ']' (or the buffer's end)
         bad = np.flatnonzero((seg[:stop] == ord('"')) | (seg[:stop] == ord("{")))
         if bad.size:
             r.fail(rect, r.off + r.pos + int(bad[0]))
         # element ends: a ']' that brings the depth back to 0 (inside the outer array)
-        ends = np.flatnonzero(closes[:stop] & (depth[:stop] == 0))
+        ends = br[close & (depth == 0) & (br < stop)]
         if not ends.size:
             if stop < len(seg):                         # "[[1], 2]": no element closes before the end
                 r.fail(rect)
@@ -275,7 +278,10 @@ def _array(r: _Reader, rect: str, ndims: tuple[int, ...]) -> Iterator[tuple[int,
             if not r.more(BLOCK):
                 r.eof_error()
             continue
-        cut = int(ends[-1]) + 1
+        # the elements that end within BLOCK bytes (at least one): a bounded batch
+        within = ends[ends < BLOCK]
+        cut = int(within[-1] if within.size else ends[0]) + 1
+        last = cut == int(ends[-1]) + 1
         body = seg[:cut].tobytes()
         try:
             vals = msgspec.json.decode(b"[" + body + b"]", type=etype)
@@ -296,8 +302,8 @@ def _array(r: _Reader, rect: str, ndims: tuple[int, ...]) -> Iterator[tuple[int,
             r.fail(rect)
         shape = arr.shape[1:]
         yield ndim, arr
-        rest = seg[cut:stop].tobytes().strip(b" \t\n\r")
-        if stop < len(seg):                             # the outer array ends in this buffer
+        if stop < len(seg) and last:                   # the outer array ends in this buffer
+            rest = seg[cut:stop].tobytes().strip(b" \t\n\r")
             if rest:
                 r.fail("invalid JSON: trailing comma" if rest == b"," else rect, r.off + r.pos + cut)
             r.pos += stop + 1
