@@ -43,8 +43,8 @@ def run(size: str) -> list[dict]:
     from moetrace.collect import ingest
     from moetrace.produce.refrun import RefRunConfig
     from moetrace.produce.refrun import run as refrun
-    from moetrace.replay.whatif_store import run_whatifs
-    from moetrace.store import Store
+    from moetrace.replay.timeline_whatif_store import run_whatifs
+    from moetrace.run import Store
 
     cfg = SIZES[size]
     load0 = os.getloadavg()[0]

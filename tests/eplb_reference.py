@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moetrace.replay.eplb import check_shape
+from moetrace.placement.eplb import check_shape
 
 f32 = np.float32
 

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from moetrace.collect import ingest
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import tree_hash
 

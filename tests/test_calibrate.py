@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from moetrace.replay import calibrate as cal
-from moetrace.store import Store
+from moetrace.run import Store
 from tests.conftest import tree_hash
 
 R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2

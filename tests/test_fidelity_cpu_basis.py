@@ -7,7 +7,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.produce.refrun import summarize_timing
+from moetrace.formats.refrun import summarize_timing
 
 
 def _timing(cpu: bool = True) -> pl.DataFrame:
@@ -55,7 +55,7 @@ def test_timing_without_cpu_columns_gives_nulls():
 
 
 def test_cpu_basis_in_the_cell_times_contract():
-    from moetrace import schema
+    from moetrace.storage import schema
 
     cols, _ = summarize_timing(_timing())
     t = schema.conform("cell_times", {**cols, "run_id": ["r"] * len(cols["step"])})

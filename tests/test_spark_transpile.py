@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("sqlglot", reason="pip install 'moetrace[spark]'")
 
-from moetrace.spark import ADAPTATIONS, transpile  # noqa: E402
+from moetrace.storage.spark import ADAPTATIONS, transpile  # noqa: E402
 
 
 def _one_line(s: str) -> str:

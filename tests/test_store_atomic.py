@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import REPO, tree_hash
 

@@ -14,7 +14,8 @@ import os
 import duckdb
 import pytest
 
-from moetrace.store import GLOB_CHARS, Store
+from moetrace.storage.paths import GLOB_CHARS
+from moetrace.run import Store
 from moetrace.errors import StoreError
 
 from .conftest import invoke as _cli, tree_hash

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moetrace.analyze.waits import wait_result
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import shared_data
 from .test_kineto import ev_x, kernel, launch, write_trace

@@ -77,7 +77,7 @@ def exposure(store, run_id: str, sql=None) -> Exposure:
 
 
 def _undirected(sql, run_id: str) -> frozenset:
-    from ..collect.classify import classify
+    from ..domain.kernels import classify
 
     kn = sql("""SELECT DISTINCT s.name_id, s.collective, kn.name FROM spans s
                 LEFT JOIN kernel_names kn ON kn.run_id = s.run_id AND kn.name_id = s.name_id

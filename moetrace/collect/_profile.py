@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from .classify import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
+from ..domain.kernels import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 #: backend-level collective ops (innermost CPU op of a collective call)

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from .checks import MAX_COUNT
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from ..streams import Rereadable
 from . import Collector, RunData, head, register
 
@@ -383,7 +383,7 @@ def _shown_columns(names) -> str:
 
 
 def _dense():
-    from ..analyze import dense
+    from ..storage import dense
     return dense
 
 

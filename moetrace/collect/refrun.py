@@ -21,10 +21,10 @@ import polars as pl
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
+from ..formats.refrun import MANIFEST, summarize_timing
 from . import Collector, RunData, register
 
-MANIFEST = "moetrace-refrun.json"
 
 
 def _sniff(path: Path, head: bytes) -> bool:
@@ -99,7 +99,6 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
                   "wall_s": man.get("wall_s"), "torch": man.get("torch"), "hardware": man.get("hardware")}
     timing_files = [folder / f"timing_rank{r}.parquet" for r in range(R)]
     if all(p.is_file() for p in timing_files):
-        from ..produce.refrun import summarize_timing
 
         timing = pl.concat([_read_parquet(p) for p in timing_files])
         need_cols = {"pass", "step", "layer", "rank", "dispatch_start_ns", "expert_start_ns", "expert_end_ns",

@@ -35,9 +35,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..replay.plan_io import looks_like_trtllm_yaml, read_trtllm_yaml
+from ..formats.plan_files import looks_like_trtllm_yaml, read_trtllm_yaml
 from ..safety import json_loads
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from .sglang import _ranges
 

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from ..safety import check_npy_headers, check_regular_file
 from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy

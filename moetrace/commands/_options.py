@@ -41,7 +41,7 @@ def _splits():
 
 
 def _planners():
-    from ..replay.planners import PLANNERS
+    from ..placement.planners import PLANNERS
 
     return list(PLANNERS)
 
@@ -179,7 +179,7 @@ def engine_sql(store, engine: str, master: str | None, remote: str | None):
         if engine != "spark":
             yield None
             return
-        from ..spark import SparkSQL
+        from ..storage.spark import SparkSQL
 
         with SparkSQL(store.path, master=master, remote=remote) as sp:
             yield sp.sql

@@ -42,8 +42,11 @@ def report(store, run_id, out, quiet, batch_steps, memory_limit):
 
     Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
     """
-    rep = open_store(store).run(run_id).report(out, batch_steps=batch_steps, memory_limit=memory_limit,
-                                          progress=_progress)
+    from ..report.build import build_report
+
+    st = open_store(store)
+    rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
+                       progress=_progress)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)

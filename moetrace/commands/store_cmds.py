@@ -199,7 +199,7 @@ def sql(store, query, engine, master, remote, fmt, output):
     """
     st = open_store(store)
     if engine == "spark":
-        from ..spark import SparkSQL
+        from ..storage.spark import SparkSQL
 
         with SparkSQL(st.path, master=master, remote=remote) as sp:
             emit(sp.sql(query, dialect="spark"), fmt, output)
@@ -241,8 +241,8 @@ def tables_cmd(table, fmt, output):
     """
     import polars as pl
 
-    from .. import schema
-    from ..analyze import view_docs
+    from ..storage import schema
+    from ..storage.views import view_docs
     views = view_docs()
     if table is None:
         rows = [{"name": t.name, "kind": "table", "columns": len(t.columns), "description": t.description}
@@ -292,8 +292,8 @@ def _column_meaning(view: str, doc: str, column: str) -> str:
     """What ``column`` of ``view`` means: analyze/view_columns.json, else its view's own
     comment where it defines the column ("column = ..."), else the contract's description
     of an id column of that name; '' when none says."""
-    from .. import schema
-    from ..analyze import view_columns
+    from ..storage import schema
+    from ..storage.views import view_columns
 
     meaning = view_columns().get(view, {}).get(column) or _mention(doc, column)
     if meaning:

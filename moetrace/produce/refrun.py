@@ -42,8 +42,7 @@ import numpy as np
 
 from ..errors import InputError
 from . import refrun_timeline
-
-MANIFEST = "moetrace-refrun.json"
+from ..formats.refrun import MANIFEST, summarize_timing
 
 
 @dataclass
@@ -104,8 +103,6 @@ class RefRunConfig:
         for s, r in self.idle:
             if not (0 <= s < self.steps and 0 <= r < self.ranks):
                 bad(f"--idle {s}:{r} outside steps x ranks")
-
-
 # ----------------------------------------------------------------------------- plan
 def parse_placement(spec, layers: int, experts: int, ranks: int) -> np.ndarray:
     """phy2log [layers, slots] from a name or a JSON file / list.
@@ -158,8 +155,6 @@ def parse_placement(spec, layers: int, experts: int, ranks: int) -> np.ndarray:
         if arr[layer].min() < 0 or arr[layer].max() >= E or len(set(arr[layer].tolist())) != E:
             raise InputError(src, f"placement layer {layer}: every expert 0..{E - 1} needs at least one slot")
     return arr
-
-
 def replica_tables(phy2log: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
     """log2phy [L, E, maxcnt] (-1 padded, slot order) and logcnt [L, E]."""
     L, P = phy2log.shape
@@ -175,11 +170,7 @@ def replica_tables(phy2log: np.ndarray, experts: int) -> tuple[np.ndarray, np.nd
             l2p[layer, e, fill[e]] = s
             fill[e] += 1
     return l2p, cnt
-
-
 HASH_MUL = 2654435761  # Knuth's multiplicative hash: replica = (token * HASH_MUL mod 2^32) mod copies
-
-
 def choose_slots(experts_chosen: np.ndarray, token_ids: np.ndarray, l2p_layer: np.ndarray,
                  cnt_layer: np.ndarray) -> np.ndarray:
     """Replica choice of the reference run (a per-token hash, as vLLM does): copy
@@ -188,8 +179,6 @@ def choose_slots(experts_chosen: np.ndarray, token_ids: np.ndarray, l2p_layer: n
     h = (token_ids.astype(np.uint64) * np.uint64(HASH_MUL)) % np.uint64(1 << 32)
     which = (h[:, None] % copies.astype(np.uint64)).astype(np.int64)
     return l2p_layer[experts_chosen, which]
-
-
 def router_prior(cfg: RefRunConfig) -> np.ndarray:
     """Log-prior added to the router logits: Zipf(skew) over the experts in ``hot`` order."""
     order = list(cfg.hot or []) + [e for e in range(cfg.experts) if e not in (cfg.hot or [])]
@@ -197,26 +186,18 @@ def router_prior(cfg: RefRunConfig) -> np.ndarray:
     for i, e in enumerate(order):
         prior[e] = -cfg.skew * np.log(i + 1.0)
     return prior
-
-
 def tokens_of(cfg: RefRunConfig, step: int, rank: int) -> int:
     if (step, rank) in {tuple(x) for x in cfg.idle}:
         return 0
     if step == 0 and cfg.prefill_tokens:
         return cfg.prefill_tokens
     return cfg.tokens_per_rank
-
-
 # ----------------------------------------------------------------------------- worker
 def _seeded(torch, *key):
     g = torch.Generator()
     g.manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1)[0]))
     return g
-
-
 _EXPERT_OP = None
-
-
 def _expert_op():
     """The gated MLP of one expert slot as one torch custom op, ``refrun::moe_mlp``: the
     profiler records each call as one CPU op of that name, which the kernel classifier
@@ -235,8 +216,6 @@ def _expert_op():
         _EXPERT_OP = torch.library.custom_op("refrun::moe_mlp", moe_mlp, mutates_args=(),
                                              schema="(Tensor x, Tensor wg, Tensor wd) -> Tensor")
     return _EXPERT_OP
-
-
 def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int) -> None:
     """One rank of the reference run (run by torch.multiprocessing)."""
     import pyarrow as pa
@@ -416,8 +395,6 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             "expert_cpu_ns": pa.array(tm[:, 7], mask=tm[:, 7] < 0), "moe_cpu_ns": pa.array(tm[:, 8], mask=tm[:, 8] < 0)}), os.path.join(outdir, f"timing_rank{rank}.parquet"))
     finally:
         dist.destroy_process_group()
-
-
 class _quiet_fds:
     """Send the process's stdout and stderr descriptors to /dev/null for a while (C++
     libraries print there directly, past Python's sys.stdout)."""
@@ -435,99 +412,6 @@ class _quiet_fds:
         for fd, saved in zip((1, 2), self.saved):
             os.dup2(saved, fd)
             os.close(saved)
-
-
-# ----------------------------------------------------------------------------- timing
-def _rel_spread(v: np.ndarray) -> float | None:
-    """(p75 - p25) / median of the values (None with fewer than 2 values or a zero median)."""
-    med = float(np.median(v))
-    if v.size < 2 or med <= 0:
-        return None
-    q75, q25 = np.percentile(v, [75, 25])
-    return float((q75 - q25) / med)
-
-
-def summarize_timing(timing):
-    """Per (step, layer, rank) medians and spreads of the timed passes (the ``cell_times``
-    table, as a dict of columns) and the run's noise level.
-
-    ``timing``: rows (pass, step, layer, rank, dispatch_start_ns, expert_start_ns,
-    expert_end_ns, combine_end_ns[, expert_cpu_ns, moe_cpu_ns]) as a polars frame. Per
-    pass, a rank's expert time is expert end − start, its all-to-all time dispatch +
-    combine, its MoE time combine end − dispatch start, and the layer's time the last
-    combine end − the last dispatch start over the ranks (time.monotonic_ns, one clock for
-    all processes).
-
-    CPU basis (when the file has the CPU columns): a rank's expert CPU time and MoE CPU
-    time are its main thread's CPU time (``time.thread_time_ns``) in its experts and from
-    dispatch start to combine end; the layer's CPU time of a pass is the max over ranks of
-    the MoE CPU time (the busiest rank's own work; the time it waits for peers or for the
-    OS to schedule it is not in it). With one torch thread per rank the expert compute
-    runs in that thread; gloo's transfers run in its own threads, so the all-to-all's wait
-    costs no main-thread CPU.
-
-    The noise level is the median over cells of the relative spread ((p75 − p25) / median
-    over passes) of the expert time, of the MoE time, of the layer time, and of the CPU
-    expert and layer times."""
-    import polars as pl
-
-    has_cpu = {"expert_cpu_ns", "moe_cpu_ns"} <= set(timing.columns)
-    if not has_cpu:
-        timing = timing.with_columns(pl.lit(None, pl.Int64).alias("expert_cpu_ns"),
-                                     pl.lit(None, pl.Int64).alias("moe_cpu_ns"))
-    t = timing.with_columns(
-        (pl.col("expert_end_ns") - pl.col("expert_start_ns")).alias("ex"),
-        (pl.col("expert_start_ns") - pl.col("dispatch_start_ns") + pl.col("combine_end_ns")
-         - pl.col("expert_end_ns")).alias("cm"),
-        (pl.col("combine_end_ns") - pl.col("dispatch_start_ns")).alias("moe"))
-    # the layer: from the last rank's arrival at the dispatch to the last combine's end (one
-    # monotonic clock for all rank processes), so a rank's late arrival from non-MoE work
-    # is not counted, the wait of the fastest ranks for the slowest is
-    lay = t.group_by(["pass", "step", "layer"]).agg(
-        (pl.col("combine_end_ns").max() - pl.col("dispatch_start_ns").max()).alias("lay"),
-        # CPU basis: the busiest rank's MoE CPU time (null when any rank lacks it)
-        pl.when(pl.col("moe_cpu_ns").null_count() == 0).then(pl.col("moe_cpu_ns").max()).alias("lay_cpu"))
-    lay_cells = lay.group_by(["step", "layer"]).agg(pl.col("lay"), pl.col("lay_cpu")).sort(["step", "layer"])
-    lay_med = {}
-    for s, layer, v, vc in lay_cells.iter_rows():
-        v = np.asarray(v, np.float64)
-        vc = np.asarray([x for x in vc if x is not None], np.float64)
-        lay_med[(s, layer)] = (int(round(float(np.median(v)))), _rel_spread(v), int(v.min()),
-                               int(round(float(np.median(vc)))) if vc.size == len(v) else None,
-                               _rel_spread(vc) if vc.size == len(v) else None)
-    cells = t.group_by(["step", "layer", "rank"]).agg(pl.col("ex"), pl.col("cm"), pl.col("moe"),
-                                                       pl.col("expert_cpu_ns")).sort(["step", "layer", "rank"])
-    cols = {k: [] for k in ("step", "layer", "rank", "passes", "expert_ns", "expert_spread", "expert_min_ns", "comm_ns",
-                            "moe_ns", "moe_spread", "layer_ns", "layer_spread", "layer_min_ns", "expert_cpu_ns",
-                            "expert_cpu_spread", "layer_cpu_ns", "layer_cpu_spread")}
-    for s, layer, r, ex, cm, moe, exc in cells.iter_rows():
-        ex, cm, moe = (np.asarray(v, np.float64) for v in (ex, cm, moe))
-        exc = np.asarray([x for x in exc if x is not None], np.float64)
-        exc = exc if exc.size == ex.size else None
-        ln, lsp, lmin, lcpu, lcsp = lay_med[(s, layer)]
-        for k, v in (("step", s), ("layer", layer), ("rank", r), ("passes", ex.size),
-                     ("expert_ns", int(round(float(np.median(ex))))), ("expert_spread", _rel_spread(ex)),
-                     ("expert_min_ns", int(ex.min())),
-                     ("comm_ns", int(round(float(np.median(cm))))), ("moe_ns", int(round(float(np.median(moe))))),
-                     ("moe_spread", _rel_spread(moe)), ("layer_ns", ln), ("layer_spread", lsp),
-                     ("layer_min_ns", lmin),
-                     ("expert_cpu_ns", None if exc is None else int(round(float(np.median(exc))))),
-                     ("expert_cpu_spread", None if exc is None else _rel_spread(exc)),
-                     ("layer_cpu_ns", lcpu), ("layer_cpu_spread", lcsp)):
-            cols[k].append(v)
-
-    def p50(vals):
-        v = [x for x in vals if x is not None]
-        return round(float(np.median(v)), 4) if v else None
-    noise = {"passes": int(t["pass"].n_unique()) if t.height else 0,
-             "expert_spread_p50": p50(cols["expert_spread"]), "moe_spread_p50": p50(cols["moe_spread"]),
-             "layer_spread_p50": p50([v[1] for v in lay_med.values()]),
-             "expert_cpu_spread_p50": p50(cols["expert_cpu_spread"]),
-             "layer_cpu_spread_p50": p50([v[4] for v in lay_med.values()]),
-             "definition": "median over (step, layer, rank) cells of (p75 - p25) / median over the timed passes"}
-    return cols, noise
-
-
 def cpu_name() -> str:
     """The CPU model, as the hardware key of a reference run (``runs.meta_json`` ``hardware``):
     calibrations of runs with the same key are comparable."""
@@ -541,15 +425,11 @@ def cpu_name() -> str:
     except OSError:
         pass
     return "cpu: " + (platform.processor() or platform.machine() or "unknown")
-
-
 def cpu_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
 def _finish_trace(raw: str, dest: str) -> None:
     """gzip the exported trace and name it by its file (Kineto writes its temp path into traceName)."""
     import gzip
@@ -560,14 +440,10 @@ def _finish_trace(raw: str, dest: str) -> None:
     with gzip.open(dest, "wt", encoding="utf-8", compresslevel=6) as f:
         json.dump(doc, f, separators=(",", ":"))
     os.unlink(raw)
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
 def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
     """Run the reference run into ``outdir`` (created; must be empty). Returns the manifest."""
     from ..collect._torchload import import_torch

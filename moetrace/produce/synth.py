@@ -23,7 +23,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import Store, sha256_text
+from ..run import Store
+from ..domain.hashing import sha256_text
 from ..streams import Rereadable
 
 
@@ -300,7 +301,7 @@ def synth(store: Store, cfg: SynthConfig, run_id: str | None = None):
     """Generate a synthetic run into ``store``; returns the store's WriteResult."""
     run, tables = generate(cfg)
     if not cfg.by_src_rank:             # complete (step, layer) grids: the dense layout
-        from ..analyze.dense import dense_chunks
+        from ..storage.dense import dense_chunks
 
         load = tables.pop("expert_load")
         tables["expert_counts"] = Rereadable(lambda: dense_chunks(load, cfg.experts))

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import InputError
 from .cost import CostModel
-from .planners import Plan
+from ..placement.planners import Plan
 
 SPLITS = ("even", "hash", "local")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ...collect.classify import A2A_KINDS, COMPUTE_KINDS
+from ...domain.kernels import A2A_KINDS, COMPUTE_KINDS
 from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 40

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .errors import SchemaError
+from ..errors import SchemaError
 
 _TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),

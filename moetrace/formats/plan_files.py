@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from .eplb import rebalance_experts
-from .planners import Plan
+from ..placement.eplb import rebalance_experts
+from ..placement.planners import Plan
 
 FORMATS = ("sglang", "eplb", "trtllm", "vllm-ascend")
 

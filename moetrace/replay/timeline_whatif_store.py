@@ -28,8 +28,8 @@ import numpy as np
 import pyarrow as pa
 
 from . import cost as costmod
-from .whatif import (DISAGG_ASSUMPTIONS, DOMAIN_ASSUMPTIONS, DisaggResult, DomainResult, OverlapResult, disaggregation,
-                     domain_sweep, overlap_two_micro_batches)
+from .timeline_whatif import (DISAGG_ASSUMPTIONS, DOMAIN_ASSUMPTIONS, DisaggResult, DomainResult, OverlapResult,
+                              disaggregation, domain_sweep, overlap_two_micro_batches)
 
 TABLE = "replay_whatif"
 
@@ -287,7 +287,7 @@ def rows_table(rep: WhatIfReport) -> pa.Table:
             add("domain", sc, None, "inter_domain_bytes", base.inter_bytes, r.inter_bytes, "bytes", DOMAIN_ASSUMPTIONS, p)
             add("domain", sc, None, "a2a_ns_per_step", base.a2a_ns_per_step, r.a2a_ns_per_step, "ns",
                 DOMAIN_ASSUMPTIONS, p)
-    from ..schema import conform
+    from ..storage.schema import conform
 
     cols = ["whatif_id", "created_at_ns", "kind", "scenario", "step", "metric", "before", "after", "unit",
             "rel_error", "assumptions", "params_json"]
