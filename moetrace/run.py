@@ -25,7 +25,7 @@ HolisticTraceAnalysis's ``TraceAnalysis``: open a store, take one run, ask it qu
     build_report(run.store, run.id, "out/")   # report.html, report.md and PNGs
 
 Every method reads the store through the same SQL views ``moetrace sql`` shows (one
-definition of each quantity, in ``moetrace/analyze/sql``) or delegates to the replay
+definition of each quantity, in ``moetrace/storage/sql``) or delegates to the replay
 package; the CLI commands and the report are thin callers of these methods. Frames are
 polars DataFrames with the columns of the view they come from (``moetrace tables VIEW``
 documents them); results that are not tables are dataclasses.
@@ -132,7 +132,7 @@ class Run:
         NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means.
         The per-(step, layer) view is computed once, in batches of ``batch_steps`` steps,
         DuckDB capped at ``memory_limit``; ``progress(line)`` gets progress lines. With
-        ``sql`` (a :class:`moetrace.spark.SparkSQL`'s ``sql``), the views run on that engine
+        ``sql`` (a :class:`moetrace.storage.spark.SparkSQL`'s ``sql``), the views run on that engine
         as they are, unbatched."""
         from .analyze.frames import skew, skew_frame
 
@@ -160,7 +160,7 @@ class Run:
         compute kernel on the same device hid, per kind, rank, group, straggler and
         stream mode (:class:`moetrace.analyze.exposure.Exposure`; ``has_a2a`` False when
         the run has no all-to-all kernel at all). ``sql``: run the view queries elsewhere
-        (a :class:`moetrace.spark.SparkSQL`'s ``sql``)."""
+        (a :class:`moetrace.storage.spark.SparkSQL`'s ``sql``)."""
         from .analyze.exposure import exposure
 
         return exposure(self.store, self.id, sql=sql)
@@ -193,7 +193,7 @@ class Run:
 
     def whatif(self, **kw):
         """Two-micro-batch overlap, attention/FFN disaggregation and NVLink domain size on
-        the recorded timeline (:func:`moetrace.replay.whatif_store.run_whatifs`, keyword
+        the recorded timeline (:func:`moetrace.replay.timeline_whatif_store.run_whatifs`, keyword
         options as there; writes ``replay_whatif`` unless ``write=False``)."""
         from .replay.timeline_whatif_store import run_whatifs
 
@@ -210,7 +210,7 @@ class Run:
         """The report's in-memory placement what-if (nothing written): the recorded placement
         and a few plans fitted on the first half of the steps (of the first ``max_cells``
         steps x layers x experts), judged on the rest, net of moves
-        (:class:`moetrace.replay.adapter.WhatIf`; None without a rank count). Raises
+        (:class:`moetrace.replay.placement_whatif.WhatIf`; None without a rank count). Raises
         ``InputError`` when the run has no expert load to replay."""
         from .replay.placement_whatif import whatif
 
@@ -238,12 +238,12 @@ class Run:
              fit_window: tuple[int, int] | None = None, plan_id: str | None = None, start: str | None = None,
              import_file=None, max_moves: int | None = None, target_imbalance: float | None = None,
              store: bool = False, out=None, out_format: str = "sglang", relabel: bool = True):
-        """A placement plan: ``policy`` (``moetrace.replay.planners.PLANNERS``) fitted on the
+        """A placement plan: ``policy`` (``moetrace.placement.planners.PLANNERS``) fitted on the
         run's summed load (steps ``fit_window`` = (A, B), A <= step < B; default all) and
         renamed to keep experts where ``start`` (default the recorded plan) has them; or
         ``import_file``; or ``start`` re-planned with a move budget. Stored with
         ``store=True``, exported to ``out``. Returns a
-        :class:`moetrace.replay.adapter.PlanResult` (plan, moves, imbalance on the fit load)."""
+        :class:`moetrace.replay.make_plan.PlanResult` (plan, moves, imbalance on the fit load)."""
         from .replay.make_plan import make_run_plan
 
         return make_run_plan(self.store, self.id, self._replay_shape, policy=policy, ranks=ranks, replicas=replicas,
@@ -261,7 +261,7 @@ class Run:
         after the fit window) unless ``in_sample``. Options: split, hardware, fit_cost,
         rank_rows, stall_ms, overlap (share of the weight transfer hidden), passes. Writes
         ``replay_*`` tables unless ``write=False``. Returns a
-        :class:`moetrace.replay.adapter.ReplayResult` (``.to_dict()`` is ``replay --json``)."""
+        :class:`moetrace.replay.results.ReplayResult` (``.to_dict()`` is ``replay --json``)."""
         from .formats import plan_files as plan_io
         from .replay.judge_plan import fit_plan, judged_steps, replay
         from .replay.plan_store import load_plan
@@ -306,7 +306,7 @@ class Run:
         """Static plan vs re-planning every ``every`` steps from the trailing ``window``
         steps (default ``every``; with ``max_moves`` move-aware) vs an oracle, judged on the
         steps after the first window against the recorded placement, net of moving experts.
-        Returns a :class:`moetrace.replay.adapter.DriftResult`."""
+        Returns a :class:`moetrace.replay.drift.DriftResult`."""
         from .replay.drift import drift
 
         ps = self._replay_shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
@@ -322,7 +322,7 @@ class Run:
         kind ``sweep`` and its ``replay_layer`` rows). ``workers`` (a local Dask cluster of
         that many processes) or ``scheduler`` (an existing one, ``tcp://host:8786``) fan
         the cells out (:mod:`moetrace.replay.distributed`): same rows, written once, here.
-        Returns a :class:`moetrace.replay.adapter.SweepResult` (``.frame()``, ``.rows``,
+        Returns a :class:`moetrace.replay.sweep.SweepResult` (``.frame()``, ``.rows``,
         ``.notes``)."""
         job = self.plan_sweep(policy, replicas, intervals, windows, ranks=ranks, groups=groups, nodes=nodes,
                               rpn=rpn, write=write, sweep_id=sweep_id, **opts)
@@ -332,7 +332,7 @@ class Run:
                    ranks: int | None = None, groups=None, nodes=None, rpn=None, write: bool = False,
                    sweep_id: str | None = None, **opts):
         """The sweep's cells, checked, nothing judged yet (a
-        :class:`moetrace.replay.adapter.SweepJob` for :func:`run_sweeps`)."""
+        :class:`moetrace.replay.sweep.SweepJob` for :func:`run_sweeps`)."""
         from .replay.sweep import plan_sweep
 
         return plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
@@ -389,7 +389,7 @@ def run_sweeps(store, jobs, workers: int | None = None, scheduler: str | None = 
     """Judge planned sweeps (:meth:`Run.plan_sweep`, one per run: plans x windows x budgets
     x runs) in this process, or as independent tasks on a local Dask cluster of ``workers``
     processes / the existing one at ``scheduler``; each stored sweep is written here, once
-    per run. Returns one :class:`moetrace.replay.adapter.SweepResult` per job."""
+    per run. Returns one :class:`moetrace.replay.sweep.SweepResult` per job."""
     if workers is None and scheduler is None:
         from .replay.sweep import finish_sweep, run_sweep_cells
 

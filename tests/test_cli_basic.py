@@ -149,7 +149,7 @@ def test_help_imports_no_data_stack():
     import sys
 
     code = ("import sys\nfrom moetrace.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('polars', 'duckdb', 'pyarrow', 'numpy', 'matplotlib', 'moetrace.store') "
+            "heavy = [m for m in ('polars', 'duckdb', 'pyarrow', 'numpy', 'matplotlib', 'moetrace.storage.store') "
             "if m in sys.modules]\nprint('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out and "ingest" in out and "replay" in out

@@ -200,7 +200,7 @@ SLOW_WRITER = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {repo!r})
     import pyarrow as pa
-    from moetrace.store import Store
+    from moetrace.storage.store import Store
     real = os.replace
     pause, go = sys.argv[2], sys.argv[3]
     def slow(a, b):

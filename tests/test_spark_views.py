@@ -4,7 +4,7 @@ with profiler spans, the second with replicas) and a synthetic run with idle ste
 replicas of its hottest experts and per-token routing.
 
 The Spark text of each view is not written by hand: it is the DuckDB view transpiled by
-``moetrace.spark`` (sqlglot plus the adaptations listed there). Rows are compared as
+``moetrace.storage.spark`` (sqlglot plus the adaptations listed there). Rows are compared as
 multisets; floats to a relative tolerance of 1e-9 (both engines compute in IEEE doubles,
 but sum in different orders), everything else exactly.
 

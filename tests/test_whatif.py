@@ -1,4 +1,4 @@
-"""What-ifs on the recorded timeline (replay/whatif.py): each model against numbers worked
+"""What-ifs on the recorded timeline (replay/timeline_whatif.py): each model against numbers worked
 out by hand, then the store adapter, the command and the report section on a real run."""
 from __future__ import annotations
 

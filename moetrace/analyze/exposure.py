@@ -54,7 +54,7 @@ class Exposure:
 
 def exposure(store, run_id: str, sql=None) -> Exposure:
     """See :meth:`moetrace.run.Run.exposure`. ``sql(query, params)`` runs the view queries
-    (default: the store's DuckDB; :class:`moetrace.spark.SparkSQL` runs them on Spark)."""
+    (default: the store's DuckDB; :class:`moetrace.storage.spark.SparkSQL` runs them on Spark)."""
     sql = sql or store.sql
     pres = sql("SELECT * FROM a2a_presence WHERE run_id = ?", [run_id])
     out = Exposure(run_id, pres.row(0, named=True) if pres.height else dict(_NO_SPANS))

@@ -92,11 +92,6 @@ def _load_table(step, layer, expert, tokens, slot=None, src_rank=None) -> pa.Tab
 _check_counts = check_counts
 
 
-def _opt_int(options: dict, key: str):
-    v = options.get(key)
-    return int(v) if v is not None else None
-
-
 def _run(source: str, sha: str, L: int, E: int, approx: list[str], meta: dict, options: dict, **kw) -> dict:
     run = {
         "source": source, "source_sha256": sha, "time_base": "none",

@@ -18,7 +18,7 @@ rank) with ``num_tokens`` = count / k (inferred, and said), a rank with none bei
 step. ``rank{r}_raw.safetensors`` files (raw token choices) are not read.
 
 The EPLB config YAML (``moe_config.load_balancer``: ``num_slots``,
-``layer_updates_per_iter``, ``initial_global_assignments``; see :mod:`moetrace.replay.plan_io`)
+``layer_updates_per_iter``, ``initial_global_assignments``; see :mod:`moetrace.formats.plan_files`)
 given alongside the folder becomes the run's recorded placement: slots in consecutive
 blocks per EP rank. With ``layer_updates_per_iter`` > 0 TensorRT-LLM moves experts online,
 so the initial assignment is only where the run started (and the run says so).

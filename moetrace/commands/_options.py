@@ -170,7 +170,7 @@ def engine_options(f):
 
 def engine_sql(store, engine: str, master: str | None, remote: str | None):
     """A context giving the ``sql(query, params)`` that ``--engine`` chose: None for DuckDB
-    (the Run facade's default), else a :class:`moetrace.spark.SparkSQL` over ``store``
+    (the Run facade's default), else a :class:`moetrace.storage.spark.SparkSQL` over ``store``
     (its session stopped on exit)."""
     from contextlib import contextmanager
 

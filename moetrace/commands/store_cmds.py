@@ -229,7 +229,7 @@ def catalog(store):
 @output_options
 def tables_cmd(table, fmt, output):
     """Document the stored tables (the contract, schemas/) and the metric views (SQL,
-    moetrace/analyze/sql): every name with what it holds, or one table's or view's columns
+    moetrace/storage/sql): every name with what it holds, or one table's or view's columns
     with their type and meaning.
 
     Example:
@@ -289,7 +289,7 @@ def _mention(doc: str, column: str, strong: bool = True) -> str:
 
 
 def _column_meaning(view: str, doc: str, column: str) -> str:
-    """What ``column`` of ``view`` means: analyze/view_columns.json, else its view's own
+    """What ``column`` of ``view`` means: storage/view_columns.json, else its view's own
     comment where it defines the column ("column = ..."), else the contract's description
     of an id column of that name; '' when none says."""
     from ..storage import schema

@@ -131,9 +131,6 @@ class RunShape:
                    int(k) if k else None, int(hidden), int(db), int(eb), layers.astype(np.int64),
                    steps.astype(np.int64), bool(st["ns"]), bool(has_routing), notes, sh["ranks_from"],
                    aggregate, int(passes) if passes else None)
-def open_run(store, run_id: str | None) -> tuple[str, RunShape]:
-    rid = store.resolve_run(run_id)
-    return rid, RunShape.from_store(store, rid)
 # ----------------------------------------------------------------------------- reading
 def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
               with_slots: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:

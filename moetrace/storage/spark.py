@@ -1,6 +1,6 @@
 """The metric views on Spark SQL, from the same definitions DuckDB runs.
 
-The views in ``moetrace/analyze/sql/*.sql`` are the product's definitions of every metric.
+The views in ``moetrace/storage/sql/*.sql`` are the product's definitions of every metric.
 Spark does not get a second hand-written copy: each DuckDB statement is transpiled with
 sqlglot (``read="duckdb", write="spark"``), then the few adaptations Spark needs are
 applied, all of them listed in :data:`ADAPTATIONS` with the reason for each. The store's
@@ -401,7 +401,7 @@ def sql(store_path: str | os.PathLike, query: str, master: str | None = None, re
 
 class SparkSQL:
     """The store's tables and metric views registered on a Spark session, queried like
-    :meth:`moetrace.store.Store.sql`: ``sql(query, params)`` returns a polars DataFrame.
+    :meth:`moetrace.storage.store.Store.sql`: ``sql(query, params)`` returns a polars DataFrame.
 
     The library's readers write DuckDB SQL; ``dialect="duckdb"`` (the default) transpiles
     such a query with the same rules as the views; ``dialect="spark"`` runs the text as

@@ -30,9 +30,7 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import sys
-import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -44,11 +42,10 @@ import pyarrow.parquet as pq
 
 from ..version import __version__
 from . import schema
-from ..errors import SchemaError, StoreError
+from ..errors import StoreError
 from ..safety import sql_identifier, sql_literal
-from .txn import Transactions, WriteResult
-from .paths import (GLOB_CHARS, RUN_ID_MAX, STORE_FORMAT, STORE_MARKER, _SAFE_ID_RE, _TXID_RE, check_store_path,
-                     sanitize_run_id)
+from .txn import Transactions
+from .paths import GLOB_CHARS, STORE_FORMAT, STORE_MARKER, check_store_path
 
 
 _DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
