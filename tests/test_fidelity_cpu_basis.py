@@ -1,4 +1,4 @@
-"""The CPU basis of the reference run's timings (issue #13): each rank's main-thread CPU
+"""The CPU basis of the reference run's timings: each rank's main-thread CPU
 time in its experts and from dispatch start to combine end, summarized per (step, layer,
 rank) next to the wall-clock medians. Numbers are worked out by hand here."""
 from __future__ import annotations
@@ -112,7 +112,7 @@ def test_overlap_is_the_pairwise_min_sum():
 def test_contention_by_hand_and_recovered_by_the_fit():
     from types import SimpleNamespace
 
-    from moetrace.replay import calibrate as cal
+    from moetrace.replay import calibrate_fit as cal
     from moetrace.replay.cost import CostModel
 
     # 3 ranks, work 10, 20, 40 ns, contention 0.5: rank 0 loses 0.5 * (10 + 10) = 10,

@@ -1,4 +1,4 @@
-"""Hostile stores, hostile files and faults (issue #12).
+"""Hostile stores, hostile files and faults.
 
 Every case asserts the exit code, the one-line message (naming the file) and that the
 store is byte-for-byte unchanged (``tree_hash``); the dangerous ones also assert that a

@@ -410,7 +410,9 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
     """A planner that numbers its ranks at random (as EPLB's numbering is arbitrary) re-planning
     an unchanging load: the re-planned placement never changes, so after relabeling no
     expert moves; imbalance equals that of the unshuffled planner."""
-    from moetrace.replay import judge_plan as api
+    from moetrace.replay.drift import drift
+    from moetrace.replay.results import ReplayOptions
+    from moetrace.replay.sweep import sweep
     from moetrace.replay import strategies
     from moetrace.replay.load import RunShape
     from moetrace.placement.planners import Plan, make_plan
@@ -418,8 +420,8 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
     st, per = _constant_load_store(tmp_path / "c")
     shape = RunShape.from_store(st, "c")
     ps = shape.plan_shape(replicas=4)
-    opts = api.ReplayOptions(fit_cost=False)
-    plain = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False).to_dict()
+    opts = ReplayOptions(fit_cost=False)
+    plain = drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False).to_dict()
     rng = np.random.default_rng(0)
 
     def shuffled_plan(*a, **k):
@@ -433,7 +435,7 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
                     policy=p.policy, params=p.params)
 
     monkeypatch.setattr(strategies, "make_plan", shuffled_plan)
-    dr = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
+    dr = drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
     d = dr.to_dict()
     # only the switch from the recorded layout moves experts; every later re-plan is the same placement
     assert [c.step for c in dr.results["replan"].changes] == [2]
@@ -450,7 +452,7 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
             rl[li, s_ // spr] += per[li, e] / cnt[e]
     assert d["replan"]["mean_imbalance"] == pytest.approx((rl.max(axis=1) / rl.mean(axis=1)).mean(), rel=1e-6)
     # the sweep's re-plan rows go through the same path
-    rows = api.sweep(st, "c", shape, "greedy", [4], [2], [2], opts).rows
+    rows = sweep(st, "c", shape, "greedy", [4], [2], [2], opts).rows
     assert rows[-1].moved_experts == rows[0].moved_experts     # re-planning moves nothing after the first plan
 
 

@@ -1,4 +1,4 @@
-"""Replay answers an operator can act on (issues #10, #11): one definition of imbalance (the
+"""Replay answers an operator can act on: one definition of imbalance (the
 recorded-plan replay equals skew_summary), settings known or asked for, pseudo-steps,
 net benefit with a break-even step count computed by hand, hierarchical vs global EPLB on
 real DeepSeek-V3 counts against the plain reference, per rank-pair traffic."""

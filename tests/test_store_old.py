@@ -1,4 +1,4 @@
-"""Stores written before a contract column existed (issue #12).
+"""Stores written before a contract column existed.
 
 ``runs.ingest_key`` (nullable) and ``expert_counts.tokens_desc`` (the counts sorted
 descending, derivable) were added after stores were written without them. Such a store,

@@ -1,4 +1,4 @@
-"""Store paths that DuckDB or Arrow would not take literally (issue #12).
+"""Store paths that DuckDB or Arrow would not take literally.
 
 DuckDB's read_parquet reads ``<store>/<table>/*/*.parquet`` as a pattern even in the
 folder part (``a[1]`` matches ``a1``), both DuckDB and Arrow expand a leading ``~`` and

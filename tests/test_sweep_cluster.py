@@ -1,4 +1,4 @@
-"""Replay sweeps fanned out on a Dask cluster (#17): the same rows as the single-process
+"""Replay sweeps fanned out on a Dask cluster: the same rows as the single-process
 sweep, the same stored replay tables, one line and exit 2 (store unchanged) when the
 scheduler cannot be reached. One LocalCluster of 2 worker processes (threads_per_worker=1)
 serves the module; ``--workers 2`` (a cluster of its own) is the slow test."""

@@ -29,10 +29,6 @@ from ..domain.kernels import Classifier
 from ._chrome_json import parse_file, rank_from_name
 
 
-try:  # optional (pip install 'moetrace[fast]'): ISA-L inflates about 2.5x faster than zlib
-    from isal import isal_zlib as _isal_zlib
-except ImportError:  # pragma: no cover - depends on the environment
-    _isal_zlib = None
 def _is_kineto(path: Path, head: bytes) -> bool:
     name = path.name.lower()
     if not (name.endswith(".json") or name.endswith(".json.gz") or name.endswith(".pt.trace.json")

@@ -51,7 +51,7 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
         R, E, K, L = int(cfg["ranks"]), int(cfg["experts"]), int(cfg["top_k"]), int(cfg["layers"])
     except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
         raise InputError(man_path, f"not a moetrace refrun manifest: {type(e).__name__}: {str(e)[:100]}") from None
-    # shape sanity before any R-sized work (0, negative, 10^9 ranks; #12)
+    # shape sanity before any R-sized work (0, negative, 10^9 ranks would exhaust memory)
     from .checks import check_shape
 
     check_shape({"num_ranks": R, "num_experts": E, "top_k": K, "num_layers": L}, man_path, "run")

@@ -53,7 +53,7 @@ def report(store, run_id, out, quiet, batch_steps, memory_limit):
     click.echo(f"wrote {rep.html_path} (self-contained), {rep.md_path} and {pngs} PNG{'s' if pngs != 1 else ''} "
                f"in {rep.outdir}")
     failed = [s.key for s in rep.sections if s.title.endswith("(section failed)")]
-    if failed:  # the exit code says so (#12): the report is written, with the failure in it
+    if failed:  # the exit code says so: the report is written, with the failure in it, and scripts see it failed
         click.echo(f"moetrace: error: report section(s) {', '.join(failed)} failed (see {rep.md_path})", err=True)
         click.get_current_context().exit(1)
 

@@ -231,7 +231,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
                      chrome_trace=chrome_trace, **common, **shape_kw)
-    wi = run.whatif(hardware=hardware) if timeline_whatif else None   # issue 16 (commands/timeline_cmds.py)
+    wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
         if wi is not None:

@@ -66,7 +66,7 @@ def synth(store, run_id, **kw):
     from ..produce.synth import SynthConfig, synth as run_synth
 
     cfg = SynthConfig(**kw)
-    cfg.validate()  # bad options leave no store behind (#12)
+    cfg.validate()  # bad options leave no store behind
     res = run_synth(open_store(store, create=True), cfg, run_id=run_id)
     if res.skipped:
         click.echo(f"{res.message}; nothing written")
@@ -109,7 +109,7 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
     """
     from ..collect import ingest as ingest_files
 
-    # `is`, not `in`: 0 == False, and --ranks 0 must reach the range check, not vanish (#12)
+    # `is`, not `in`: 0 == False, and --ranks 0 must reach the range check, not vanish
     options = {k: v for k, v in opts.items() if v is not None and v is not False}
     options.update(extra)
 

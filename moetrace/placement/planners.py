@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import InputError
 from .eplb import rebalance_experts
+from ..domain.ranks import contiguous_experts, node_of
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Plan:
 
     @property
     def slot_node(self) -> np.ndarray:
-        return self.slot_rank // self.ranks_per_node
+        return node_of(self.slot_rank, self.ranks_per_node)
 
     @property
     def replicas(self) -> int:
@@ -148,8 +149,8 @@ def check_shape(shape: PlanShape, num_experts: int, policy: str | None = None) -
 
 
 def _contiguous_rows(L: int, E: int, S: int) -> np.ndarray:
-    """vLLM's initial map: range(E), then slot i holds expert i % E."""
-    return np.tile(np.arange(S, dtype=np.int64) % E, (L, 1))
+    """vLLM's initial map: range(E), then slot i holds expert i % E (:mod:`moetrace.domain.ranks`)."""
+    return np.tile(contiguous_experts(E, S), (L, 1))
 
 
 def contiguous(load: np.ndarray, shape: PlanShape) -> Plan:

@@ -246,7 +246,7 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                 local[(layer, s)] = (torch.randn(2 * FF, H, generator=g) / H ** 0.5,
                                      torch.randn(H, FF, generator=g) / FF ** 0.5)
         routing, received, steps = [], [], []
-        # issue 16: injected delay and two-micro-batch layers (produce/refrun_timeline.py)
+        # injected delay and two-micro-batch layers: the timeline what-ifs are checked against these (produce/refrun_timeline.py)
         tl = refrun_timeline.LayerEnv(torch, dist, F, rank, R, K, P, H, prior, w_router, w_attn, local, l2p, cnt,
                                       slot_rank, expert_mlp, cfg.delay_us if rank == cfg.delay_rank else 0.0,
                                       cfg.delay_every)

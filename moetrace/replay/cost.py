@@ -9,7 +9,7 @@ For one (step, layer) and rank r::
     rank_r     = dispatch_r + compute_r + combine_r
     layer      = max_r rank_r                                     (the combine is a barrier)
 
-The contention term (issue 13): the ranks start their experts together after the
+The contention term (measured on the reference runs): the ranks start their experts together after the
 dispatch, and for every ns that another rank computes at the same time a rank loses
 ``contention`` ns (ranks that share cores, caches or memory bandwidth; 0 where every rank
 has its own device, as the GPU presets assume). With it, ``rank_ns`` needs the ranks on
@@ -28,6 +28,8 @@ import json
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from ..domain.model_shape import DEFAULT_HIDDEN, default_expert_bytes
 
 # Datasheet peaks (NVIDIA product pages / whitepapers): dense FP8 tensor TFLOPS, HBM TB/s,
 # NVLink GB/s per direction, scale-out NIC GB/s per GPU (400 Gb/s ConnectX-7 = 50 GB/s;
@@ -58,7 +60,7 @@ class CostModel:
     #: not stated, :func:`error_band` gives the uncalibrated default
     rel_error: float | None = None
     rel_error_source: str | None = None
-    #: measured terms (issue 13, each justified in docs/calibration.md by the fidelity matrix):
+    #: measured terms (each justified in docs/calibration.md by the fidelity matrix):
     #: a fixed cost per rank and layer (framework overhead of the expert block, idle ranks
     #: included) and a per-layer all-to-all latency (dispatch + combine, half each), the
     #: time a layer costs beyond the slowest rank's compute and bytes
@@ -116,8 +118,8 @@ def preset(name: str, hidden: int | None = None, expert_bytes: int | None = None
     if key not in PRESETS:
         raise KeyError(f"unknown hardware preset {name!r} (choose from {', '.join(PRESETS)})")
     p = PRESETS[key]
-    hidden = hidden or 7168
-    expert_bytes = expert_bytes or 3 * hidden * 2048
+    hidden = hidden or DEFAULT_HIDDEN
+    expert_bytes = expert_bytes or default_expert_bytes(hidden)
     inter = moe_intermediate or max(1, expert_bytes // (3 * hidden))   # FP8: 1 byte per weight
     flops = 2.0 * 3 * hidden * inter
     a_ns = flops / (p["fp8_tflops"] * 1e12 * EFFICIENCY["flops"]) * 1e9

@@ -14,6 +14,8 @@ from ..errors import InputError
 from .engine import Block, replay_routing
 from ..placement.planners import Plan, PlanShape, check_shape
 from .strategies import Timing
+from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN, DEFAULT_MOE_INTERMEDIATE, default_expert_bytes
+from ..domain.ranks import ranks_per_node_or_all
 
 
 # ----------------------------------------------------------------------------- shape
@@ -60,7 +62,7 @@ class RunShape:
                 raise InputError(None, f"--nodes {nodes} does not divide --ranks {R}")
             rpn = R // nodes
         if rpn is None:
-            rpn = min(self.ranks_per_node, R) if self.ranks_per_node else R
+            rpn = ranks_per_node_or_all(self.ranks_per_node, R)
         if replicas is not None:
             S = self.num_experts + replicas
         else:
@@ -108,15 +110,15 @@ class RunShape:
         k = sh["top_k"]
         hidden = run.get("hidden")
         if not hidden:
-            hidden = 7168
-            notes.append("runs.hidden unknown: 7168 assumed for dispatch bytes")
+            hidden = DEFAULT_HIDDEN
+            notes.append(f"runs.hidden unknown: {DEFAULT_HIDDEN} assumed for dispatch bytes")
         db = run.get("dtype_bytes")
         if not db:
-            db = 2
-            notes.append("runs.dtype_bytes unknown: 2 bytes per element assumed for dispatch bytes")
-        eb = run.get("expert_bytes") or 3 * hidden * 2048
+            db = DEFAULT_DTYPE_BYTES
+            notes.append(f"runs.dtype_bytes unknown: {DEFAULT_DTYPE_BYTES} bytes per element assumed for dispatch bytes")
+        eb = run.get("expert_bytes") or default_expert_bytes(hidden)
         if not run.get("expert_bytes"):
-            notes.append(f"runs.expert_bytes unknown: 3 x hidden x 2048 = {eb} bytes per expert assumed")
+            notes.append(f"runs.expert_bytes unknown: 3 x hidden x {DEFAULT_MOE_INTERMEDIATE} = {eb} bytes per expert assumed")
         has_routing = store.has_files("routing") and store.sql(
             "SELECT count(*) n FROM (SELECT 1 FROM routing WHERE run_id = ? LIMIT 1)", [run_id])["n"][0] > 0
         approx = json.loads(run.get("approximations") or "[]")

@@ -14,6 +14,7 @@ from .engine import Block, imbalance
 from ..placement.planners import Plan
 from .strategies import Judged, MoveCost, Timing, compare_text
 from .load import RunShape
+from ..domain.ranks import node_of
 
 
 # ----------------------------------------------------------------------------- options, results
@@ -136,7 +137,7 @@ def traffic_table(replay_id: str, plan: Plan, which: str, traffic: np.ndarray, s
                      "plan": pa.array([which] * int(keep.sum()), pa.string()),
                      "plan_id": pa.array([plan.plan_id] * int(keep.sum()), pa.string()),
                      "src_rank": src[keep].astype(np.int32), "dst_rank": dst[keep].astype(np.int32),
-                     "inter_node": (src[keep] // rpn) != (dst[keep] // rpn),
+                     "inter_node": node_of(src[keep], rpn) != node_of(dst[keep], rpn),
                      "bytes": np.rint(traffic.ravel()[keep]).astype(np.int64),
                      "steps": pa.array([steps] * int(keep.sum()), pa.int64())})
 def _runs_row(res: ReplayResult, kind: str, params: dict) -> pa.Table:
