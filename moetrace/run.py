@@ -210,11 +210,11 @@ class Run:
         """The report's in-memory placement what-if (nothing written): the recorded placement
         and a few plans fitted on the first half of the steps (of the first ``max_cells``
         steps x layers x experts), judged on the rest, net of moves
-        (:class:`moetrace.replay.placement_whatif.WhatIf`; None without a rank count). Raises
+        (:class:`moetrace.replay.placement_whatif.PlacementWhatIf`; None without a rank count). Raises
         ``InputError`` when the run has no expert load to replay."""
-        from .replay.placement_whatif import whatif
+        from .replay.placement_whatif import placement_whatif
 
-        return whatif(self.store, self.id, self._replay_shape, max_cells)
+        return placement_whatif(self.store, self.id, self._replay_shape, max_cells)
 
     # ------------------------------------------------------------------ what-ifs (replay)
     @cached_property

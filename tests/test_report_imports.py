@@ -42,14 +42,14 @@ def refused(mod: str) -> list[str]:
 
 
 def test_the_reader_sees_lazy_and_relative_imports(tmp_path):
-    src = "from ...replay.placement_whatif import whatif\ndef f():\n    from ...analyze import waits\n    import moetrace.storage.store\n"
+    src = "from ...replay.placement_whatif import placement_whatif\ndef f():\n    from ...analyze import waits\n    import moetrace.storage.store\n"
     mod = f"{SECTIONS}.__probe"
     path = tmp_path / "probe.py"
     path.write_text(src)
     MODULES[mod] = path
     try:
         assert sorted(refused(mod)) == [f"{mod} imports moetrace.analyze.waits (waits)",
-                                        f"{mod} imports moetrace.replay.placement_whatif (whatif)",
+                                        f"{mod} imports moetrace.replay.placement_whatif (placement_whatif)",
                                         f"{mod} imports moetrace.storage.store"]
         path.write_text("from ...domain.kernels import A2A_KINDS, classify\nfrom ..base import Section\n")
         assert refused(mod) == [f"{mod} imports moetrace.domain.kernels (classify)"]

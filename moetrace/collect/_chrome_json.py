@@ -35,6 +35,8 @@ BATCH = 4000                       # events decoded to records at a time (cache-
 # is a ValidationError naming the event, never an overflow later
 _I32 = Annotated[int, msgspec.Meta(ge=-(2**31), lt=2**31)]
 _I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
 class _Args(msgspec.Struct, gc=False):
     correlation: _I64 | None = None
     device: _I32 | None = None
@@ -43,6 +45,8 @@ class _Args(msgspec.Struct, gc=False):
     # process group of a collective (PyTorch puts it on NCCL kernels and record_param_comms ops)
     pg_name: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Name")
     pg_ranks: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Ranks")
+
+
 class _Event(msgspec.Struct, gc=False):
     ph: str | None = None
     cat: str | None = None
@@ -52,19 +56,27 @@ class _Event(msgspec.Struct, gc=False):
     ts: msgspec.Raw = msgspec.Raw(b"")
     dur: float | int | None = None
     args: _Args | None = None
+
+
 class _PgConfig(msgspec.Struct):
     pg_name: msgspec.Raw = msgspec.Raw(b"")
+
+
 class _Dist(msgspec.Struct):
     rank: int | None = None
     world_size: int | None = None
     backend: str | None = None
     pg_config: msgspec.Raw = msgspec.Raw(b"")   # read leniently (_pg_names): never a reason to refuse
+
+
 class _Top(msgspec.Struct):
     traceEvents: list[msgspec.Raw] | None = None
     distributedInfo: _Dist | None = None
     baseTimeNanoseconds: int | None = None
     schemaVersion: int | str | None = None
     deviceProperties: list[msgspec.Raw] | None = None
+
+
 _EVENTS_DEC = msgspec.json.Decoder(list[_Event])
 _TOP_DEC = msgspec.json.Decoder(_Top)
 _LIST_DEC = msgspec.json.Decoder(list[msgspec.Raw])
@@ -73,12 +85,16 @@ _RANK_PATTERNS = [
     re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)(?:\D|$)", re.I),
     re.compile(r"-TP-(\d+)(?:\D|$)"),
 ]
+
+
 def rank_from_name(name: str) -> int | None:
     for pat in _RANK_PATTERNS:
         m = pat.search(name)
         if m:
             return int(m.group(1))
     return None
+
+
 def ts_to_ns(texts: list[bytes], base_ns: int, path: Path, offset: int) -> list[int]:
     """Decimal µs text -> integer ns (+ base), exactly; rounds half away from zero past ns."""
     out = []
@@ -108,6 +124,8 @@ def ts_to_ns(texts: list[bytes], base_ns: int, path: Path, offset: int) -> list[
             raise InputError(path, f"timestamp {s!r} µs is outside the 64-bit ns range", f"event {offset + j}")
         out.append(ns)
     return out
+
+
 def _int(v) -> int | None:
     if isinstance(v, bool):
         return None
@@ -119,6 +137,8 @@ def _int(v) -> int | None:
         except ValueError:
             return None
     return None
+
+
 def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, dict]:
     """Columns of one Kineto file: (info, gpu, launch, cpu)."""
     was = gc.isenabled()
@@ -133,6 +153,8 @@ def parse_file(path: Path, progress: bool = False) -> tuple[dict, dict, dict, di
     finally:
         if was:
             gc.enable()
+
+
 class _Digest(threading.Thread):
     """sha256 of a buffer, taken in a thread while the caller decodes it (hashlib
     releases the GIL on large buffers: the digest costs no wall time on a second CPU)."""
@@ -149,6 +171,8 @@ class _Digest(threading.Thread):
     def result(self) -> str:
         self.join()
         return self.hex
+
+
 def read_bytes(path: Path) -> tuple[bytes | mmap.mmap, _Digest]:
     """(the file's bytes, gunzipped when it is gzip; the sha256 of the bytes on disk, being
     taken in a thread). A plain file is memory-mapped, not copied: the caller closes it.
@@ -204,16 +228,26 @@ def _gunzip(raw: bytes, path: Path | None = None) -> bytes:
     if path is None:
         return gzip.decompress(raw)
     return bounded_gunzip(path, raw)
+
+
 _EVENT_AT = re.compile(r"\$\[(\d+)\]")
 _KEY_AT = re.compile(rb'"traceEvents"[ \t\r\n]*:[ \t\r\n]*\[')
 _BETWEEN = re.compile(rb'\}[ \t\r\n]*,[ \t\r\n]*\{')
 #: bytes of the document decoded at a time (cache-sized: faster than larger slices)
 SLICE_BYTES = 256 * 2**10
+
+
 class _EventsAt(msgspec.Struct):
     traceEvents: msgspec.Raw = msgspec.Raw(b"")
+
+
 _EVENTS_AT_DEC = msgspec.json.Decoder(_EventsAt)
+
+
 def _address(b) -> int:
     return np.frombuffer(b, np.uint8).ctypes.data if len(b) else -1
+
+
 def _decode_in_slices(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool):
     """Fast path: decode ``traceEvents`` straight from slices of the document, cut between
     two events (``}`` ``,`` ``{``) every :data:`SLICE_BYTES`, without a first pass over
@@ -270,6 +304,8 @@ def _decode_in_slices(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool)
     _take(evs, n, acc, all_cpu_ops)
     acc.compact()
     return top, acc, n + len(evs)
+
+
 def _decode_in_batches(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool):
     """Slow path (any valid document): decode into raw event slices, then BATCH events at a
     time; the error, if any, names the event."""
@@ -311,6 +347,8 @@ def _decode_in_batches(path: Path, buf: bytes, all_cpu_ops: bool, progress: bool
             print(f"  {path.name}: {min(b0 + BATCH, len(raws)):,}/{len(raws):,} events", file=sys.stderr, flush=True)
     top.traceEvents = None
     return top, acc, len(raws)
+
+
 def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[dict, dict, dict, dict]:
     t0 = time.perf_counter()
     buf, digest = read_bytes(path)
@@ -357,6 +395,8 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
         print(f"kineto: {path.name}: {info['n_events']:,} events, {info['bytes'] / 1e6:.1f} MB in {dt:.1f} s",
               file=sys.stderr, flush=True)
     return info, gpu, launch, cpu
+
+
 _GPU_CATS = frozenset({"kernel", "Kernel", "gpu_memcpy", "gpu_memset", "Memcpy", "Memset", "memcpy", "memset"})
 _LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "Runtime", "Driver", "runtime", "driver"})
 _CPU_CATS = frozenset({"user_annotation", "cpu_op", "Operator", "operator", "User Annotation"})
@@ -370,6 +410,8 @@ _CAT_CODE_ALL = {c: 2 if k == 3 else k for c, k in _CAT_CODE.items()}  # every C
 _COLL_PREFIXES = COLLECTIVE_OP_PREFIXES
 _COLL_FIRST = frozenset(p[0] for p in _COLL_PREFIXES)
 _GPU_MARKERS = (b'"kernel"', b'"Kernel"', b'"gpu_memcpy"', b'"gpu_memset"', b'"Memcpy"', b'"Memset"')
+
+
 class _Acc:
     """Column lists of the kept events of one file, filled batch by batch."""
 
@@ -392,6 +434,8 @@ class _Acc:
             if raws:
                 col.add(raws)
                 raws.clear()
+
+
 class _TsTexts:
     """The ``ts`` texts of one column: per batch, the numbers joined by commas (a number
     holds no comma), or, for a batch with a string, list or object value, each text on
@@ -418,6 +462,8 @@ class _TsTexts:
         for p in self.parts:
             out.extend(p.split(b",") if isinstance(p, bytes) else p)
         return out
+
+
 def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
     """Columns of one decoded batch (comprehensions: the per-event cost is what matters)."""
     gpu, gpu_ts, gpu_dur, gpu_idx = acc.gpu, acc.gpu_ts, acc.gpu_dur, acc.gpu_idx
@@ -474,6 +520,8 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
         cpu_dur.extend([e.dur for _, e in c])
         cpu_idx.extend([b0 + i for i, _ in c])
         acc.cpu_pg.extend([_pg_of(e.args) for _, e in c])
+
+
 def _pg_of(args) -> str | None:
     """A collective's process group from its event args: the group's name, else its ranks
     (``ranks [0,1]``); None when the event does not say."""
@@ -484,7 +532,11 @@ def _pg_of(args) -> str | None:
         return name
     txt = _plain(args.pg_ranks).replace(" ", "")
     return f"ranks {txt}" if _RANKS_RE.fullmatch(txt) else None
+
+
 _RANKS_RE = re.compile(r"\[\d+(?:,\d+)*\]")
+
+
 def _pg_names(raw: msgspec.Raw) -> list[str]:
     """The group names of ``distributedInfo.pg_config`` ([] when absent or malformed)."""
     try:
@@ -492,6 +544,8 @@ def _pg_names(raw: msgspec.Raw) -> list[str]:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return []
     return [n for n in (_plain(g.pg_name) for g in groups) if n]
+
+
 def _plain(raw: msgspec.Raw) -> str:
     """A string or number arg as text ('' for null, absent or anything else): a group arg
     of an unexpected type is not read, never a reason to refuse the trace."""
@@ -507,8 +561,12 @@ def _plain(raw: msgspec.Raw) -> str:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return ""
     return b.decode("ascii", "replace") if b and re.fullmatch(rb"-?\d+", b) else ""
+
+
 _NUM_RE = r"^-?\d+(?:\.\d*)?$"
 _INTS_DEC = msgspec.json.Decoder(list[int])
+
+
 def ts_column(ts_list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
     """Decimal µs texts (msgspec Raw slices, or :class:`_TsTexts`) -> exact integer ns
     (+ base), vectorized.
@@ -554,6 +612,8 @@ def ts_column(ts_list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
             vals[j] = ts_to_ns([text[j].encode()], 0, path, idx[j] if idx else j)[0]
         v = pl.Series("t", vals, pl.Int64)
     return (v + base_ns).alias("t")
+
+
 def _dur_column(dur_list: list, idx: list, path: Path) -> pl.Series:
     d = pl.Series("d", dur_list, pl.Float64, strict=False).fill_null(0.0)
     ns = (d * 1000).round(0)

@@ -43,6 +43,8 @@ def _is_kineto(path: Path, head: bytes) -> bool:
     text = head.decode("utf-8", "replace")
     return ("traceEvents" in text or "schemaVersion" in text or "deviceProperties" in text
             or ('"ph"' in text and '"ts"' in text))
+
+
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
     """Files of one folder are the ranks of one run when their ranks differ (from
     ``distributedInfo.rank`` or the file name); otherwise every file is its own run."""
@@ -68,9 +70,13 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         else:
             runs.append(items)
     return [_collect_run(items, options) for items in runs]
+
+
 #: inputs at least this large (and of two files or more) are parsed by several processes
 #: unless ``--set jobs=1``
 PARALLEL_BYTES = 256 * 2**20
+
+
 def _jobs(options: dict, paths: list[Path], total: int) -> int:
     """Processes to parse rank files with: option ``jobs`` (``--set jobs=N``; ``auto`` = one
     per CPU, at most 4). Default: ``auto`` for inputs of :data:`PARALLEL_BYTES` or more,
@@ -85,6 +91,8 @@ def _jobs(options: dict, paths: list[Path], total: int) -> int:
     except (TypeError, ValueError):
         raise InputError(None, f"--set jobs={j!r}: expected a number or 'auto'") from None
     return max(1, min(j, len(paths)))
+
+
 def _parse_parallel(paths: list[Path], progress: bool, jobs: int, classifier: Classifier, parts: dict) -> list:
     """Parse files with this process and ``jobs - 1`` workers, each claiming the next file
     when it is free: this process from the first file on (it starts at once, its imports
@@ -115,7 +123,11 @@ def _parse_parallel(paths: list[Path], progress: bool, jobs: int, classifier: Cl
             ends[0] = ends[1]  # (on error) nothing left to claim: workers stop after their file
         ex.shutdown(wait=True, cancel_futures=True)
     return out
+
+
 _ENDS = None  # a worker's handle on the parent's claim counters
+
+
 def _worker_pool(ctx, workers: int, ends):
     """The parsing workers: each gets the claim counters and this process's resource limits
     (``--set max_*=N``, ``MOETRACE_MAX_*`` or the defaults, resolved here: a forkserver
@@ -126,6 +138,8 @@ def _worker_pool(ctx, workers: int, ends):
 
     return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
                                initargs=(ends, resolved_limits()))
+
+
 def _worker_init(ends, limits: dict | None = None) -> None:
     global _ENDS
     _ENDS = ends
@@ -133,6 +147,8 @@ def _worker_init(ends, limits: dict | None = None) -> None:
         from ..safety import set_overrides
 
         set_overrides(limits)
+
+
 def _claim(ends, from_back: bool) -> int | None:
     with ends.get_lock():
         lo, hi = ends[0], ends[1]
@@ -143,6 +159,8 @@ def _claim(ends, from_back: bool) -> int | None:
             return hi - 1
         ends[0] = lo + 1
         return lo
+
+
 def _worker_loop(paths: list[Path], progress: bool) -> list:
     """In a worker: parse files claimed from the back until none is left (or one is bad)."""
     done = []
@@ -151,6 +169,8 @@ def _worker_loop(paths: list[Path], progress: bool) -> list:
         if done[-1][1][0] == "error":
             break
     return done
+
+
 def _parse_frames_worker(path: Path, progress: bool):
     """_parse_frames in a worker; an InputError comes back as its fields (it does not
     pickle)."""
@@ -158,6 +178,8 @@ def _parse_frames_worker(path: Path, progress: bool):
         return "ok", _parse_frames(path, progress)
     except InputError as e:
         return "error", e.file, e.message, e.position
+
+
 def _parse_frames(path: Path, progress: bool):
     info, gpu, launch, cpu = parse_file(path, progress=progress)
     # the process group of each event (column pg_arg); a trace whose distributedInfo.pg_config
@@ -176,8 +198,12 @@ def _parse_frames(path: Path, progress: bool):
             if longest is not None and longest > cap:
                 raise limit_error(path, "max_name_bytes", f"an event name of {longest} bytes")
     return out
+
+
 def _rank_of(p: Path, info: dict) -> int | None:
     return info["rank"] if info["rank"] is not None else rank_from_name(p.name)
+
+
 def _one_run(items: list) -> bool:
     ranks = [_rank_of(p, info) for p, info, _ in items]
     worlds = {info["world_size"] for _, info, _ in items if info["world_size"]}
@@ -186,6 +212,8 @@ def _one_run(items: list) -> bool:
     if all(r is None for r in ranks):
         return True  # no rank anywhere: a folder of per-rank files, numbered by order
     return None not in ranks and len(set(ranks)) == len(ranks)
+
+
 def _collect_run(items: list, options: dict) -> RunData:
     paths = [p for p, _, _ in items]
     classifier = Classifier(options.get("kernel_rules"))
@@ -220,5 +248,7 @@ def _collect_run(items: list, options: dict) -> RunData:
     sha = sha256_text("".join(info["sha256"] for _, info, _ in items)) if len(items) > 1 else items[0][1]["sha256"]
     return run_data(paths, sha, time_bases.pop() if time_bases else "none", options.get("num_ranks") or len(ranks),
                     options, approx, meta, tables)
+
+
 register(Collector("kineto", "PyTorch profiler (Kineto) Chrome-trace JSON, plain or .gz; a folder of per-rank files "
                              "is one run", _is_kineto, _collect, priority=20))

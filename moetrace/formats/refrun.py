@@ -7,6 +7,8 @@ import numpy as np
 
 
 MANIFEST = "moetrace-refrun.json"
+
+
 # ----------------------------------------------------------------------------- timing
 def _rel_spread(v: np.ndarray) -> float | None:
     """(p75 - p25) / median of the values (None with fewer than 2 values or a zero median)."""
@@ -15,6 +17,8 @@ def _rel_spread(v: np.ndarray) -> float | None:
         return None
     q75, q25 = np.percentile(v, [75, 25])
     return float((q75 - q25) / med)
+
+
 def summarize_timing(timing):
     """Per (step, layer, rank) medians and spreads of the timed passes (the ``cell_times``
     table, as a dict of columns) and the run's noise level.

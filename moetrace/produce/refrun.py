@@ -103,6 +103,8 @@ class RefRunConfig:
         for s, r in self.idle:
             if not (0 <= s < self.steps and 0 <= r < self.ranks):
                 bad(f"--idle {s}:{r} outside steps x ranks")
+
+
 # ----------------------------------------------------------------------------- plan
 def parse_placement(spec, layers: int, experts: int, ranks: int) -> np.ndarray:
     """phy2log [layers, slots] from a name or a JSON file / list.
@@ -155,6 +157,8 @@ def parse_placement(spec, layers: int, experts: int, ranks: int) -> np.ndarray:
         if arr[layer].min() < 0 or arr[layer].max() >= E or len(set(arr[layer].tolist())) != E:
             raise InputError(src, f"placement layer {layer}: every expert 0..{E - 1} needs at least one slot")
     return arr
+
+
 def replica_tables(phy2log: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
     """log2phy [L, E, maxcnt] (-1 padded, slot order) and logcnt [L, E]."""
     L, P = phy2log.shape
@@ -170,7 +174,11 @@ def replica_tables(phy2log: np.ndarray, experts: int) -> tuple[np.ndarray, np.nd
             l2p[layer, e, fill[e]] = s
             fill[e] += 1
     return l2p, cnt
+
+
 HASH_MUL = 2654435761  # Knuth's multiplicative hash: replica = (token * HASH_MUL mod 2^32) mod copies
+
+
 def choose_slots(experts_chosen: np.ndarray, token_ids: np.ndarray, l2p_layer: np.ndarray,
                  cnt_layer: np.ndarray) -> np.ndarray:
     """Replica choice of the reference run (a per-token hash, as vLLM does): copy
@@ -179,6 +187,8 @@ def choose_slots(experts_chosen: np.ndarray, token_ids: np.ndarray, l2p_layer: n
     h = (token_ids.astype(np.uint64) * np.uint64(HASH_MUL)) % np.uint64(1 << 32)
     which = (h[:, None] % copies.astype(np.uint64)).astype(np.int64)
     return l2p_layer[experts_chosen, which]
+
+
 def router_prior(cfg: RefRunConfig) -> np.ndarray:
     """Log-prior added to the router logits: Zipf(skew) over the experts in ``hot`` order."""
     order = list(cfg.hot or []) + [e for e in range(cfg.experts) if e not in (cfg.hot or [])]
@@ -186,18 +196,26 @@ def router_prior(cfg: RefRunConfig) -> np.ndarray:
     for i, e in enumerate(order):
         prior[e] = -cfg.skew * np.log(i + 1.0)
     return prior
+
+
 def tokens_of(cfg: RefRunConfig, step: int, rank: int) -> int:
     if (step, rank) in {tuple(x) for x in cfg.idle}:
         return 0
     if step == 0 and cfg.prefill_tokens:
         return cfg.prefill_tokens
     return cfg.tokens_per_rank
+
+
 # ----------------------------------------------------------------------------- worker
 def _seeded(torch, *key):
     g = torch.Generator()
     g.manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1)[0]))
     return g
+
+
 _EXPERT_OP = None
+
+
 def _expert_op():
     """The gated MLP of one expert slot as one torch custom op, ``refrun::moe_mlp``: the
     profiler records each call as one CPU op of that name, which the kernel classifier
@@ -216,6 +234,8 @@ def _expert_op():
         _EXPERT_OP = torch.library.custom_op("refrun::moe_mlp", moe_mlp, mutates_args=(),
                                              schema="(Tensor x, Tensor wg, Tensor wd) -> Tensor")
     return _EXPERT_OP
+
+
 def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int) -> None:
     """One rank of the reference run (run by torch.multiprocessing)."""
     import pyarrow as pa
@@ -395,6 +415,8 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             "expert_cpu_ns": pa.array(tm[:, 7], mask=tm[:, 7] < 0), "moe_cpu_ns": pa.array(tm[:, 8], mask=tm[:, 8] < 0)}), os.path.join(outdir, f"timing_rank{rank}.parquet"))
     finally:
         dist.destroy_process_group()
+
+
 class _quiet_fds:
     """Send the process's stdout and stderr descriptors to /dev/null for a while (C++
     libraries print there directly, past Python's sys.stdout)."""
@@ -412,6 +434,8 @@ class _quiet_fds:
         for fd, saved in zip((1, 2), self.saved):
             os.dup2(saved, fd)
             os.close(saved)
+
+
 def cpu_name() -> str:
     """The CPU model, as the hardware key of a reference run (``runs.meta_json`` ``hardware``):
     calibrations of runs with the same key are comparable."""
@@ -425,11 +449,15 @@ def cpu_name() -> str:
     except OSError:
         pass
     return "cpu: " + (platform.processor() or platform.machine() or "unknown")
+
+
 def cpu_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
 def _finish_trace(raw: str, dest: str) -> None:
     """gzip the exported trace and name it by its file (Kineto writes its temp path into traceName)."""
     import gzip
@@ -440,10 +468,14 @@ def _finish_trace(raw: str, dest: str) -> None:
     with gzip.open(dest, "wt", encoding="utf-8", compresslevel=6) as f:
         json.dump(doc, f, separators=(",", ":"))
     os.unlink(raw)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
 def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
     """Run the reference run into ``outdir`` (created; must be empty). Returns the manifest."""
     from ..collect._torchload import import_torch

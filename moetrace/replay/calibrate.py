@@ -36,13 +36,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
 from . import cost as costmod
+from .cost import ErrorBand
 from .calibrate_fit import Cells, Fit, LAYER_TERMS, TIE_RTOL, fit, fit_layer_model
 
 
@@ -191,6 +191,8 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
                  np.asarray(block.tokens, np.float64)[sel], np.asarray(block.touched, np.float64)[sel],
                  np.asarray(block.bytes_intra, np.float64)[sel], np.asarray(block.bytes_inter, np.float64)[sel],
                  expert_ns, comm_ns, notes)
+
+
 def fit_from_cell_times(store, run_id: str, base: costmod.CostModel | None = None) -> costmod.CostModel | None:
     """The cost model fitted (:func:`fit_layer_model`, :data:`LAYER_TERMS`) on a run's
     measured ``cell_times`` (refrun --repeats medians) against its recorded routing /
@@ -215,6 +217,8 @@ def fit_from_cell_times(store, run_id: str, base: costmod.CostModel | None = Non
     m.source = (f"fitted on run {run_id}'s measured cell_times ({', '.join(LAYER_TERMS)}; medians of timed passes); "
                 f"bandwidths from {(base.source if base else 'preset H200').split(':')[0]}")
     return m
+
+
 # ----------------------------------------------------------------------------- judge
 def straggler_flags(step, layer, measured, predicted):
     """Per cell: is it the measured straggler of its (step, layer) (the argmax, lowest rank
@@ -234,6 +238,8 @@ def straggler_flags(step, layer, measured, predicted):
     meas_flag[first[first >= 0]] = True
     pred_flag = predicted >= pmax[key] - TIE_RTOL * np.abs(pmax[key])
     return meas_flag, pred_flag
+
+
 def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted=None) -> dict:
     """The judged errors (module docstring). Percentages are fractions (0.1 = 10%)."""
     out: dict = {}
@@ -283,6 +289,8 @@ def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted
             out["comm_mape"] = float(np.abs(crel).mean())
             out["comm_bias"] = float(crel.mean())
     return out
+
+
 def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: int) -> pa.Table:
     ex, cm = f.predict(c)
     mf, pf = straggler_flags(c.step, c.layer, c.expert_ns, ex)
@@ -306,8 +314,12 @@ def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: 
         "comm_ns_per_byte_inter": const(f.comm_ns_per_byte_inter, pa.float64()),
         "expert_r2": const(f.expert_r2, pa.float64()), "comm_r2": const(f.comm_r2, pa.float64()),
     })
+
+
 def new_calibration_id() -> str:
     return f"c-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
               hardware: str = "H200", loss: str = "l2", write: bool = True,
               calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0) -> dict:
@@ -348,11 +360,17 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
             store.append(rid, {"calibration": pa.concat_tables(parts)})
     out["stored"] = bool(write)
     return out
+
+
 def _steps_of(c: Cells) -> list[int]:
     s = np.unique(c.step)
     return [int(s.min()), int(s.max())] if s.size else []
+
+
 def summary_json(summary: dict) -> str:
     return json.dumps(summary, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+
+
 # ----------------------------------------------------------------------------- stored
 SUMMARY_SQL = """
 WITH c AS (SELECT * FROM calibration WHERE run_id = ?),
@@ -387,27 +405,17 @@ SELECT s.*, p.pairs, p.straggler_mape, p.straggler_bias, p.straggler_hit_rate, p
 FROM s LEFT JOIN p USING (calibration_id, role)
 ORDER BY created_at_ns DESC, role
 """
+
+
 def stored_summary(store, run_id: str):
     """One row per (calibration, role) stored for ``run_id``, newest first, with the
     metrics recomputed in SQL from the stored cells (a polars frame; empty when none)."""
     if not store.has_files("calibration"):
         return None
     return store.sql(SUMMARY_SQL, [run_id])
+
+
 # ----------------------------------------------------------------------------- error band
-@dataclass(frozen=True)
-class ErrorBand:
-    """The relative error of a predicted time (0.12 = ±12%) and where it comes from, in
-    words. ``rel_error`` None: nobody measured it (an uncalibrated preset)."""
-    rel_error: float | None
-    source: str
-
-    def text(self) -> str:
-        return (f"±{100 * self.rel_error:.1f}% ({self.source})" if self.rel_error is not None
-                else self.source)
-
-    def within(self, relative_difference: float) -> bool:
-        """A predicted relative difference this small is within the model's error (not a win)."""
-        return self.rel_error is not None and abs(relative_difference) <= self.rel_error
 def run_hardware(store, run_id: str) -> str | None:
     """The hardware a run was measured on, as its collector recorded it (runs.meta_json
     ``hardware``); None when unknown."""
@@ -419,6 +427,8 @@ def run_hardware(store, run_id: str) -> str | None:
     except (ValueError, AttributeError):
         return None
     return hw if isinstance(hw, str) else None
+
+
 def error_band(store, hardware: str | None) -> ErrorBand:
     """The error band of the time model on ``hardware``: the layer-time error (mean absolute
     percentage error of the predicted layer time; the straggler-time error where no

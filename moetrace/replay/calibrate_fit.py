@@ -12,6 +12,8 @@ from . import cost as costmod
 
 
 TIE_RTOL = 1e-9
+
+
 @dataclass
 class Cells:
     """One entry per (step, layer, rank) of one run: model inputs and measured times."""
@@ -30,6 +32,8 @@ class Cells:
     @property
     def size(self) -> int:
         return int(self.step.size)
+
+
 @dataclass
 class Fit:
     model: costmod.CostModel
@@ -60,6 +64,8 @@ class Fit:
                 "comm_r2": self.comm_r2, "comm_residuals": self.comm_resid,
                 "nvlink_Bps": self.model.nvlink_Bps, "internode_Bps": self.model.internode_Bps,
                 "source": self.model.source, "notes": self.notes}
+
+
 # ----------------------------------------------------------------------------- fit
 def _resid(y: np.ndarray, pred: np.ndarray) -> dict:
     if y.size == 0:
@@ -69,9 +75,13 @@ def _resid(y: np.ndarray, pred: np.ndarray) -> dict:
     return {"rmse_ns": float(np.sqrt((r ** 2).mean())), "mean_abs_ns": float(np.abs(r).mean()),
             "p50_abs_pct": float(100 * np.percentile(rel, 50)), "p90_abs_pct": float(100 * np.percentile(rel, 90)),
             "max_abs_pct": float(100 * rel.max())}
+
+
 def r2(y: np.ndarray, pred: np.ndarray) -> float | None:
     ss = float(((y - y.mean()) ** 2).sum()) if y.size else 0.0
     return 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None
+
+
 def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient ≥ 0: drop the most negative one, refit, repeat."""
     active = [j for j in range(X.shape[1]) if np.any(X[:, j] != 0)]
@@ -83,7 +93,11 @@ def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
             break
         active.pop(int(np.argmin(c)))
     return coef
+
+
 LOSSES = ("l2", "mape")
+
+
 def fit_mape(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
     """Coefficients ≥ 0 minimizing the mean absolute percentage error Σ|X·c − y| / y
     (iteratively reweighted least squares from the relative-L2 solution; y > 0)."""
@@ -100,6 +114,8 @@ def fit_mape(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
         elif err >= best_err:
             break
     return best
+
+
 def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fit:
     """Fit the expert and all-to-all parameters on the cells with measured expert time.
 
@@ -152,8 +168,12 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
             f"bandwidths from {base.source.split(':')[0]}"), fit={"points": int(m.sum()), "r2": r2(y, pred)})
     return Fit(model, c.run_id, int(m.sum()), r2(y, pred), _resid(y, pred), lat, cin, cout,
                int(cm.sum()), comm_r2, comm_res, notes)
+
+
 # ----------------------------------------------------------------------------- layer model
 TERMS = ("tokens", "slot", "latency", "fixed", "bytes", "contention")
+
+
 def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("tokens", "slot", "latency", "fixed"),
                     base: costmod.CostModel | None = None, run_id: str = "A") -> costmod.CostModel:
     """Fit the cost model's terms on one run's measured times.
@@ -219,5 +239,7 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
                                     f"expert times, {np.size(layer_ns)} layer times",
                              fit={"terms": list(terms), "points": int(tok.size)}, fixed_ns=fixed, latency_ns=lat,
                              contention=g)
+
+
 #: the terms the fidelity matrix (benchmarks/bench_fidelity.py) keeps: see docs/calibration.md
 LAYER_TERMS = ("tokens", "slot", "latency")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -160,9 +161,26 @@ UNCALIBRATED_REL_ERROR = 0.25
 UNCALIBRATED_SOURCE = "uncalibrated: assumed, not measured; moetrace calibrate measures it"
 
 
-def error_band(cost: CostModel) -> tuple[float, str]:
-    """(relative error of a predicted time, where it comes from): the model's own when it
-    states one, else the uncalibrated default."""
+class ErrorBand(NamedTuple):
+    """The relative error of a predicted time (0.12 = ±12%) and where it comes from, in
+    words: the one error-band type (a cost model's, a stored calibration's). ``rel_error``
+    None: nobody measured it (an uncalibrated preset). A tuple ``(rel_error, source)``, so
+    it unpacks and serializes as the pair."""
+    rel_error: float | None
+    source: str
+
+    def text(self) -> str:
+        return (f"±{100 * self.rel_error:.1f}% ({self.source})" if self.rel_error is not None
+                else self.source)
+
+    def within(self, relative_difference: float) -> bool:
+        """A predicted relative difference this small is within the model's error (not a win)."""
+        return self.rel_error is not None and abs(relative_difference) <= self.rel_error
+
+
+def error_band(cost: CostModel) -> ErrorBand:
+    """The relative error of a predicted time and where it comes from: the model's own when
+    it states one, else the uncalibrated default."""
     if cost.rel_error is not None:
-        return float(cost.rel_error), cost.rel_error_source or "stated by the cost model"
-    return UNCALIBRATED_REL_ERROR, UNCALIBRATED_SOURCE
+        return ErrorBand(float(cost.rel_error), cost.rel_error_source or "stated by the cost model")
+    return ErrorBand(UNCALIBRATED_REL_ERROR, UNCALIBRATED_SOURCE)

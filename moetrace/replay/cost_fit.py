@@ -46,6 +46,8 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunS
         return None
     return costmod.fit_expert_time(tokens[s_i[ok], l_i[ok], r[ok]], touched[s_i[ok], l_i[ok], r[ok]],
                                    df["dur"].to_numpy()[ok].astype(np.float64), base)
+
+
 def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
     """The preset, or (with ``fit``) the model fitted from the run's expert_gemm spans. The
     measured error band and the timed-pass fit come on top in :func:`run_cost_model`."""
@@ -53,6 +55,8 @@ def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit:
     if fit:
         model = fit_cost_from_store(store, run_id, model, shape) or model
     return model
+
+
 def _cost(store, run_id, shape: RunShape, opts) -> costmod.CostModel:
     return opts.cost if opts.cost is not None else cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
 

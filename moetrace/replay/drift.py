@@ -78,6 +78,8 @@ class DriftResult:
             out["series"] = {"step": self.steps.tolist(),
                              **{k: j.series.tolist() for k, j in self.results.items()}}
         return out
+
+
 def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShape, every: int, window: int,
           opts: ReplayOptions, max_moves: int | None = None, write: bool = True, static_window=None) -> DriftResult:
     """Static plan (fitted on the ``window`` steps before the judged ones, or

@@ -11,6 +11,7 @@ import numpy as np
 from ..errors import InputError
 from . import cost as costmod
 from .engine import Block, approximation_notes, replay_load
+from ..placement.relabel import relabel
 from ..placement.planners import Plan, PlanShape, contiguous, make_plan
 from .strategies import Timing, judge, judge_stream
 from .cost_fit import _cost
@@ -27,6 +28,8 @@ class JudgedSteps:
     steps: np.ndarray
     text: str
     notes: list[str] = field(default_factory=list)
+
+
 def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, plan_id: str | None = None) -> JudgedSteps:
     """Out-of-sample by default: a plan fitted on [a, b) is judged on the steps from b on;
     ``in_sample`` judges it on every step (and says so)."""
@@ -47,6 +50,8 @@ def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, 
     return JudgedSteps(after, f"{after.size} steps after the fit window [{a}, {b}) (out-of-sample)",
                        [f"backtest: plan fitted on steps [{a}, {b}), judged on the {after.size} recorded steps from "
                         f"{int(after[0])} on"])
+
+
 def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tuple[int, int], list[str]]:
     """--fit-window, else the first half of the steps (all steps with --in-sample)."""
     if fit_window is not None:
@@ -57,6 +62,8 @@ def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tu
     half = st[st.size // 2]
     return (int(st[0]), int(half)), [f"no --fit-window: plan fitted on the first half of the steps [{int(st[0])}, "
                                      f"{int(half)}) and judged on the rest"]
+
+
 def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
     """The block replayer the core calls: per-token routing when the run has it, recorded
     per-slot counts for the recorded plan when it has them, else the counts."""
@@ -68,6 +75,8 @@ def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
         return replay_load(load, plan, split, slot_load if is_recorded else None, shape.top_k, shape.bytes_per_token)
 
     return fn
+
+
 def _recorded_mode(store, run_id, shape: RunShape) -> str:
     """How the recorded plan is replayed: 'routing' (per-token rows with slots), 'counts'
     (per-slot counts: exact per-rank tokens), or 'plan' (the split over replicas)."""
@@ -76,6 +85,8 @@ def _recorded_mode(store, run_id, shape: RunShape) -> str:
     if shape.has_slot:
         return "counts"
     return "plan"
+
+
 def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions, *, judged: JudgedSteps | None = None,
            kind: str = "replay", policy: str | None = None, params: dict | None = None, write: bool = True,
            extra_notes=(), trace_steps=None, fitted: bool = False) -> ReplayResult:
@@ -170,6 +181,8 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
             tables["replay_traffic"] = tt
         store.append(run_id, tables)
     return res
+
+
 def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape, fit_window=None,
              plan_id=None, in_sample: bool = False) -> tuple[Plan, JudgedSteps]:
     """Plan ``policy`` fitted on the steps of ``fit_window`` (default the first half), and
@@ -179,14 +192,25 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape,
     if ids.size == 0:
         raise InputError(None, f"--fit-window {fw[0]}:{fw[1]} holds no recorded steps")
     plan = make_plan(policy, load.sum(axis=0), plan_shape, layers=shape.layers, plan_id=plan_id)
+    # moves are counted after relabeling in every command (plan, replay, drift, sweep): a
+    # planner's rank numbering is arbitrary, so the plan is renamed to keep experts where
+    # the recorded placement has them
+    plan, info = relabel(recorded_plan(store, run_id, shape), plan)
+    if info.get("relabeled"):
+        notes = notes + [f"plan ranks relabeled to the recorded placement: {info['moves_after']} experts move "
+                         f"({info['moves_before']} without relabeling)"]
     js = judged_steps(shape, fw, in_sample)
     js.notes = notes + js.notes
     return plan, js
+
+
 def _too_short(shape: RunShape, T: int, what: str, hint: str = "") -> str:
     if shape.aggregate:
         return (f"the run's counts aggregate a recording into {T} pseudo-step(s): there are no steps to re-plan over "
                 "or judge after a window; moetrace replay --policy P --in-sample answers imbalance on them")
     return f"the run has {T} steps; {what} leaves none to judge{hint}"
+
+
 @dataclass
 class _InMemory:
     """A run's counts in memory with what every strategy loop needs: the recorded plan, how
@@ -200,6 +224,8 @@ class _InMemory:
     cost: costmod.CostModel
     timing: Timing
     fn: object
+
+
 def _in_memory(store, run_id, shape: RunShape, split: str, cost: costmod.CostModel, passes=None,
                max_steps=None) -> _InMemory:
     mode = _recorded_mode(store, run_id, shape)

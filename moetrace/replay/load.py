@@ -133,6 +133,8 @@ class RunShape:
                    int(k) if k else None, int(hidden), int(db), int(eb), layers.astype(np.int64),
                    steps.astype(np.int64), bool(st["ns"]), bool(has_routing), notes, sh["ranks_from"],
                    aggregate, int(passes) if passes else None)
+
+
 # ----------------------------------------------------------------------------- reading
 def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
               with_slots: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
@@ -179,6 +181,8 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
             slot_load = np.bincount(cell[ok] * S + sl[ok].astype(np.int64), weights=tok[ok],
                                     minlength=n * S).reshape(ids.size, layers.size, S)
         yield ids, load, slot_load
+
+
 def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
               max_steps: int | None = None, with_slots: bool = False):
     """(step ids, load [T, L, E], slot_load or None) for all steps (or lo <= step < hi; at most max_steps)."""
@@ -192,10 +196,14 @@ def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] |
     parts = list(iter_load(store, run_id, replace(shape, steps=steps), with_slots=with_slots))
     sl = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), sl
+
+
 def routing_has_slots(store, run_id) -> bool:
     """True when every per-token routing row records its physical slot."""
     r = store.sql("SELECT count(*) AS n, count(slot) AS s FROM routing WHERE run_id = ?", [run_id]).row(0)
     return r[0] > 0 and r[0] == r[1]
+
+
 def routing_block(store, run_id, shape: RunShape, plan: Plan, split: str, ids: np.ndarray,
                   use_recorded_slot: bool = False) -> Block:
     """Exact replay of the run's per-token routing rows of steps ``ids`` against ``plan``."""

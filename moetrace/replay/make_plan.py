@@ -53,9 +53,13 @@ class PlanResult:
         if self.out:
             d["out"], d["out_format"] = self.out, self.out_format
         return d
+
+
 def _mean_imbalance(plan: Plan, total: np.ndarray) -> float | None:
     v = imbalance(np.einsum("le,ler->lr", total, plan.share()))
     return float(np.nanmean(v)) if np.isfinite(v).any() else None
+
+
 def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=None, replicas=None, groups=None,
                   nodes=None, rpn=None, fit_window=None, start_plan_id=None, import_file=None, max_moves=None,
                   target_imbalance=None, plan_id=None, store_plan=True, out_file=None, out_format="sglang",

@@ -16,7 +16,7 @@ from .results import _time_note
 
 # ----------------------------------------------------------------------------- report what-if
 @dataclass
-class WhatIf:
+class PlacementWhatIf:
     """The report's in-memory what-if (nothing written): the recorded placement and a few
     plans fitted on the first half of the steps, judged on the second half."""
     results: list[Judged]
@@ -29,11 +29,13 @@ class WhatIf:
         return fastest(self.results)
 
     @property
-    def error_band(self) -> tuple[float, str]:
-        """(relative error of every predicted time, its source): the cost model's band."""
+    def error_band(self) -> costmod.ErrorBand:
+        """The relative error of every predicted time and its source: the cost model's band."""
         return costmod.error_band(self.cost)
-def whatif(store, run_id: str, shape: RunShape, max_cells: int = 2_000_000, hardware: str = "H200",
-           move: MoveCost | None = None) -> WhatIf | None:
+
+
+def placement_whatif(store, run_id: str, shape: RunShape, max_cells: int = 2_000_000, hardware: str = "H200",
+                     move: MoveCost | None = None) -> PlacementWhatIf | None:
     """Recorded vs greedy, eplb-global and hierarchical EPLB (when the group count is known;
     with one replica per rank too), fitted on the first half of the (first ``max_cells``
     steps x layers x experts) steps and judged on the rest, net of moves; a one-step run
@@ -78,4 +80,4 @@ def whatif(store, run_id: str, shape: RunShape, max_cells: int = 2_000_000, hard
                         "as bytes over NVLink/NIC, synchronous, no extra stall.")
     if ids.size < shape.steps.size:
         notes.append(f"What-if limited to the first {ids.size} of {shape.steps.size} steps (report time bound).")
-    return WhatIf(res, notes + list(shape.notes) + _time_note(shape, timing), timing, cost)
+    return PlacementWhatIf(res, notes + list(shape.notes) + _time_note(shape, timing), timing, cost)

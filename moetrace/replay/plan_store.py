@@ -37,6 +37,8 @@ def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | Non
         return Plan(p2l, max(num_experts, int(p2l.max()) + 1), R, rpn, layers=layers, policy="stored", plan_id=plan_id)
     except ValueError as e:   # e.g. a recorded placement that leaves experts without a slot
         raise InputError(None, f"plan {plan_id!r} cannot be replayed: {e}") from None
+
+
 def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
     """The run's own placement (plan_id 'recorded'), else contiguous (slot = expert)."""
     df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
@@ -49,6 +51,8 @@ def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
     p = contiguous(np.zeros((shape.layers.size, shape.num_experts)), ps)
     p.layers, p.plan_id, p.policy = shape.layers, "recorded", "recorded (contiguous assumed)"
     return p
+
+
 def load_plan(store, run_id: str, plan_id: str, shape: RunShape) -> Plan:
     if plan_id == "recorded":
         return recorded_plan(store, run_id, shape)

@@ -30,8 +30,12 @@ class ReplayOptions:
     passes: int | None = None
     #: the cost model to use (None: :func:`cost_model`, preset or fitted from spans)
     cost: costmod.CostModel | None = None
+
+
 def new_replay_id(prefix: str = "r") -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
 def _time_note(shape: RunShape, timing: Timing) -> list[str]:
     if not shape.aggregate:
         return []
@@ -40,6 +44,8 @@ def _time_note(shape: RunShape, timing: Timing) -> list[str]:
                 "aggregate divided by the pass count), not per step"]
     return ["the counts aggregate many passes into one pseudo-step (see runs.approximations) and the number of "
             "passes is unknown: imbalance and tokens only, no time per step (give --passes N for times per pass)"]
+
+
 @dataclass
 class ReplayResult:
     """One judged plan (or policy) of a run, with everything its answer prints."""
@@ -52,7 +58,7 @@ class ReplayResult:
     cost: costmod.CostModel
     judged_on: str
     notes: list[str]
-    error_band: tuple[float, str]
+    error_band: costmod.ErrorBand
     move: MoveCost
     timing: Timing
     policy: str
@@ -97,11 +103,17 @@ class ReplayResult:
             d["nodes_per_token_max"] = self.nodes_per_token_max
             d["nodes_per_token_mean"] = self.nodes_per_token_mean
         return d
+
+
 def _int(x):
     return None if x is None else int(round(x))
+
+
 def _nan_none(a: np.ndarray) -> pa.Array:
     a = np.asarray(a, np.float64).ravel()
     return pa.array(a, pa.float64(), mask=np.isnan(a))
+
+
 def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
     T, L = m.imbalance.shape
     n = T * L
@@ -114,6 +126,8 @@ def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
         "max_rank_tokens": m.max_tokens.ravel(), "mean_rank_tokens": m.mean_tokens.ravel(),
         "imbalance": _nan_none(m.imbalance), "straggler_rank": pa.array(strag.astype(np.int32), mask=strag < 0),
         "predicted_ns": np.rint(m.layer_ns.ravel()).astype(np.int64)})
+
+
 def _rank_table(ids, layers, block: Block, m, replay_id) -> pa.Table:
     T, L, R = block.tokens.shape
     n = T * L * R
@@ -127,6 +141,8 @@ def _rank_table(ids, layers, block: Block, m, replay_id) -> pa.Table:
         "dispatch_bytes_intra": np.rint(block.bytes_intra).ravel().astype(np.int64),
         "dispatch_bytes_inter": np.rint(block.bytes_inter).ravel().astype(np.int64),
         "predicted_ns": np.rint(m.rank_ns).ravel().astype(np.int64)})
+
+
 def traffic_table(replay_id: str, plan: Plan, which: str, traffic: np.ndarray, steps: int) -> pa.Table:
     """Rows of ``replay_traffic``: dispatch bytes source rank x destination rank."""
     R = traffic.shape[0]
@@ -140,6 +156,8 @@ def traffic_table(replay_id: str, plan: Plan, which: str, traffic: np.ndarray, s
                      "inter_node": node_of(src[keep], rpn) != node_of(dst[keep], rpn),
                      "bytes": np.rint(traffic.ravel()[keep]).astype(np.int64),
                      "steps": pa.array([steps] * int(keep.sum()), pa.int64())})
+
+
 def _runs_row(res: ReplayResult, kind: str, params: dict) -> pa.Table:
     j, s, p = res.judged, res.judged.summary, res.judged.plan
     d = res.to_dict()

@@ -41,6 +41,8 @@ class SweepRow:
     verdict: str
     why: str
     skipped: str | None = None
+
+
 @dataclass
 class SweepResult:
     rows: list[SweepRow]
@@ -63,6 +65,8 @@ class SweepResult:
                  "moved_gib": "moved_GiB", "moved_gib_per_hour": "replan_GiB_per_h",
                  "median_break_even_steps": "break_even_steps", "mean_imbalance": "imbalance"})
         return df
+
+
 @dataclass
 class SweepCell:
     """One independent task of a sweep: a replica budget, a re-plan interval (None = the
@@ -75,6 +79,8 @@ class SweepCell:
     window: int
     plan_shape: PlanShape
     replay_id: str | None = None
+
+
 @dataclass
 class SweepCellResult:
     """What a cell sends back: its row, the judged strategy and (when stored) its
@@ -83,6 +89,8 @@ class SweepCellResult:
     row: SweepRow
     judged: Judged
     layer_tables: list
+
+
 @dataclass
 class SweepJob:
     """A sweep planned on the client: the cells to judge (in row order, budgets that cannot
@@ -104,6 +112,8 @@ class SweepJob:
     @property
     def cells(self) -> list[SweepCell]:
         return [c for c in self.items if isinstance(c, SweepCell)]
+
+
 def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
                windows: list[int] | None, opts: ReplayOptions, ranks: int | None = None, groups=None, nodes=None,
                rpn=None, *, write: bool = False, sweep_id: str | None = None) -> SweepJob:
@@ -142,9 +152,13 @@ def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[
               "passes": opts.passes, "move": asdict(opts.move)}
     return SweepJob(run_id, shape, policy, opts, windows, J, items, described,
                     recorded_plan(store, run_id, shape).policy, sid, params)
+
+
 def sweep_context(store, job: SweepJob) -> _InMemory:
     """The run's counts in memory for judging the job's cells (read from the store's Parquet)."""
     return _in_memory(store, job.run_id, job.shape, job.opts.split, job.opts.cost, job.opts.passes)
+
+
 def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
     """Judge one cell on the steps after the largest window, against the recorded placement,
     net of moves. The one per-cell function: the single-process sweep and the cluster
@@ -181,10 +195,14 @@ def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
         sum(c.bytes for c in j.changes[1:]) / 2**30 / hours if hours > 0 else None,
         float(np.median(be)) if be else None, j.verdict, j.verdict_reason)
     return SweepCellResult(cell.index, row, j, layer_tbls)
+
+
 def run_sweep_cells(store, job: SweepJob, cells: list[SweepCell] | None = None) -> list[SweepCellResult]:
     """Judge ``cells`` (default all of the job's) in this process."""
     m = sweep_context(store, job)
     return [sweep_cell(m, job, c) for c in (job.cells if cells is None else cells)]
+
+
 def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepResult:
     """The decision table in row order with its notes; with a stored sweep, one
     ``replay_runs`` row (kind ``sweep``) and the ``replay_layer`` rows per cell, written
@@ -222,6 +240,8 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
             layers += r.layer_tables
         store.append(job.run_id, {"replay_layer": layers, "replay_runs": runs})
     return SweepResult(rows, notes, job.sweep_id, job.run_id)
+
+
 def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
           windows: list[int] | None, opts: ReplayOptions, ranks: int | None = None, groups=None, nodes=None,
           rpn=None, *, write: bool = False, sweep_id: str | None = None) -> SweepResult:

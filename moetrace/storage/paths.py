@@ -21,6 +21,8 @@ GLOB_CHARS = "*?[]{}"
 #: a relative path that starts like a URI (``file:``, ``s3:``, ``mem:``): Arrow writes
 #: ``file:/x`` to ``/x``
 _URI_START_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:")
+
+
 def check_store_path(path: Path) -> None:
     """Refuse a store path that DuckDB or Arrow would not take literally, so that it would
     read (or write) another folder's files: a pattern character (the views read
@@ -41,6 +43,8 @@ def check_store_path(path: Path) -> None:
     if not path.is_absolute() and _URI_START_RE.match(text):
         raise StoreError(f"{path}: the store path starts like a URI ({text.split(':', 1)[0]}:), which Arrow "
                          f"would write elsewhere; give the full path")
+
+
 def sanitize_run_id(text: str) -> str:
     rid = _RUN_ID_RE.sub("_", text).strip("._-")
     return rid[:RUN_ID_MAX].rstrip("._-") or "run"

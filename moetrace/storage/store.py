@@ -54,6 +54,8 @@ _DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16
 #: view computes them from such a store's files (the writer's definition is the reference:
 #: ``tokens_desc`` is ``dense_table``'s counts sorted descending)
 DERIVED_WHEN_MISSING = {("expert_counts", "tokens_desc"): "list_reverse_sort(tokens)"}
+
+
 def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.Table | None:
     """Run ``query`` and return its rows as Arrow (None for statements without rows),
     across DuckDB versions (fetch_arrow_table became to_arrow_table in 2.0)."""
@@ -65,6 +67,8 @@ def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.T
     if isinstance(out, pa.RecordBatchReader):
         out = out.read_all()
     return out
+
+
 def _narrow_hugeints(df: pl.DataFrame) -> pl.DataFrame:
     """DuckDB sums BIGINTs into HUGEINT (Decimal(38,0) in polars); bring them back to Int64
     when every value fits, so results behave like integers (numpy, arithmetic)."""
@@ -76,7 +80,11 @@ def _narrow_hugeints(df: pl.DataFrame) -> pl.DataFrame:
             if mx is None or (abs(int(mx)) < 2**63 and abs(int(mn)) < 2**63):
                 casts.append(pl.col(name).cast(pl.Int64))
     return df.with_columns(casts) if casts else df
+
+
 TableLike = "pa.Table | pl.DataFrame | dict | Iterable[pa.Table]"
+
+
 class Store(Transactions):
     """A moetrace store folder. ``Store(path)`` opens (``create=True`` makes it)."""
 
@@ -471,6 +479,8 @@ class Store(Transactions):
         if self._con is not None:
             self._con.close()
             self._con = None
+
+
 def open_store(path: str | os.PathLike, create: bool = False) -> Store:
     """Open the store at ``path``. ``.sql(query)`` returns a polars DataFrame."""
     return Store(path, create=create)
