@@ -47,17 +47,15 @@ def _planners():
 
 
 def steps_range(ctx, param, value):
-    """click callback: 'A:B' -> (A, B), the steps A <= step < B."""
+    """click callback: 'A:B' -> (A, B), the steps A <= step < B (:mod:`moetrace.domain.windows`)."""
     if value is None:
         return None
+    from ..domain.windows import parse_step_range
+
     try:
-        a, b = value.split(":")
-        lo, hi = int(a), int(b)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not A:B (steps A <= step < B)") from None
-    if hi <= lo:
-        raise click.BadParameter(f"{value!r}: B must be greater than A")
-    return lo, hi
+        return parse_step_range(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def steps_list(ctx, param, value):

@@ -1,5 +1,5 @@
 """Replay commands: plan, replay, sweep. Thin callers of the run facade (moetrace.run.Run),
-which delegates to moetrace.replay.adapter; these only parse options and print."""
+which delegates to the moetrace.replay modules; these only parse options and print."""
 from __future__ import annotations
 
 import click

@@ -2,7 +2,7 @@
 and predicted layer time for every (step, layer), vectorized over steps and layers.
 
 A pure numeric kernel: arrays in, arrays out (the store is read and written by
-:mod:`.adapter`). Inputs are dense arrays ``load [T, L, E]`` (tokens per logical expert),
+:mod:`.load`). Inputs are dense arrays ``load [T, L, E]`` (tokens per logical expert),
 optionally ``slot_load [T, L, S]`` when the
 engine counted per physical slot (replaying the recorded plan then uses those counts, so
 it reproduces the recorded per-rank loads exactly), or per-token routing (exact dispatch

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..domain.windows import first_half
 from ..errors import InputError
 from . import cost as costmod
 from .engine import Block, approximation_notes, replay_load
@@ -59,9 +60,9 @@ def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tu
     st = shape.steps
     if in_sample or st.size < 2:
         return (int(st[0]), int(st[-1]) + 1), []
-    half = st[st.size // 2]
-    return (int(st[0]), int(half)), [f"no --fit-window: plan fitted on the first half of the steps [{int(st[0])}, "
-                                     f"{int(half)}) and judged on the rest"]
+    lo, half = first_half(st)
+    return (lo, half), [f"no --fit-window: plan fitted on the first half of the steps [{lo}, {half}) and judged "
+                        f"on the rest"]
 
 
 def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
