@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetrace.errors import StoreError
-from moetrace.run import Store
+from moetrace.storage.store import Store
 
 from .conftest import REPO, tree_hash
 from .test_bad_input import _seed_store as _seeded  # a store holding one run (seed-store)
