@@ -151,8 +151,8 @@ FLOOR_CODE = """
 import sys, time, json
 sys.path.insert(0, {repo!r})
 import numpy as np
-from moetrace.store import Store
-from moetrace.analyze.dense import read_counts
+from moetrace.storage.store import Store
+from moetrace.storage.dense import read_counts
 steps, layers, counts = read_counts(Store({store!r}), {run!r})
 R = {ranks}
 secs = []

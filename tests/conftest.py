@@ -80,10 +80,10 @@ def require_spark():
 @pytest.fixture(scope="session")
 def spark_session():
     """One Spark session (one JVM, one SparkContext) for every Spark test of the run:
-    ``moetrace.spark.keep_session`` hands it to the commands' ``--engine spark`` too, so
+    ``moetrace.storage.spark.keep_session`` hands it to the commands' ``--engine spark`` too, so
     no test starts or stops another (a JVM start is tens of seconds on 2 cores)."""
     require_spark()
-    from moetrace import spark as ms
+    from moetrace.storage import spark as ms
 
     sp = ms.session("local[2]")
     ms.keep_session(sp)

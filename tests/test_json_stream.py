@@ -13,7 +13,7 @@ import pytest
 from moetrace.collect import _json_stream as js
 from moetrace.collect import ingest
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.storage.store import Store
 
 WHAT = "[layers][experts] or [N][layers][experts]"
 

@@ -28,7 +28,7 @@ def _cli(args, code=0):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, spark_session):
-    # the commands' --engine spark takes the run's shared session (moetrace.spark.keep_session)
+    # the commands' --engine spark takes the run's shared session (moetrace.storage.spark.keep_session)
     root = tmp_path_factory.mktemp("sparkcli") / "st"
     _cli(["ingest", str(root), str(SAMPLES / "refrun"), "--run-id", "refrun"])
     _cli(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",

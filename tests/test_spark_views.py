@@ -4,7 +4,7 @@ with profiler spans, the second with replicas) and a synthetic run with idle ste
 replicas of its hottest experts and per-token routing.
 
 The Spark text of each view is not written by hand: it is the DuckDB view transpiled by
-``moetrace.spark`` (sqlglot plus the adaptations listed there). Rows are compared as
+``moetrace.storage.spark`` (sqlglot plus the adaptations listed there). Rows are compared as
 multisets; floats to a relative tolerance of 1e-9 (both engines compute in IEEE doubles,
 but sum in different orders), everything else exactly.
 
@@ -19,8 +19,8 @@ import math
 import numpy as np
 import pytest
 
-from moetrace import schema
-from moetrace.store import Store
+from moetrace.storage import schema
+from moetrace.run import Store
 
 from .conftest import REPO
 
@@ -106,7 +106,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spark(store, spark_session):
-    from moetrace import spark as ms
+    from moetrace.storage import spark as ms
 
     ms.register_store(spark_session, store.path)
     return spark_session
@@ -120,7 +120,7 @@ def spark_views(spark):
     views under it again (layer_skew sits under a dozen). Each view's own SQL still runs
     on Spark, over inputs Spark computed; the nested plans as the commands run them are
     tests/test_spark_cli.py's. Returns ``rows(view) -> Arrow table``."""
-    from moetrace.spark import to_arrow
+    from moetrace.storage.spark import to_arrow
 
     order = ["expert_load", *_view_names()]       # the store's own view under them all first
     done: dict = {}
@@ -166,8 +166,8 @@ def _rows(tbl):
 
 
 def _view_names():
-    from moetrace.analyze import view_statements
-    from moetrace.spark import _view_name
+    from moetrace.storage.views import view_statements
+    from moetrace.storage.spark import _view_name
 
     return [_view_name(s) for s in view_statements()]
 
@@ -175,7 +175,7 @@ def _view_names():
 def test_every_view_is_transpiled():
     """No view is left out of the Spark set (each is sqlglot output, not a hand copy)."""
     pytest.importorskip("sqlglot", reason="pip install 'moetrace[spark]'")
-    from moetrace.spark import spark_view_statements
+    from moetrace.storage.spark import spark_view_statements
 
     names = [n for n, _ in spark_view_statements()]
     assert names == _view_names() and len(names) >= 20
