@@ -8,16 +8,16 @@ printed with the results.
 
 Rows (``--size full`` / ``--size small``, small runs in under a minute):
 
-1. ``moetrace ingest FILE --ranks 32`` of an expert_load Parquet file (10M rows; full
-   also 100M) beside a DuckDB ``COPY`` of the same file: within 1.5x (10M), 1.25x (100M),
+1. ``moetrace ingest FILE --ranks 32`` of an expert_load Parquet file (full: 10M and 100M
+   rows; small: 148K) beside a DuckDB ``COPY`` of the same file: within 1.5x (10M), 1.25x (100M),
    peak RSS of the process tree under 1 GiB;
 2. ``moetrace skew --by step`` (every layer_skew column to Parquet) beside the one-line
    DuckDB imbalance query over the same file: the same ratios;
 3. start-up: ``moetrace runs STORE`` and ``moetrace skew STORE`` on a tiny store, best
    of 3, under 0.3 s (``python -c pass`` printed beside it);
 4. ``moetrace synth`` at fleet shape (58 layers x 1,000 steps x 8,192 tokens, top-8;
-   small: 4 steps): token-expert assignments per second, at least 20M/s;
-5. a sweep cell on 58 layers x 1,000 steps x 256 experts (small: 30 steps): the time
+   small: 2 steps): token-expert assignments per second, at least 20M/s;
+5. a sweep cell on 58 layers x 1,000 steps x 256 experts (small: 20 steps): the time
    of one more cell (``sweep --replicas 0,16,32,64`` minus ``--replicas 0``, over 3)
    beside the plain numpy floor on the same counts (loads -> per-rank sums -> max/mean),
    under 1 s;
@@ -49,7 +49,7 @@ from benchmarks.common import heavy_lock, main, result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = {
-    "small": dict(ingest_steps=[68], layers=58, experts=256, ranks=32, synth_steps=4, sweep_steps=30,
+    "small": dict(ingest_steps=[10], layers=58, experts=256, ranks=32, synth_steps=2, sweep_steps=20,
                   fleet="small", fleet_fraction=1.0),
     "full": dict(ingest_steps=[673, 6733], layers=58, experts=256, ranks=32, synth_steps=1000, sweep_steps=1000,
                  fleet="full", fleet_fraction=0.05),
