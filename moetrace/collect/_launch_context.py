@@ -22,26 +22,15 @@ from functools import lru_cache
 
 import polars as pl
 
+from .classify import MOE_RANGE_RE, builtin_rules
+
 #: category a collector gives a CPU op it kept only as launch context (not a collective, not
 #: an annotation): the step / layer / phase labelling of :mod:`._profile` ignores these
 CONTEXT_CAT = "context_op"
 
-#: names of CPU ranges that mark MoE work: router / gate, experts, fused MoE ops, dispatch /
-#: combine. A trace with such ranges but no expert GEMM kernel is reported, never a silent 0.
-MOE_RANGE_RE = re.compile(r"(?i)moe|experts?(?:[^a-z]|$)|router|(?:^|[^a-z])(?:dispatch|combine)(?:[^a-z]|$)")
-
-#: kernel names of MoE plumbing (routing, sorting, permutation): a trace launching these is
-#: an MoE trace even without annotations
-MOE_KERNEL_RE = re.compile(
-    r"(?i)topk_softmax|topkGating|grouped_topk|moe_align|count_and_sort_expert|moe_sum|moe_permute|"
-    r"moe_unpermute|expand_input_rows|finalize_moe|fused_topk|routing\w*kernel|moe_fused_gate")
-
-
 @lru_cache(maxsize=1)
 def _builtin_keep() -> re.Pattern:
     """One pattern for every range name a built-in context rule or the MoE check reads."""
-    from .classify import builtin_rules
-
     pats = [r.context.pattern for r in builtin_rules() if r.context is not None] + [MOE_RANGE_RE.pattern]
     # (a superset filter: case-insensitive throughout, each pattern's own flags dropped)
     return re.compile("|".join(f"(?:{p.removeprefix('(?i)')})" for p in pats), re.I)

@@ -70,6 +70,16 @@ COLLECTIVE_OP_RE = re.compile(r"^(?:" + "|".join(COLLECTIVE_BACKENDS) + r"):+\w"
 
 RULES_FILE = Path(__file__).resolve().parent / "kernel_rules.csv"
 
+#: names of CPU ranges that mark MoE work: router / gate, experts, fused MoE ops, dispatch /
+#: combine. A trace with such ranges but no expert GEMM kernel is reported, never a silent 0.
+MOE_RANGE_RE = re.compile(r"(?i)moe|experts?(?:[^a-z]|$)|router|(?:^|[^a-z])(?:dispatch|combine)(?:[^a-z]|$)")
+
+#: kernel names of MoE plumbing (routing, sorting, permutation): a trace launching these is
+#: an MoE trace even without annotations
+MOE_KERNEL_RE = re.compile(
+    r"(?i)topk_softmax|topkGating|grouped_topk|moe_align|count_and_sort_expert|moe_sum|moe_permute|"
+    r"moe_unpermute|expand_input_rows|finalize_moe|fused_topk|routing\w*kernel|moe_fused_gate")
+
 _CASTS = [
     (re.compile(r"\(bool\)1\b"), "true"),
     (re.compile(r"\(bool\)0\b"), "false"),
