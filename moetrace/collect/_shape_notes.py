@@ -12,7 +12,7 @@ def uneven_blocks_note(run: dict) -> str | None:
     if not R or not S or int(S) % int(R) == 0:
         return None
     R, S = int(R), int(S)
-    what = "slots" if run.get("num_slots") else "experts"
+    what = "slots" if run.get("num_slots") and run.get("num_slots") != run.get("num_experts") else "experts"
     lo, big = S // R, S % R
     if lo == 0:
         return (f"{S} {what} over {R} ranks: {R - S} ranks hold no {what[:-1]} at all in the contiguous layout "
