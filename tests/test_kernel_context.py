@@ -72,6 +72,9 @@ def test_vllm_like_trace_expert_gemm_from_names_and_context(tmp_path, runner, cl
     rows = json.loads(res.output)
     eg = [r for r in rows if r["kind"] == "expert_gemm"]
     assert sum(r["total_ms"] for r in eg) == pytest.approx(expert_us / 1000)
+    assert sorted((r["name"][:12], r["classified_by"], r["total_ms"]) for r in eg) == [
+        ("bmm_Bfloat16", "name", pytest.approx(0.025)), ("bmm_MxE4m3_M", "name", pytest.approx(0.04)),
+        ("nvjet_tst_12", "context", pytest.approx(0.05))]
     assert {r["kind"] for r in rows if r["name"].startswith("(anonymous namespace)::multimem")} == {"comm_other"}
     got = st.sql("""SELECT s.correlation, s.kind, s.classified_by, s.moe_context FROM spans s
                     ORDER BY s.correlation""").rows()
