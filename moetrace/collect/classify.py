@@ -4,7 +4,7 @@ Every profiler collector (Kineto, Nsight) calls :func:`classify` here and nowher
 decides what a kernel is. The decisions live in a pattern table, ``kernel_rules.csv``
 beside this module, with the columns::
 
-    kind,pattern,collective,comment
+    kind,match,pattern,context,stream,collective,comment
 
 Each rule belongs to one family, named in its ``match`` column (empty: ``name``):
 
@@ -206,7 +206,7 @@ def _parse_rules(rows: list[dict], source: str) -> list[Rule]:
 
 
 def read_rules_file(path: str | Path) -> list[Rule]:
-    """Rules from a CSV (kind,pattern[,collective,comment]) or JSON list file."""
+    """Rules from a CSV (kind,pattern[,match,context,stream,collective,comment]) or JSON list file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

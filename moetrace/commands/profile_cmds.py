@@ -21,7 +21,9 @@ def kernels(store, run_id, kind, limit, fmt, output):
     """List kernel names by kind with total time, heaviest first.
 
     Heavy names under compute_other are where an unknown all-to-all would hide: add a
-    rule for them with `moetrace ingest --kernel-rules FILE` (CSV kind,pattern,collective).
+    rule for them with `moetrace ingest --kernel-rules FILE` (CSV kind,match,pattern,context:
+    match is name, context or stream; see docs/profiler.md). classified_by says which rule
+    decided; an MoE trace with no expert GEMM kernel gets one line saying so.
 
     Example:
 
