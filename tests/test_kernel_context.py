@@ -13,8 +13,8 @@ import pytest
 
 from moetrace.collect import collect
 from moetrace.collect._launch_context import launch_context
-from moetrace.collect.classify import Classifier
-from moetrace.store import Store
+from moetrace.domain.kernels import Classifier
+from moetrace.run import Store
 
 from .test_kineto import ev_x, kernel, launch, write_trace
 

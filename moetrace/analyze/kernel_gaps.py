@@ -12,7 +12,7 @@ kernel section print it.
 """
 from __future__ import annotations
 
-from ..collect.classify import MOE_KERNEL_RE
+from ..domain.kernels import MOE_KERNEL_RE
 
 TOP = 3
 

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import polars as pl
 
-from .classify import MOE_RANGE_RE, builtin_rules
+from ..domain.kernels import MOE_RANGE_RE, builtin_rules
 
 #: category a collector gives a CPU op it kept only as launch context (not a collective, not
 #: an annotation): the step / layer / phase labelling of :mod:`._profile` ignores these
