@@ -1,0 +1,166 @@
+"""Reading a pickle that may be hostile: plain containers and scalars only, nothing else.
+
+PyTorch's Flight Recorder writes its dumps as pickles (protocol 2, from C++: dicts, lists,
+tuples, strings, numbers, booleans and None). A pickle can also import any name and call
+it (``GLOBAL`` + ``REDUCE``: ``os.system``, ``builtins.eval``), so moetrace never hands an
+input to :func:`pickle.load`. :func:`load_plain` reads one in three guarded steps:
+
+1. the file's size is bounded (limit ``max_pickle_bytes``) and it is read as bytes;
+2. every opcode is listed with :func:`pickletools.genops` *without running any*: an opcode
+   outside :data:`PLAIN_OPCODES` (an import, a call, building an object, an extension or
+   persistent id, an out-of-band buffer) refuses the file, naming the opcode and its byte
+   offset; so does a file of more than ``max_pickle_objects`` opcodes;
+3. only then is it unpickled, by :class:`PlainUnpickler`, whose ``find_class`` refuses
+   every name and whose ``persistent_load`` refuses every id (a second wall: step 2 already
+   left nothing for them to be asked), and the result is walked once to bound its depth
+   (:data:`MAX_DEPTH`) and the number of objects reached through shared references (a
+   small memo-heavy file can make a huge walk), and to refuse a structure containing
+   itself.
+
+Any failure is an :class:`~moetrace.errors.InputError` (one line, exit 2).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import pickletools
+from pathlib import Path
+
+from .errors import InputError
+from .safety import check_regular_file, excerpt, limit, limit_error
+
+#: opcodes that only push plain values, build plain containers, or manage the stack and
+#: the memo. Everything else (GLOBAL, STACK_GLOBAL, REDUCE, BUILD, INST, OBJ, NEWOBJ,
+#: NEWOBJ_EX, EXT1/2/4, PERSID, BINPERSID, NEXT_BUFFER, READONLY_BUFFER) is refused.
+PLAIN_OPCODES = frozenset({
+    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP",
+    "NONE", "NEWTRUE", "NEWFALSE", "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",
+    "FLOAT", "BINFLOAT",
+    "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
+    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
+    "EMPTY_LIST", "APPEND", "APPENDS", "LIST", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS", "EMPTY_SET", "ADDITEMS", "FROZENSET",
+    "GET", "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE",
+})
+
+_WHAT = {
+    "GLOBAL": "import a name", "STACK_GLOBAL": "import a name", "REDUCE": "call an object",
+    "BUILD": "set an object's state", "INST": "create an instance of a class", "OBJ": "create an instance of a class",
+    "NEWOBJ": "create an instance of a class", "NEWOBJ_EX": "create an instance of a class",
+    "EXT1": "look up a registered class", "EXT2": "look up a registered class", "EXT4": "look up a registered class",
+    "PERSID": "load a persistent object", "BINPERSID": "load a persistent object",
+    "NEXT_BUFFER": "read an out-of-band buffer", "READONLY_BUFFER": "read an out-of-band buffer",
+}
+
+#: deepest nesting of containers accepted (a Flight Recorder dump nests 5 deep)
+MAX_DEPTH = 64
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes, bytearray)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """An unpickler that can build only what pickle builds without a name: every class or
+    function lookup and every persistent id is refused."""
+
+    def find_class(self, module, name):  # noqa: D102 - refuses everything
+        raise pickle.UnpicklingError(f"refused to import {excerpt(module, 60)}.{excerpt(name, 60)}")
+
+    def persistent_load(self, pid):  # noqa: D102
+        raise pickle.UnpicklingError("refused a persistent id")
+
+
+def is_pickle(head: bytes) -> bool:
+    """True when ``head`` starts like a pickle of protocol 2 or later (``\\x80`` + version)."""
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def scan(data: bytes, path) -> int:
+    """Refuse ``data`` unless every opcode is in :data:`PLAIN_OPCODES` (nothing is run);
+    returns the number of opcodes."""
+    cap = limit("max_pickle_objects")
+    n = 0
+    strings: list[str] = []   # the last strings pushed: what STACK_GLOBAL would import
+    try:
+        for op, arg, pos in pickletools.genops(io.BytesIO(data)):
+            n += 1
+            if n > cap:
+                raise limit_error(path, "max_pickle_objects", f"a pickle of more than {cap} opcodes")
+            name = op.name
+            if name not in PLAIN_OPCODES:
+                what = _WHAT.get(name, "do more than build plain values")
+                shown = ""
+                if name == "GLOBAL" and isinstance(arg, str):
+                    shown = " " + excerpt(arg.replace(" ", "."), 80)
+                elif name == "STACK_GLOBAL" and len(strings) >= 2:
+                    shown = " " + excerpt(f"{strings[-2]}.{strings[-1]}", 80)
+                raise InputError(path, f"refused: the pickle would {what} ({name}{shown}); moetrace builds only "
+                                       "plain containers and scalars from a pickle and runs nothing",
+                                 f"byte {pos}" if pos is not None else None)
+            if isinstance(arg, str):
+                strings = (strings + [arg])[-2:]
+    except InputError:
+        raise
+    except (ValueError, EOFError, KeyError, IndexError, UnicodeDecodeError) as e:
+        raise InputError(path, f"not a readable pickle (truncated or corrupt): {excerpt(str(e), 100)}") from None
+    return n
+
+
+def _check_tree(obj, path) -> None:
+    """Bound the depth and the objects reached (shared references counted each time they
+    are reached), refuse a container holding itself and anything not plain."""
+    cap = limit("max_pickle_objects")
+    seen = 0
+    stack = [(obj, 0)]
+    on_path: list[int] = []      # ids of the containers above the current one
+    exits: list[int] = []        # stack sizes at which each container on the path ends
+    while stack:
+        while exits and len(stack) <= exits[-1]:
+            exits.pop()
+            on_path.pop()
+        o, depth = stack.pop()
+        seen += 1
+        if seen > cap:
+            raise limit_error(path, "max_pickle_objects", f"a pickle reaching more than {cap} objects")
+        if isinstance(o, _PLAIN_TYPES):
+            continue
+        if not isinstance(o, _CONTAINERS):   # (cannot happen: nothing else can be built)
+            raise InputError(path, f"refused: the pickle holds a {type(o).__name__}, not a plain value")
+        if depth >= MAX_DEPTH:
+            raise InputError(path, f"pickle nested more than {MAX_DEPTH} levels deep (a crafted or corrupt dump)")
+        if id(o) in on_path:
+            raise InputError(path, "refused: the pickle holds a container that contains itself")
+        items = [x for kv in o.items() for x in kv] if isinstance(o, dict) else list(o)
+        exits.append(len(stack))
+        on_path.append(id(o))
+        stack.extend((x, depth + 1) for x in items)
+
+
+def load_plain(path: str | os.PathLike, data: bytes | None = None):
+    """The plain value pickled in ``path`` (or ``data``), read as the module docstring says."""
+    path = Path(path)
+    cap = limit("max_pickle_bytes")
+    if data is None:
+        check_regular_file(path)
+        try:
+            size = os.stat(path).st_size
+            if size > cap:
+                raise limit_error(path, "max_pickle_bytes", f"a pickle of {size} bytes")
+            data = path.read_bytes()
+        except OSError as e:
+            raise InputError(path, f"cannot read: {e.strerror}") from None
+    if len(data) > cap:
+        raise limit_error(path, "max_pickle_bytes", f"a pickle of {len(data)} bytes")
+    if not data:
+        raise InputError(path, "file is empty")
+    scan(data, path)
+    try:
+        obj = PlainUnpickler(io.BytesIO(data)).load()
+    except RecursionError:
+        raise InputError(path, "pickle nested too deeply to read (a crafted or corrupt dump)") from None
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, KeyError, IndexError, AttributeError,
+            UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise InputError(path, f"refused or unreadable pickle: {excerpt(str(e) or type(e).__name__, 100)}") from None
+    _check_tree(obj, path)
+    return obj
