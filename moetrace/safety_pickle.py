@@ -25,6 +25,7 @@ import io
 import os
 import pickle
 import pickletools
+from itertools import chain
 from pathlib import Path
 
 from .errors import InputError
@@ -56,8 +57,8 @@ _WHAT = {
 #: deepest nesting of containers accepted (a Flight Recorder dump nests 5 deep)
 MAX_DEPTH = 64
 
-_PLAIN_TYPES = (type(None), bool, int, float, str, bytes, bytearray)
-_CONTAINERS = (list, tuple, dict, set, frozenset)
+_PLAIN_SET = frozenset({type(None), bool, int, float, str, bytes, bytearray})
+_SEQ_SET = frozenset({list, tuple, set, frozenset})
 
 
 class PlainUnpickler(pickle.Unpickler):
@@ -109,32 +110,39 @@ def scan(data: bytes, path) -> int:
 
 def _check_tree(obj, path) -> None:
     """Bound the depth and the objects reached (shared references counted each time they
-    are reached), refuse a container holding itself and anything not plain."""
+    are reached: what any later walk of the value costs), refuse a container holding
+    itself and anything not plain."""
     cap = limit("max_pickle_objects")
     seen = 0
-    stack = [(obj, 0)]
-    on_path: list[int] = []      # ids of the containers above the current one
-    exits: list[int] = []        # stack sizes at which each container on the path ends
+    stack = [(iter((obj,)), None)]
+    open_ids: set[int] = set()     # the containers on the current path
     while stack:
-        while exits and len(stack) <= exits[-1]:
-            exits.pop()
-            on_path.pop()
-        o, depth = stack.pop()
-        seen += 1
-        if seen > cap:
-            raise limit_error(path, "max_pickle_objects", f"a pickle reaching more than {cap} objects")
-        if isinstance(o, _PLAIN_TYPES):
-            continue
-        if not isinstance(o, _CONTAINERS):   # (cannot happen: nothing else can be built)
-            raise InputError(path, f"refused: the pickle holds a {type(o).__name__}, not a plain value")
-        if depth >= MAX_DEPTH:
-            raise InputError(path, f"pickle nested more than {MAX_DEPTH} levels deep (a crafted or corrupt dump)")
-        if id(o) in on_path:
-            raise InputError(path, "refused: the pickle holds a container that contains itself")
-        items = [x for kv in o.items() for x in kv] if isinstance(o, dict) else list(o)
-        exits.append(len(stack))
-        on_path.append(id(o))
-        stack.extend((x, depth + 1) for x in items)
+        it, cid = stack[-1]
+        for o in it:
+            seen += 1
+            if seen > cap:
+                raise limit_error(path, "max_pickle_objects", f"a pickle reaching more than {cap} objects")
+            t = type(o)
+            if t in _PLAIN_SET:
+                continue
+            if t is dict:
+                children = chain.from_iterable(o.items())
+            elif t in _SEQ_SET:
+                children = iter(o)
+            else:   # (cannot happen: nothing else can be built)
+                raise InputError(path, f"refused: the pickle holds a {t.__name__}, not a plain value")
+            i = id(o)
+            if i in open_ids:
+                raise InputError(path, "refused: the pickle holds a container that contains itself")
+            if len(stack) > MAX_DEPTH:
+                raise InputError(path, f"pickle nested more than {MAX_DEPTH} levels deep (a crafted or corrupt dump)")
+            open_ids.add(i)
+            stack.append((children, i))
+            break
+        else:
+            stack.pop()
+            if cid is not None:
+                open_ids.discard(cid)
 
 
 def load_plain(path: str | os.PathLike, data: bytes | None = None):

@@ -104,16 +104,14 @@ def _load(path: Path) -> tuple[dict, bytes, str]:
         raise InputError(path, f"cannot read: {e.strerror}") from None
     if not data.strip():
         raise InputError(path, "file is empty")
-    if is_pickle(data[:2]):
-        obj, kind = load_plain(path, data), "pickle"
-    elif data.lstrip()[:1] == b"{":
+    if data.lstrip()[:1] == b"{":
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise InputError(path, "not UTF-8 text", f"byte {e.start}") from None
         obj, kind = json_loads(path, text), "json"
-    else:
-        raise InputError(path, "not a Flight Recorder dump (neither a pickle nor a JSON object)")
+    else:   # anything else is read as a pickle (of any protocol), through the plain-values reader
+        obj, kind = load_plain(path, data), "pickle"
     if not isinstance(obj, dict):
         raise InputError(path, f"not a Flight Recorder dump: the pickle holds a {type(obj).__name__}, not a dict")
     return obj, data, kind
