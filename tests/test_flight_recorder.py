@@ -99,6 +99,26 @@ def test_hang_names_the_rank_that_never_arrived(store, dumps, runner, cli):
     assert prog["0", 2] == (7, 7) and prog["0", 3] == (7, 7) and prog["0", 0] == (7, 8)
 
 
+def test_a_missing_dump_is_said_apart_from_a_rank_that_never_arrived(tmp_path, runner, cli):
+    import shutil
+
+    d = tmp_path / "three"
+    d.mkdir()
+    for r in (0, 1, 3):
+        shutil.copy(SAMPLE / f"nccl_trace_rank_{r}", d)
+    st = tmp_path / "st"
+    assert invoke(runner, cli, "ingest", d, "--store", st).exit_code == 0
+    row = Store(st).run().hang().groups.filter(pl_col("grp") == "0").row(0, named=True)
+    # rank 2 left no dump: nothing says whether it reached #8; the three others wait in it
+    assert (row["stuck_seq"], row["waiting"], row["never_reached"], row["no_dump"]) == (8, [0, 1, 3], [], [2])
+
+
+def pl_col(name):
+    import polars as pl
+
+    return pl.col(name)
+
+
 def _dump(entries, groups, status=None):
     return {"version": "2.4", "pg_config": {g: {"name": g, "desc": d, "ranks": json.dumps(m)}
                                             for g, (d, m) in groups.items()},

@@ -102,8 +102,9 @@ class _Record(msgspec.Struct):
 
 _DEC = msgspec.json.Decoder(_Record)
 
-#: NCCL's function names (ncclFuncToString) in moetrace's spelling
-_OPS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "AllGatherV": "all_gather",
+#: NCCL's function names (ncclFuncToString) in moetrace's spelling (one per function: coll_sn
+#: is counted per function, so AllGather and AllGatherV must stay apart)
+_OPS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "AllGatherV": "all_gather_v",
         "ReduceScatter": "reduce_scatter", "Broadcast": "broadcast", "Reduce": "reduce", "All2All": "all_to_all",
         "SendRecv": "sendrecv", "Send": "send", "Recv": "recv"}
 _KNOWN_SOURCES = ("kernel_gpu", "kernel_cpu", "collective_cpu")
