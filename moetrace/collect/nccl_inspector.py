@@ -373,6 +373,9 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         approx.append(f"coll_exec_time_us timing sources: {', '.join(srcs)} (kernel_gpu = GPU globaltimer; kernel_cpu "
                       "and collective_cpu = host times, which include launch and queueing)")
     versions = sorted(set().union(*(i["versions"] for i in infos)))
+    if any(not v.startswith("v4.") for v in versions):
+        approx.append(f"inspector_output_format_version {', '.join(versions)}: moetrace reads the v4.0 layout "
+                      "(NVIDIA/nccl 5067397); fields may have moved")
     h = hashlib.sha256()
     for p in paths:
         h.update(hashlib.sha256(p.read_bytes()).hexdigest().encode())
