@@ -114,8 +114,8 @@ LIMITS = {lim.name: lim for lim in (
     Limit("max_name_bytes", "bytes of one event / kernel / range name in a profiler trace", 64 << 10),
     Limit("max_pickle_bytes", "bytes of one pickled dump (Flight Recorder) read by the plain-values unpickler "
                               "(safety_pickle.py)", 1 << 30),
-    Limit("max_pickle_objects", "opcodes of one pickled dump, and objects its walk reaches through shared "
-                                "references", 10_000_000),
+    Limit("max_pickle_objects", "objects the value of one pickled dump reaches, shared references counted "
+                                "each time", 10_000_000),
 )}
 
 # --set values given to ingest (collect() installs them for the duration of a call)

@@ -6,16 +6,17 @@ it (``GLOBAL`` + ``REDUCE``: ``os.system``, ``builtins.eval``), so moetrace neve
 input to :func:`pickle.load`. :func:`load_plain` reads one in three guarded steps:
 
 1. the file's size is bounded (limit ``max_pickle_bytes``) and it is read as bytes;
-2. every opcode is listed with :func:`pickletools.genops` *without running any*: an opcode
-   outside :data:`PLAIN_OPCODES` (an import, a call, building an object, an extension or
-   persistent id, an out-of-band buffer) refuses the file, naming the opcode and its byte
-   offset; so does a file of more than ``max_pickle_objects`` opcodes;
-3. only then is it unpickled, by :class:`PlainUnpickler`, whose ``find_class`` refuses
-   every name and whose ``persistent_load`` refuses every id (a second wall: step 2 already
-   left nothing for them to be asked), and the result is walked once to bound its depth
-   (:data:`MAX_DEPTH`) and the number of objects reached through shared references (a
-   small memo-heavy file can make a huge walk), and to refuse a structure containing
-   itself.
+2. it is unpickled by :class:`PlainUnpickler`, whose ``find_class`` refuses every name and
+   whose ``persistent_load`` refuses every id: the only ways a pickle reaches a callable
+   or a class (``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``EXT1/2/4``, ``PERSID``), so
+   ``REDUCE``, ``BUILD``, ``NEWOBJ`` and ``OBJ`` have nothing to call and nothing runs.
+   When it refuses (or fails), the opcodes are listed with :func:`pickletools.genops`,
+   which runs none, to name the first opcode outside :data:`PLAIN_OPCODES` and its byte
+   offset (:func:`scan`);
+3. the value is walked once to bound its depth (:data:`MAX_DEPTH`) and the number of
+   objects reached through shared references (limit ``max_pickle_objects``: a memo-heavy
+   file of a few hundred bytes can reach 2^40), and to refuse a structure containing
+   itself, before anything else walks it.
 
 Any failure is an :class:`~moetrace.errors.InputError` (one line, exit 2).
 """
@@ -78,8 +79,8 @@ def is_pickle(head: bytes) -> bool:
 
 
 def scan(data: bytes, path) -> int:
-    """Refuse ``data`` unless every opcode is in :data:`PLAIN_OPCODES` (nothing is run);
-    returns the number of opcodes."""
+    """Refuse ``data`` unless every opcode is in :data:`PLAIN_OPCODES` (nothing is run;
+    an error names the first other opcode and its byte); returns the number of opcodes."""
     cap = limit("max_pickle_objects")
     n = 0
     strings: list[str] = []   # the last strings pushed: what STACK_GLOBAL would import
@@ -162,13 +163,13 @@ def load_plain(path: str | os.PathLike, data: bytes | None = None):
         raise limit_error(path, "max_pickle_bytes", f"a pickle of {len(data)} bytes")
     if not data:
         raise InputError(path, "file is empty")
-    scan(data, path)
     try:
         obj = PlainUnpickler(io.BytesIO(data)).load()
     except RecursionError:
         raise InputError(path, "pickle nested too deeply to read (a crafted or corrupt dump)") from None
     except (pickle.UnpicklingError, ValueError, EOFError, TypeError, KeyError, IndexError, AttributeError,
             UnicodeDecodeError, OverflowError, MemoryError) as e:
+        scan(data, path)   # names the refused opcode and its byte, if that is what failed
         raise InputError(path, f"refused or unreadable pickle: {excerpt(str(e) or type(e).__name__, 100)}") from None
     _check_tree(obj, path)
     return obj
