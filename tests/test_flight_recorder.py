@@ -13,7 +13,7 @@ import pytest
 
 from moetrace.errors import InputError
 from moetrace.safety_pickle import load_plain
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import REPO, invoke, tree_hash
 

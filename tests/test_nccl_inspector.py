@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import REPO, invoke, tree_hash
 

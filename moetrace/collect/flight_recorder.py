@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..safety import check_regular_file, excerpt, json_loads, limit, limit_error
 from ..safety_pickle import is_pickle, load_plain
 from . import Collector, RunData, register
-from .classify import normalize_collective
+from ..domain.kernels import normalize_collective
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _SIZE = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]

@@ -32,7 +32,7 @@ import polars as pl
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, limit, limit_error
 from . import Collector, RunData, register
-from .classify import normalize_collective
+from ..domain.kernels import normalize_collective
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 #: a timestamp in µs whose ns value fits int64

@@ -6,7 +6,7 @@ import click
 import polars as pl
 
 from ..output import emit, output_options
-from ..store import Store
+from ..run import Store
 from ._options import run_option
 
 
