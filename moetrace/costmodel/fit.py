@@ -62,6 +62,9 @@ def family(regime: str) -> str:
 
 
 def make_params(regime: str, x):
+    """Parameters of ``regime`` from a vector (fit order, :data:`PARAM_NAMES`) or a mapping by name."""
+    if isinstance(x, dict):
+        x = [x[n] for n in PARAM_NAMES[family(regime)]]
     return GemmParams(*map(float, x)) if family(regime) == "gemm" else A2AParams(*map(float, x))
 
 
