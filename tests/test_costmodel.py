@@ -193,3 +193,18 @@ def test_cli_bad_input_exit_2(args):
     r = _cli(*args)
     assert r.exit_code == 2, r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_gpu_check_without_gpu_skips(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would time it")
+    from benchmarks import gpu_costmodel_check as g
+    import sys
+    argv, sys.argv = sys.argv, ["gpu_costmodel_check.py"]
+    try:
+        assert g.main() == 0
+    finally:
+        sys.argv = argv
+    assert capsys.readouterr().out.strip() == "skipped: no GPU"
