@@ -153,7 +153,7 @@ def test_cli_expert_json():
              "--tokens-per-expert", 256, "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
-    assert {"expert_ns", "expert_band", "source", "terms"} <= set(d)
+    assert {"expert_ns", "expert_band", "source", "terms"} <= set(d) and d["band_measured"] is True
     # published: 4 x 256 masked GEMMs, 932 TFLOPS (gate/up) and 815 TFLOPS (down)
     pub = (2 * 4 * 256 * 4096 * 7168 / 932e12 + 2 * 4 * 256 * 7168 * 2048 / 815e12) * 1e9
     assert abs(d["expert_ns"] / pub - 1) <= d["expert_band"] <= 0.10
@@ -170,6 +170,13 @@ def test_cli_comm_json(kernel, pub_us):
     if pub_us:   # DeepEP's published EP32 low-latency row
         assert abs(d["dispatch_ns"] / (pub_us[0] * 1e3) - 1) <= d["comm_band"]
         assert abs(d["combine_ns"] / (pub_us[1] * 1e3) - 1) <= d["comm_band"]
+
+
+def test_unmeasured_gpu_says_so():
+    r = _cli("--hardware", "B200", "--hidden", 7168, "--intermediate", 2048, "--weight-dtype", "fp4", "--experts", 8,
+             "--tokens-per-expert", 128, "--json")
+    d = json.loads(r.output)
+    assert r.exit_code == 0 and d["band_measured"] is False and "unmeasured" in d["band_source"]
 
 
 def test_cli_table():

@@ -82,7 +82,8 @@ def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_exper
         r = costmodel.expert_ns(hardware, hidden_v, _num("intermediate", intermediate), [m] * e, weight_dtype)
         out.update(r)
         t = r["terms"]
-        rows += [("expert_ns", f"{r['expert_ns']:,.0f}  (±{r['expert_band']:.0%})"),
+        rows += [("expert_ns", f"{r['expert_ns']:,.0f}  (±{r['expert_band']:.0%}"
+                               f"{'' if r['band_measured'] else ', not measured on this GPU/dtype'})"),
                  ("  gate/up GEMM ns", f"{t['gate_up']['time_ns']:,.0f}  (compute {t['gate_up']['compute_ns']:,.0f}, "
                                        f"memory {t['gate_up']['memory_ns']:,.0f}, {t['gate_up']['waves']} wave(s))"),
                  ("  down GEMM ns", f"{t['down']['time_ns']:,.0f}  (compute {t['down']['compute_ns']:,.0f}, "
@@ -97,6 +98,8 @@ def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_exper
                               _num("tokens", tokens), _num("top-k", top_k), kernel, dispatch_dtype, combine_dtype,
                               num_experts=_num("num-experts", num_experts))
         band_source = r.pop("band_source")
+        if expert_mode:
+            out["comm_band_measured"] = r.pop("band_measured")
         source = r.pop("source")
         terms = r.pop("terms")
         if expert_mode:

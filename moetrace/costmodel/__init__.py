@@ -86,6 +86,8 @@ def expert_ns(hardware: str, hidden: int, intermediate: int, tokens_per_expert, 
                 "block_m": g["block_m"], "block_n": g["block_n"], "flops": g["flops"], "bytes": g["bytes"]}
 
     return {"hardware": hw.name, "expert_ns": t["time_s"] * 1e9, "expert_band": band, "band_source": src,
+            # the band was measured on this configuration's kind of row (H800, FP8) or carried over
+            "band_measured": hw.name == MEASURED_ON and weight_dtype == "fp8",
             "terms": {"gate_up": ns(t["gate_up"]), "down": ns(t["down"]), "params": r["params"],
                       "rule": "per GEMM (t_c^p + t_m^p)^(1/p) + launch; t_c = waves x tile time; "
                               "SwiGLU between the GEMMs not modelled"},
@@ -130,7 +132,7 @@ def comm_ns(hardware: str, hidden: int, ep: int, ranks_per_node: int, tokens: in
                 "bottleneck": t["bottleneck"]}
 
     return {"hardware": hw.name, "kernel": kernel, "dispatch_ns": d["time_s"] * 1e9, "combine_ns": c["time_s"] * 1e9,
-            "comm_band": band, "band_source": src,
+            "comm_band": band, "band_source": src, "band_measured": hw.name == MEASURED_ON,
             "terms": {"dispatch": ns(d), "combine": ns(c), "params": r["params"],
                       "rule": "latency + max(RDMA bytes / (eff_rdma x NIC), NVLink bytes / (eff_nvl x NVLink))"},
             "source": f"moetrace GPU cost model ({reg}, fit {fitted()['fit_date']}); peaks: {hw.source}"}

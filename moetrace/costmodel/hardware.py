@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UsageError
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -53,7 +55,6 @@ DTYPE_BYTES = {"fp4": 0.53125, "fp8": 1.0, "bf16": 2.0}
 
 
 def gpu(name: str) -> GPU:
-    from ..errors import UsageError
     key = str(name).upper()
     if key not in GPUS:
         raise UsageError(f"unknown hardware {name!r} (choose from {', '.join(GPUS)})")
