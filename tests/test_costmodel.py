@@ -179,6 +179,20 @@ def test_unmeasured_gpu_says_so():
     assert r.exit_code == 0 and d["band_measured"] is False and "unmeasured" in d["band_source"]
 
 
+def test_cli_uneven_tokens_and_both_modes():
+    even = json.loads(_cli("--hardware", "H800", "--hidden", 7168, "--intermediate", 2048, "--experts", 2,
+                           "--tokens-per-expert", "256,256", "--json").output)
+    one = json.loads(_cli("--hardware", "H800", "--hidden", 7168, "--intermediate", 2048, "--experts", 2,
+                          "--tokens-per-expert", 256, "--json").output)
+    assert even["expert_ns"] == one["expert_ns"]
+    r = _cli("--hardware", "H800", "--hidden", 7168, "--intermediate", 2048, "--experts", 2, "--tokens-per-expert",
+             "1,300", "--ep", 16, "--tokens", 128, "--kernel", "low-latency", "--json")
+    d = json.loads(r.output)
+    assert r.exit_code == 0 and {"expert_ns", "dispatch_ns", "combine_ns", "comm_band", "expert_band"} <= set(d)
+    assert _cli("--hardware", "H800", "--hidden", 7168, "--intermediate", 2048, "--experts", 3,
+                "--tokens-per-expert", "1,2").exit_code == 2
+
+
 def test_cli_table():
     r = _cli("--hardware", "H800", "--hidden", 7168, "--intermediate", 2048, "--experts", 4, "--tokens-per-expert", 256)
     assert r.exit_code == 0 and "expert_ns" in r.output and "±9%" in r.output

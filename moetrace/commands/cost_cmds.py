@@ -35,7 +35,8 @@ def _table(rows) -> str:
 @click.option("--weight-dtype", default="fp8", show_default=True, type=click.Choice(["fp8", "bf16", "fp4"]),
               help="Expert weight dtype (FP4 only where the GPU has FP4 tensor math).")
 @click.option("--experts", default=None, help="Experts touched on the rank (expert MLP mode).")
-@click.option("--tokens-per-expert", default=None, help="Tokens each touched expert receives (expert MLP mode).")
+@click.option("--tokens-per-expert", default=None, help="Tokens each touched expert receives: one number, or one per expert "
+                   "(comma-separated) (expert MLP mode).")
 @click.option("--ep", default=None, help="Expert-parallel size (all-to-all mode).")
 @click.option("--ranks-per-node", default="8", show_default=True, help="GPUs per node (all-to-all mode).")
 @click.option("--tokens", default=None, help="Tokens per rank (all-to-all mode).")
@@ -78,8 +79,12 @@ def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_exper
         if missing:
             raise UsageError(f"expert MLP mode needs --{', --'.join(missing)}")
         e = _num("experts", experts)
-        m = _num("tokens-per-expert", tokens_per_expert)
-        r = costmodel.expert_ns(hardware, hidden_v, _num("intermediate", intermediate), [m] * e, weight_dtype)
+        ms = [_num("tokens-per-expert", t.strip()) for t in str(tokens_per_expert).split(",")]
+        if len(ms) == 1:
+            ms = ms * e
+        elif len(ms) != e:
+            raise UsageError(f"--tokens-per-expert has {len(ms)} values for --experts {e} (give one, or one per expert)")
+        r = costmodel.expert_ns(hardware, hidden_v, _num("intermediate", intermediate), ms, weight_dtype)
         out.update(r)
         t = r["terms"]
         rows += [("expert_ns", f"{r['expert_ns']:,.0f}  (±{r['expert_band']:.0%}"
