@@ -190,6 +190,14 @@ class Run:
 
         return wait_result(self.store, self.id)
 
+    def hang(self):
+        """The hang post-mortem of the run's communication log (Flight Recorder dumps): per
+        process group, each rank's progress, the collective the others wait in, the ranks
+        that never reached it, and mismatched ops / sizes (:mod:`moetrace.analyze.hang`)."""
+        from .analyze.hang import hang_result
+
+        return hang_result(self.store, self.id)
+
     def wait_shift(self, steps_a, steps_b=None, by: str = "position"):
         """How much each rank's net wait rose in ``steps_a`` against ``steps_b`` (default:
         the other steps): the median shift and its standard error per rank
