@@ -69,9 +69,15 @@ def _schema(path: Path, head: bytes) -> pa.Schema | None:
             with pa.memory_map(str(path)) as f:
                 return ipc.open_file(f).schema
         if name.endswith((".jsonl", ".ndjson")):
-            first = head.split(b"\n", 1)[0]
-            obj = json.loads(first)
-            if isinstance(obj, dict):
+            from ._jsonl_meta import is_meta
+
+            obj = None
+            for line in head.split(b"\n")[:-1] or head.split(b"\n"):   # the first record that is not metadata
+                if line.strip():
+                    obj = json.loads(line)
+                    if not is_meta(obj):
+                        break
+            if isinstance(obj, dict) and not is_meta(obj):
                 return pa.schema([(k, pa.list_(pa.int64()) if isinstance(v, list) else pa.null())
                                   for k, v in obj.items()])
     except Exception:
@@ -96,7 +102,7 @@ def _sniff(path: Path, head: bytes) -> bool:
 
 
 # ----------------------------------------------------------------------------- reading
-def _read(path: Path) -> pa.Table:
+def _read(path: Path, meta: list | None = None) -> pa.Table:
     name = path.name.lower()
     try:
         if name.endswith(".parquet"):
@@ -110,7 +116,7 @@ def _read(path: Path) -> pa.Table:
 
             with pa.memory_map(str(path)) as f:
                 return ipc.open_file(f).read_all()
-        return _read_jsonl(path)
+        return _read_jsonl(path, meta)
     except InputError:
         raise
     except (KeyboardInterrupt, SystemExit):
@@ -120,15 +126,42 @@ def _read(path: Path) -> pa.Table:
         raise InputError(path, f"cannot parse: {msg}") from None
 
 
-def _read_jsonl(path: Path) -> pa.Table:
+def _read_jsonl(path: Path, meta: list | None = None) -> pa.Table:
     """JSON lines through Arrow's reader (nested lists kept as lists; a type that changes
-    between lines, bad syntax or too deep nesting is one error naming the row)."""
+    between lines, bad syntax or too deep nesting is one error naming the row).
+    Metadata records (``{"type": "meta", ...}``) are taken out first and appended to
+    ``meta`` as (line, record)."""
+    import io
+
     import pyarrow.json as pj
+
+    from ._jsonl_meta import is_meta
 
     size = path.stat().st_size
     opts = pj.ReadOptions(block_size=max(1 << 20, min(size + 1, 256 << 20)))
+    src = path
+    with open(path, "rb") as f:
+        data = f.read()
+    if b"meta" in data or b"header" in data or b"config" in data:
+        keep, found = [], []
+        for i, line in enumerate(data.splitlines(keepends=True), 1):
+            obj = None
+            if line.lstrip().startswith(b"{") and (b'"type"' in line or b'"kind"' in line or b'"record_type"' in line):
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    obj = None
+            if obj is not None and is_meta(obj):
+                found.append((i, obj))
+            else:
+                keep.append(line)
+        if found:
+            if meta is not None:
+                meta.extend(found)
+            src = io.BytesIO(b"".join(keep))
+    del data
     try:
-        t = pj.read_json(path, read_options=opts)
+        t = pj.read_json(src, read_options=opts)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         m = re.search(r"\s*in row (\d+)$", text)
@@ -267,7 +300,10 @@ def _layer_from_name(path: Path) -> int | None:
 
 def _one_file(path: Path, options: dict, approx: set[str]) -> dict:
     """Canonical routing columns (numpy) of one file."""
-    return _from_table(path, _responses(path, options, approx) if _is_responses(path) else _read(path), approx)
+    meta: list = []
+    d = _from_table(path, _responses(path, options, approx) if _is_responses(path) else _read(path, meta), approx)
+    d["meta"] = meta
+    return d
 
 
 def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
@@ -473,8 +509,13 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
            "meta_json": json.dumps({"format": "routing_wide", "files": len(paths), "top_k_seen": k,
                                     "layers": sorted(set(layer.tolist()))})}
     hint = paths[0].parent.name if len(paths) > 1 else paths[0].name.split(".")[0]
-    return [RunData(run=run, tables={"routing": routing, "expert_load": load}, run_id_hint=hint,
-                    files=[str(p) for p in paths])]
+    from ._jsonl_meta import keep_meta
+
+    rd = RunData(run=run, tables={"routing": routing, "expert_load": load}, run_id_hint=hint,
+                 files=[str(p) for p in paths])
+    for p, d in parts:
+        keep_meta(rd, p, d["meta"])
+    return [rd]
 
 
 register(Collector("routing_wide", "per-token routing, a row per token with a list column of experts (indices / "

@@ -15,7 +15,10 @@ def build(ctx: ReportContext) -> Section | None:
     if not ctx.store.has_files("balancedness"):
         return None
     rid = ctx.run_id
-    b = ctx.sql("SELECT engine, event, step, ts_ns, line, balancedness, imbalance, avg_tokens, max_tokens, duration_s, "
+    # imbalance: max/mean as ingest converted it (moetrace.balance); a store written before that column
+    # existed reads it empty, and 1/balancedness stands in (vLLM's and SGLang's figures are mean/max)
+    b = ctx.sql("SELECT engine, event, step, ts_ns, line, balancedness, "
+                "coalesce(imbalance, 1.0 / nullif(balancedness, 0)) AS imbalance, avg_tokens, max_tokens, duration_s, "
                 "utilization, threshold, is_profile FROM balancedness WHERE run_id = ? "
                 "ORDER BY file, line", [rid])   # scrape folders: many files (named by time)
     if b.height == 0:
@@ -33,7 +36,7 @@ def build(ctx: ReportContext) -> Section | None:
         v = bal["balancedness"].to_numpy()
         what = (f"{bal.height} scrape intervals" if ctx.run.get("collector") == "prometheus"
                 else f"{bal.height} passes")
-        inv = _imbalance(bal)
+        inv = bal["imbalance"].to_numpy()
         text = (f"The engine ({engines}) logged balancedness for {what}: mean **{v.mean():.3f}**, "
                 f"p10 {np.percentile(v, 10):.3f}, worst {v.min():.3f} (1.0 = every rank equally loaded; "
                 f"1/balancedness, the busiest rank's load over the mean rank's, is {inv.mean():.2f}× on average and "
@@ -77,12 +80,3 @@ def build(ctx: ReportContext) -> Section | None:
     return Section(key="balancedness", title="Engine-reported balancedness", markdown=text,
                    terminal=text.replace("**", ""), figures=figs, notes=notes)
 
-
-def _imbalance(bal) -> np.ndarray:
-    """max/mean per row: the stored conversion (moetrace.balance), else converted here the
-    same way for a store written before the imbalance column existed."""
-    from ...balance import ENGINE_FIGURE, to_imbalance
-
-    out = [imb if imb is not None else to_imbalance(ENGINE_FIGURE.get(eng, "vllm_balancedness"), v)
-           for imb, eng, v in zip(bal["imbalance"].to_list(), bal["engine"].to_list(), bal["balancedness"].to_list())]
-    return np.array([np.nan if x is None else x for x in out], dtype=float)
