@@ -50,14 +50,13 @@ def keep_meta(rd, path: Path, meta: list[tuple[int, dict]]):
     return rd
 
 
-def routing_formats_matching(cols) -> str:
+def routing_formats_matching(cols, expert_cols) -> str:
     """The routing formats whose columns ``cols`` (a set of names) partly match, for an
-    error about an unrecognized JSONL; '' when none does."""
-    from .routing_wide import EXPERT_COLS
-
+    error about an unrecognized JSONL; '' when none does. ``expert_cols``: the list-column
+    names of the wide form (routing_wide.EXPERT_COLS)."""
     cols = set(cols)
     out = []
-    ex = sorted(cols.intersection(EXPERT_COLS))
+    ex = sorted(cols.intersection(expert_cols))
     if ex:
         out.append(f"routing_wide (a list column {ex[0]!r} of chosen experts per token, with a layer column or "
                    "per-layer lists; --format routing_wide)")

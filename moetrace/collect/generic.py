@@ -447,10 +447,11 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
             req, opt = ROUTE_REQ, ROUTE_OPT
         else:
             from ._jsonl_meta import routing_formats_matching
+            from .routing_wide import EXPERT_COLS
 
             miss_l = [c for c in LOAD_REQ if c not in cols]
             miss_r = [c for c in ROUTE_REQ if c not in cols]
-            hint = routing_formats_matching(cols)
+            hint = routing_formats_matching(cols, EXPERT_COLS)
             raise InputError(path, f"missing columns: expert_load needs {', '.join(miss_l)}; "
                                    f"routing needs {', '.join(miss_r)} (found: {_shown_columns(df.columns)})"
                                    + (f"; the columns match {hint}" if hint else ""))

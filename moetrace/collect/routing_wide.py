@@ -49,7 +49,8 @@ RANK_COLS = ("src_rank", "rank", "dp_rank")
 _LAYER_NAME = re.compile(r"(?:^|[^a-z])(?:layers?|l)[_\-.]?(\d+)(?:[^0-9]|$)", re.I)
 _ARROW_EXT = (".arrow", ".feather", ".ipc")
 _PQ_MAGIC = b"PAR1"
-_RESP = re.compile(rb'"routed_experts"\s*:\s*["\[]')   # a serving-API response: base64 (or listed) routed experts
+_RESP = re.compile(rb'"routed_experts"\s*:\s*"')   # a serving-API response: base64 routed experts
+_LISTED = re.compile(rb'"routed_experts"\s*:\s*\[\s*\[\s*\[')   # a saved request: [tokens][layers][k] lists
 _IPC_MAGIC = b"ARROW1"
 
 
@@ -117,7 +118,7 @@ def _npy_header(raw: bytes):
 
 
 def _sniff(path: Path, head: bytes) -> bool:
-    if path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and _RESP.search(head):
+    if path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and (_RESP.search(head) or _LISTED.search(head)):
         return True
     if _is_routed_npy(path, head):
         return True
@@ -200,7 +201,8 @@ def _read_jsonl(path: Path, meta: list | None = None) -> pa.Table:
 def _is_responses(path: Path) -> bool:
     from . import head
 
-    return path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and bool(_RESP.search(head(path, 65536)))
+    h = head(path, 65536)
+    return path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and bool(_RESP.search(h) or _LISTED.search(h))
 
 
 def _responses(path: Path, options: dict, approx: set[str]) -> pa.Table:
