@@ -95,3 +95,12 @@ def test_tables_and_docs_show_every_definition(runner, cli):
     doc = (Path(__file__).resolve().parent.parent / "docs" / "analysis.md").read_text()
     for engine, formula, source, _ in DEFINITIONS.values():
         assert source.split()[1] in doc, source
+
+
+def test_metrics_scrapes_get_the_same_conversion():
+    samples = Path(__file__).resolve().parent.parent / "sample_traces" / "metrics_scrapes"
+    rows = [r for r in collect([samples])[0].tables["balancedness"].to_pylist() if r["event"].startswith("balanc")]
+    assert rows
+    for r in rows:
+        assert r["imbalance"] == pytest.approx(1 / r["balancedness"])
+        assert r["definition"].startswith(r["engine"] + ":")

@@ -221,5 +221,5 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
 
 
 register(Collector("deepep", "DeepEP diagnosis counters saved as .npy/.npz/.safetensors (local-expert receive counts, "
-                             "dispatch/combine wait-receive cost matrices)", _sniff, _collect, priority=18,
+                             "dispatch/combine wait-receive cost matrices)", _sniff, _collect, priority=14,
                    options=("clock_ghz", "deepep_stat")))
