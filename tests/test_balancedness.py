@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from moetrace.balance import DEFINITIONS, ENGINE_FIGURE, to_imbalance
+from moetrace.domain.balance import DEFINITIONS, ENGINE_FIGURE, to_imbalance
 from moetrace.collect import collect, ingest
-from moetrace.store import Store
+from moetrace.run import Store
 
 V = "(EngineCore_DP0 pid=7) INFO 11-30 10:00:{:02d} [eplb_state.py:790] "
 

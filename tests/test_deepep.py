@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moetrace.collect import collect, detect, ingest
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import invoke, tree_hash
 

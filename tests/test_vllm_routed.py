@@ -12,7 +12,7 @@ import pytest
 from moetrace.collect import collect, detect
 
 from .conftest import invoke, tree_hash
-from moetrace.store import Store
+from moetrace.run import Store
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 

@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from . import _arrays
 

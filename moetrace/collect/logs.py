@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..safety import check_regular_file, limit
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 
 MARKERS = (b"EPLB step", b"[Expert Balancedness]", b"[EPLBManager]", b"Rearranged experts", b"Rearranging experts")
@@ -249,8 +249,8 @@ def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
 
 
 def _convert(row: dict) -> None:
-    """moetrace's imbalance (max/mean) beside the engine's balancedness (moetrace.balance)."""
-    from ..balance import ENGINE_FIGURE, definition, to_imbalance
+    """moetrace's imbalance (max/mean) beside the engine's balancedness (moetrace.domain.balance)."""
+    from ..domain.balance import ENGINE_FIGURE, definition, to_imbalance
 
     if row.get("event", "").startswith("balancedness") and row.get("engine") in ENGINE_FIGURE:
         fig = ENGINE_FIGURE[row["engine"]]

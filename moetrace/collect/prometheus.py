@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..safety import limit, limit_error
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from .logs import COLUMNS, _TYPES
 
@@ -251,7 +251,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     from .logs import _convert
 
     for r in rows:
-        _convert(r)   # moetrace's imbalance beside the engine's figure (moetrace.balance)
+        _convert(r)   # moetrace's imbalance beside the engine's figure (moetrace.domain.balance)
     rows.sort(key=lambda r: (r["ts_ns"] or 0, r["file"], r["line"]))
     table = pa.table({c: pa.array([r.get(c) for r in rows], _TYPES.get(c, pa.float64())) for c in COLUMNS})
     srcs = [p for _, p, _ in scrapes]

@@ -15,7 +15,7 @@ def build(ctx: ReportContext) -> Section | None:
     if not ctx.store.has_files("balancedness"):
         return None
     rid = ctx.run_id
-    # imbalance: max/mean as ingest converted it (moetrace.balance); a store written before that column
+    # imbalance: max/mean as ingest converted it (moetrace.domain.balance); a store written before that column
     # existed reads it empty, and 1/balancedness stands in (vLLM's and SGLang's figures are mean/max)
     b = ctx.sql("SELECT engine, event, step, ts_ns, line, balancedness, "
                 "coalesce(imbalance, 1.0 / nullif(balancedness, 0)) AS imbalance, avg_tokens, max_tokens, duration_s, "
