@@ -111,6 +111,10 @@ LIMITS = {lim.name: lim for lim in (
     Limit("max_line_bytes", "bytes of one server-log line that is parsed (longer lines are counted, not parsed)",
           64 << 10),
     Limit("max_name_bytes", "bytes of one event / kernel / range name in a profiler trace", 64 << 10),
+    Limit("max_pickle_bytes", "bytes of one pickled dump (Flight Recorder) read by the plain-values unpickler "
+                              "(safety_pickle.py)", 1 << 30),
+    Limit("max_pickle_objects", "objects the value of one pickled dump reaches, shared references counted "
+                                "each time", 10_000_000),
 )}
 
 # --set values given to ingest (collect() installs them for the duration of a call)
