@@ -79,9 +79,10 @@ def require_spark():
 
 @pytest.fixture(scope="session")
 def spark_session():
-    """One Spark session (one JVM, one SparkContext) for every Spark test of the run:
-    ``moetrace.storage.spark.keep_session`` hands it to the commands' ``--engine spark`` too, so
-    no test starts or stops another (a JVM start is tens of seconds on 2 cores)."""
+    """One Spark session (one JVM, one SparkContext) for the Spark tests that take it
+    (test_spark_views, test_store_spark): a JVM start is tens of seconds on 2 cores.
+    ``moetrace.storage.spark.keep_session`` also hands it to any ``--engine spark`` command
+    run while it is alive."""
     require_spark()
     from moetrace.storage import spark as ms
 
