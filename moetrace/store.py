@@ -79,6 +79,10 @@ def check_store_path(path: Path) -> None:
         raise StoreError(f"{path}: the store path holds {bad!r}, which DuckDB reads as a file pattern (it would "
                          f"read other folders' files); move or rename the store, or open it through a symlink "
                          f"whose path has none of {GLOB_CHARS}")
+    if "\\" in text:
+        raise StoreError(f"{path}: the store path holds a backslash, which DuckDB reads as '/' (it would read or "
+                         f"write another folder's files); move or rename the store, or open it through a symlink "
+                         f"whose path has none")
     if text.startswith("~"):
         raise StoreError(f"{path}: the store path starts with '~', which DuckDB and Arrow read as the home folder "
                          f"(the shell did not expand it: it was quoted); give the full path")
@@ -508,11 +512,21 @@ class Store:
             con.execute(f"SET threads={int(threads)}")
         if memory_limit:
             con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit))}")
+        self.check_readable()
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
             con.execute(f"SET temp_directory={sql_literal(tmp)}")
         self._define_views(con)
         return con
+
+    def check_readable(self) -> None:
+        """A file readers would trip on (truncated, garbage, wrong schema or partition) is
+        one line naming it (moetrace/store_check.py); checked once per Store."""
+        if not getattr(self, "_readable", False):
+            from .store_check import check_readable
+
+            check_readable(self.path)
+            self._readable = True
 
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
@@ -546,6 +560,7 @@ class Store:
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
                     "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64, "int64[]": pl.List(pl.Int64)}
         empty = pl.DataFrame(schema={c.name: pl_types[c.type] for c in schema.get("runs").columns})
+        self.check_readable()
         frames = [pl.read_parquet(f).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
                   for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
         for f in frames:  # a required column older files lack is refused, as the views do
