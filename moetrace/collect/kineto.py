@@ -100,11 +100,11 @@ _RANK_PATTERNS = [
 ]
 
 
-def rank_from_name(name: str) -> int | None:
+def rank_from_name(name: str, path=None) -> int | None:
     for pat in _RANK_PATTERNS:
         m = pat.search(name)
         if m:   # a rank in a file name is range-checked like one in the trace
-            return checked_int(m.group(1), 0, SHAPE_MAX - 1, name, "rank in the file name")
+            return checked_int(m.group(1), 0, SHAPE_MAX - 1, path or name, "rank in the file name")
     return None
 
 
@@ -830,7 +830,7 @@ def _parse_frames(path: Path, progress: bool):
 
 
 def _rank_of(p: Path, info: dict) -> int | None:
-    return info["rank"] if info["rank"] is not None else rank_from_name(p.name)
+    return info["rank"] if info["rank"] is not None else rank_from_name(p.name, p)
 
 
 def _one_run(items: list) -> bool:
@@ -852,7 +852,7 @@ def _collect_run(items: list, options: dict) -> RunData:
     for i, (p, info, ev) in enumerate(items):
         rank, inferred = info["rank"], False
         if rank is None:
-            fr = rank_from_name(p.name)
+            fr = rank_from_name(p.name, p)
             rank, inferred = (fr, True) if fr is not None else (i, True)
         if rank in seen:
             raise InputError(p, f"rank {rank} appears twice (also in {seen[rank]})")

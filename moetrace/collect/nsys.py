@@ -261,7 +261,7 @@ def _collect_run(paths: list[Path], options: dict) -> RunData:
                 msg = str(e).encode("utf-8", "replace").decode("utf-8", "replace")[:200]
                 raise InputError(p, f"corrupt or unreadable Nsight export ({type(e).__name__}: {msg})") from None
             epochs.add(epoch is not None)
-            file_rank = rank_from_name(p.name)
+            file_rank = rank_from_name(p.name, p)
             for j, part in enumerate(per):
                 if len(per) == 1 and file_rank is not None:
                     rank, inferred = file_rank, False
