@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from moetrace.collect import ingest
-from moetrace.store import Store
+from moetrace.storage.store import Store
 
 from .conftest import REPO, tree_hash
 

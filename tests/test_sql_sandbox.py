@@ -1,4 +1,4 @@
-"""`moetrace sql` runs sandboxed (moetrace/sqlbox.py): real DuckDB, real files.
+"""`moetrace sql` runs sandboxed (moetrace/storage/sandbox.py): real DuckDB, real files.
 
 Each refusal is one line on stderr, exit 2, the store byte-for-byte unchanged and nothing
 written outside it (a fake HOME's .bashrc, the working folder)."""

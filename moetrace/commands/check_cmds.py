@@ -23,8 +23,8 @@ def check(store, quick):
         moetrace check demo --quick
     """
     from ..errors import StoreError
-    from ..store import check_store_path
-    from ..store_check import scan
+    from ..storage.paths import check_store_path
+    from ..storage.check import scan
     from pathlib import Path
 
     check_store_path(Path(store))

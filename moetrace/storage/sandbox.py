@@ -35,8 +35,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .errors import StoreError, UsageError
-from .safety import memory_limit as checked_size, sql_literal
+from ..errors import StoreError, UsageError
+from ..safety import memory_limit as checked_size, sql_literal
 
 #: DuckDB's memory cap for ``moetrace sql`` (``--memory-limit`` or MOETRACE_SQL_MEMORY_LIMIT)
 DEFAULT_MEMORY = "1GiB"
@@ -275,7 +275,7 @@ class _Sink:
             sys.stdout.write(("\n]" if self.pretty else "]") if self.rows else "[]")
             sys.stdout.write("\n")
         elif self.fmt == "table":
-            from .output import render_table
+            from ..output import render_table
 
             parts = self._head + list(self._tail)
             df = pl.concat(parts) if parts else pl.DataFrame()

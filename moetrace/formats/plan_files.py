@@ -30,8 +30,9 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..safety import excerpt
-from .eplb import rebalance_experts
-from .planners import Plan
+from ..placement.eplb import rebalance_experts
+from ..placement.planners import Plan
+from ..domain.ranks import node_of
 
 FORMATS = ("sglang", "eplb", "trtllm", "vllm-ascend")
 
@@ -42,7 +43,7 @@ def plan_table(plan: Plan, plan_id: str) -> pa.Table:
     return pa.table({"plan_id": pa.array([plan_id] * (L * S), pa.string()),
                      "layer": np.repeat(plan.layers, S).astype(np.int32),
                      "slot": np.tile(np.arange(S), L).astype(np.int32),
-                     "rank": rank.astype(np.int32), "node": (rank // plan.ranks_per_node).astype(np.int32),
+                     "rank": rank.astype(np.int32), "node": node_of(rank, plan.ranks_per_node).astype(np.int32),
                      "expert": plan.phy2log.ravel().astype(np.int32)})
 
 
@@ -170,7 +171,7 @@ def looks_like_trtllm_yaml(head: bytes) -> bool:
 def read_trtllm_yaml(path: str | Path, num_experts: int | None = None) -> TrtllmEplbConfig:
     """Read a TensorRT-LLM EPLB config YAML (top level, or under ``moe_config.load_balancer``)
     with ``yaml.safe_load``; every problem is an InputError naming the file."""
-    from ..safe_yaml import load as load_yaml
+    from .safe_yaml import load as load_yaml
 
     path = Path(path)
     doc = load_yaml(path)   # aliases counted expanded (max_yaml_nodes) before a value is built
@@ -297,7 +298,7 @@ def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_no
         raise InputError(path, "expected a JSON object with physical_to_logical_map, phy2log, logical_count or "
                                "layer_list")
 
-    from ..input_checks import check_eplb_agrees, counts_array, int_array
+    from .plan_checks import check_eplb_agrees, counts_array, int_array
     from ..safety import SHAPE_MAX, checked_int
 
     def arr(key):

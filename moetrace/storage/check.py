@@ -169,7 +169,7 @@ def first_problem(store: str | os.PathLike) -> Problem | None:
 
 def check_readable(store: str | os.PathLike) -> None:
     """Raise StoreError (one line naming the file) when a reader would trip on a file."""
-    from .errors import StoreError
+    from ..errors import StoreError
 
     p = first_problem(store)
     if p is not None:

@@ -1,8 +1,6 @@
 """Checks of values read from input files that are shared by several readers: integer
 arrays range-checked before numpy converts them, and plan files whose parts must agree.
-
-Ground module: imports only errors / safety and numpy (callable from collectors, the plan
-file readers and the replay loaders alike).
+Imports only errors / safety and numpy.
 """
 from __future__ import annotations
 
@@ -10,8 +8,8 @@ import math
 
 import numpy as np
 
-from .errors import InputError
-from .safety import INT64, _range_name, excerpt
+from ..errors import InputError
+from ..safety import INT64, _range_name, excerpt
 
 
 def _first_bad(value, lo: int, hi: int, where: str):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import InputError
-from .safety import how_to_raise, limit
+from ..errors import InputError
+from ..safety import how_to_raise, limit
 
 
 def _expanded_size(root, cap: int, path) -> int:
