@@ -116,6 +116,7 @@ LIMITS = {lim.name: lim for lim in (
     Limit("max_replay_bytes", "memory a replay, plan or sweep may allocate for its per-step arrays, "
                               "estimated from the run's shape before it starts (default: available memory / 2)",
           lambda: max(256 << 20, _mem_available() // 2)),
+    Limit("max_sweep_cells", "cells of one sweep (replica budgets x re-plan intervals x windows)", 10_000),
 )}
 
 # --set values given to ingest (collect() installs them for the duration of a call)
