@@ -87,6 +87,20 @@ def test_hostile_values_end_in_one_line(cmd, opt, param, value, runner, cli, tmp
     assert "Traceback" not in r.output and "internal error" not in r.output
 
 
+def test_integer_lists_declare_their_range(runner, cli):
+    from moetrace.commands._options import int_list
+
+    for name, cmd in cli.commands.items():
+        for p in cmd.params:
+            if isinstance(p, click.Option) and p.callback is not None:
+                assert p.callback is not int_list, f"{name} {p.opts}: a comma list without a declared range"
+    for v in ("0", "-5", "1,0", "99999999999999999999"):
+        r = runner.invoke(cli, ["sweep", "st", "--replan-every", v])
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "Invalid value" in r.stderr, r.stderr
+    r = runner.invoke(cli, ["sweep", "st", "--replicas", "-4"])
+    assert r.exit_code == 2 and "Invalid value" in r.stderr
+
+
 def test_refusals_the_audit_named(runner, cli, tmp_path):
     """replay --groups 0 (was ZeroDivisionError), --stall-ms nan/inf/-1, --ranks 0, --passes 0,
     --replan-every 0, --max-moves -1, synth --steps 99999999999 (was a 2.9 TiB MemoryError)."""

@@ -254,9 +254,36 @@ def is_numeric(param) -> bool:
             and isinstance(param.type, (click.types.IntParamType, click.types.FloatParamType)))
 
 
+def int_list_in(lo: int, hi: int, most: int = 10_000):
+    """click callback: a comma-separated list of integers, each within lo..hi, at most
+    ``most`` of them."""
+    def cb(ctx, param, value):
+        xs = int_list(ctx, param, value)
+        if xs is None:
+            return None
+        if len(xs) > most:
+            raise click.BadParameter(f"{len(xs)} values; at most {most}")
+        bad = [x for x in xs if not lo <= x <= hi]
+        if bad:
+            raise click.BadParameter(f"{bad[0]} is not in the range {lo}<=x<={hi}")
+        return xs
+
+    cb.declared_range = (lo, hi)
+    return cb
+
+
+#: declared ranges of the comma-list options (``--replicas 0,16,32``), by option name
+LIST_RANGES = {"--replicas": (0, SHAPE), "--replan-every": (1, BIG), "--window": (1, BIG), "--hot": (0, SHAPE - 1)}
+
+
 def apply_ranges(cmd: click.Command) -> None:
-    """Give each numeric option of ``cmd`` its declared range (:data:`RANGES`)."""
+    """Give each numeric option of ``cmd`` its declared range (:data:`RANGES`), and each
+    comma list of integers its range (:data:`LIST_RANGES`)."""
     for p in cmd.params:
+        if isinstance(p, click.Option) and p.callback is int_list:
+            name = max(p.opts, key=len)
+            if name in LIST_RANGES:
+                p.callback = int_list_in(*LIST_RANGES[name])
         if is_numeric(p):
             name = max(p.opts, key=len)
             t = RANGES.get((cmd.name, name)) or RANGES.get(name)
