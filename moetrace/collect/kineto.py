@@ -90,6 +90,8 @@ def _jobs(options: dict, paths: list[Path], total: int) -> int:
         j = int(j)
     except (TypeError, ValueError):
         raise InputError(None, f"--set jobs={j!r}: expected a number or 'auto'") from None
+    if not 1 <= j <= 1024:
+        raise InputError(None, f"--set jobs={j}: parsing processes must be within 1..1024 (or 'auto')")
     return max(1, min(j, len(paths)))
 
 
