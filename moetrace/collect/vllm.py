@@ -59,7 +59,7 @@ def _read(path: Path) -> dict:
         shapes = check_npy_headers(path)  # shapes and dtypes checked before numpy allocates anything
         for what, shape in shapes.items():   # layers, slots: the shape bound, before the rows are built
             for d in shape[1:] if len(shape) > 2 else shape:
-                checked_int(d, 1, SHAPE_MAX, path, f"of {what} shape {list(shape)}", "a dimension")
+                checked_int(d, 0, SHAPE_MAX, path, f"of {what} shape {list(shape)}", "a dimension")
     if name.endswith(".npy"):
         try:
             arr = np.load(path, allow_pickle=False)
