@@ -117,6 +117,10 @@ LIMITS = {lim.name: lim for lim in (
                               "estimated from the run's shape before it starts (default: available memory / 2)",
           lambda: max(256 << 20, _mem_available() // 2)),
     Limit("max_sweep_cells", "cells of one sweep (replica budgets x re-plan intervals x windows)", 10_000),
+    Limit("max_pickle_bytes", "bytes of one pickled dump (Flight Recorder) read by the plain-values unpickler "
+                              "(safety_pickle.py)", 1 << 30),
+    Limit("max_pickle_objects", "objects the value of one pickled dump reaches, shared references counted "
+                                "each time", 10_000_000),
 )}
 
 # --set values given to ingest (collect() installs them for the duration of a call)

@@ -25,6 +25,7 @@ import polars as pl
 
 from ..errors import InputError
 from ..safety import INT64, SHAPE_MAX, bounded_gunzip, check_regular_file, checked_int, limit, max_inflated
+from ._launch_context import CONTEXT_CAT, keep_cpu_op
 from ._profile import CPU_SCHEMA, GPU_SCHEMA
 from ..domain.kernels import COLLECTIVE_OP_PREFIXES
 
@@ -483,6 +484,7 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
     ga, la, ca = g.append, lr.append, c.append
     code = (_CAT_CODE_ALL if all_cpu_ops else _CAT_CODE).get
     first = _COLL_FIRST
+    keep_ctx, ctx_at = keep_cpu_op, set()
     for i, e in enumerate(evs):  # one pass: most events are dropped on their category
         k = code(e.cat)
         if k is None:
@@ -494,6 +496,9 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
                     or (n == "record_param_comms" and e.args is not None
                         and (len(e.args.pg_name) or len(e.args.pg_ranks)))):
                 ca((i, e))
+            elif e.ph == "X" and keep_ctx(n):  # or as launch context (vllm::moe_forward, ...)
+                ca((i, e))
+                ctx_at.add(i)
         elif k == 1:
             la((i, e))
         elif e.ph == "X":
@@ -523,7 +528,7 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
         acc.launch_idx.extend([b0 + i for i, _ in lr])
     if c:
         cpu["name"].extend([str(e.name) for _, e in c])
-        cpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in c])
+        cpu["cat"].extend([CONTEXT_CAT if i in ctx_at else _CAT_CANON.get(e.cat, e.cat) for i, e in c])
         cpu["pid"].extend([(e.pid if type(e.pid) is int else _int(e.pid)) for _, e in c])
         cpu["tid"].extend([(e.tid if type(e.tid) is int else _int(e.tid)) for _, e in c])
         cpu_ts.extend([e.ts for _, e in c])

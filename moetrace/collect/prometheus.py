@@ -258,6 +258,10 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
                       "per-layer balancedness of the engine's last EPLB step before the scrape")
     if "file modification time" in time_from:
         approx.append("scrape time from the file modification time (no timestamp in the samples or file name)")
+    from .logs import _convert
+
+    for r in rows:
+        _convert(r)   # moetrace's imbalance beside the engine's figure (moetrace.domain.balance)
     rows.sort(key=lambda r: (r["ts_ns"] or 0, r["file"], r["line"]))
     table = pa.table({c: pa.array([r.get(c) for r in rows], _TYPES.get(c, pa.float64())) for c in COLUMNS})
     srcs = [p for _, p, _ in scrapes]

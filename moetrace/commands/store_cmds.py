@@ -130,7 +130,7 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
         store_path, paths = paths[0], paths[1:]
     # validates every input before the store is opened or created
     ingest_files(store_path, paths, format=fmt, options=options, run_id=run_id, on_skip=said_skipped,
-                 on_write=said_written)
+                 on_write=said_written, on_warn=lambda line: click.echo(f"warning: {line}", err=True))
 
 
 @click.command()
