@@ -229,6 +229,10 @@ class Run:
         return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 
+    def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
+        """The cost model a replay of this run uses (:class:`moetrace.replay.cost.CostModel`)."""
+        return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
+
     def plan(self, policy: str | None = None, *, ranks: int | None = None, replicas: int | None = None,
              groups: int | None = None, nodes: int | None = None, rpn: int | None = None,
              fit_window: tuple[int, int] | None = None, plan_id: str | None = None, start: str | None = None,
