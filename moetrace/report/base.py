@@ -49,6 +49,8 @@ def fmt_ns(ns) -> str:
     if ns is None:
         return ""
     v = float(ns)
+    if v == 0:
+        return "0"
     for name, size in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
         if abs(v) >= size:
             return f"{v / size:.4g} {name}"

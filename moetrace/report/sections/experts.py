@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from ..base import Figure, ReportContext, Section, md_table
+from ..base import Figure, ReportContext, Section, fmt_ns, md_table
 from .. import plots
 
 ORDER = 20
@@ -48,8 +48,8 @@ def weight_bound(ctx: ReportContext) -> tuple[int, str, str]:
     a, b, src, whose = cost
     short = src.split(":", 1)[0].split(";", 1)[0].strip() or "cost model"
     return (max(1, int(round(b / a))), short,
-            f"the hardware {whose} cost model uses ({short}: {b:,.0f} ns to read an expert's weights vs "
-            f"{a:,.1f} ns per token)")
+            f"the hardware {whose} cost model uses ({short}: {fmt_ns(b)} to read an expert's weights vs "
+            f"{fmt_ns(a)} per token)")
 
 
 def quantile_from_counts(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:
