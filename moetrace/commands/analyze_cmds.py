@@ -86,6 +86,11 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
                   for r in runs]
     df = pl.concat([f for f in frames if f.height] or frames[:1], how="vertical_relaxed")
     emit(df, fmt, output)
+    from ..shape_gaps import gap_notes
+
+    for r in runs:   # a null column always has its reason next to it
+        for n in gap_notes(r.row):
+            click.echo(f"note: {n}", err=True)
 
 
 def register(cli):

@@ -5,6 +5,9 @@ import click
 
 from ._options import int_list
 
+#: the CPU build of PyTorch, for the install line of the torch extra
+CPU_TORCH = "(CPU-only build: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+
 
 def _idle(ctx, param, values):
     out = []
@@ -65,6 +68,9 @@ def refrun(outdir, store_path, run_id, no_profile, quiet, **kw):
     \b
         moetrace refrun rr --ranks 4 --experts 16 --skew 1.2 --idle 3:2 --store st
     """
+    from ..errors import require_extra
+
+    require_extra("moetrace refrun", "torch", "torch", hint=CPU_TORCH)
     from ..produce.refrun import RefRunConfig, run
 
     cfg = RefRunConfig(profile=not no_profile, progress=not quiet, **kw)
@@ -113,6 +119,9 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
         moetrace capture st --tiny qwen3_moe --prompts prompts.txt --max-new-tokens 4
     """
     from .. import open_store
+    from ..errors import require_extra
+
+    require_extra("moetrace capture", "capture", "torch", "transformers")
     from ..produce.capture import capture_prompts, load_model, read_prompts, tiny_model
 
     if bool(model_path) == bool(tiny):
