@@ -110,18 +110,27 @@ def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
                 df = df.with_columns(pl.col(c).cast(pl.Int64, strict=True))
                 continue
             except Exception:
-                bad = s.cast(pl.Int64, strict=False).is_null() & s.is_not_null()
-                i = int(bad.arg_max()) if bad.any() else None
+                i = _first_uncastable(s)
                 raise InputError(path, f"column {c!r} must be integer, got {s[i]!r}" if i is not None else
                                  f"column {c!r} must be integer, got {s.dtype}",
                                  _row(path, offset + i + 1) if i is not None else None) from None
         try:
             df = df.with_columns(pl.col(c).cast(pl.Int64))
         except Exception:  # e.g. a 128-bit integer polars read from a huge literal
-            bad = s.cast(pl.Int64, strict=False).is_null() & s.is_not_null()
-            pos = _row(path, offset + int(bad.arg_max()) + 1) if bad.any() else None
+            i = _first_uncastable(s)
+            pos = _row(path, offset + i + 1) if i is not None else None
             raise InputError(path, f"column {c!r} holds a value outside the 64-bit integer range", pos) from None
     return df
+
+
+def _first_uncastable(s: pl.Series) -> int | None:
+    """Index of the first non-null value of ``s`` that is no 64-bit integer (None: not found,
+    or a type such as a list that has no per-value cast)."""
+    try:
+        bad = s.cast(pl.Int64, strict=False).is_null() & s.is_not_null()
+    except Exception:
+        return None
+    return int(bad.arg_max()) if bad.any() else None
 
 
 def _row(path: Path, row: int) -> str:
