@@ -116,3 +116,16 @@ def test_the_other_extras_say_the_same_line():
     assert isinstance(e, UsageError) and e.exit_code == 2
     assert str(e) == ("--engine spark needs the 'spark' extra (pyspark is not installed): pip install "
                       "'moetrace[spark]' (and a Java runtime)")
+
+
+def test_synth_prints_the_line_the_readme_shows(runner, cli, tmp_path):
+    """The README's first command, word for word: dense expert_counts rows are counted as the
+    expert_load rows they hold (50 steps x 4 layers x 256 experts = 51200)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    cmd, line = re.search(r"\$ moetrace synth demo ([^\n]+)\n(run synth-s0: [^\n]+)", readme).groups()
+    res = runner.invoke(cli, ["synth", str(tmp_path / "demo"), *cmd.split()])
+    assert res.exit_code == 0 and res.output.strip() == line, res.output
+    assert "expert_load 51200 rows" in line

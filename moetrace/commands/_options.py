@@ -185,3 +185,16 @@ def engine_sql(store, engine: str, master: str | None, remote: str | None):
             yield sp.sql
 
     return ctx()
+
+
+def rows_written(rows: dict, run: dict | None = None) -> str:
+    """"expert_load 51200 rows, steps 1600 rows, ...": the rows a write added, as the views show
+    them: dense expert_counts rows (one list of E counts per (step, layer)) counted as the
+    expert_load rows they hold, so the line matches ``moetrace runs`` and a query of
+    expert_load. One line for ingest, synth, refrun and capture."""
+    rows = dict(rows)
+    E = (run or {}).get("num_experts")
+    if "expert_counts" in rows and E:
+        dense = rows.pop("expert_counts")
+        rows = {"expert_load": rows.pop("expert_load", 0) + dense * int(E), **rows}
+    return ", ".join(f"{t} {n} rows" for t, n in rows.items())

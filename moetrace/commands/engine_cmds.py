@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from ._options import int_list
+from ._options import int_list, rows_written
 
 #: the CPU build of PyTorch, for the install line of the torch extra
 CPU_TORCH = "(CPU-only build: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
@@ -90,8 +90,7 @@ def refrun(outdir, store_path, run_id, no_profile, quiet, **kw):
         from ..collect import ingest
 
         def said(rd, res):
-            click.echo(f"run {res.run_id}: " + (res.message if res.skipped else
-                                                 ", ".join(f"{t} {n} rows" for t, n in res.rows.items())))
+            click.echo(f"run {res.run_id}: " + (res.message if res.skipped else rows_written(res.rows, rd.run)))
 
         ingest(store_path, [outdir], run_id=run_id, on_write=said)
 
@@ -135,7 +134,7 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
                           progress=lambda line: click.echo(line, err=True))   # progress on stderr
     res = cap.write(open_store(store, create=True), run_id=run_id, source=source)
     click.echo(f"run {res.run_id} ({type(model).__name__}, {len(cap.routers)} MoE layers, {cap.step + 1} steps): "
-               + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+               + rows_written(res.rows))
 
 
 def register(cli):

@@ -5,7 +5,7 @@ import click
 
 from .. import open_store
 from ..output import emit, output_options
-from ._options import engine_options, kv_options, store_argument
+from ._options import engine_options, kv_options, rows_written, store_argument
 
 store_arg = store_argument
 
@@ -71,7 +71,7 @@ def synth(store, run_id, **kw):
     if res.skipped:
         click.echo(f"{res.message}; nothing written")
     else:
-        click.echo(f"run {res.run_id}: " + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+        click.echo(f"run {res.run_id}: " + rows_written(res.rows, open_store(store).run_row(res.run_id)))
 
 
 @click.command()
@@ -121,8 +121,7 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
         if res.skipped:
             click.echo(f"{', '.join(rd.files)}: {res.message}; nothing written")
         else:
-            click.echo(f"run {res.run_id} ({rd.run.get('collector')}): "
-                       + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+            click.echo(f"run {res.run_id} ({rd.run.get('collector')}): " + rows_written(res.rows, rd.run))
             if any(t in rd.tables for t in ("expert_load", "expert_counts", "routing")):
                 from ..shape_gaps import shape_gaps
 
