@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from .notebook import NotebookView
+
 if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
     import polars as pl
 
@@ -78,7 +80,7 @@ class Shape:
         return cls(**kw)
 
 
-class Run:
+class Run(NotebookView):
     """One run of a store: its shape, its metrics, and what-ifs over it.
 
     Get one with ``moetrace.open_store(path).run(run_id)`` (``run_id=None``: the store's
@@ -93,6 +95,12 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.id!r} in {str(self.store.path)!r})"
+
+    def _notebook_view(self):
+        """In a notebook: the source, the shape and what it leaves unknown (moetrace.notebook)."""
+        from .notebook import run_view
+
+        return run_view(self)
 
     # ------------------------------------------------------------------ what the run is
     @cached_property
