@@ -65,3 +65,42 @@ def test_run_shows_its_shape_and_what_is_unknown(run, tmp_path):
     ingest(tmp_path / "st", [f])
     bare = Store(tmp_path / "st").run("loads")
     assert "Unknown: num_ranks, top_k" in bare._repr_markdown_()
+
+
+@pytest.fixture(scope="module")
+def results(run):
+    rep = run.replay(policy="eplb", replicas=4, fit_window=(0, 12), write=False)
+    drift = run.drift("eplb", every=6, write=False)
+    sweep = run.sweep("eplb", replicas=[0, 4], intervals=[6])
+    return rep, drift, sweep
+
+
+def test_replay_result_answers_in_words_with_its_numbers(results):
+    rep = results[0]
+    j = rep.judged
+    md, page = rep._repr_markdown_(), rep._repr_html_()
+    assert md.startswith(f"**replay {rep.replay_id} of run {rep.run_id}")
+    assert (f"The busiest rank carries {j.summary.mean_imbalance:.2f}× the mean rank's tokens vs "
+            f"{j.recorded.mean_imbalance:.2f}× recorded") in md
+    assert f"Verdict: {j.verdict}" in md and f"judged on {rep.judged_on}" in md
+    cells = _html_cells(page)
+    # the table: recorded and the plan, net ms as the result holds them (ns / 1e6)
+    assert f"{j.net_step_ns / 1e6:.3f}" in cells and f"{j.recorded_step_ns / 1e6:.3f}" in cells
+    assert cells.count("recorded") == 1 and "eplb" in cells
+
+
+def test_drift_and_sweep_results_name_the_fastest_net(results):
+    _, drift, sweep = results
+    md = drift._repr_markdown_()
+    f = drift.fastest()
+    lead = "Fastest net" if f.net_step_ns < f.recorded_step_ns else "No plan beats the recorded placement net; the closest"
+    assert f"{lead}: {f.kind}, {f.net_step_ns / 1e6:.3f} ms" in md
+    cells = _html_cells(drift._repr_html_())
+    assert {"static", "replan", "oracle"} <= set(cells)
+    ok = [r for r in sweep.rows if r.skipped is None and r.net_ms is not None]
+    best = min(ok, key=lambda r: r.net_ms)                  # by hand over the result's own rows
+    md = sweep._repr_markdown_()
+    lead = "Fastest net" if best.net_ms < best.recorded_ms else "No cell beats the recorded placement net; the closest"
+    assert f"{lead}: {best.replicas} redundant slots" in md and f"{best.net_ms:.3f} ms vs" in md
+    assert re.search(r"\| replicas \| replan_every \| window \|", md)
+    assert len(_html_cells(sweep._repr_html_())) == 8 * (len(sweep.rows) + 1)
