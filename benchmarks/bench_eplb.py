@@ -12,7 +12,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import main, result, timer  # noqa: E402
-from moetrace.replay.eplb import rebalance_experts  # noqa: E402
+from moetrace.placement.eplb import rebalance_experts  # noqa: E402
 from tests.eplb_reference import rebalance_experts_reference  # noqa: E402
 
 

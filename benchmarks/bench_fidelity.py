@@ -86,7 +86,7 @@ TARGETS = {"ratio_err_median": 0.05, "ratio_err_worst": 0.10, "layer_mape": 0.10
 
 
 def _plan_file(policy: str, load: np.ndarray, ranks: int, out: Path) -> Path:
-    from moetrace.replay.planners import PlanShape, make_plan
+    from moetrace.placement.planners import PlanShape, make_plan
 
     L, E = load.shape
     slots = E + (ranks if policy == "eplb+r" else 0)
@@ -119,7 +119,7 @@ def _pool(parts: list[dict]) -> dict:
     renumbered), summarized per (step, layer, rank) by the median and spread."""
     import polars as pl
 
-    from moetrace.produce.refrun import summarize_timing
+    from moetrace.formats.refrun import summarize_timing
 
     timing, off = [], 0
     for p in parts:
@@ -151,7 +151,7 @@ def _arrays(r: dict, sz: dict, estimator: str = "median"):
 def _block(routing, phy2log: np.ndarray, ranks: int, sz: dict):
     """Replay of a run's routing under ``phy2log``: tokens, touched, bytes [t, L, R]."""
     from moetrace.replay.engine import replay_routing
-    from moetrace.replay.planners import Plan
+    from moetrace.placement.planners import Plan
 
     plan = Plan(phy2log, sz["experts"], ranks, ranks)
     rt = routing
@@ -256,7 +256,7 @@ def score(name: str, ranks: int, data: dict, sz: dict) -> list[dict]:
     the replay of A's routing under its plan (what :func:`run_matrix` keeps)."""
     from types import SimpleNamespace
 
-    from moetrace.replay.calibrate import fit_layer_model
+    from moetrace.replay.calibrate_fit import fit_layer_model
 
     blk = {pol: SimpleNamespace(**{k: np.asarray(d[k], np.float64)
                                    for k in ("tokens", "touched", "bytes_intra", "bytes_inter")})

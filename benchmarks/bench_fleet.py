@@ -95,7 +95,7 @@ def _placement(cfg: dict, p: np.ndarray):
 def _chunks(cfg: dict, steps: int, p: np.ndarray, timing: dict):
     """expert_counts rows (the dense layout: one list of E counts per step and layer),
     ``chunk_steps`` steps at a time; the expert_load view shows them as E rows each."""
-    from moetrace.analyze.dense import grid_table
+    from moetrace.storage.dense import grid_table
 
     rng = np.random.default_rng(0)
     L, E, n_step = cfg["layers"], cfg["experts"], cfg["chunk_steps"]
@@ -145,7 +145,7 @@ class _RssSampler:
 
 
 def _stage_ingest(store: str, cfg: dict, steps: int, q) -> None:
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     p = _popularity(cfg)
     timing = {"generate_s": 0.0}
@@ -183,7 +183,7 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
     spill, so one query over a billion rows runs out of any fixed memory_limit (measured:
     7,200 steps at 6 GB fail); the step filter is pushed through the view's GROUP BYs and
     Parquet row-group statistics skip the other steps, so each batch reads only its rows."""
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     st = Store(store)
     con = st.connect(threads=THREADS, memory_limit=cfg["duck_memory"])

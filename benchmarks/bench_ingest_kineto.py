@@ -139,7 +139,7 @@ def run(size: str) -> list[dict]:
             opts = {} if jobs is None else {"jobs": jobs}
             return _measure(sys.executable, f"""
 from moetrace.collect import ingest
-from moetrace.store import Store
+from moetrace.storage.store import Store
 res = ingest(Store({str(store)!r}, create=True), [{str(folder)!r}], options={opts!r})
 assert res and not res[0].skipped
 """)

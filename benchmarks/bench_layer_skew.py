@@ -68,7 +68,7 @@ def _chunks(layers, experts, steps, chunk_steps, seed=0):
 
 
 def _generate(path: str, cfg: dict, q):
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     t0 = time.perf_counter()
     st = Store(path, create=True)
@@ -86,7 +86,7 @@ LAYER_SKEW_COLUMNS = ("max_rank_tokens, mean_rank_tokens, imbalance, efficiency,
 
 
 def _duck(path: str, max_step: int | None, q):
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     st = Store(path)
     con = st.connect(threads=DUCK_THREADS, memory_limit=DUCK_MEMORY)
@@ -147,7 +147,7 @@ def _pandas(path: str, max_step: int, E: int, R: int, q):
 def _report(path: str, q):
     """The whole report (every section installed) on the same store, views cached per run."""
     from moetrace.report.build import build_report
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     st = Store(path)
     st._con = st.connect(threads=DUCK_THREADS, memory_limit=DUCK_MEMORY)

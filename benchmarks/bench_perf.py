@@ -166,8 +166,8 @@ READ_CODE = """
 import sys, time, json
 sys.path.insert(0, {repo!r})
 import pyarrow.parquet  # imported before the clock starts: read speed, not start-up
-from moetrace.store import Store
-from moetrace.analyze.dense import read_counts
+from moetrace.storage.store import Store
+from moetrace.storage.dense import read_counts
 st = Store({store!r})
 secs = []
 for _ in range(3):
@@ -268,7 +268,7 @@ def run(size: str = "small") -> list[dict]:
                read_rate / GOALS["read_rows_s"],
                notes=f"{_goal(read_rate >= GOALS['read_rows_s'], '>= 50M count rows/s')}; {rows:,} count rows into "
                      f"[T, L, E] in {rdj['read_s']:.2f} s, best of 3 in one process (first call {rdj['first_s']:.2f} s; "
-                     f"moetrace.analyze.dense.read_counts){before('read_rows_s', '{:.3g} rows/s')}"),
+                     f"moetrace.storage.dense.read_counts){before('read_rows_s', '{:.3g} rows/s')}"),
         result(b, "start-up: moetrace --help", min(helps), "s", "goal 0.5 s", GOALS["startup_s"],
                min(helps) / GOALS["startup_s"],
                notes=f"{_goal(min(helps) < GOALS['startup_s'], '< 0.5 s')}; best of 3{before('startup_s', '~{:.0f} s')}"),

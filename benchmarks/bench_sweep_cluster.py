@@ -24,7 +24,7 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import heavy_lock, main, result, timer  # noqa: E402
 from moetrace.produce.synth import SynthConfig, synth  # noqa: E402
-from moetrace.store import Store  # noqa: E402
+from moetrace.run import Store  # noqa: E402
 
 SIZES = {
     "small": dict(cfg=dict(layers=2, experts=64, top_k=4, ranks=8, ranks_per_node=4, steps=40, tokens_per_step=256,

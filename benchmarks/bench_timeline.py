@@ -4,7 +4,7 @@ The CPU expert-parallel reference run (``moetrace refrun``, gloo all-to-alls, pr
 runs once with one micro-batch (run A) and once with ``--micro-batches 2`` (run B: the
 all-to-all of one half in flight while the other half computes; same seed, same tokens,
 same routing). The overlap what-if (``moetrace whatif --only overlap``,
-:func:`moetrace.replay.whatif.overlap_two_micro_batches`) predicts B's step time from A's
+:func:`moetrace.replay.timeline_whatif.overlap_two_micro_batches`) predicts B's step time from A's
 recorded timeline alone; printed side by side with B's measured step time (mean over
 steps of the slowest rank's step) and A's.
 
@@ -43,8 +43,8 @@ def run(size: str) -> list[dict]:
     from moetrace.collect import ingest
     from moetrace.produce.refrun import RefRunConfig
     from moetrace.produce.refrun import run as refrun
-    from moetrace.replay.whatif_store import run_whatifs
-    from moetrace.store import Store
+    from moetrace.replay.timeline_whatif_store import run_whatifs
+    from moetrace.run import Store
 
     cfg = SIZES[size]
     load0 = os.getloadavg()[0]

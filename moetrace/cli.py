@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from .version import __version__
 from .errors import MoetraceError
 
 COMMANDS_DIR = Path(__file__).resolve().parent / "commands"

@@ -20,10 +20,12 @@ HolisticTraceAnalysis's ``TraceAnalysis``: open a store, take one run, ask it qu
     run.drift("eplb", every=10)    # static vs re-planned vs oracle placement over time
     run.sweep("eplb", replicas=[0, 16, 32])  # the operator's decision table
     run.calibrate(judge=["rb"])    # fit the cost model on measured spans, judge on another run
-    run.report("out/")             # report.html, report.md and PNGs
+
+    from moetrace.report.build import build_report
+    build_report(run.store, run.id, "out/")   # report.html, report.md and PNGs
 
 Every method reads the store through the same SQL views ``moetrace sql`` shows (one
-definition of each quantity, in ``moetrace/analyze/sql``) or delegates to the replay
+definition of each quantity, in ``moetrace/storage/sql``) or delegates to the replay
 package; the CLI commands and the report are thin callers of these methods. Frames are
 polars DataFrames with the columns of the view they come from (``moetrace tables VIEW``
 documents them); results that are not tables are dataclasses.
@@ -41,6 +43,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .notebook import NotebookView
+from .storage.store import Store as _Store
 
 if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
     import polars as pl
@@ -136,7 +139,7 @@ class Run(NotebookView):
         NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means.
         The per-(step, layer) view is computed once, in batches of ``batch_steps`` steps,
         DuckDB capped at ``memory_limit``; ``progress(line)`` gets progress lines. With
-        ``sql`` (a :class:`moetrace.spark.SparkSQL`'s ``sql``), the views run on that engine
+        ``sql`` (a :class:`moetrace.storage.spark.SparkSQL`'s ``sql``), the views run on that engine
         as they are, unbatched."""
         from .analyze.frames import skew, skew_frame
 
@@ -164,7 +167,7 @@ class Run(NotebookView):
         compute kernel on the same device hid, per kind, rank, group, straggler and
         stream mode (:class:`moetrace.analyze.exposure.Exposure`; ``has_a2a`` False when
         the run has no all-to-all kernel at all). ``sql``: run the view queries elsewhere
-        (a :class:`moetrace.spark.SparkSQL`'s ``sql``)."""
+        (a :class:`moetrace.storage.spark.SparkSQL`'s ``sql``)."""
         from .analyze.exposure import exposure
 
         return exposure(self.store, self.id, sql=sql)
@@ -197,16 +200,16 @@ class Run(NotebookView):
 
     def whatif(self, **kw):
         """Two-micro-batch overlap, attention/FFN disaggregation and NVLink domain size on
-        the recorded timeline (:func:`moetrace.replay.whatif_store.run_whatifs`, keyword
+        the recorded timeline (:func:`moetrace.replay.timeline_whatif_store.run_whatifs`, keyword
         options as there; writes ``replay_whatif`` unless ``write=False``)."""
-        from .replay.whatif_store import run_whatifs
+        from .replay.timeline_whatif_store import run_whatifs
 
         return run_whatifs(self.store, self.id, **kw)
 
     def stored_whatifs(self) -> "pl.DataFrame | None":
         """The newest ``replay_whatif`` rows of each kind written for this run (long form,
         one metric per row); None when ``moetrace whatif`` never wrote any."""
-        from .replay.whatif_store import latest
+        from .replay.timeline_whatif_store import latest
 
         return latest(self.store, self.id)
 
@@ -214,23 +217,23 @@ class Run(NotebookView):
         """The report's in-memory placement what-if (nothing written): the recorded placement
         and a few plans fitted on the first half of the steps (of the first ``max_cells``
         steps x layers x experts), judged on the rest, net of moves
-        (:class:`moetrace.replay.adapter.WhatIf`; None without a rank count). Raises
+        (:class:`moetrace.replay.placement_whatif.PlacementWhatIf`; None without a rank count). Raises
         ``InputError`` when the run has no expert load to replay."""
-        from .replay.adapter import whatif
+        from .replay.placement_whatif import placement_whatif
 
-        return whatif(self.store, self.id, self._replay_shape, max_cells)
+        return placement_whatif(self.store, self.id, self._replay_shape, max_cells)
 
     # ------------------------------------------------------------------ what-ifs (replay)
     @cached_property
     def _replay_shape(self):
-        from .replay.adapter import RunShape
+        from .replay.load import RunShape
 
         return RunShape.from_store(self.store, self.id)
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
                      passes=None):
-        from .replay.adapter import ReplayOptions
-        from .replay.run_cost import run_cost_model
+        from .replay.results import ReplayOptions
+        from .replay.cost_fit import run_cost_model
         from .replay.strategies import MoveCost
 
         cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost)
@@ -246,13 +249,13 @@ class Run(NotebookView):
              fit_window: tuple[int, int] | None = None, plan_id: str | None = None, start: str | None = None,
              import_file=None, max_moves: int | None = None, target_imbalance: float | None = None,
              store: bool = False, out=None, out_format: str = "sglang", relabel: bool = True):
-        """A placement plan: ``policy`` (``moetrace.replay.planners.PLANNERS``) fitted on the
+        """A placement plan: ``policy`` (``moetrace.placement.planners.PLANNERS``) fitted on the
         run's summed load (steps ``fit_window`` = (A, B), A <= step < B; default all) and
         renamed to keep experts where ``start`` (default the recorded plan) has them; or
         ``import_file``; or ``start`` re-planned with a move budget. Stored with
         ``store=True``, exported to ``out``. Returns a
-        :class:`moetrace.replay.adapter.PlanResult` (plan, moves, imbalance on the fit load)."""
-        from .replay.adapter import make_run_plan
+        :class:`moetrace.replay.make_plan.PlanResult` (plan, moves, imbalance on the fit load)."""
+        from .replay.make_plan import make_run_plan
 
         return make_run_plan(self.store, self.id, self._replay_shape, policy=policy, ranks=ranks, replicas=replicas,
                              groups=groups, nodes=nodes, rpn=rpn, fit_window=fit_window, start_plan_id=start,
@@ -269,29 +272,31 @@ class Run(NotebookView):
         after the fit window) unless ``in_sample``. Options: split, hardware, fit_cost,
         rank_rows, stall_ms, overlap (share of the weight transfer hidden), passes. Writes
         ``replay_*`` tables unless ``write=False``. Returns a
-        :class:`moetrace.replay.adapter.ReplayResult` (``.to_dict()`` is ``replay --json``)."""
-        from .replay import adapter, plan_io
-        from .replay.planners import Plan
+        :class:`moetrace.replay.results.ReplayResult` (``.to_dict()`` is ``replay --json``)."""
+        from .formats import plan_files as plan_io
+        from .replay.judge_plan import fit_plan, judged_steps, replay
+        from .replay.plan_store import load_plan
+        from .placement.planners import Plan
 
         shape, o = self._replay_shape, self._replay_opts(**opts)
         notes: list[str] = []
         judged = None
         if plan is None:
             ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
-            plan, judged = adapter.fit_plan(self.store, self.id, shape, policy, ps, fit_window, in_sample=in_sample)
+            plan, judged = fit_plan(self.store, self.id, shape, policy, ps, fit_window, in_sample=in_sample)
         elif isinstance(plan, str):
             pid = plan
-            plan = adapter.load_plan(self.store, self.id, pid, shape)
+            plan = load_plan(self.store, self.id, pid, shape)
             meta = plan_io.plan_meta(self.store, self.id, pid)
             if pid != "recorded" and meta is not None and meta.get("fit_end") is not None:
-                judged = adapter.judged_steps(shape, (int(meta["fit_start"]), int(meta["fit_end"])), in_sample, pid)
+                judged = judged_steps(shape, (int(meta["fit_start"]), int(meta["fit_end"])), in_sample, pid)
             else:
                 notes = plan_io.fit_notes(meta, shape.steps, pid)
         elif not isinstance(plan, Plan):
             raise TypeError("plan must be a Plan, a stored plan id or 'recorded'")
         if chrome_trace and not trace_steps:
             trace_steps = [int(judged.steps[0]) if judged is not None else int(shape.steps[0])]
-        res = adapter.replay(self.store, self.id, shape, plan, o, judged=judged, write=write, fitted=policy is not None,
+        res = replay(self.store, self.id, shape, plan, o, judged=judged, write=write, fitted=policy is not None,
                              extra_notes=notes, trace_steps=trace_steps,
                              params={"policy": policy, "plan": plan.plan_id, "fit_window": fit_window,
                                      "in_sample": in_sample, **{k: v for k, v in opts.items()}})
@@ -312,11 +317,11 @@ class Run(NotebookView):
         """Static plan vs re-planning every ``every`` steps from the trailing ``window``
         steps (default ``every``; with ``max_moves`` move-aware) vs an oracle, judged on the
         steps after the first window against the recorded placement, net of moving experts.
-        Returns a :class:`moetrace.replay.adapter.DriftResult`."""
-        from .replay import adapter
+        Returns a :class:`moetrace.replay.drift.DriftResult`."""
+        from .replay.drift import drift
 
         ps = self._replay_shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
-        return adapter.drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
+        return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
                              self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
@@ -328,7 +333,7 @@ class Run(NotebookView):
         kind ``sweep`` and its ``replay_layer`` rows). ``workers`` (a local Dask cluster of
         that many processes) or ``scheduler`` (an existing one, ``tcp://host:8786``) fan
         the cells out (:mod:`moetrace.replay.distributed`): same rows, written once, here.
-        Returns a :class:`moetrace.replay.adapter.SweepResult` (``.frame()``, ``.rows``,
+        Returns a :class:`moetrace.replay.sweep.SweepResult` (``.frame()``, ``.rows``,
         ``.notes``)."""
         job = self.plan_sweep(policy, replicas, intervals, windows, ranks=ranks, groups=groups, nodes=nodes,
                               rpn=rpn, write=write, sweep_id=sweep_id, **opts)
@@ -338,10 +343,10 @@ class Run(NotebookView):
                    ranks: int | None = None, groups=None, nodes=None, rpn=None, write: bool = False,
                    sweep_id: str | None = None, **opts):
         """The sweep's cells, checked, nothing judged yet (a
-        :class:`moetrace.replay.adapter.SweepJob` for :func:`run_sweeps`)."""
-        from .replay import adapter
+        :class:`moetrace.replay.sweep.SweepJob` for :func:`run_sweeps`)."""
+        from .replay.sweep import plan_sweep
 
-        return adapter.plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
+        return plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
                                   windows, self._replay_opts(**opts), ranks=ranks, groups=groups, nodes=nodes,
                                   rpn=rpn, write=write, sweep_id=sweep_id)
 
@@ -375,26 +380,31 @@ class Run(NotebookView):
 
         return calibrate(self.store, self.id, list(judge), **kw)
 
-    # ------------------------------------------------------------------ report
-    def report(self, outdir=None, **kw):
-        """Build every report section into ``outdir`` (default ``./moetrace-report-RUN``):
-        report.html (self-contained), report.md and PNGs. Keyword arguments as
-        :func:`moetrace.report.build.build_report` (``batch_steps``, ``memory_limit``,
-        ``progress``). Returns the Report (``.terminal()`` is the printed summary)."""
-        from .report.build import build_report
 
-        return build_report(self.store, self.id, outdir, **kw)
+class Store(_Store):
+    """The store with the facade on it: ``store.run(run_id)`` is the :class:`Run` of
+    ``run_id`` (None: the store's only run). What :func:`moetrace.open_store` returns; the
+    store itself (:mod:`moetrace.storage.store`) does not know the facade."""
+
+    def run(self, run_id: str | None = None) -> Run:
+        return Run(self, self.resolve_run(run_id))
+
+
+def open_store(path, create: bool = False) -> Store:
+    """Open (or with ``create=True`` make) the store at ``path``; ``open_store(p).run(id)``
+    gives the run's facade, and ``with open_store(p) as st:`` closes it."""
+    return Store(path, create=create)
 
 
 def run_sweeps(store, jobs, workers: int | None = None, scheduler: str | None = None) -> list:
     """Judge planned sweeps (:meth:`Run.plan_sweep`, one per run: plans x windows x budgets
     x runs) in this process, or as independent tasks on a local Dask cluster of ``workers``
     processes / the existing one at ``scheduler``; each stored sweep is written here, once
-    per run. Returns one :class:`moetrace.replay.adapter.SweepResult` per job."""
+    per run. Returns one :class:`moetrace.replay.sweep.SweepResult` per job."""
     if workers is None and scheduler is None:
-        from .replay import adapter
+        from .replay.sweep import finish_sweep, run_sweep_cells
 
-        return [adapter.finish_sweep(store, job, adapter.run_sweep_cells(store, job)) for job in jobs]
+        return [finish_sweep(store, job, run_sweep_cells(store, job)) for job in jobs]
     from .replay import distributed
 
     return distributed.sweep(store, jobs, workers=workers, scheduler=scheduler)

@@ -24,7 +24,6 @@ import stat
 import urllib.parse
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import InputError, UsageError
 
@@ -335,13 +334,3 @@ def plausible_header(names) -> bool:
     """True when column names look like a CSV header (identifiers), so they may be quoted
     back in a message; anything else (a secret file's first line) is never echoed."""
     return all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_ .\-]{0,63}", str(c)) for c in names) and len(names) <= 64
-
-
-def is_symlink_anywhere(root: Path, rel: Path) -> bool:
-    """True when any component of root/rel (below root) is a symlink."""
-    p = root
-    for part in rel.parts:
-        p = p / part
-        if p.is_symlink():
-            return True
-    return False

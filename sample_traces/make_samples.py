@@ -23,7 +23,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from moetrace.store import Store
+from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, synth
 
 HERE = Path(__file__).resolve().parent

@@ -2,14 +2,14 @@
 
 It follows the published algorithm step by step with the tie rules of ``FORMATS.md``
 (float32 arithmetic, stable descending sort, lowest index wins) and exists to check the
-vectorized :func:`moetrace.replay.eplb.rebalance_experts` and to time it against. Nothing
+vectorized :func:`moetrace.placement.eplb.rebalance_experts` and to time it against. Nothing
 else should call it: it is slow on purpose (no numpy beyond float32 scalars).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from moetrace.replay.eplb import check_shape
+from moetrace.placement.eplb import check_shape
 
 f32 = np.float32
 
@@ -90,7 +90,7 @@ def _layer(w: list, num_phy: int, G: int, N: int, num_gpus: int):
 
 
 def rebalance_experts_reference(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int):
-    """Same contract as :func:`moetrace.replay.eplb.rebalance_experts`."""
+    """Same contract as :func:`moetrace.placement.eplb.rebalance_experts`."""
     rows = [[f32(x) for x in row] for row in np.asarray(weight, dtype=np.float32).tolist()]
     E = len(rows[0])
     if not check_shape(E, num_replicas, num_groups, num_nodes, num_gpus):

@@ -12,7 +12,7 @@ import uuid
 import numpy as np
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, synth
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from moetrace.analyze import choose_batch_steps, drop_materialized, materialize_layer_skew
 from moetrace.report.sections.experts import quantile_from_counts
-from moetrace.store import Store
+from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, synth
 
 KEYS = {"layer_skew": ["step", "layer"], "tokens_per_expert": ["step", "layer"],

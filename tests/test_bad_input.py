@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moetrace.collect import Collector, RunData, register, registry
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import REPO, tree_hash
 

@@ -1,4 +1,4 @@
-"""Bad input for the issue-#15 sources (TensorRT-LLM statistics and EPLB YAML, wide
+"""Bad input for the plan-file and statistics sources (TensorRT-LLM statistics and EPLB YAML, wide
 per-token routing, Prometheus scrapes, vllm-ascend / TensorRT-LLM plan files), fed through
 the CLI: exit code 2, one line naming the file (and the position where the format has
 one), no traceback, and the store byte-for-byte as it was (``tree_hash``). Same style as
@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from moetrace.collect import ingest
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import tree_hash
 

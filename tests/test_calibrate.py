@@ -9,8 +9,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.replay import calibrate as cal
-from moetrace.store import Store
+from moetrace.replay import calibrate as cal, calibrate_fit as calfit
+from moetrace.run import Store
 from tests.conftest import tree_hash
 
 R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2
@@ -129,7 +129,7 @@ def exact_store(tmp_path):
     return st, (tok, tch, bi, bo)
 
 
-def _grid(c: cal.Cells, arr):
+def _grid(c: calfit.Cells, arr):
     return arr[c.step, c.layer, c.rank]
 
 
@@ -148,7 +148,7 @@ def test_observe_inputs_match_independent_count(exact_store):
 
 def test_fit_recovers_known_parameters(exact_store):
     st, _ = exact_store
-    f = cal.fit(cal.observe(st, "a"))
+    f = calfit.fit(cal.observe(st, "a"))
     assert f.model.a_ns == pytest.approx(A_TRUE, rel=1e-3)
     assert f.model.b_ns == pytest.approx(B_TRUE, rel=1e-3)
     assert f.comm_latency_ns == pytest.approx(LAT, rel=1e-3)
@@ -191,7 +191,7 @@ def test_noisy_fit_is_the_closed_form_least_squares(tmp_path):
     cm = np.round((LAT + CI * bi + CO * bo) * rng.lognormal(0, 0.2, tok.shape))
     st = Store(tmp_path / "st", create=True)
     _write(st, "n", rt, CONTIG, ex, cm, per_slot_spans=False)
-    f = cal.fit(cal.observe(st, "n"))
+    f = calfit.fit(cal.observe(st, "n"))
     m = ex > 0
     x1, x2, y = tok[m], tch[m], ex[m]
     # normal equations of min |a x1 + b x2 - y|^2, solved by hand (Cramer's rule)
@@ -221,7 +221,7 @@ def test_mape_loss_minimizes_the_percentage_error():
     y[:6] *= 20                                     # a few preempted cells
     X = np.stack([x1, x2], axis=1)
     obj = lambda c: np.mean(np.abs(X @ c - y) / y)  # noqa: E731
-    c_mape = cal.fit_mape(X, y)
+    c_mape = calfit.fit_mape(X, y)
     c_l2 = np.linalg.lstsq(X, y, rcond=None)[0]
     assert obj(c_mape) < obj(c_l2)
     assert obj(c_mape) <= obj(np.array([A_TRUE, B_TRUE])) * (1 + 1e-6)
@@ -446,21 +446,21 @@ def test_fit_layer_model_recovers_known_terms():
     layer = lat + comp.max(axis=2)
     from moetrace.replay.cost import CostModel
     free = CostModel(0.0, 0.0, 1e30, 1e30, "bytes cost nothing")     # the base bandwidths: bytes free
-    m = cal.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency", "fixed"), base=free)
+    m = calfit.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency", "fixed"), base=free)
     assert (m.a_ns, m.b_ns, m.fixed_ns, m.latency_ns) == pytest.approx((a, b, fixed, lat), rel=1e-6)
     # the replay's rank_ns reproduces the layer time: latency + the slowest rank's compute
     d, c, cb = m.rank_ns(tok, tch, byt, np.zeros_like(byt))
     assert (d + c + cb).max(axis=2) == pytest.approx(layer, rel=1e-9)
     # a bytes term: the remainder grows with the slowest rank's dispatch + combine bytes
     layer_b = layer + per_byte * 2 * np.take_along_axis(byt, slow[..., None], 2)[..., 0]
-    mb = cal.fit_layer_model(blk, comp, layer_b, ("tokens", "slot", "latency", "fixed", "bytes"), base=free)
+    mb = calfit.fit_layer_model(blk, comp, layer_b, ("tokens", "slot", "latency", "fixed", "bytes"), base=free)
     assert mb.latency_ns == pytest.approx(lat, rel=1e-6)
     assert 1e9 / mb.nvlink_Bps == pytest.approx(per_byte, rel=1e-6)
     # without the fixed term, tokens and slots soak it up: the fit is worse, not exact
-    m0 = cal.fit_layer_model(blk, comp, layer, ("tokens", "slot"), base=free)
+    m0 = calfit.fit_layer_model(blk, comp, layer, ("tokens", "slot"), base=free)
     assert m0.fixed_ns == 0 and m0.latency_ns == 0
     with pytest.raises(Exception, match="unknown cost-model terms"):
-        cal.fit_layer_model(blk, comp, layer, ("tokens", "wait"))
+        calfit.fit_layer_model(blk, comp, layer, ("tokens", "wait"))
 
 
 def test_fidelity_evaluate_by_hand():

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="capture needs PyTorch (pip install 
 pytest.importorskip("transformers", reason="capture needs transformers (pip install 'moetrace[capture]')")
 
 from moetrace.produce.capture import TINY, capture, tiny_model  # noqa: E402
-from moetrace.store import Store  # noqa: E402
+from moetrace.run import Store  # noqa: E402
 
 K = 2
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from moetrace.collect.classify import Classifier, classify, normalize_collective, normalize_name
+from moetrace.domain.kernels import Classifier, classify, normalize_collective, normalize_name
 from moetrace.errors import InputError
 
 

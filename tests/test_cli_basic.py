@@ -133,7 +133,7 @@ def test_json_pretty_and_out_alias(demo, runner, cli, tmp_path):
 def test_view_column_meanings_name_real_columns(tmp_path):
     """view_columns.json must not drift from the SQL: every column it explains exists."""
     import moetrace
-    from moetrace.analyze import view_columns, view_docs
+    from moetrace.storage.views import view_columns, view_docs
 
     con = moetrace.open_store(tmp_path / "empty", create=True).connect()
     for view, cols in view_columns().items():
@@ -149,7 +149,7 @@ def test_help_imports_no_data_stack():
     import sys
 
     code = ("import sys\nfrom moetrace.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('polars', 'duckdb', 'pyarrow', 'numpy', 'matplotlib', 'moetrace.store') "
+            "heavy = [m for m in ('polars', 'duckdb', 'pyarrow', 'numpy', 'matplotlib', 'moetrace.storage.store') "
             "if m in sys.modules]\nprint('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out and "ingest" in out and "replay" in out

@@ -114,7 +114,7 @@ def test_one_value_where_one_is_meant(cli, runner, tmp_path):
 
 def test_plan_refuses_the_options_a_stored_plan_ignores(runner, cli, tmp_path):
     from moetrace.produce.synth import SynthConfig, synth
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     st = Store(tmp_path / "st", create=True)
     synth(st, SynthConfig(layers=1, experts=8, top_k=2, ranks=4, ranks_per_node=4, steps=4, tokens_per_step=32))

@@ -11,8 +11,8 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from moetrace.analyze import dense
-from moetrace.store import Store
+from moetrace.storage import dense
+from moetrace.run import Store
 
 VIEWS = {   # view -> sort keys
     "run_shape": ["run_id"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import shared_data
 from .test_kineto import ev_x, kernel, launch, write_trace

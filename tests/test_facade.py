@@ -112,7 +112,7 @@ def test_exposure_and_kernels_without_spans_say_absent(store):
 
 
 def test_replay_reads_the_same_shape_and_imbalance(store):
-    """The case of issue #10: 4 ranks only in the recorded placement. Replay sees 4 ranks
+    """A run whose 4 ranks are only in the recorded placement. Replay sees 4 ranks
     (not 1), and replaying the recorded plan gives the hand-computed mean imbalance, the
     idle (step, layer) undefined (not 1.0)."""
     run = store.run("h")

@@ -1,4 +1,4 @@
-"""The CPU basis of the reference run's timings (issue #13): each rank's main-thread CPU
+"""The CPU basis of the reference run's timings: each rank's main-thread CPU
 time in its experts and from dispatch start to combine end, summarized per (step, layer,
 rank) next to the wall-clock medians. Numbers are worked out by hand here."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.produce.refrun import summarize_timing
+from moetrace.formats.refrun import summarize_timing
 
 
 def _timing(cpu: bool = True) -> pl.DataFrame:
@@ -55,7 +55,7 @@ def test_timing_without_cpu_columns_gives_nulls():
 
 
 def test_cpu_basis_in_the_cell_times_contract():
-    from moetrace import schema
+    from moetrace.storage import schema
 
     cols, _ = summarize_timing(_timing())
     t = schema.conform("cell_times", {**cols, "run_id": ["r"] * len(cols["step"])})
@@ -112,7 +112,7 @@ def test_overlap_is_the_pairwise_min_sum():
 def test_contention_by_hand_and_recovered_by_the_fit():
     from types import SimpleNamespace
 
-    from moetrace.replay import calibrate as cal
+    from moetrace.replay import calibrate_fit as cal
     from moetrace.replay.cost import CostModel
 
     # 3 ranks, work 10, 20, 40 ns, contention 0.5: rank 0 loses 0.5 * (10 + 10) = 10,

@@ -4,7 +4,7 @@ import json
 import polars as pl
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import tree_hash
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import shared_data
 from .test_kineto import ev_x, kernel, launch, write_trace

@@ -1,4 +1,4 @@
-"""Hostile stores, hostile files and faults (issue #12).
+"""Hostile stores, hostile files and faults.
 
 Every case asserts the exit code, the one-line message (naming the file) and that the
 store is byte-for-byte unchanged (``tree_hash``); the dangerous ones also assert that a
@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetrace.errors import StoreError
-from moetrace.store import Store
+from moetrace.storage.store import Store
 
 from .conftest import REPO, tree_hash
 from .test_bad_input import _seed_store as _seeded  # a store holding one run (seed-store)
@@ -200,7 +200,7 @@ SLOW_WRITER = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {repo!r})
     import pyarrow as pa
-    from moetrace.store import Store
+    from moetrace.storage.store import Store
     real = os.replace
     pause, go = sys.argv[2], sys.argv[3]
     def slow(a, b):

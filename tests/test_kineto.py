@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moetrace.collect import collect
-from moetrace.collect.kineto import rank_from_name, ts_to_ns
-from moetrace.store import Store
+from moetrace.collect._chrome_json import rank_from_name, ts_to_ns
+from moetrace.run import Store
 
 from .conftest import shared_data, tree_hash
 
@@ -429,7 +429,7 @@ def _tricky_kernels(n: int, tricky: bool = True) -> tuple[list[str], list[tuple[
 @pytest.mark.parametrize("slice_bytes,tricky", [(1, True), (97, True), (600, True), (1 << 20, True), (1, False),
                                                 (600, False)])
 def test_sliced_decoding_is_exact_wherever_the_cuts_fall(tmp_path, monkeypatch, slice_bytes, tricky):
-    import moetrace.collect.kineto as kin
+    import moetrace.collect._chrome_json as kin
 
     evs, want = _tricky_kernels(200, tricky)
     f = write_trace(tmp_path / "t.json", evs, rank=0, world=1)
@@ -449,7 +449,7 @@ def test_sliced_decoding_is_exact_wherever_the_cuts_fall(tmp_path, monkeypatch, 
 def test_sliced_decoding_finds_the_real_trace_events(tmp_path, monkeypatch):
     """A 'traceEvents' key nested in an earlier field (inside deviceProperties) must not be
     taken for the document's: the check on where traceEvents starts sends it to the batch path."""
-    import moetrace.collect.kineto as kin
+    import moetrace.collect._chrome_json as kin
 
     evs, want = _tricky_kernels(60)
     decoy = ",\n".join(kernel(f"decoy_{i}", 5, 1, 900 + i) for i in range(40))
@@ -467,7 +467,7 @@ def test_sliced_decoding_finds_the_real_trace_events(tmp_path, monkeypatch):
 
 
 def test_bad_event_named_by_index_on_either_path(tmp_path, monkeypatch):
-    import moetrace.collect.kineto as kin
+    import moetrace.collect._chrome_json as kin
     from moetrace.errors import InputError
 
     evs, _ = _tricky_kernels(30)
@@ -501,7 +501,7 @@ def test_bad_file_found_by_a_parsing_worker_is_named(tmp_path):
 def test_gzip_one_or_several_members_read_whole(tmp_path, monkeypatch, with_isal):
     """A .json.gz made of two gzip members (e.g. appended streams) is read whole, through
     ISA-L (when installed) or zlib alike; spans equal the plain file's written values."""
-    import moetrace.collect.kineto as kin
+    import moetrace.collect._chrome_json as kin
 
     if not with_isal:
         monkeypatch.setattr(kin, "_isal_zlib", None)
@@ -523,7 +523,7 @@ def test_gzip_one_or_several_members_read_whole(tmp_path, monkeypatch, with_isal
 def test_quoted_and_odd_timestamps_keep_their_event(tmp_path, monkeypatch, slice_bytes):
     """ts texts are kept compactly per batch; a quoted number is still read exactly, and a
     list where a number belongs is refused naming its own event (not a neighbour's)."""
-    import moetrace.collect.kineto as kin
+    import moetrace.collect._chrome_json as kin
     from moetrace.errors import InputError
 
     monkeypatch.setattr(kin, "SLICE_BYTES", slice_bytes)

@@ -8,7 +8,7 @@ import pytest
 
 from moetrace.collect import collect, ingest
 from moetrace.collect.logs import parse_line
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import tree_hash
 

@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 import pytest
 
 from moetrace.produce.synth import SynthConfig, synth
-from moetrace.store import Store
+from moetrace.run import Store
 
 
 class _Cells(HTMLParser):

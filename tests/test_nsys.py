@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moetrace.collect import collect
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import shared_data, tree_hash
 

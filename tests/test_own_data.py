@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import invoke
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from moetrace.errors import InputError
-from moetrace.replay import plan_io
-from moetrace.replay.planners import Plan
+from moetrace.formats import plan_files as plan_io
+from moetrace.placement.planners import Plan
 
 # 4 experts on 6 slots over 2 ranks (3 slots each), model layers 3 and 4 (dense 0-2)
 P2L = np.array([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 3, 3]])
@@ -105,7 +105,7 @@ def test_cli_export_recorded_trtllm_and_import_vllm_ascend(tmp_path, runner, cli
     from pathlib import Path
 
     from moetrace.collect import ingest
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     here = Path(__file__).resolve().parent.parent / "sample_traces"
     st_path = tmp_path / "st"

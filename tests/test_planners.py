@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from moetrace.errors import InputError
-from moetrace.replay import plan_io
-from moetrace.replay.moves import moves_between, replan
-from moetrace.replay.planners import PLANNERS, Plan, PlanShape, make_plan
+from moetrace.formats import plan_files as plan_io
+from moetrace.placement.moves import moves_between, replan
+from moetrace.placement.planners import PLANNERS, Plan, PlanShape, make_plan
 from moetrace.produce.synth import SynthConfig, generate
 
 
@@ -161,7 +161,7 @@ def test_plan_files_round_trip(tmp_path, seed_load):
 from itertools import permutations  # noqa: E402
 
 from moetrace.replay.engine import layer_metrics, replay_load  # noqa: E402
-from moetrace.replay.relabel import linear_assignment, relabel  # noqa: E402
+from moetrace.placement.relabel import linear_assignment, relabel  # noqa: E402
 
 
 def _hand_moves(old_row, new_row, R):

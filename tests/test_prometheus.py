@@ -9,7 +9,7 @@ import pytest
 
 from moetrace.collect import collect, ingest
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.run import Store
 
 T0 = 1764547200   # 2025-12-01 00:00:00 UTC
 

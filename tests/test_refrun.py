@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="the reference run needs PyTorch (pi
 from moetrace.collect import ingest, registry  # noqa: E402
 from moetrace.errors import InputError  # noqa: E402
 from moetrace.produce.refrun import RefRunConfig, parse_placement, run  # noqa: E402
-from moetrace.store import Store  # noqa: E402
+from moetrace.run import Store  # noqa: E402
 
 R, E, K, L, STEPS, TOK = 2, 8, 2, 2, 4, 24
 IDLE = (2, 1)
@@ -114,7 +114,7 @@ def test_replay_prediction_matches_second_real_run(runs):
 
 def test_replay_engine_reproduces_second_run(runs):
     from moetrace.replay import engine
-    from moetrace.replay.planners import Plan
+    from moetrace.placement.planners import Plan
 
     _, st, ra, rb = runs
     rt = st.sql("SELECT step, layer, token, src_rank, expert FROM routing WHERE run_id = ?", [ra])

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from moetrace.cli import cli
 from moetrace.replay import cost as costmod
-from moetrace.store import Store
+from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, synth
 
 RECORDED = np.array([[0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 3],
@@ -184,7 +184,7 @@ def test_drift_stale_plan_degrades_and_replan_recovers(tmp_path):
     assert d["replan"]["moved_experts"] > 0 and d["replan"]["moved_bytes"] == d["replan"]["moved_experts"] * cfg.hidden * 3 * 2048
     assert (tmp_path / "drift.png").stat().st_size > 1000
     # independent check of one stale-plan row: greedy on the first 5 steps, judged at step 29
-    from moetrace.replay.planners import PlanShape, make_plan
+    from moetrace.placement.planners import PlanShape, make_plan
     load = st.sql("SELECT step, layer, expert, tokens FROM expert_load ORDER BY step, layer, expert")
     arr = load["tokens"].to_numpy().reshape(30, 2, 64).astype(float)
     p = make_plan("greedy", arr[:5].sum(axis=0), PlanShape(8, 4, 64))
@@ -410,16 +410,18 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
     """A planner that numbers its ranks at random (as EPLB's numbering is arbitrary) re-planning
     an unchanging load: the re-planned placement never changes, so after relabeling no
     expert moves; imbalance equals that of the unshuffled planner."""
-    from moetrace.replay import adapter as api
+    from moetrace.replay.drift import drift
+    from moetrace.replay.results import ReplayOptions
+    from moetrace.replay.sweep import sweep
     from moetrace.replay import strategies
-    from moetrace.replay.adapter import RunShape
-    from moetrace.replay.planners import Plan, make_plan
+    from moetrace.replay.load import RunShape
+    from moetrace.placement.planners import Plan, make_plan
 
     st, per = _constant_load_store(tmp_path / "c")
     shape = RunShape.from_store(st, "c")
     ps = shape.plan_shape(replicas=4)
-    opts = api.ReplayOptions(fit_cost=False)
-    plain = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False).to_dict()
+    opts = ReplayOptions(fit_cost=False)
+    plain = drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False).to_dict()
     rng = np.random.default_rng(0)
 
     def shuffled_plan(*a, **k):
@@ -433,7 +435,7 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
                     policy=p.policy, params=p.params)
 
     monkeypatch.setattr(strategies, "make_plan", shuffled_plan)
-    dr = api.drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
+    dr = drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False)
     d = dr.to_dict()
     # only the switch from the recorded layout moves experts; every later re-plan is the same placement
     assert [c.step for c in dr.results["replan"].changes] == [2]
@@ -450,7 +452,7 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
             rl[li, s_ // spr] += per[li, e] / cnt[e]
     assert d["replan"]["mean_imbalance"] == pytest.approx((rl.max(axis=1) / rl.mean(axis=1)).mean(), rel=1e-6)
     # the sweep's re-plan rows go through the same path
-    rows = api.sweep(st, "c", shape, "greedy", [4], [2], [2], opts).rows
+    rows = sweep(st, "c", shape, "greedy", [4], [2], [2], opts).rows
     assert rows[-1].moved_experts == rows[0].moved_experts     # re-planning moves nothing after the first plan
 
 
@@ -493,7 +495,7 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
                            ("m", "moves", "w", 8, 40, 4), ("w", "greedy", "recorded", 2, 5, 3)]
 
     def plan_io_notes(meta, pid):
-        from moetrace.replay.plan_io import fit_notes
+        from moetrace.formats.plan_files import fit_notes
 
         return fit_notes(meta, np.arange(12), pid)
 
@@ -512,8 +514,9 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     assert any("imported" in n and "unknown" in n for n in notes("imp"))
     assert not any("fitted" in n for n in notes("recorded"))
     # a plan stored before the plans table existed: the replay says it cannot tell
-    from moetrace.replay import plan_io
-    from moetrace.replay.adapter import load_plan, RunShape
+    from moetrace.formats import plan_files as plan_io
+    from moetrace.replay.plan_store import load_plan
+    from moetrace.replay.load import RunShape
 
     p = load_plan(st, "c", "w", RunShape.from_store(st, "c"))
     st.append("c", {"placement": plan_io.plan_table(p, "old")})

@@ -1,4 +1,4 @@
-"""Replay answers an operator can act on (issues #10, #11): one definition of imbalance (the
+"""Replay answers an operator can act on: one definition of imbalance (the
 recorded-plan replay equals skew_summary), settings known or asked for, pseudo-steps,
 net benefit with a break-even step count computed by hand, hierarchical vs global EPLB on
 real DeepSeek-V3 counts against the plain reference, per rank-pair traffic."""
@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import cli
-from moetrace.store import Store
+from moetrace.run import Store
 from tests.conftest import shared_data
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
@@ -129,7 +129,7 @@ def _hand_case(steps, stall_ns=1000.0, overlap=0.0):
     charged = stall + 5000 x (1 - overlap); break-even = charged / 1000."""
     from moetrace.replay.cost import CostModel
     from moetrace.replay.engine import replay_load
-    from moetrace.replay.planners import Plan
+    from moetrace.placement.planners import Plan
     from moetrace.replay.strategies import Fixed, MoveCost, judge
 
     load = np.zeros((steps, 1, 4))

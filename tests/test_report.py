@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moetrace.report import build as rbuild
-from moetrace.store import Store
+from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, synth
 
 

@@ -12,7 +12,7 @@ SECTIONS = "moetrace.report.sections"
 #: what a section may import from moetrace: the report package itself, the table printer,
 #: the error types, and the kernel-kind vocabulary (constants only, no classifier call)
 ALLOWED = ("moetrace.report", "moetrace.output", "moetrace.errors")
-VOCABULARY = "moetrace.collect.classify"
+VOCABULARY = "moetrace.domain.kernels"
 
 
 def section_imports(mod: str) -> list[tuple[str, str]]:
@@ -42,17 +42,17 @@ def refused(mod: str) -> list[str]:
 
 
 def test_the_reader_sees_lazy_and_relative_imports(tmp_path):
-    src = "from ...replay.adapter import whatif\ndef f():\n    from ...analyze import waits\n    import moetrace.store\n"
+    src = "from ...replay.placement_whatif import placement_whatif\ndef f():\n    from ...analyze import waits\n    import moetrace.storage.store\n"
     mod = f"{SECTIONS}.__probe"
     path = tmp_path / "probe.py"
     path.write_text(src)
     MODULES[mod] = path
     try:
         assert sorted(refused(mod)) == [f"{mod} imports moetrace.analyze.waits (waits)",
-                                        f"{mod} imports moetrace.replay.adapter (whatif)",
-                                        f"{mod} imports moetrace.store"]
-        path.write_text("from ...collect.classify import A2A_KINDS, classify\nfrom ..base import Section\n")
-        assert refused(mod) == [f"{mod} imports moetrace.collect.classify (classify)"]
+                                        f"{mod} imports moetrace.replay.placement_whatif (placement_whatif)",
+                                        f"{mod} imports moetrace.storage.store"]
+        path.write_text("from ...domain.kernels import A2A_KINDS, classify\nfrom ..base import Section\n")
+        assert refused(mod) == [f"{mod} imports moetrace.domain.kernels (classify)"]
     finally:
         del MODULES[mod]
 

@@ -22,9 +22,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.collect.classify import classify
+from moetrace.domain.kernels import classify
 from moetrace.report.build import build_report
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import REPO, shared_data
 

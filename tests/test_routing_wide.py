@@ -14,7 +14,7 @@ import pytest
 
 from moetrace.collect import collect, ingest
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.run import Store
 
 E, K = 8, 2
 

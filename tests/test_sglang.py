@@ -10,7 +10,7 @@ import pytest
 
 from moetrace.collect import collect, ingest
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import shared_data, tree_hash
 

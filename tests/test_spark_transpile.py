@@ -1,4 +1,4 @@
-"""The DuckDB → Spark SQL adaptations of ``moetrace.spark``, checked on the text (sqlglot
+"""The DuckDB → Spark SQL adaptations of ``moetrace.storage.spark``, checked on the text (sqlglot
 only, no Java): each one is what the Spark semantics need for DuckDB's meaning. The
 row-for-row comparison of every view on both engines is tests/test_spark_views.py."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("sqlglot", reason="pip install 'moetrace[spark]'")
 
-from moetrace.spark import ADAPTATIONS, transpile  # noqa: E402
+from moetrace.storage.spark import ADAPTATIONS, transpile  # noqa: E402
 
 
 def _one_line(s: str) -> str:

@@ -4,7 +4,7 @@ with profiler spans, the second with replicas) and a synthetic run with idle ste
 replicas of its hottest experts and per-token routing.
 
 The Spark text of each view is not written by hand: it is the DuckDB view transpiled by
-``moetrace.spark`` (sqlglot plus the adaptations listed there). Rows are compared as
+``moetrace.storage.spark`` (sqlglot plus the adaptations listed there). Rows are compared as
 multisets; floats to a relative tolerance of 1e-9 (both engines compute in IEEE doubles,
 but sum in different orders), everything else exactly.
 
@@ -20,8 +20,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from moetrace import schema
-from moetrace.store import Store
+from moetrace.storage import schema
+from moetrace.run import Store
 
 from .conftest import REPO
 
@@ -122,7 +122,7 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spark(store):
     _require_spark()
-    from moetrace import spark as ms
+    from moetrace.storage import spark as ms
 
     sp = ms.session("local[2]")
     ms.register_store(sp, store.path)
@@ -158,8 +158,8 @@ def _rows(tbl):
 
 
 def _view_names():
-    from moetrace.analyze import view_statements
-    from moetrace.spark import _view_name
+    from moetrace.storage.views import view_statements
+    from moetrace.storage.spark import _view_name
 
     return [_view_name(s) for s in view_statements()]
 
@@ -167,7 +167,7 @@ def _view_names():
 def test_every_view_is_transpiled():
     """No view is left out of the Spark set (each is sqlglot output, not a hand copy)."""
     pytest.importorskip("sqlglot", reason="pip install 'moetrace[spark]'")
-    from moetrace.spark import spark_view_statements
+    from moetrace.storage.spark import spark_view_statements
 
     names = [n for n, _ in spark_view_statements()]
     assert names == _view_names() and len(names) >= 20
@@ -194,7 +194,7 @@ KNOWN_DIFFERENT: dict[str, str] = {}
     pytest.param(v, marks=pytest.mark.xfail(reason=KNOWN_DIFFERENT[v], strict=True))
     if v in KNOWN_DIFFERENT else v for v in _view_names()])
 def test_view_equal_on_spark_and_duckdb(store, spark, view):
-    from moetrace.spark import to_arrow
+    from moetrace.storage.spark import to_arrow
 
     duck = _rows(store.arrow(f'SELECT * FROM "{view}"'))
     sp_tbl = to_arrow(spark.table(view))

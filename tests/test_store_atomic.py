@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import REPO, tree_hash
 
@@ -46,7 +46,7 @@ WRITER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
     import pyarrow as pa
-    from moetrace.store import Store
+    from moetrace.storage.store import Store
     from tests.test_store_atomic import _chunk, _run, N_CHUNKS
     kill_at_replace, kill_after_chunk = int(sys.argv[2]), int(sys.argv[3])
     real = os.replace
@@ -246,7 +246,7 @@ def test_processes_creating_the_same_new_store(tmp_path):
 
 CREATOR = textwrap.dedent("""
     import os, sys, time
-    from moetrace.store import Store
+    from moetrace.storage.store import Store
     base, go = sys.argv[1], sys.argv[2]
     while not os.path.exists(go):
         time.sleep(0.001)

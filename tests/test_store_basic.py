@@ -11,7 +11,7 @@ import pytest
 
 import moetrace
 from moetrace.errors import StoreError
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import tree_hash
 

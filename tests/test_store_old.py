@@ -1,4 +1,4 @@
-"""Stores written before a contract column existed (issue #12).
+"""Stores written before a contract column existed.
 
 ``runs.ingest_key`` (nullable) and ``expert_counts.tokens_desc`` (the counts sorted
 descending, derivable) were added after stores were written without them. Such a store,
@@ -18,8 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.schema import META_VERSION
-from moetrace.store import STORE_MARKER, Store
+from moetrace.storage.schema import META_VERSION
+from moetrace.storage.paths import STORE_MARKER
+from moetrace.run import Store
 
 from .conftest import invoke as _cli, tree_hash
 

@@ -1,4 +1,4 @@
-"""Store paths that DuckDB or Arrow would not take literally (issue #12).
+"""Store paths that DuckDB or Arrow would not take literally.
 
 DuckDB's read_parquet reads ``<store>/<table>/*/*.parquet`` as a pattern even in the
 folder part (``a[1]`` matches ``a1``), both DuckDB and Arrow expand a leading ``~`` and
@@ -14,7 +14,8 @@ import os
 import duckdb
 import pytest
 
-from moetrace.store import GLOB_CHARS, Store
+from moetrace.storage.paths import GLOB_CHARS
+from moetrace.run import Store
 from moetrace.errors import StoreError
 
 from .conftest import invoke as _cli, tree_hash

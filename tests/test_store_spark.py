@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from moetrace.store import Store
+from moetrace.run import Store
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Replay sweeps fanned out on a Dask cluster (#17): the same rows as the single-process
+"""Replay sweeps fanned out on a Dask cluster: the same rows as the single-process
 sweep, the same stored replay tables, one line and exit 2 (store unchanged) when the
 scheduler cannot be reached. One LocalCluster of 2 worker processes (threads_per_worker=1)
 serves the module; ``--workers 2`` (a cluster of its own) is the slow test."""
@@ -17,13 +17,13 @@ from click.testing import CliRunner
 
 from moetrace.cli import cli
 from moetrace.produce.synth import SynthConfig, synth
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import tree_hash
 
 distributed_pkg = pytest.importorskip("distributed", reason="the cluster extra (dask[distributed]) is not installed")
 
-from moetrace.replay import adapter, distributed  # noqa: E402
+from moetrace.replay import distributed, sweep as sweeps  # noqa: E402
 
 TOKENS, TOP_K, RANKS = 256, 4, 8
 SWEEP = dict(policy="eplb", replicas=[0, 8], intervals=[5, 10], windows=[10])
@@ -62,7 +62,7 @@ def _copy(store_path, tmp_path, name):
 
 def _job(st, run_id, sweep_id):
     run = st.run(run_id)
-    return adapter.plan_sweep(st, run_id, run._replay_shape, SWEEP["policy"], SWEEP["replicas"], SWEEP["intervals"],
+    return sweeps.plan_sweep(st, run_id, run._replay_shape, SWEEP["policy"], SWEEP["replicas"], SWEEP["intervals"],
                               SWEEP["windows"], run._replay_opts(), write=True, sweep_id=sweep_id)
 
 
@@ -96,7 +96,7 @@ def test_cluster_sweep_equals_single_process(store_path, tmp_path, cluster):
     _, client = cluster
     a, b = _copy(store_path, tmp_path, "a"), _copy(store_path, tmp_path, "b")
     sa, sb = Store(a), Store(b)
-    single = {rid: adapter.finish_sweep(sa, job, adapter.run_sweep_cells(sa, job))
+    single = {rid: sweeps.finish_sweep(sa, job, sweeps.run_sweep_cells(sa, job))
               for rid, job in ((rid, _job(sa, rid, f"s-{rid}")) for rid in ("r0", "r1"))}
     jobs = [_job(sb, rid, f"s-{rid}") for rid in ("r0", "r1")]
     assert len(jobs[0].cells) == 2 * 3 * 1          # replicas x (static + 2 intervals) x windows

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, load_popularity_file, sample_topk, synth
 
 from .conftest import shared_data

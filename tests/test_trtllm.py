@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from moetrace.collect import collect, ingest
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.run import Store
 
 R, E, K, LAYERS, ITERS = 2, 8, 2, (3, 4), range(10, 14)
 

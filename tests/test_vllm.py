@@ -9,7 +9,7 @@ import pytest
 
 from moetrace.collect import collect, ingest
 from moetrace.errors import InputError
-from moetrace.store import Store
+from moetrace.run import Store
 
 L, P, E = 3, 10, 8   # 2 redundant slots
 

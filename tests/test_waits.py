@@ -1,4 +1,4 @@
-"""Who waited for whom (analyze/sql/45_rank_waits.sql, analyze/waits.py, `moetrace waits`,
+"""Who waited for whom (storage/sql/45_rank_waits.sql, analyze/waits.py, `moetrace waits`,
 the report's wait section) against numbers worked out by hand on crafted traces, and on
 the real nccl_a2a_2rank pair against a plain Python pairing of the raw trace events."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moetrace.analyze.waits import wait_result
-from moetrace.store import Store
+from moetrace.run import Store
 
 from .conftest import shared_data
 from .test_kineto import ev_x, kernel, launch, write_trace

@@ -1,11 +1,11 @@
-"""What-ifs on the recorded timeline (replay/whatif.py): each model against numbers worked
+"""What-ifs on the recorded timeline (replay/timeline_whatif.py): each model against numbers worked
 out by hand, then the store adapter, the command and the report section on a real run."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from moetrace.replay.whatif import disaggregation, domain_sweep, overlap_two_micro_batches
+from moetrace.replay.timeline_whatif import disaggregation, domain_sweep, overlap_two_micro_batches
 
 
 def test_overlap_hand_worked():
@@ -86,7 +86,7 @@ def test_domain_sweep_hand_worked():
 def test_overlap_on_a_crafted_trace_through_the_command(tmp_path, runner, cli):
     import json
 
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     from .test_waits import _three_ranks, ingest
 
@@ -112,7 +112,7 @@ def test_overlap_on_a_crafted_trace_through_the_command(tmp_path, runner, cli):
 
 
 def test_domain_sweep_against_routing_rows(tmp_path, runner, cli):
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     res = runner.invoke(cli, ["synth", str(tmp_path / "st"), "--layers", "2", "--experts", "32", "--top-k", "4",
                               "--ranks", "16", "--ranks-per-node", "8", "--steps", "3", "--tokens-per-step", "64",
@@ -136,7 +136,7 @@ def test_domain_sweep_against_routing_rows(tmp_path, runner, cli):
 
 def test_report_section_shows_the_whatif_table(tmp_path, runner, cli):
     from moetrace.report.base import ReportContext
-    from moetrace.report.sections import whatif
+    from moetrace.report.sections import timeline_whatif as whatif
 
     from .test_waits import _three_ranks, ingest
 
@@ -157,7 +157,7 @@ def test_two_micro_batch_refrun_routes_like_one(tmp_path):
     pytest.importorskip("torch", reason="the reference run needs PyTorch")
     from moetrace.collect import ingest as ingest_paths
     from moetrace.produce.refrun import RefRunConfig, run
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     st = Store(tmp_path / "st", create=True)
     ids = {}
@@ -176,7 +176,7 @@ def test_two_micro_batch_refrun_routes_like_one(tmp_path):
 
 
 def test_replay_option_runs_the_timeline_whatifs(tmp_path, runner, cli):
-    from moetrace.store import Store
+    from moetrace.run import Store
 
     res = runner.invoke(cli, ["synth", str(tmp_path / "st"), "--layers", "1", "--experts", "16", "--top-k", "2",
                               "--ranks", "16", "--ranks-per-node", "8", "--steps", "2", "--tokens-per-step", "32",

@@ -54,7 +54,7 @@ class Exposure:
 
 def exposure(store, run_id: str, sql=None) -> Exposure:
     """See :meth:`moetrace.run.Run.exposure`. ``sql(query, params)`` runs the view queries
-    (default: the store's DuckDB; :class:`moetrace.spark.SparkSQL` runs them on Spark)."""
+    (default: the store's DuckDB; :class:`moetrace.storage.spark.SparkSQL` runs them on Spark)."""
     sql = sql or store.sql
     pres = sql("SELECT * FROM a2a_presence WHERE run_id = ?", [run_id])
     out = Exposure(run_id, pres.row(0, named=True) if pres.height else dict(_NO_SPANS))
@@ -77,7 +77,7 @@ def exposure(store, run_id: str, sql=None) -> Exposure:
 
 
 def _undirected(sql, run_id: str) -> frozenset:
-    from ..collect.classify import classify
+    from ..domain.kernels import classify
 
     kn = sql("""SELECT DISTINCT s.name_id, s.collective, kn.name FROM spans s
                 LEFT JOIN kernel_names kn ON kn.run_id = s.run_id AND kn.name_id = s.name_id

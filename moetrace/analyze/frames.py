@@ -40,7 +40,7 @@ def skew(store, run_id: str, by: str = "layer", *, batch_steps: int | None = Non
 
 def skew_frame(sql, run_id: str, by: str = "layer") -> pl.DataFrame:
     """The skew rows of one run straight from the views through ``sql(query, params)``
-    (a Store's or :class:`moetrace.spark.SparkSQL`'s): no batching, the engine plans it."""
+    (a Store's or :class:`moetrace.storage.spark.SparkSQL`'s): no batching, the engine plans it."""
     if by not in _SKEW_SQL:
         raise InputError(None, f"skew by {by!r}: choose from {', '.join(_SKEW_SQL)}")
     return sql(_SKEW_SQL[by], [run_id])

@@ -228,7 +228,7 @@ def ingest(store, paths: Sequence[str | Path], format: str | None = None, option
     if run_id and len(runs) > 1:
         raise InputError(None, f"--run-id given but the inputs make {len(runs)} runs")
     if not hasattr(store, "write_run"):
-        from ..store import Store
+        from ..storage.store import Store
 
         store = Store(store, create=True)
     for rd in runs:   # every refusal before the first write: the store stays as it was

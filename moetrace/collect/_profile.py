@@ -12,7 +12,7 @@ does the rest, the same way for every profiler:
   micro-batch annotation (``micro_batch 1``, DualPipe's ``(F)``/``(B)``/``(W)`` suffix) and
   the ``record_param_comms`` op naming a collective's process group (when the kernel's own
   args do not);
-* classifies each kernel with the one classifier (:mod:`moetrace.collect.classify`);
+* classifies each kernel with the one classifier (:mod:`moetrace.domain.kernels`);
 * fills in what no annotation gave, and says so (``spans.inferred``): the layer from the
   order of dispatches within (rank, step, micro-batch); the direction of an all-to-all
   from its order (dispatch, combine, dispatch, ...);
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from .classify import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
+from ..domain.kernels import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 #: backend-level collective ops (innermost CPU op of a collective call)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .. import schema
+from ..storage import schema
 from ..errors import InputError, UsageError
 
 

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from .checks import MAX_COUNT
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from ..streams import Rereadable
 from . import Collector, RunData, head, register
 
@@ -234,7 +234,7 @@ def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shap
             i = int((col < 0).fill_null(False).arg_max())
             raise InputError(path, f"expert_load.{c} = {col[i]} is negative", _row(path, offset + i + 1))
         upper = shape.get(c)
-        if c == "tokens":  # counts bounded so sums stay exact (checks.MAX_COUNT, #12)
+        if c == "tokens":  # counts bounded so sums stay exact (checks.MAX_COUNT)
             upper = MAX_COUNT + 1
         if c in ("layer", "expert", "slot", "src_rank"):   # int32 in the contract (schemas/expert_load.json)
             upper = min(upper, 2 ** 31) if upper is not None else 2 ** 31
@@ -406,14 +406,14 @@ class _NotDense(Exception):
 
 
 def _shown_columns(names) -> str:
-    """The header, only when it looks like one: a secret file's first line is never echoed (#12)."""
+    """The header, only when it looks like one: a secret file's first line is never echoed into an error message."""
     from ..safety import plausible_header
 
     return ', '.join(names) if plausible_header(names) else 'a first line that is not a CSV header, not shown'
 
 
 def _dense():
-    from ..analyze import dense
+    from ..storage import dense
     return dense
 
 

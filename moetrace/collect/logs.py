@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..safety import check_regular_file, limit
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 
 MARKERS = (b"EPLB step", b"[Expert Balancedness]", b"[EPLBManager]", b"Rearranged experts", b"Rearranging experts")

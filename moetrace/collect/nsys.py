@@ -25,11 +25,11 @@ import polars as pl
 
 from ..errors import InputError
 from ..safety import bounded_gunzip, check_regular_file, sql_identifier, sqlite_ro_uri
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, run_data
-from .classify import Classifier
-from .kineto import MAX_DUR_NS, rank_from_name
+from ..domain.kernels import Classifier
+from ._chrome_json import MAX_DUR_NS, rank_from_name
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 NVTX_RANGE_TYPES = (59, 60, 70, 71)  # push/pop and start/end ranges (incl. domain variants)

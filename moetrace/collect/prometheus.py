@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..safety import limit, limit_error
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from .logs import COLUMNS, _TYPES
 

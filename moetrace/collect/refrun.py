@@ -21,10 +21,10 @@ import polars as pl
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
+from ..formats.refrun import MANIFEST, summarize_timing
 from . import Collector, RunData, register
 
-MANIFEST = "moetrace-refrun.json"
 
 
 def _sniff(path: Path, head: bytes) -> bool:
@@ -51,7 +51,7 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
         R, E, K, L = int(cfg["ranks"]), int(cfg["experts"]), int(cfg["top_k"]), int(cfg["layers"])
     except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
         raise InputError(man_path, f"not a moetrace refrun manifest: {type(e).__name__}: {str(e)[:100]}") from None
-    # shape sanity before any R-sized work (0, negative, 10^9 ranks; #12)
+    # shape sanity before any R-sized work (0, negative, 10^9 ranks would exhaust memory)
     from .checks import check_shape
 
     check_shape({"num_ranks": R, "num_experts": E, "top_k": K, "num_layers": L}, man_path, "run")
@@ -99,7 +99,6 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
                   "wall_s": man.get("wall_s"), "torch": man.get("torch"), "hardware": man.get("hardware")}
     timing_files = [folder / f"timing_rank{r}.parquet" for r in range(R)]
     if all(p.is_file() for p in timing_files):
-        from ..produce.refrun import summarize_timing
 
         timing = pl.concat([_read_parquet(p) for p in timing_files])
         need_cols = {"pass", "step", "layer", "rank", "dispatch_start_ns", "expert_start_ns", "expert_end_ns",

@@ -29,10 +29,11 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from ..safety import check_regular_file
 from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
+from ..domain.ranks import UNKNOWN_RPN_NOTE
 
 # SGLang ForwardMode (python/sglang/srt/model_executor/forward_batch_info.py), IntEnum with
 # auto() from 1. Values 1..6 are stable across 0.4-0.5; 7+ changed between releases
@@ -90,11 +91,6 @@ def _load_table(step, layer, expert, tokens, slot=None, src_rank=None) -> pa.Tab
 
 
 _check_counts = check_counts
-
-
-def _opt_int(options: dict, key: str):
-    v = options.get(key)
-    return int(v) if v is not None else None
 
 
 def _run(source: str, sha: str, L: int, E: int, approx: list[str], meta: dict, options: dict, **kw) -> dict:
@@ -348,7 +344,7 @@ def _detail_run(paths: list[Path], options: dict) -> RunData:
     rpn = options.get("ranks_per_node")
     if not rpn:
         rpn = R
-        approx.append("ranks_per_node not given: all ranks taken as one node")
+        approx.append(UNKNOWN_RPN_NOTE)
     missing = [r for r in range(R) if r not in files_of_rank]
     if missing:
         approx.append(f"no dump for ranks {_ranges(missing)}: their tokens are missing from the load")

@@ -18,7 +18,7 @@ rank) with ``num_tokens`` = count / k (inferred, and said), a rank with none bei
 step. ``rank{r}_raw.safetensors`` files (raw token choices) are not read.
 
 The EPLB config YAML (``moe_config.load_balancer``: ``num_slots``,
-``layer_updates_per_iter``, ``initial_global_assignments``; see :mod:`moetrace.replay.plan_io`)
+``layer_updates_per_iter``, ``initial_global_assignments``; see :mod:`moetrace.formats.plan_files`)
 given alongside the folder becomes the run's recorded placement: slots in consecutive
 blocks per EP rank. With ``layer_updates_per_iter`` > 0 TensorRT-LLM moves experts online,
 so the initial assignment is only where the run started (and the run says so).
@@ -35,11 +35,12 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..replay.plan_io import looks_like_trtllm_yaml, read_trtllm_yaml
+from ..formats.plan_files import looks_like_trtllm_yaml, read_trtllm_yaml
 from ..safety import json_loads
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from .sglang import _ranges
+from ..domain.ranks import UNKNOWN_RPN_NOTE, node_of, ranks_per_node_or_all
 
 _RANK = re.compile(r"^rank(\d+)\.safetensors$")
 _KEY = re.compile(r"^(\d+)_(\d+)$")
@@ -135,7 +136,7 @@ def _placement(cfg, path: Path, R: int, rpn: int, layers: list[int], E: int) -> 
     rank = slot // (S // R)
     return pa.table({"plan_id": pa.array(["recorded"] * (L * S)),
                      "layer": np.repeat(cfg.layers[keep], S).astype(np.int32), "slot": slot.astype(np.int32),
-                     "rank": rank.astype(np.int32), "node": (rank // rpn).astype(np.int32),
+                     "rank": rank.astype(np.int32), "node": node_of(rank, rpn).astype(np.int32),
                      "expert": cfg.phy2log[keep].ravel().astype(np.int32)})
 
 
@@ -225,7 +226,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
                       "num_tokens": nt, "is_dummy": nt == 0, "start_ns": pa.nulls(nt.size, pa.int64()),
                       "end_ns": pa.nulls(nt.size, pa.int64()), "inferred": np.ones(nt.size, bool)})
     tables = {"expert_load": load} if uneven else {"expert_load": load, "steps": steps}
-    rpn = int(options.get("ranks_per_node") or R)
+    rpn = ranks_per_node_or_all(options.get("ranks_per_node"), R)
     num_slots = E
     meta_json = {"format": "trtllm_expert_statistic", "ep_size": R, "iter_start": iters[0], "iter_stop": iters[-1] + 1,
                  "layers": layers, "num_experts_per_token": k}
@@ -248,7 +249,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         approx.append("no EPLB config given: TensorRT-LLM's default placement (expert e on rank e // (E / ep)) is "
                       "the contiguous one assumed by the metrics")
     if not options.get("ranks_per_node"):
-        approx.append("ranks_per_node not given: all ranks taken as one node")
+        approx.append(UNKNOWN_RPN_NOTE)
     if not options.get("num_layers"):
         approx.append(f"num_layers = highest layer id + 1 ({layers[-1] + 1}); layers {_ranges(layers)} hold counts")
     run = {"source": folder.name + "/" + (f" + {yamls[0].name}" if yamls else ""),

@@ -27,10 +27,11 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import sha256_files
+from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from ..safety import check_npy_headers, check_regular_file
 from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
+from ..domain.ranks import UNKNOWN_RPN_NOTE, node_of, ranks_per_node_or_all
 
 KEYS = ("expert_load_pass", "expert_load_window")
 
@@ -162,15 +163,15 @@ def _one(path: Path, options: dict) -> RunData:
         R = int(R)
         if P % R:
             raise InputError(path, f"{P} physical slots do not split evenly over --ranks {R}")
-        rpn = int(options.get("ranks_per_node") or R)
+        rpn = ranks_per_node_or_all(options.get("ranks_per_node"), R)
         slot_p = np.tile(np.arange(P), L)
         rank_p = slot_p // (P // R)
         tables["placement"] = pa.table({
             "plan_id": pa.array(["recorded"] * (L * P)), "layer": np.repeat(np.arange(L), P).astype(np.int32),
             "slot": slot_p.astype(np.int32), "rank": rank_p.astype(np.int32),
-            "node": (rank_p // rpn).astype(np.int32), "expert": p2l.ravel().astype(np.int32)})
+            "node": node_of(rank_p, rpn).astype(np.int32), "expert": p2l.ravel().astype(np.int32)})
         if not options.get("ranks_per_node"):
-            approx.append("ranks_per_node not given: all ranks taken as one node")
+            approx.append(UNKNOWN_RPN_NOTE)
     else:
         approx.append("--ranks not given: no recorded placement written (slots are kept in expert_load)")
     run = {

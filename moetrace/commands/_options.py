@@ -41,23 +41,21 @@ def _splits():
 
 
 def _planners():
-    from ..replay.planners import PLANNERS
+    from ..placement.planners import PLANNERS
 
     return list(PLANNERS)
 
 
 def steps_range(ctx, param, value):
-    """click callback: 'A:B' -> (A, B), the steps A <= step < B."""
+    """click callback: 'A:B' -> (A, B), the steps A <= step < B (:mod:`moetrace.domain.windows`)."""
     if value is None:
         return None
+    from ..domain.windows import parse_step_range
+
     try:
-        a, b = value.split(":")
-        lo, hi = int(a), int(b)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not A:B (steps A <= step < B)") from None
-    if hi <= lo:
-        raise click.BadParameter(f"{value!r}: B must be greater than A")
-    return lo, hi
+        return parse_step_range(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def steps_list(ctx, param, value):
@@ -236,7 +234,7 @@ def engine_options(f):
 
 def engine_sql(store, engine: str, master: str | None, remote: str | None):
     """A context giving the ``sql(query, params)`` that ``--engine`` chose: None for DuckDB
-    (the Run facade's default), else a :class:`moetrace.spark.SparkSQL` over ``store``
+    (the Run facade's default), else a :class:`moetrace.storage.spark.SparkSQL` over ``store``
     (its session stopped on exit)."""
     from contextlib import contextmanager
 
@@ -245,7 +243,7 @@ def engine_sql(store, engine: str, master: str | None, remote: str | None):
         if engine != "spark":
             yield None
             return
-        from ..spark import SparkSQL
+        from ..storage.spark import SparkSQL
 
         with SparkSQL(store.path, master=master, remote=remote) as sp:
             yield sp.sql

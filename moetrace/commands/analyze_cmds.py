@@ -42,15 +42,18 @@ def report(store, run_id, out, quiet, batch_steps, memory_limit):
 
     Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
     """
-    rep = open_store(store).run(run_id).report(out, batch_steps=batch_steps, memory_limit=memory_limit,
-                                          progress=_progress)
+    from ..report.build import build_report
+
+    st = open_store(store)
+    rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
+                       progress=_progress)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)
     click.echo(f"wrote {rep.html_path} (self-contained), {rep.md_path} and {pngs} PNG{'s' if pngs != 1 else ''} "
                f"in {rep.outdir}")
     failed = [s.key for s in rep.sections if s.title.endswith("(section failed)")]
-    if failed:  # the exit code says so (#12): the report is written, with the failure in it
+    if failed:  # the exit code says so: the report is written, with the failure in it, and scripts see it failed
         click.echo(f"moetrace: error: report section(s) {', '.join(failed)} failed (see {rep.md_path})", err=True)
         click.get_current_context().exit(1)
 

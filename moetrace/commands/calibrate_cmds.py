@@ -6,7 +6,7 @@ import click
 import polars as pl
 
 from ..output import echo_json, emit, json_option, output_options
-from ..store import Store
+from ..run import Store
 from ._options import alias_option, hardware_option, steps_range
 
 

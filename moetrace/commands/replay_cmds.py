@@ -1,12 +1,12 @@
 """Replay commands: plan, replay, sweep. Thin callers of the run facade (moetrace.run.Run),
-which delegates to moetrace.replay.adapter; these only parse options and print."""
+which delegates to the moetrace.replay modules; these only parse options and print."""
 from __future__ import annotations
 
 import click
 import polars as pl
 
 from ..output import echo_json, emit, json_option, output_options
-from ..store import Store
+from ..run import Store
 from ._options import (alias_option, chrome_trace_option, fit_steps_option, hardware_option, ints_option,
                        policy_option, run_option, split_option, steps_list, store_argument)
 
@@ -245,7 +245,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
                      chrome_trace=chrome_trace, **common, **shape_kw)
-    wi = run.whatif(hardware=hardware) if timeline_whatif else None   # issue 16 (commands/timeline_cmds.py)
+    wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
         if wi is not None:

@@ -66,7 +66,7 @@ def synth(store, run_id, **kw):
     from ..produce.synth import SynthConfig, synth as run_synth
 
     cfg = SynthConfig(**kw)
-    cfg.validate()  # bad options leave no store behind (#12)
+    cfg.validate()  # bad options leave no store behind
     res = run_synth(open_store(store, create=True), cfg, run_id=run_id)
     if res.skipped:
         click.echo(f"{res.message}; nothing written")
@@ -109,7 +109,7 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
     """
     from ..collect import ingest as ingest_files
 
-    # `is`, not `in`: 0 == False, and --ranks 0 must reach the range check, not vanish (#12)
+    # `is`, not `in`: 0 == False, and --ranks 0 must reach the range check, not vanish
     options = {k: v for k, v in opts.items() if v is not None and v is not False}
     options.update(extra)
 
@@ -208,7 +208,7 @@ def sql(store, query, engine, master, remote, fmt, output):
     """
     st = open_store(store)
     if engine == "spark":
-        from ..spark import SparkSQL
+        from ..storage.spark import SparkSQL
 
         with SparkSQL(st.path, master=master, remote=remote) as sp:
             emit(sp.sql(query, dialect="spark"), fmt, output)
@@ -238,7 +238,7 @@ def catalog(store):
 @output_options
 def tables_cmd(table, fmt, output):
     """Document the stored tables (the contract, schemas/) and the metric views (SQL,
-    moetrace/analyze/sql): every name with what it holds, or one table's or view's columns
+    moetrace/storage/sql): every name with what it holds, or one table's or view's columns
     with their type and meaning.
 
     Example:
@@ -250,8 +250,8 @@ def tables_cmd(table, fmt, output):
     """
     import polars as pl
 
-    from .. import schema
-    from ..analyze import view_docs
+    from ..storage import schema
+    from ..storage.views import view_docs
     views = view_docs()
     if table is None:
         rows = [{"name": t.name, "kind": "table", "columns": len(t.columns), "description": t.description}
@@ -298,11 +298,11 @@ def _mention(doc: str, column: str, strong: bool = True) -> str:
 
 
 def _column_meaning(view: str, doc: str, column: str) -> str:
-    """What ``column`` of ``view`` means: analyze/view_columns.json, else its view's own
+    """What ``column`` of ``view`` means: storage/view_columns.json, else its view's own
     comment where it defines the column ("column = ..."), else the contract's description
     of an id column of that name; '' when none says."""
-    from .. import schema
-    from ..analyze import view_columns
+    from ..storage import schema
+    from ..storage.views import view_columns
 
     meaning = view_columns().get(view, {}).get(column) or _mention(doc, column)
     if meaning:

@@ -7,7 +7,7 @@ import click
 import polars as pl
 
 from ..output import emit, output_options
-from ..store import Store
+from ..run import Store
 from ._options import chrome_trace_option, hardware_option, run_option, steps_select
 
 
@@ -166,7 +166,7 @@ def print_whatif(rep, fmt: str = "table", output: str | None = None) -> None:
 
 def whatif_summary(rep) -> pl.DataFrame:
     """One row per scenario and metric (whole run), for printing."""
-    from ..replay.whatif_store import rows_table
+    from ..replay.timeline_whatif_store import rows_table
 
     df = pl.from_arrow(rows_table(rep))
     if df.height == 0:

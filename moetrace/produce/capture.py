@@ -177,7 +177,7 @@ class Capture:
                          "end_ns": pa.array([x[4] for x in s], pa.int64()), "inferred": [False] * len(s)})
 
     def run_row(self, source: str | None = None) -> dict:
-        from ..store import sha256_text
+        from ..domain.hashing import sha256_text
 
         m = self.model
         hidden = _cfg(m, "hidden_size", "d_model")

@@ -1,7 +1,7 @@
 """Timeline options of the reference run (:mod:`moetrace.produce.refrun`): a known
 per-layer delay of one rank (the cause the wait attribution must find) and the
 two-micro-batch mode (the all-to-all of one micro-batch in flight while the other
-computes), which the overlap what-if (:mod:`moetrace.replay.whatif`) is checked against.
+computes), which the overlap what-if (:mod:`moetrace.replay.timeline_whatif`) is checked against.
 
 Two micro-batches, per MoE layer (tokens split in halves A = first T//2, B = the rest;
 per-token math is unchanged, so routing and outputs equal the one-batch run's):

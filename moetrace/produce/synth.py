@@ -23,8 +23,10 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..store import Store, sha256_text
+from ..run import Store
+from ..domain.hashing import sha256_text
 from ..streams import Rereadable
+from ..domain.model_shape import DEFAULT_HIDDEN, default_expert_bytes
 
 
 @dataclass
@@ -42,7 +44,7 @@ class SynthConfig:
     per_token: bool = False
     dummy_share: float = 0.0
     seed: int = 0
-    hidden: int = 7168
+    hidden: int = DEFAULT_HIDDEN
     num_groups: int | None = None
     expert_bytes: int | None = None
     dtype_bytes: int = 2
@@ -60,7 +62,7 @@ class SynthConfig:
             bad("experts", f"{self.experts} experts do not divide evenly over {self.ranks} ranks")
         if self.ranks % self.ranks_per_node:
             bad("ranks_per_node", f"{self.ranks} ranks are not a multiple of {self.ranks_per_node}")
-        if not math.isfinite(self.sigma) or self.sigma < 0:  # nan would store a NaN truth (#12)
+        if not math.isfinite(self.sigma) or self.sigma < 0:  # nan would store a NaN truth
             bad("sigma", f"must be a finite number >= 0, got {self.sigma}")
         if not 0 <= self.seed < 2**63:
             bad("seed", f"must be within 0..2^63-1, got {self.seed}")
@@ -210,7 +212,7 @@ def generate(cfg: SynthConfig):
     p0, p1 = popularity(cfg, np.random.default_rng(s_pop))
     L, E, K, T, B, R = cfg.layers, cfg.experts, cfg.top_k, cfg.steps, cfg.tokens_per_step, cfg.ranks
     groups = cfg.num_groups or (8 if E % 8 == 0 and E >= 64 else 1)
-    expert_bytes = cfg.expert_bytes or 3 * cfg.hidden * 2048  # 3 FP8 matrices hidden x 2048
+    expert_bytes = cfg.expert_bytes or default_expert_bytes(cfg.hidden)
     rng_steps = np.random.default_rng(s_steps)
     dummy = np.zeros((T, R), bool)
     src = np.zeros((T, B), np.int32)
@@ -300,7 +302,7 @@ def synth(store: Store, cfg: SynthConfig, run_id: str | None = None):
     """Generate a synthetic run into ``store``; returns the store's WriteResult."""
     run, tables = generate(cfg)
     if not cfg.by_src_rank:             # complete (step, layer) grids: the dense layout
-        from ..analyze.dense import dense_chunks
+        from ..storage.dense import dense_chunks
 
         load = tables.pop("expert_load")
         tables["expert_counts"] = Rereadable(lambda: dense_chunks(load, cfg.experts))

@@ -1,22 +1,22 @@
 """Replay: what another expert placement would have done, net of moving the experts.
 
-A numeric core (arrays in, arrays and typed results out; no store, no files):
+A numeric core (arrays in, arrays and typed results out; no store, no files), over the
+pure planners of :mod:`moetrace.placement`:
 
-- :mod:`.eplb` -- ``rebalance_experts`` (DeepSeek's EPLB, vectorized, stable ties)
-- :mod:`.planners` -- ``Plan``, ``PlanShape`` (checked: contradictory settings are refused)
-  and the planner registry (contiguous, greedy, eplb, eplb-global, one-per-rank)
-- :mod:`.moves` -- move accounting between plans (copies, intra/inter node) and the
-  move-aware re-planner
-- :mod:`.relabel` -- renaming a new plan's ranks to keep experts where they are
-- :mod:`.cost` -- hardware presets, the per-layer cost model, its error band
+- :mod:`.cost` -- hardware presets, the per-layer cost model, its error band (``ErrorBand``)
 - :mod:`.engine` -- the replay kernel: recorded load / routing against a plan -> per-rank
   tokens, bytes, layer time; one definition of imbalance (NaN where nothing was routed)
 - :mod:`.strategies` -- fixed / re-planned / oracle plans judged in one loop against the
   recorded placement: gross and net time, break-even, verdict
+- :mod:`.timeline_whatif` -- what-ifs on a recorded timeline (overlap, disaggregation,
+  NVLink domain size)
 
-and one store adapter, :mod:`.adapter` (run shape from the ``run_shape`` view, loads,
-plans, ``replay_*`` tables; replay, drift, sweep, plan), which the run facade
-(:class:`moetrace.run.Run`) calls. :mod:`.plan_io` reads and writes plan files,
-:mod:`.calibrate` fits and judges the cost model on measured runs, :mod:`.trace` writes the
-predicted timeline as a Chrome trace.
+and the store side, one module per job, which the run facade (:class:`moetrace.run.Run`)
+calls: :mod:`.load` (``RunShape`` from the ``run_shape`` view, loads), :mod:`.plan_store`
+(recorded and stored plans), :mod:`.cost_fit` (the cost model a replay uses),
+:mod:`.results` (options, results, ``replay_*`` tables), :mod:`.judge_plan` (``replay``),
+:mod:`.drift`, :mod:`.sweep` (and :mod:`.distributed` for Dask), :mod:`.make_plan`
+(``moetrace plan``), :mod:`.placement_whatif` (the report's), :mod:`.calibrate` with
+:mod:`.calibrate_fit`, :mod:`.timeline_whatif_store`, and :mod:`.trace` (the predicted
+timeline as a Chrome trace).
 """

@@ -9,7 +9,7 @@ For one (step, layer) and rank r::
     rank_r     = dispatch_r + compute_r + combine_r
     layer      = max_r rank_r                                     (the combine is a barrier)
 
-The contention term (issue 13): the ranks start their experts together after the
+The contention term (measured on the reference runs): the ranks start their experts together after the
 dispatch, and for every ns that another rank computes at the same time a rank loses
 ``contention`` ns (ranks that share cores, caches or memory bandwidth; 0 where every rank
 has its own device, as the GPU presets assume). With it, ``rank_ns`` needs the ranks on
@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+from ..domain.model_shape import DEFAULT_HIDDEN, default_expert_bytes
 
 # Datasheet peaks (NVIDIA product pages / whitepapers): dense FP8 tensor TFLOPS, HBM TB/s,
 # NVLink GB/s per direction, scale-out NIC GB/s per GPU (400 Gb/s ConnectX-7 = 50 GB/s;
@@ -58,7 +61,7 @@ class CostModel:
     #: not stated, :func:`error_band` gives the uncalibrated default
     rel_error: float | None = None
     rel_error_source: str | None = None
-    #: measured terms (issue 13, each justified in docs/calibration.md by the fidelity matrix):
+    #: measured terms (each justified in docs/calibration.md by the fidelity matrix):
     #: a fixed cost per rank and layer (framework overhead of the expert block, idle ranks
     #: included) and a per-layer all-to-all latency (dispatch + combine, half each), the
     #: time a layer costs beyond the slowest rank's compute and bytes
@@ -116,8 +119,8 @@ def preset(name: str, hidden: int | None = None, expert_bytes: int | None = None
     if key not in PRESETS:
         raise KeyError(f"unknown hardware preset {name!r} (choose from {', '.join(PRESETS)})")
     p = PRESETS[key]
-    hidden = hidden or 7168
-    expert_bytes = expert_bytes or 3 * hidden * 2048
+    hidden = hidden or DEFAULT_HIDDEN
+    expert_bytes = expert_bytes or default_expert_bytes(hidden)
     inter = moe_intermediate or max(1, expert_bytes // (3 * hidden))   # FP8: 1 byte per weight
     flops = 2.0 * 3 * hidden * inter
     a_ns = flops / (p["fp8_tflops"] * 1e12 * EFFICIENCY["flops"]) * 1e9
@@ -158,9 +161,26 @@ UNCALIBRATED_REL_ERROR = 0.25
 UNCALIBRATED_SOURCE = "uncalibrated: assumed, not measured; moetrace calibrate measures it"
 
 
-def error_band(cost: CostModel) -> tuple[float, str]:
-    """(relative error of a predicted time, where it comes from): the model's own when it
-    states one, else the uncalibrated default."""
+class ErrorBand(NamedTuple):
+    """The relative error of a predicted time (0.12 = ±12%) and where it comes from, in
+    words: the one error-band type (a cost model's, a stored calibration's). ``rel_error``
+    None: nobody measured it (an uncalibrated preset). A tuple ``(rel_error, source)``, so
+    it unpacks and serializes as the pair."""
+    rel_error: float | None
+    source: str
+
+    def text(self) -> str:
+        return (f"±{100 * self.rel_error:.1f}% ({self.source})" if self.rel_error is not None
+                else self.source)
+
+    def within(self, relative_difference: float) -> bool:
+        """A predicted relative difference this small is within the model's error (not a win)."""
+        return self.rel_error is not None and abs(relative_difference) <= self.rel_error
+
+
+def error_band(cost: CostModel) -> ErrorBand:
+    """The relative error of a predicted time and where it comes from: the model's own when
+    it states one, else the uncalibrated default."""
     if cost.rel_error is not None:
-        return float(cost.rel_error), cost.rel_error_source or "stated by the cost model"
-    return UNCALIBRATED_REL_ERROR, UNCALIBRATED_SOURCE
+        return ErrorBand(float(cost.rel_error), cost.rel_error_source or "stated by the cost model")
+    return ErrorBand(UNCALIBRATED_REL_ERROR, UNCALIBRATED_SOURCE)

@@ -1,13 +1,13 @@
 """Replay sweeps fanned out on a Dask cluster (``moetrace sweep --workers N`` / ``--scheduler``).
 
 A sweep's cells (replica budgets x re-plan intervals x fit windows, for one run or many)
-are independent: :func:`moetrace.replay.adapter.plan_sweep` lists them on the client,
+are independent: :func:`moetrace.replay.sweeps.plan_sweep` lists them on the client,
 each cell becomes one Dask task that opens the store read-only (``Store(path)``: a reader
 never writes and never recovers), reads the run's counts from the Parquet files itself and
-judges the cell with :func:`moetrace.replay.adapter.sweep_cell`, the function the
+judges the cell with :func:`moetrace.replay.sweeps.sweep_cell`, the function the
 single-process sweep calls. The results come back to the client, which assembles the
 decision table and, when the sweep is stored, writes it in one transaction per run
-(:func:`moetrace.replay.adapter.finish_sweep`): workers never write.
+(:func:`moetrace.replay.sweeps.finish_sweep`): workers never write.
 
 Workers must see the store at the same path as the client (a shared or network file
 system on a real cluster); a worker that cannot open it fails its task with the store's
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import MoetraceError, UsageError
-from . import adapter
+from . import sweep as sweeps
 
 #: seconds the client waits for an existing scheduler before giving up
 CONNECT_TIMEOUT_S = 10
@@ -61,14 +61,14 @@ def run_fingerprint(store_path, run_id: str) -> tuple:
     return tuple(out)
 
 
-def _context(opener, store_path: str, job: adapter.SweepJob, fingerprint: tuple):
+def _context(opener, store_path: str, job: sweeps.SweepJob, fingerprint: tuple):
     key = (store_path, job.run_id, fingerprint, job.opts.split, job.opts.passes, job.opts.cost.to_json())
     if key in _cache:
         _cache.move_to_end(key)
         return _cache[key]
     store = opener(store_path)      # Store(path): a reader (no create, no recovery)
     try:
-        m = adapter.sweep_context(store, job)
+        m = sweeps.sweep_context(store, job)
     finally:
         store.close()
     _cache[key] = m
@@ -77,12 +77,12 @@ def _context(opener, store_path: str, job: adapter.SweepJob, fingerprint: tuple)
     return m
 
 
-def judge_cells(opener, store_path: str, job: adapter.SweepJob, fingerprint: tuple,
-                cells: list[adapter.SweepCell]) -> list[adapter.SweepCellResult]:
+def judge_cells(opener, store_path: str, job: sweeps.SweepJob, fingerprint: tuple,
+                cells: list[sweeps.SweepCell]) -> list[sweeps.SweepCellResult]:
     """One Dask task: judge ``cells`` of ``job`` on a worker (reads, never writes).
     ``opener`` is the client's store class (``Store``, opened read-only by path)."""
     m = _context(opener, store_path, job, fingerprint)
-    return [adapter.sweep_cell(m, job, c) for c in cells]
+    return [sweeps.sweep_cell(m, job, c) for c in cells]
 
 
 @contextlib.contextmanager
@@ -119,7 +119,7 @@ def client_for(workers: int | None = None, scheduler: str | None = None) -> Iter
         yield client
 
 
-def run_jobs(client, store, jobs: list[adapter.SweepJob], cells_per_task: int = 1) -> list[adapter.SweepResult]:
+def run_jobs(client, store, jobs: list[sweeps.SweepJob], cells_per_task: int = 1) -> list[sweeps.SweepResult]:
     """Fan the cells of ``jobs`` out on ``client`` (``cells_per_task`` per task), gather
     them and finish each job on the client (stored sweeps are written here, one
     transaction per run)."""
@@ -142,12 +142,12 @@ def run_jobs(client, store, jobs: list[adapter.SweepJob], cells_per_task: int = 
     results: list[list] = [[] for _ in jobs]
     for n, part in zip(owner, gathered):
         results[n].extend(part)
-    return [adapter.finish_sweep(store, job, res) for job, res in zip(jobs, results)]
+    return [sweeps.finish_sweep(store, job, res) for job, res in zip(jobs, results)]
 
 
-def sweep(store, jobs: list[adapter.SweepJob], workers: int | None = None, scheduler: str | None = None,
-          cells_per_task: int = 1) -> list[adapter.SweepResult]:
-    """Run planned sweeps (:func:`moetrace.replay.adapter.plan_sweep`, one per run) on a
+def sweep(store, jobs: list[sweeps.SweepJob], workers: int | None = None, scheduler: str | None = None,
+          cells_per_task: int = 1) -> list[sweeps.SweepResult]:
+    """Run planned sweeps (:func:`moetrace.replay.sweeps.plan_sweep`, one per run) on a
     local cluster of ``workers`` processes or on the scheduler at ``scheduler``; the
     results equal the single-process sweep's."""
     with client_for(workers, scheduler) as client:

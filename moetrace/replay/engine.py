@@ -2,7 +2,7 @@
 and predicted layer time for every (step, layer), vectorized over steps and layers.
 
 A pure numeric kernel: arrays in, arrays out (the store is read and written by
-:mod:`.adapter`). Inputs are dense arrays ``load [T, L, E]`` (tokens per logical expert),
+:mod:`.load`). Inputs are dense arrays ``load [T, L, E]`` (tokens per logical expert),
 optionally ``slot_load [T, L, S]`` when the
 engine counted per physical slot (replaying the recorded plan then uses those counts, so
 it reproduces the recorded per-rank loads exactly), or per-token routing (exact dispatch
@@ -24,7 +24,8 @@ import numpy as np
 
 from ..errors import InputError
 from .cost import CostModel
-from .planners import Plan
+from ..placement.planners import Plan
+from ..domain.ranks import node_of
 
 SPLITS = ("even", "hash", "local")
 
@@ -169,7 +170,7 @@ def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: P
                 on_node[l, plan.phy2log[l, s], snode[s]] = s
         src_ok = np.clip(src, 0, R - 1)
         a = on_rank[li, e, src_ok]
-        b = on_node[li, e, src_ok // rpn]
+        b = on_node[li, e, node_of(src_ok, rpn)]
         slot = np.where(a >= 0, a, np.where(b >= 0, b, slot))
     if recorded_slot is not None:
         rs = np.asarray(recorded_slot, np.int64)
@@ -195,7 +196,7 @@ def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: P
     s = src_of[nz_row]
     cell = nz_row // maxtok
     remote = s != d
-    same_node = (s // rpn) == (d // rpn)
+    same_node = node_of(s, rpn) == node_of(d, rpn)
     w_intra = (remote & same_node).astype(np.float64) * bytes_per_token
     w_inter = (remote & ~same_node).astype(np.float64) * bytes_per_token
     intra = np.bincount(cell * R + d, weights=w_intra, minlength=cells * R).reshape(T, L, R)
@@ -207,7 +208,7 @@ def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: P
     if R % rpn == 0:
         per_tok = marks[used].reshape(-1, nn, rpn).any(axis=2).sum(axis=1)
     else:
-        per_tok = np.array([len(set((np.flatnonzero(m) // rpn).tolist())) for m in marks[used]])
+        per_tok = np.array([len(set(node_of(np.flatnonzero(m), rpn).tolist())) for m in marks[used]])
     return Block(tokens, touched, intra, inter, exact_bytes=True,
                  nodes_per_token_max=int(per_tok.max()) if per_tok.size else 0,
                  nodes_per_token_mean=float(per_tok.mean()) if per_tok.size else 0.0, traffic=traffic)

@@ -32,9 +32,9 @@ import numpy as np
 
 from .cost import CostModel, error_band
 from .engine import Block, LayerMetrics, Summary, layer_metrics, summarize
-from .moves import move_copies, replan
-from .planners import Plan, PlanShape, make_plan
-from .relabel import relabel
+from ..placement.moves import move_copies, replan
+from ..placement.planners import Plan, PlanShape, make_plan
+from ..placement.relabel import relabel
 
 #: fewer judged steps than this cannot carry a verdict
 MIN_JUDGED_STEPS = 10

@@ -26,13 +26,13 @@ class Section:
 
 @dataclass
 class ReportContext:
-    store: object                 # moetrace.store.Store
+    store: object                 # moetrace.storage.store.Store
     run_id: str
     run: dict                     # the runs row
     outdir: Path
 
     def sql(self, query: str, params=None) -> pl.DataFrame:
-        """SQL over the store's views (the metric definitions of ``analyze/sql``)."""
+        """SQL over the store's views (the metric definitions of ``storage/sql``)."""
         return self.store.sql(query, params)
 
     @cached_property

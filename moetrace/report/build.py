@@ -151,7 +151,7 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
     out = Path(outdir) if outdir is not None else Path(f"moetrace-report-{rid}")
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # --out file/sub, a read-only folder: one line, exit 2 (#12)
+    except OSError as e:  # --out file/sub, a read-only folder: bad input, one line, exit 2
         from ..errors import UsageError
 
         raise UsageError(f"{out}: cannot create the report folder ({e.strerror})") from None

@@ -1,7 +1,7 @@
 """All-to-all exposure: how much dispatch and combine time no compute kernel hid.
 
 Reads the views a2a_presence, a2a_exposure, a2a_rank_summary, a2a_stragglers and
-a2a_modes (analyze/sql/40_*, 41_*); draws a per-rank timeline of one step (compute,
+a2a_modes (storage/sql/40_*, 41_*); draws a per-rank timeline of one step (compute,
 dispatch, combine and helper lanes) and exposed-vs-hidden bars per layer. Says plainly
 when a run has no all-to-all at all.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ...collect.classify import A2A_KINDS, COMPUTE_KINDS
+from ...domain.kernels import A2A_KINDS, COMPUTE_KINDS
 from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 40

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .errors import SchemaError
+from ..errors import SchemaError
 
 _TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -33,7 +33,7 @@ META_TABLE = b"moetrace.table"
 
 def schema_dir() -> Path:
     """The folder holding the contract: the installed copy, else the repository's."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent   # the moetrace package
     for cand in (here / "_schemas", here.parent / "schemas"):
         if cand.is_dir() and any(cand.glob("*.json")):
             return cand

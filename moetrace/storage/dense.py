@@ -9,7 +9,7 @@ layers x 256 experts. Why this layout (measured alternatives): docs/scale.md.
 - ``expert_load`` stays the contract everyone queries: the store defines it as the long
   rows plus ``expert_counts`` unnested (:func:`expert_load_views`), so every SQL query
   over ``expert_load`` sees the same rows whichever layout a run was written in.
-- The metric views (``analyze/sql``) read ``expert_counts`` directly with list functions
+- The metric views (``storage/sql``) read ``expert_counts`` directly with list functions
   (no unnest) and the long rows as before.
 - :func:`read_counts` reads a run's counts as one contiguous ``[T, L, E]`` array (dense
   runs: Parquet list values straight into numpy; long runs: one SQL scan and a bincount).
@@ -158,11 +158,6 @@ def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Ta
 def _run_files(store, table: str, run_id: str) -> list[Path]:
     d = Path(store.path) / table / f"run_id={run_id}"
     return sorted(d.glob("*.parquet")) if d.is_dir() else []
-
-
-def has_dense(store, run_id: str) -> bool:
-    """Whether ``run_id`` stores (some of) its expert counts in the dense layout."""
-    return bool(_run_files(store, "expert_counts", run_id))
 
 
 def _row_groups(pf, lo, hi) -> list[int]:

@@ -28,8 +28,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import cost as costmod
-from .whatif import (DISAGG_ASSUMPTIONS, DOMAIN_ASSUMPTIONS, DisaggResult, DomainResult, OverlapResult, disaggregation,
-                     domain_sweep, overlap_two_micro_batches)
+from .timeline_whatif import (DISAGG_ASSUMPTIONS, DOMAIN_ASSUMPTIONS, DisaggResult, DomainResult, OverlapResult,
+                              disaggregation, domain_sweep, overlap_two_micro_batches)
+from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN
+from ..domain.ranks import ranks_per_node_or_all
 
 TABLE = "replay_whatif"
 
@@ -219,12 +221,12 @@ def run_whatifs(store, run_id: str, *, overlap: bool = True, disagg: bool = True
             rep.notes.extend(f"domain size: {n}" for n in notes)
             hidden, db = run.get("hidden"), run.get("dtype_bytes")
             if not hidden:
-                rep.notes.append("domain size: runs.hidden unknown, 7168 assumed for bytes per token")
+                rep.notes.append(f"domain size: runs.hidden unknown, {DEFAULT_HIDDEN} assumed for bytes per token")
             if not db:
-                rep.notes.append("domain size: runs.dtype_bytes unknown, 2 assumed for bytes per token")
-            bpt = (hidden or 7168) * (db or 2)
+                rep.notes.append(f"domain size: runs.dtype_bytes unknown, {DEFAULT_DTYPE_BYTES} assumed for bytes per token")
+            bpt = (hidden or DEFAULT_HIDDEN) * (db or DEFAULT_DTYPE_BYTES)
             cm = costmod.preset(hardware)
-            rpn = run.get("ranks_per_node") or t.shape[2]
+            rpn = ranks_per_node_or_all(run.get("ranks_per_node"), t.shape[2])
             sizes = [int(rpn)] + [int(d) for d in domains if int(d) != int(rpn)]
             rep.domains = domain_sweep(t, bpt, sizes, cm.nvlink_Bps, cm.internode_Bps)
             rep.domain_inputs = {"bytes_per_token": bpt, "ranks": t.shape[2], "steps": int(steps.size),
@@ -287,7 +289,7 @@ def rows_table(rep: WhatIfReport) -> pa.Table:
             add("domain", sc, None, "inter_domain_bytes", base.inter_bytes, r.inter_bytes, "bytes", DOMAIN_ASSUMPTIONS, p)
             add("domain", sc, None, "a2a_ns_per_step", base.a2a_ns_per_step, r.a2a_ns_per_step, "ns",
                 DOMAIN_ASSUMPTIONS, p)
-    from ..schema import conform
+    from ..storage.schema import conform
 
     cols = ["whatif_id", "created_at_ns", "kind", "scenario", "step", "metric", "before", "after", "unit",
             "rel_error", "assumptions", "params_json"]

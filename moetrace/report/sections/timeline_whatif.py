@@ -1,6 +1,6 @@
 """What-ifs on the recorded timeline: two-micro-batch overlap, attention/FFN
 disaggregation, NVLink domain size (table ``replay_whatif``, written by ``moetrace
-whatif``; :mod:`moetrace.replay.whatif`). When the store holds none for the run and the
+whatif``; :mod:`moetrace.replay.timeline_whatif`). When the store holds none for the run and the
 run has profiler spans, the overlap and disaggregation what-ifs are computed here without
 writing (the domain sweep reads all routing rows: run ``moetrace whatif`` for it)."""
 from __future__ import annotations

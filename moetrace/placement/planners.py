@@ -16,7 +16,8 @@ from typing import Callable
 import numpy as np
 
 from ..errors import InputError
-from .eplb import rebalance_experts
+from .eplb import rebalance_experts, replica_counts
+from ..domain.ranks import contiguous_experts, node_of
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Plan:
 
     @property
     def slot_node(self) -> np.ndarray:
-        return self.slot_rank // self.ranks_per_node
+        return node_of(self.slot_rank, self.ranks_per_node)
 
     @property
     def replicas(self) -> int:
@@ -148,26 +149,14 @@ def check_shape(shape: PlanShape, num_experts: int, policy: str | None = None) -
 
 
 def _contiguous_rows(L: int, E: int, S: int) -> np.ndarray:
-    """vLLM's initial map: range(E), then slot i holds expert i % E."""
-    return np.tile(np.arange(S, dtype=np.int64) % E, (L, 1))
+    """vLLM's initial map: range(E), then slot i holds expert i % E (:mod:`moetrace.domain.ranks`)."""
+    return np.tile(contiguous_experts(E, S), (L, 1))
 
 
 def contiguous(load: np.ndarray, shape: PlanShape) -> Plan:
     L, E = load.shape
     return Plan(_contiguous_rows(L, E, shape.num_slots), E, shape.num_ranks, shape.ranks_per_node,
                 policy="contiguous")
-
-
-def _replicate_rule(w: np.ndarray, extra: int) -> np.ndarray:
-    """Copies per expert after giving each extra slot to the highest load per copy. [L, E]"""
-    L, E = w.shape
-    cnt = np.ones((L, E), np.int64)
-    rows = np.arange(L)
-    w = w.astype(np.float64)
-    for _ in range(extra):
-        r = np.argmax(w / cnt, axis=1)
-        cnt[rows, r] += 1
-    return cnt
 
 
 def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
@@ -178,7 +167,7 @@ def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
     S, R = shape.num_slots, shape.num_ranks
     spr = S // R
     w = np.asarray(load, np.float64)
-    cnt = _replicate_rule(w, S - E)
+    cnt = replica_counts(w, S - E)
     out = np.empty((L, S), np.int64)
     for li in range(L):
         items = np.repeat(np.arange(E), cnt[li])
@@ -225,7 +214,7 @@ def one_per_rank(load: np.ndarray, shape: PlanShape) -> Plan:
     experts with the highest load per copy. num_ranks becomes num_slots."""
     L, E = load.shape
     S = shape.num_slots
-    cnt = _replicate_rule(np.asarray(load, np.float64), S - E)
+    cnt = replica_counts(np.asarray(load, np.float64), S - E)
     out = np.empty((L, S), np.int64)
     out[:, :E] = np.arange(E)
     for li in range(L):

@@ -1,6 +1,6 @@
 """The metric views on Spark SQL, from the same definitions DuckDB runs.
 
-The views in ``moetrace/analyze/sql/*.sql`` are the product's definitions of every metric.
+The views in ``moetrace/storage/sql/*.sql`` are the product's definitions of every metric.
 Spark does not get a second hand-written copy: each DuckDB statement is transpiled with
 sqlglot (``read="duckdb", write="spark"``), then the few adaptations Spark needs are
 applied, all of them listed in :data:`ADAPTATIONS` with the reason for each. The store's
@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import schema
-from .errors import StoreError
+from ..errors import StoreError
 
 # Spark's types for the contract's column types.
 _SPARK_TYPES = {"string": "string", "bool": "boolean", "int8": "tinyint", "int16": "smallint",
@@ -254,7 +254,7 @@ def transpile(duckdb_sql: str) -> str:
 @lru_cache(maxsize=None)
 def spark_view_statements() -> tuple[tuple[str, str], ...]:
     """(view name, Spark SQL) for every metric view, in definition order."""
-    from .analyze import view_statements
+    from .views import view_statements
 
     return tuple((_view_name(s), transpile(s)) for s in view_statements())
 
@@ -349,7 +349,7 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True) ->
     when the store has no files for it), then every metric view. Returns the view names.
     A metric view Spark cannot take raises :class:`StoreError` naming it; with
     ``strict=False`` it is left out (and the views built on it), so the rest still run."""
-    from .analyze.dense import expert_load_views
+    from .dense import expert_load_views
 
     root = Path(store_path)
     runs = _table_frame(spark, root, "runs", None)
@@ -403,7 +403,7 @@ def sql(store_path: str | os.PathLike, query: str, master: str | None = None, re
 
 class SparkSQL:
     """The store's tables and metric views registered on a Spark session, queried like
-    :meth:`moetrace.store.Store.sql`: ``sql(query, params)`` returns a polars DataFrame.
+    :meth:`moetrace.storage.store.Store.sql`: ``sql(query, params)`` returns a polars DataFrame.
 
     The library's readers write DuckDB SQL; ``dialect="duckdb"`` (the default) transpiles
     such a query with the same rules as the views; ``dialect="spark"`` runs the text as

@@ -1,6 +1,6 @@
 -- Kernel time by kind: where a profiler run's device time went, per (rank, step) and kind.
 --
--- kind is the span kind the one classifier gave at ingest (collect/classify.py, the same
+-- kind is the span kind the one classifier gave at ingest (domain/kernels.py, the same
 -- as `moetrace kernels`). kernel_ns sums the spans' durations (kernels on different
 -- streams may overlap, so kinds can add up to more than the wall time);
 -- share_of_kernel_time = kernel_ns over all kinds of the same (rank, step).

@@ -29,8 +29,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from .eplb import rebalance_experts
-from .planners import Plan
+from ..placement.eplb import rebalance_experts
+from ..placement.planners import Plan
+from ..domain.ranks import node_of
 
 FORMATS = ("sglang", "eplb", "trtllm", "vllm-ascend")
 
@@ -41,7 +42,7 @@ def plan_table(plan: Plan, plan_id: str) -> pa.Table:
     return pa.table({"plan_id": pa.array([plan_id] * (L * S), pa.string()),
                      "layer": np.repeat(plan.layers, S).astype(np.int32),
                      "slot": np.tile(np.arange(S), L).astype(np.int32),
-                     "rank": rank.astype(np.int32), "node": (rank // plan.ranks_per_node).astype(np.int32),
+                     "rank": rank.astype(np.int32), "node": node_of(rank, plan.ranks_per_node).astype(np.int32),
                      "expert": plan.phy2log.ravel().astype(np.int32)})
 
 

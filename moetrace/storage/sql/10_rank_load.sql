@@ -53,8 +53,10 @@ SELECT run_id, step, layer FROM expert_counts;
 --   slot        every row carries its physical slot: rank from the slot (exact)
 --   recorded    rows per logical expert, spread evenly over the replicas of the
 --               recorded placement (plan_id = 'recorded')
---   contiguous  no placement recorded: expert e on rank e * num_ranks // num_experts
---               (= e // experts_per_rank when they divide evenly)
+--   contiguous  no placement recorded: vLLM's initial map (view contiguous_map), the
+--               one the replay assumes too: slot i holds expert i mod num_experts, on
+--               rank i * num_ranks // num_slots; replicas share an expert's tokens evenly
+--               (with num_slots = num_experts: expert e on rank e * num_ranks // num_experts)
 --   none        num_ranks unknown: no rank metrics
 -- Mixed layers say so ('slot+recorded', 'slot+contiguous'); experts missing from the
 -- recorded placement fall back to contiguous ('recorded+contiguous').
@@ -116,11 +118,28 @@ UNION ALL
 SELECT run_id, step, layer, CAST(generate_subscripts(tokens, 1) - 1 AS INTEGER) AS expert, unnest(tokens) AS tokens
 FROM expert_counts;
 
+-- contiguous_map: where an expert sits when no placement records it (the replay's
+-- "recorded (contiguous assumed)" plan, moetrace.placement.planners.contiguous): vLLM's
+-- initial map over S = max(num_slots, num_experts) slots, slot i holding expert
+-- i mod num_experts on rank i * num_ranks // S; one row per slot, with the expert's number
+-- of slots (its tokens are split evenly over them).
+CREATE OR REPLACE VIEW contiguous_map AS
+WITH sh AS (
+    SELECT run_id, CAST(num_experts AS BIGINT) AS E, CAST(num_ranks AS BIGINT) AS R,
+           CAST(greatest(num_slots, num_experts) AS BIGINT) AS S
+    FROM run_shape WHERE num_ranks IS NOT NULL
+), s AS (
+    SELECT run_id, E, R, S, unnest(range(S)) AS slot FROM sh
+)
+SELECT run_id, CAST(slot % E AS INTEGER) AS expert, CAST(slot * R // S AS BIGINT) AS rank,
+       CAST(count(*) OVER (PARTITION BY run_id, slot % E) AS DOUBLE) AS copies
+FROM s;
+
 -- dense_rank_map: for each dense (run, layer), the ranks that hold experts and, per rank,
 -- its (expert list index, copies) pairs: a replica of the recorded placement takes
 -- tokens / copies, an expert the placement lacks (or every expert, without a recorded
--- placement) sits on its contiguous rank e * num_ranks // num_experts: the rules of
--- rank_load_sparse below, as a lookup table applied to each list.
+-- placement) sits where contiguous_map puts it: the rules of rank_tokens_long below, as
+-- a lookup table applied to each list.
 CREATE OR REPLACE VIEW dense_rank_map AS
 WITH sh AS (
     SELECT run_id, num_experts AS E, num_ranks AS R FROM run_shape WHERE num_ranks IS NOT NULL
@@ -131,9 +150,9 @@ WITH sh AS (
     SELECT x.run_id, x.layer, x.expert, CAST(r.rank AS BIGINT) AS rank, CAST(r.copies AS DOUBLE) AS copies
     FROM dense_experts x JOIN reps r ON r.run_id = x.run_id AND r.layer = x.layer AND r.expert = x.expert
     UNION ALL
-    SELECT x.run_id, x.layer, x.expert, (CAST(x.expert AS BIGINT) * sh.R) // sh.E, 1.0
+    SELECT x.run_id, x.layer, x.expert, c.rank, c.copies
     FROM dense_experts x
-    JOIN sh USING (run_id)
+    JOIN contiguous_map c ON c.run_id = x.run_id AND c.expert = x.expert
     ANTI JOIN (SELECT DISTINCT run_id, layer, expert FROM placement WHERE plan_id = 'recorded') p
         ON p.run_id = x.run_id AND p.layer = x.layer AND p.expert = x.expert
 ), per_rank AS (
@@ -187,9 +206,9 @@ WITH sh AS (
     JOIN reps r ON r.run_id = e.run_id AND r.layer = e.layer AND r.expert = e.expert
     WHERE e.slot IS NULL
     UNION ALL
-    SELECT e.run_id, e.step, e.layer, (CAST(e.expert AS BIGINT) * sh.R) // sh.E, CAST(e.tokens AS DOUBLE)
+    SELECT e.run_id, e.step, e.layer, c.rank, CAST(e.tokens AS DOUBLE) / c.copies
     FROM expert_load_long e
-    JOIN sh USING (run_id)
+    JOIN contiguous_map c ON c.run_id = e.run_id AND c.expert = e.expert
     ANTI JOIN placed pl ON pl.run_id = e.run_id AND pl.layer = e.layer AND pl.expert = e.expert
     WHERE e.slot IS NULL
 ), long_ranks AS (

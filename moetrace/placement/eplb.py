@@ -94,6 +94,14 @@ def _replicate(w: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.
     return phy2log, rank, cnt
 
 
+def replica_counts(w: np.ndarray, extra: int) -> np.ndarray:
+    """Copies per expert after giving each of ``extra`` slots to the expert with the most
+    load per copy: EPLB's replication step, in its float32 arithmetic and first-index ties,
+    the one replicate rule every planner uses. ``w`` [L, E] -> counts [L, E] (int64)."""
+    w = np.asarray(w, dtype=np.float32)
+    return _replicate(w, w.shape[1] + extra)[2]
+
+
 def _inverse(perm: np.ndarray) -> np.ndarray:
     inv = np.empty_like(perm)
     np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)

@@ -1,0 +1,221 @@
+"""A run's shape and its recorded expert load, read from the store for the replay: the
+``run_shape`` view (the one the metrics use), dense per-step loads, routing blocks. Ranks
+come from ``runs.num_ranks`` or the recorded placement, never guessed; values the run does
+not record are unknown (``None``) and every answer that needs them says what it assumed."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..errors import InputError
+from .engine import Block, replay_routing
+from ..placement.planners import Plan, PlanShape, check_shape
+from .strategies import Timing
+from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN, DEFAULT_MOE_INTERMEDIATE, default_expert_bytes
+from ..domain.ranks import ranks_per_node_or_all
+
+
+# ----------------------------------------------------------------------------- shape
+@dataclass
+class RunShape:
+    """A run's shape as the metrics see it. ``None`` = the run does not record it."""
+    num_experts: int
+    num_ranks: int | None
+    ranks_per_node: int | None
+    num_slots: int
+    num_groups: int | None
+    top_k: int | None
+    hidden: int
+    dtype_bytes: int
+    expert_bytes: int
+    layers: np.ndarray
+    steps: np.ndarray
+    has_slot: bool
+    has_routing: bool
+    notes: list[str] = field(default_factory=list)
+    ranks_from: str | None = None
+    #: the counts aggregate many passes (one pseudo-step per recording); passes when known
+    aggregate: bool = False
+    passes: int | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.hidden * self.dtype_bytes
+
+    def timing(self, passes: int | None = None) -> Timing:
+        if not self.aggregate:
+            return Timing()
+        return Timing(timed=False, per_pass=passes or self.passes)
+
+    def plan_shape(self, ranks=None, replicas=None, groups=None, nodes=None, rpn=None) -> PlanShape:
+        """The cluster a planner plans for: the run's, with the options given. Contradictions
+        exit 2 naming the options (:func:`planners.check_shape`)."""
+        R = ranks or self.num_ranks
+        if not R:
+            raise InputError(None, "the run's expert-parallel rank count is unknown (runs.num_ranks empty, no "
+                                   "recorded placement): give --ranks N (or ingest with --ranks)")
+        if rpn is None and nodes:
+            if R % nodes:
+                raise InputError(None, f"--nodes {nodes} does not divide --ranks {R}")
+            rpn = R // nodes
+        if rpn is None:
+            rpn = ranks_per_node_or_all(self.ranks_per_node, R)
+        if replicas is not None:
+            S = self.num_experts + replicas
+        else:
+            S = self.num_slots if ranks is None or ranks == self.num_ranks else self.num_experts
+        ps = PlanShape(R, rpn, S, groups if groups is not None else self.num_groups, nodes)
+        check_shape(ps, self.num_experts, None)
+        return ps
+
+    def describe(self) -> str:
+        return (f"{self.num_ranks or '?'} ranks ({self.ranks_from or 'unknown'}), "
+                f"{self.ranks_per_node or '?'} per node, {self.num_slots} slots, "
+                f"{self.num_groups if self.num_groups is not None else '?'} groups, top_k {self.top_k or '?'}")
+
+    @classmethod
+    def from_store(cls, store, run_id: str) -> "RunShape":
+        run = store.run_row(run_id)
+        notes = []
+        sh = store.sql("SELECT * FROM run_shape WHERE run_id = ?", [run_id])
+        # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
+        st = store.sql("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
+                                 (SELECT count(slot) FROM expert_load_long WHERE run_id = ?) ns""",
+                       [run_id, run_id]).row(0, named=True)
+        if not sh.height or st["lo"] is None:
+            raise InputError(None, f"run {run_id!r} has no expert_load rows to replay")
+        sh = sh.row(0, named=True)
+        steps = store.sql("SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step", [run_id])["step"].to_numpy()
+        layers = store.sql("SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer", [run_id])["layer"].to_numpy()
+        E, R, S = int(sh["num_experts"]), sh["num_ranks"], int(sh["num_slots"])
+        if sh["experts_from"] != "runs":
+            notes.append(f"runs.num_experts unknown: {E} ({sh['experts_from']})")
+        rpn = run.get("ranks_per_node")
+        if R is None:
+            notes.append("expert-parallel rank count unknown (ingest with --ranks): give --ranks to plan or replay")
+        elif not rpn:
+            nodes = None
+            if store.has_files("placement"):
+                nodes = store.sql("SELECT max(node) + 1 AS n FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
+                                  [run_id])["n"][0]
+            if nodes and R % int(nodes) == 0:
+                rpn = R // int(nodes)
+            else:
+                notes.append("ranks per node unknown (ingest with --ranks-per-node): all ranks taken as one node "
+                             "(all-to-all and expert moves over NVLink only)")
+        G = run.get("num_groups")
+        k = sh["top_k"]
+        hidden = run.get("hidden")
+        if not hidden:
+            hidden = DEFAULT_HIDDEN
+            notes.append(f"runs.hidden unknown: {DEFAULT_HIDDEN} assumed for dispatch bytes")
+        db = run.get("dtype_bytes")
+        if not db:
+            db = DEFAULT_DTYPE_BYTES
+            notes.append(f"runs.dtype_bytes unknown: {DEFAULT_DTYPE_BYTES} bytes per element assumed for dispatch bytes")
+        eb = run.get("expert_bytes") or default_expert_bytes(hidden)
+        if not run.get("expert_bytes"):
+            notes.append(f"runs.expert_bytes unknown: 3 x hidden x {DEFAULT_MOE_INTERMEDIATE} = {eb} bytes per expert assumed")
+        has_routing = store.has_files("routing") and store.sql(
+            "SELECT count(*) n FROM (SELECT 1 FROM routing WHERE run_id = ? LIMIT 1)", [run_id])["n"][0] > 0
+        approx = json.loads(run.get("approximations") or "[]")
+        aggregate = any("pseudo-step" in a for a in approx)
+        passes = None
+        if aggregate:
+            try:
+                passes = json.loads(run.get("meta_json") or "{}").get("num_passes")
+            except ValueError:
+                passes = None
+        return cls(E, int(R) if R else None, int(rpn) if rpn else None, S, int(G) if G else None,
+                   int(k) if k else None, int(hidden), int(db), int(eb), layers.astype(np.int64),
+                   steps.astype(np.int64), bool(st["ns"]), bool(has_routing), notes, sh["ranks_from"],
+                   aggregate, int(passes) if passes else None)
+
+
+# ----------------------------------------------------------------------------- reading
+def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
+              with_slots: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Yield (step ids [t], load [t, L, E] float64, slot_load [t, L, S] or None) by step chunks."""
+    steps, layers, E, S = shape.steps, shape.layers, shape.num_experts, shape.num_slots
+    want_slots = with_slots and shape.has_slot
+    cols = "step, layer, expert, tokens" + (", slot" if want_slots else "")
+    for i in range(0, steps.size, chunk_steps):
+        ids = steps[i:i + chunk_steps]
+        if not want_slots:      # counts per logical expert: the dense reader (no SQL for dense runs)
+            from ..storage.dense import read_counts
+
+            got, got_layers, counts = read_counts(store, run_id, ids)
+            if counts.shape[2] > E:
+                raise InputError(None, f"run {run_id!r}: expert_load holds expert {counts.shape[2] - 1} but the run "
+                                       f"has {E} experts")
+            load = np.zeros((ids.size, layers.size, E))
+            if np.array_equal(got, ids) and np.array_equal(got_layers, layers):
+                load[:, :, :counts.shape[2]] = counts
+            else:
+                load[np.ix_(np.searchsorted(ids, got), np.searchsorted(layers, got_layers),
+                            np.arange(counts.shape[2]))] = counts
+            yield ids, load, None
+            continue
+        tbl = store.arrow(f"SELECT {cols} FROM expert_load WHERE run_id = ? AND step BETWEEN ? AND ?",
+                          [run_id, int(ids[0]), int(ids[-1])])
+        ti = np.searchsorted(ids, tbl.column("step").to_numpy())
+        keep = (ti < ids.size) & (ids[np.minimum(ti, ids.size - 1)] == tbl.column("step").to_numpy())
+        li = np.searchsorted(layers, tbl.column("layer").to_numpy())
+        cell = (ti * layers.size + li)[keep]
+        tok = tbl.column("tokens").to_numpy().astype(np.float64)[keep]
+        n = ids.size * layers.size
+        ex = tbl.column("expert").to_numpy()[keep]
+        if ex.size and (ex.min() < 0 or ex.max() >= E):
+            raise InputError(None, f"run {run_id!r}: expert_load holds expert {int(ex.max())} but the run has {E} experts")
+        # bincount sums rows that repeat a (step, layer, expert): per slot, per source rank
+        load = np.bincount(cell * E + ex, weights=tok, minlength=n * E).reshape(ids.size, layers.size, E)
+        slot_load = None
+        if want_slots:
+            sl = tbl.column("slot").to_numpy(zero_copy_only=False).astype(np.float64)[keep]
+            ok = ~np.isnan(sl)
+            if ok.any() and (sl[ok].min() < 0 or sl[ok].max() >= S):
+                raise InputError(None, f"run {run_id!r}: expert_load holds slot {int(sl[ok].max())} but the run has {S} slots")
+            slot_load = np.bincount(cell[ok] * S + sl[ok].astype(np.int64), weights=tok[ok],
+                                    minlength=n * S).reshape(ids.size, layers.size, S)
+        yield ids, load, slot_load
+
+
+def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
+              max_steps: int | None = None, with_slots: bool = False):
+    """(step ids, load [T, L, E], slot_load or None) for all steps (or lo <= step < hi; at most max_steps)."""
+    steps = shape.steps
+    if step_range:
+        steps = steps[(steps >= step_range[0]) & (steps < step_range[1])]
+    if max_steps is not None:
+        steps = steps[:max_steps]
+    if steps.size == 0:
+        return steps, np.zeros((0, shape.layers.size, shape.num_experts)), None
+    parts = list(iter_load(store, run_id, replace(shape, steps=steps), with_slots=with_slots))
+    sl = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), sl
+
+
+def routing_has_slots(store, run_id) -> bool:
+    """True when every per-token routing row records its physical slot."""
+    r = store.sql("SELECT count(*) AS n, count(slot) AS s FROM routing WHERE run_id = ?", [run_id]).row(0)
+    return r[0] > 0 and r[0] == r[1]
+
+
+def routing_block(store, run_id, shape: RunShape, plan: Plan, split: str, ids: np.ndarray,
+                  use_recorded_slot: bool = False) -> Block:
+    """Exact replay of the run's per-token routing rows of steps ``ids`` against ``plan``."""
+    tbl = store.arrow("""SELECT step, layer, token, src_rank, expert, slot FROM routing
+                         WHERE run_id = ? AND step BETWEEN ? AND ?""", [run_id, int(ids[0]), int(ids[-1])])
+    steps = tbl.column("step").to_numpy()
+    ti = np.searchsorted(ids, steps)
+    keep = (ti < ids.size) & (ids[np.minimum(ti, ids.size - 1)] == steps)
+    li = np.searchsorted(plan.layers, tbl.column("layer").to_numpy())
+    src = tbl.column("src_rank").to_numpy(zero_copy_only=False).astype(np.float64)
+    tok = tbl.column("token").to_numpy()
+    src = np.where(np.isnan(src), tok % plan.num_ranks, src).astype(np.int64)
+    rs = tbl.column("slot").to_numpy(zero_copy_only=False)[keep] if use_recorded_slot else None
+    return replay_routing(ti[keep], li[keep], tok[keep], src[keep], tbl.column("expert").to_numpy()[keep], ids.size,
+                          plan, split, shape.bytes_per_token, recorded_slot=rs)

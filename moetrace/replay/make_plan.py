@@ -1,0 +1,134 @@
+"""What ``moetrace plan`` does: fit, import, re-plan from a plan, relabel, move accounting,
+store, export."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+from .engine import imbalance
+from ..placement.moves import moves_between, replan
+from ..placement.planners import Plan, make_plan
+from ..placement.relabel import relabel
+from .load import RunShape, read_load
+from .plan_store import load_plan
+
+
+# ----------------------------------------------------------------------------- moetrace plan
+@dataclass
+class PlanResult:
+    """What ``moetrace plan`` made: the plan, what it was fitted on, its moves from the plan it replaces."""
+    run_id: str
+    plan_id: str
+    plan: Plan
+    start: Plan
+    fit_steps: int
+    fit_window: tuple[int, int] | None
+    imbalance_on_fit: float | None
+    start_imbalance_on_fit: float | None
+    moved: int | None
+    moved_bytes: int | None
+    relabeled: bool
+    moves_without_relabel: int | None
+    stored_rows: int | None = None
+    out: str | None = None
+    out_format: str | None = None
+    fitted: bool = False
+
+    def to_dict(self) -> dict:
+        p = self.plan
+        d = {"run_id": self.run_id, "plan_id": self.plan_id, "policy": p.policy, "plan": p.describe(),
+             "layers": p.num_layers, "slots": p.num_slots, "ranks": p.num_ranks, "ranks_per_node": p.ranks_per_node,
+             "nodes": p.num_nodes, "groups": p.num_groups, "redundant_slots": p.replicas,
+             "fit_steps": self.fit_steps, "fit_window": list(self.fit_window) if self.fit_window else None,
+             "mean_imbalance_on_fit_load": self.imbalance_on_fit, "start_plan": self.start.plan_id,
+             "start_mean_imbalance_on_fit_load": self.start_imbalance_on_fit,
+             "moved_experts_vs_start": self.moved, "moved_bytes_vs_start": self.moved_bytes,
+             "relabeled": self.relabeled,
+             "moved_experts_without_relabel": self.moves_without_relabel if self.relabeled else None,
+             "params": p.params}
+        if self.stored_rows is not None:
+            d["stored_rows"] = self.stored_rows
+        if self.out:
+            d["out"], d["out_format"] = self.out, self.out_format
+        return d
+
+
+def _mean_imbalance(plan: Plan, total: np.ndarray) -> float | None:
+    v = imbalance(np.einsum("le,ler->lr", total, plan.share()))
+    return float(np.nanmean(v)) if np.isfinite(v).any() else None
+
+
+def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=None, replicas=None, groups=None,
+                  nodes=None, rpn=None, fit_window=None, start_plan_id=None, import_file=None, max_moves=None,
+                  target_imbalance=None, plan_id=None, store_plan=True, out_file=None, out_format="sglang",
+                  relabel_to_start=True) -> PlanResult:
+    """Fit (``policy``), import (``import_file``), re-plan with a move budget from
+    ``start_plan_id``, or export a stored plan; relabel, count moves, store and export."""
+    from ..formats import plan_files as plan_io
+
+    moves_mode = max_moves is not None or target_imbalance is not None
+    if import_file is not None:
+        ignored = [n for n, v in (("--policy", policy), ("--replicas", replicas), ("--groups", groups),
+                                  ("--fit-window", fit_window), ("--max-moves", max_moves),
+                                  ("--target-imbalance", target_imbalance), ("--plan", start_plan_id)) if v is not None]
+        if ignored:
+            raise InputError(None, f"--import reads the plan as it is in the file: {', '.join(ignored)} would be "
+                                   "ignored; leave them out (use moetrace plan --policy to fit a new plan)")
+    if moves_mode and (not start_plan_id or policy):
+        raise InputError(None, "--max-moves / --target-imbalance re-plan from --plan ID (without --policy)")
+    if not (policy or import_file or start_plan_id):
+        raise InputError(None, "give one of --policy (optionally with --plan PREV), --import, --plan ID (export), "
+                               "or --plan ID with --max-moves")
+    if policy and import_file:
+        raise InputError(None, "give --policy or --import, not both")
+    ids, load, _ = read_load(store, run_id, shape, fit_window)
+    if ids.size == 0 and (policy or moves_mode):
+        what = f"--fit-window {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
+        raise InputError(None, f"{what} holds no recorded steps")
+    total = load.sum(axis=0)
+    base = load_plan(store, run_id, "recorded", shape) if shape.num_ranks else None
+    info, relabel_info = {}, None
+    if policy:
+        ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+        p = make_plan(policy, total, ps, layers=shape.layers)
+        if start_plan_id:
+            base = load_plan(store, run_id, start_plan_id, shape)
+        if relabel_to_start and base is not None:
+            p, relabel_info = relabel(base, p)
+    elif import_file:
+        R = ranks or shape.num_ranks
+        if not R:
+            raise InputError(None, "the run's rank count is unknown: give --ranks for the imported plan")
+        ps = shape.plan_shape(ranks=R, nodes=nodes, rpn=rpn)
+        p = plan_io.import_plan(import_file, shape.num_experts, R, ps.ranks_per_node, shape.layers,
+                                shape.num_groups or 1)
+    else:
+        start = load_plan(store, run_id, start_plan_id, shape)
+        if moves_mode:
+            p, info = replan(start, total, max_moves=max_moves, target_imbalance=target_imbalance)
+            base = start
+        else:
+            p = start
+    base = base or p
+    pid = plan_id or (p.plan_id if p.plan_id and not policy else None) or (
+        f"moves{max_moves}" if info else (policy or "imported"))
+    try:
+        moved = int(moves_between(base, p).sum()) if base.num_ranks == p.num_ranks else None
+    except ValueError:
+        moved = None
+    res = PlanResult(run_id, pid, p, base, int(ids.size), tuple(fit_window) if fit_window else None,
+                     _mean_imbalance(p, total), _mean_imbalance(base, total) if base.num_slots else None, moved,
+                     moved * shape.expert_bytes if moved is not None else None,
+                     bool(relabel_info and relabel_info["relabeled"]),
+                     relabel_info["moves_before"] if relabel_info and relabel_info["relabeled"] else None,
+                     fitted=bool(policy or info))
+    if store_plan and not (start_plan_id and pid == start_plan_id):
+        fit = ((fit_window[0], fit_window[1]) if fit_window else (int(ids.min()), int(ids.max()) + 1)) \
+            if res.fitted and ids.size else None
+        res.stored_rows = plan_io.save_plan(store, run_id, p, pid, fit=fit + (int(ids.size),) if fit else None,
+                                            start_plan_id=base.plan_id if (policy and relabel_info) or info else None)
+    if out_file:
+        res.out, res.out_format = str(plan_io.export_plan(p, out_file, out_format)), out_format
+    return res

@@ -1,0 +1,75 @@
+"""Plans read from the store: the recorded placement of a run and stored plans
+(``plans`` rows -> :class:`~moetrace.placement.planners.Plan`)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..errors import InputError
+from ..placement.planners import Plan, align_layers, contiguous
+from .load import RunShape
+
+
+# ----------------------------------------------------------------------------- plans
+def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | None = None) -> Plan:
+    """A Plan from placement rows (layer, slot, rank, node, expert) of one plan."""
+    if df.height == 0:
+        raise InputError(None, f"no placement rows for plan {plan_id!r}")
+    layers = np.unique(df["layer"].to_numpy())
+    S = int(df["slot"].max()) + 1
+    L = layers.size
+    p2l = np.full((L, S), -1, np.int64)
+    li = np.searchsorted(layers, df["layer"].to_numpy())
+    p2l[li, df["slot"].to_numpy()] = df["expert"].to_numpy()
+    if (p2l < 0).any():
+        raise InputError(None, f"plan {plan_id!r}: some (layer, slot) have no expert")
+    rank_of = np.zeros(S, np.int64)
+    rank_of[df["slot"].to_numpy()] = df["rank"].to_numpy()
+    R = int(rank_of.max()) + 1
+    if S % R or not np.array_equal(rank_of, np.arange(S) // (S // R)):
+        raise InputError(None, f"plan {plan_id!r}: slots are not laid out as slot // slots_per_rank")
+    node_of = np.zeros(R, np.int64)
+    node_of[df["rank"].to_numpy()] = df["node"].to_numpy()
+    nn = int(node_of.max()) + 1
+    rpn = R // nn if R % nn == 0 else (ranks_per_node or R)
+    try:
+        return Plan(p2l, max(num_experts, int(p2l.max()) + 1), R, rpn, layers=layers, policy="stored", plan_id=plan_id)
+    except ValueError as e:   # e.g. a recorded placement that leaves experts without a slot
+        raise InputError(None, f"plan {plan_id!r} cannot be replayed: {e}") from None
+
+
+def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
+    """The run's own placement (plan_id 'recorded'), else contiguous (slot = expert)."""
+    df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
+                   [run_id]) if store.has_files("placement") else None
+    if df is not None and df.height:
+        p = align_layers(plan_from_rows(df, "recorded", shape.num_experts, shape.ranks_per_node), shape.layers)
+        p.policy = "recorded"
+        return p
+    ps = shape.plan_shape()
+    p = contiguous(np.zeros((shape.layers.size, shape.num_experts)), ps)
+    p.layers, p.plan_id, p.policy = shape.layers, "recorded", "recorded (contiguous assumed)"
+    return p
+
+
+def load_plan(store, run_id: str, plan_id: str, shape: RunShape) -> Plan:
+    if plan_id == "recorded":
+        return recorded_plan(store, run_id, shape)
+    df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = ?",
+                   [run_id, plan_id]) if store.has_files("placement") else None
+    if df is None or df.height == 0:
+        ids = store.sql("SELECT DISTINCT plan_id FROM placement WHERE run_id = ?", [run_id])["plan_id"].to_list() \
+            if store.has_files("placement") else []
+        raise InputError(None, f"run {run_id!r} has no plan {plan_id!r} (plans: {', '.join(ids) or 'none'})")
+    p = align_layers(plan_from_rows(df, plan_id, shape.num_experts, shape.ranks_per_node), shape.layers)
+    from ..formats.plan_files import plan_meta
+
+    meta = plan_meta(store, run_id, plan_id)
+    if meta is not None:
+        p.policy = meta["policy"]
+        try:
+            p.params = {**json.loads(meta["params_json"] or "{}"), **p.params}
+        except ValueError:
+            pass
+    return p

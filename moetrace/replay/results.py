@@ -1,0 +1,181 @@
+"""A replay's options and result, and the ``replay_*`` tables written from it."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from . import cost as costmod
+from .engine import Block, imbalance
+from ..placement.planners import Plan
+from .strategies import Judged, MoveCost, Timing, compare_text
+from .load import RunShape
+from ..domain.ranks import node_of
+
+
+# ----------------------------------------------------------------------------- options, results
+@dataclass
+class ReplayOptions:
+    split: str = "even"
+    hardware: str = "H200"
+    fit_cost: bool = True
+    rank_rows: bool = True
+    chunk_steps: int = 1000
+    move: MoveCost = field(default_factory=MoveCost)
+    #: passes per pseudo-step of an aggregate run (times per pass then); None: the run's
+    passes: int | None = None
+    #: the cost model to use (None: :func:`cost_model`, preset or fitted from spans)
+    cost: costmod.CostModel | None = None
+
+
+def new_replay_id(prefix: str = "r") -> str:
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def _time_note(shape: RunShape, timing: Timing) -> list[str]:
+    if not shape.aggregate:
+        return []
+    if timing.per_pass:
+        return [f"the counts aggregate {timing.per_pass} passes per recorded step: times are per pass (the "
+                "aggregate divided by the pass count), not per step"]
+    return ["the counts aggregate many passes into one pseudo-step (see runs.approximations) and the number of "
+            "passes is unknown: imbalance and tokens only, no time per step (give --passes N for times per pass)"]
+
+
+@dataclass
+class ReplayResult:
+    """One judged plan (or policy) of a run, with everything its answer prints."""
+    replay_id: str
+    run_id: str
+    judged: Judged
+    plan_desc: str
+    split: str
+    exact_bytes: bool
+    cost: costmod.CostModel
+    judged_on: str
+    notes: list[str]
+    error_band: costmod.ErrorBand
+    move: MoveCost
+    timing: Timing
+    policy: str
+    nodes_per_token_max: int | None = None
+    nodes_per_token_mean: float | None = None
+    traffic: np.ndarray | None = None
+    recorded_traffic: np.ndarray | None = None
+    trace: dict | None = None
+
+    def headline(self) -> str:
+        j = self.judged
+        unit = "pass" if self.timing.per_pass else "step"
+        if j.gross_step_ns is None:
+            return ("no time per step: the counts aggregate many passes of unknown number (imbalance and tokens "
+                    "only; --passes N gives times per pass)")
+        if j.kind == "recorded":
+            return f"predicted MoE time per {unit} {j.gross_step_ns / 1e6:.3f} ms (the recorded placement: the baseline)"
+        return (f"net {compare_text(j.net_step_ns, j.recorded_step_ns, unit)}; gross "
+                f"{compare_text(j.gross_step_ns, j.recorded_step_ns, unit)}")
+
+    def to_dict(self) -> dict:
+        j, s, p = self.judged, self.judged.summary, self.judged.plan
+        d = {"replay_id": self.replay_id, "run_id": self.run_id, "kind": j.kind, "policy": self.policy,
+             "plan_id": p.plan_id, "plan": self.plan_desc, "split": self.split, "judged_on": self.judged_on,
+             "num_steps": int(j.steps.size), "num_layers": p.num_layers, "num_ranks": p.num_ranks,
+             "ranks_per_node": p.ranks_per_node, "num_nodes": p.num_nodes, "num_slots": p.num_slots,
+             "num_groups": p.num_groups, "redundant_slots": p.replicas,
+             **asdict(s),
+             "recorded_mean_imbalance": j.recorded.mean_imbalance,
+             "time_per": "pass" if self.timing.per_pass else ("step" if j.gross_step_ns is not None else None),
+             "gross_step_ns": _int(j.gross_step_ns), "net_step_ns": _int(j.net_step_ns),
+             "recorded_step_ns": _int(j.recorded_step_ns), "vs_recorded": self.headline(),
+             "moved_experts": j.moved_experts, "moved_bytes": j.moved_bytes,
+             "changes": [asdict(c) for c in j.changes],
+             "break_even_steps": [c.break_even_steps for c in j.changes],
+             "verdict": j.verdict, "verdict_reason": j.verdict_reason,
+             "error_band": {"rel": self.error_band[0], "source": self.error_band[1]},
+             "move_cost": {**asdict(self.move), "text": self.move.describe()},
+             "exact_bytes": self.exact_bytes, "cost": self.cost.describe(), "approximations": self.notes}
+        d["predicted_step_ns"] = d["gross_step_ns"]
+        if self.nodes_per_token_max is not None:
+            d["nodes_per_token_max"] = self.nodes_per_token_max
+            d["nodes_per_token_mean"] = self.nodes_per_token_mean
+        return d
+
+
+def _int(x):
+    return None if x is None else int(round(x))
+
+
+def _nan_none(a: np.ndarray) -> pa.Array:
+    a = np.asarray(a, np.float64).ravel()
+    return pa.array(a, pa.float64(), mask=np.isnan(a))
+
+
+def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
+    T, L = m.imbalance.shape
+    n = T * L
+    strag = m.straggler.ravel()
+    return pa.table({
+        "replay_id": pa.array([replay_id] * n, pa.string()),
+        "step": np.repeat(ids, L).astype(np.int64), "layer": np.tile(layers, T).astype(np.int32),
+        "plan_id": pa.array([plan_id] * n, pa.string()),
+        "plan_age_steps": pa.array(np.repeat(ages, L) if ages is not None else [None] * n, pa.int64()),
+        "max_rank_tokens": m.max_tokens.ravel(), "mean_rank_tokens": m.mean_tokens.ravel(),
+        "imbalance": _nan_none(m.imbalance), "straggler_rank": pa.array(strag.astype(np.int32), mask=strag < 0),
+        "predicted_ns": np.rint(m.layer_ns.ravel()).astype(np.int64)})
+
+
+def _rank_table(ids, layers, block: Block, m, replay_id) -> pa.Table:
+    T, L, R = block.tokens.shape
+    n = T * L * R
+    return pa.table({
+        "replay_id": pa.array([replay_id] * n, pa.string()),
+        "step": np.repeat(ids, L * R).astype(np.int64),
+        "layer": np.tile(np.repeat(layers, R), T).astype(np.int32),
+        "rank": np.tile(np.arange(R), T * L).astype(np.int32),
+        "tokens": block.tokens.ravel().astype(np.float64),
+        "slots_touched": np.rint(block.touched).ravel().astype(np.int32),
+        "dispatch_bytes_intra": np.rint(block.bytes_intra).ravel().astype(np.int64),
+        "dispatch_bytes_inter": np.rint(block.bytes_inter).ravel().astype(np.int64),
+        "predicted_ns": np.rint(m.rank_ns).ravel().astype(np.int64)})
+
+
+def traffic_table(replay_id: str, plan: Plan, which: str, traffic: np.ndarray, steps: int) -> pa.Table:
+    """Rows of ``replay_traffic``: dispatch bytes source rank x destination rank."""
+    R = traffic.shape[0]
+    src, dst = np.divmod(np.arange(R * R), R)
+    keep = traffic.ravel() > 0
+    rpn = plan.ranks_per_node
+    return pa.table({"replay_id": pa.array([replay_id] * int(keep.sum()), pa.string()),
+                     "plan": pa.array([which] * int(keep.sum()), pa.string()),
+                     "plan_id": pa.array([plan.plan_id] * int(keep.sum()), pa.string()),
+                     "src_rank": src[keep].astype(np.int32), "dst_rank": dst[keep].astype(np.int32),
+                     "inter_node": node_of(src[keep], rpn) != node_of(dst[keep], rpn),
+                     "bytes": np.rint(traffic.ravel()[keep]).astype(np.int64),
+                     "steps": pa.array([steps] * int(keep.sum()), pa.int64())})
+
+
+def _runs_row(res: ReplayResult, kind: str, params: dict) -> pa.Table:
+    j, s, p = res.judged, res.judged.summary, res.judged.plan
+    d = res.to_dict()
+    return pa.table({
+        "replay_id": [res.replay_id], "created_at_ns": [time.time_ns()], "kind": [kind], "policy": [res.policy],
+        "plan_id": pa.array([p.plan_id], pa.string()), "split": [res.split],
+        "num_steps": [int(j.steps.size)], "num_layers": [p.num_layers], "num_ranks": [p.num_ranks],
+        "num_slots": [p.num_slots], "mean_imbalance": pa.array([s.mean_imbalance], pa.float64()),
+        "p99_imbalance": pa.array([s.p99_imbalance], pa.float64()),
+        "predicted_step_ns": pa.array([_int(j.gross_step_ns)], pa.int64()),
+        "mean_efficiency": pa.array([s.mean_efficiency], pa.float64()), "moved_experts": [j.moved_experts],
+        "moved_bytes": [j.moved_bytes], "exact_bytes": [res.exact_bytes], "cost_json": [res.cost.to_json()],
+        "params_json": [json.dumps(params, sort_keys=True, default=str)],
+        "summary_json": [json.dumps(d, sort_keys=True, default=str)],
+        "approximations": [json.dumps(res.notes)],
+        "recorded_step_ns": pa.array([_int(j.recorded_step_ns)], pa.int64()),
+        "net_step_ns": pa.array([_int(j.net_step_ns)], pa.int64()),
+        "recorded_mean_imbalance": pa.array([j.recorded.mean_imbalance], pa.float64()),
+        "undefined_cells": [s.undefined_cells], "judged_on": [res.judged_on], "verdict": [j.verdict],
+        "verdict_reason": [j.verdict_reason], "time_per": pa.array([d["time_per"]], pa.string()),
+        "plan_desc": [res.plan_desc]})

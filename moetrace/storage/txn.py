@@ -1,0 +1,321 @@
+"""A store's writes as transactions: staging, the journal, renames into place (``runs``
+last), and recovery of an abandoned write (rolled back, or forward when the ``runs`` row
+made it). Mixed into :class:`~moetrace.storage.store.Store`."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..version import __version__
+from . import schema
+from ..errors import SchemaError, StoreError
+from .paths import RUN_ID_MAX, _SAFE_ID_RE, _TXID_RE, sanitize_run_id
+
+
+@dataclass
+class WriteResult:
+    run_id: str
+    skipped: bool = False
+    rows: dict[str, int] = field(default_factory=dict)
+    message: str = ""
+
+
+class Transactions:
+    """The write half of :class:`~moetrace.storage.store.Store` (it needs the store's
+    ``path``, ``_lock``, ``_check_writable`` and ``refresh``)."""
+
+    # ------------------------------------------------------------------ recovery
+    def _recover_if_abandoned(self) -> None:
+        """On a writer's open: a journal whose writer no longer holds the lock was left by
+        a crash; finish or roll it back now. A journal of a live writer (lock held) is left
+        alone; a store we cannot write, or without any leftovers, is left as is."""
+        if not os.access(self.path, os.W_OK):
+            return
+        if not any((self.path / d).is_symlink() or (self.path / d).exists() for d in (".txn", ".staging")):
+            return
+        self._check_no_symlinks()
+        self.journals()
+        try:
+            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            try:
+                self.recover()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _check_no_symlinks(self) -> None:
+        """The transaction folders are ours: a symlink there would redirect our deletes
+        and writes outside the store, so it is refused."""
+        for d in (".txn", ".staging", ".lock"):
+            if (self.path / d).is_symlink():
+                raise StoreError(f"{self.path / d}: is a symlink; refused (moetrace never follows links "
+                                 f"in its transaction folders); remove it to use this store")
+
+    def journals(self) -> dict[str, dict]:
+        """Pending journals, validated: {txid: {"files": [...], "commit_file": str|None}}.
+        Files in .txn with other names are not ours and are left alone. Raises StoreError
+        (naming the journal) for one whose content is not exactly what a writer writes."""
+        txn_dir = self.path / ".txn"
+        out: dict[str, dict] = {}
+        if not txn_dir.is_dir() or txn_dir.is_symlink():
+            return out
+        for j in sorted(txn_dir.iterdir()):
+            if not (j.name.endswith(".json") and _TXID_RE.fullmatch(j.name[:-5])):
+                continue
+            txid = j.name[:-5]
+            if j.is_symlink() or not j.is_file():
+                raise StoreError(f"{j}: malformed journal (not a regular file); nothing was changed")
+            try:
+                raw = j.read_bytes()
+                doc = json.loads(raw) if len(raw) < (64 << 20) else None
+            except (OSError, ValueError, RecursionError):
+                doc = None
+            why = self._journal_problem(doc, txid)
+            if why:
+                raise StoreError(f"{j}: malformed journal ({why}); nothing was changed; a moetrace "
+                                 f"writer never writes this, remove the file after checking the store")
+            out[txid] = doc
+        return out
+
+    def _journal_problem(self, doc, txid: str) -> str | None:
+        if not isinstance(doc, dict) or set(doc) != {"files", "commit_file"}:
+            return 'not an object {"files": [...], "commit_file": ...}'
+        files, commit = doc["files"], doc["commit_file"]
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            return "files is not a list of paths"
+        known = set(schema.load_all())
+        for f in files:
+            parts = f.split("/")
+            if (len(parts) != 3 or parts[0] not in known or not parts[1].startswith("run_id=")
+                    or not _SAFE_ID_RE.fullmatch(parts[1][7:]) or parts[2] != f"part-{txid}.parquet"):
+                return f"entry {f[:100]!r} is not <table>/run_id=<id>/part-{txid}.parquet"
+        if commit is not None and commit not in files:
+            return "commit_file is not one of its files"
+        return None
+
+    def _safe_unlink(self, rel: str) -> None:
+        """Remove STORE/rel (a validated journal entry) and its emptied partition and table
+        folders, never through a symlinked folder."""
+        p = self.path / rel
+        if (self.path / rel.split("/")[0]).is_symlink() or p.parent.is_symlink():
+            raise StoreError(f"{p.parent}: is a symlink; refused; nothing was changed")
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        for parent in (p.parent, p.parent.parent):
+            with contextlib.suppress(OSError):
+                parent.rmdir()  # only when empty: partition, then table folder
+
+    def recover(self) -> list[str]:
+        """Finish or roll back transactions a crash left behind (writers only; hold the
+        lock or be alone). Returns what was done. Touches only journals, staging folders
+        and data files it can recognise as its own; raises StoreError, changing nothing,
+        when a journal or a transaction folder is not what moetrace writes."""
+        self._check_no_symlinks()
+        journals = self.journals()  # validates every journal before anything is removed
+        for txid, doc in journals.items():
+            for rel in doc["files"]:
+                p = self.path / rel
+                if (self.path / rel.split("/")[0]).is_symlink() or p.parent.is_symlink():
+                    raise StoreError(f"{p.parent}: is a symlink; refused; nothing was changed")
+        done = []
+        txn_dir = self.path / ".txn"
+        for txid, doc in journals.items():
+            commit = doc["commit_file"]
+            if commit and (self.path / commit).is_file():
+                done.append(f"rolled forward {txid}")
+            else:
+                for rel in doc["files"]:
+                    self._safe_unlink(rel)
+                done.append(f"rolled back {txid}")
+            (txn_dir / f"{txid}.json").unlink()
+            self._remove_staging(txid)
+        if txn_dir.is_dir():
+            for t in txn_dir.iterdir():  # a journal that was never renamed into place
+                if t.name.endswith(".json.tmp") and _TXID_RE.fullmatch(t.name[:-9]) and t.is_file() \
+                        and not t.is_symlink():
+                    t.unlink()
+                    done.append(f"dropped unfinished journal {t.name[:-9]}")
+        staging = self.path / ".staging"
+        if staging.is_dir():
+            for d in staging.iterdir():
+                if _TXID_RE.fullmatch(d.name) and not (txn_dir / f"{d.name}.json").exists():
+                    if self._remove_staging(d.name):
+                        done.append(f"removed staging {d.name}")
+        for d in (staging, txn_dir):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        return done
+
+    def _remove_staging(self, txid: str) -> bool:
+        """Remove .staging/<txid> when it is a real folder (rmtree never follows links)."""
+        d = self.path / ".staging" / txid
+        if d.is_symlink() or not d.is_dir():
+            return False
+        shutil.rmtree(d, ignore_errors=True)
+        return True
+
+    # ------------------------------------------------------------------ writing
+    def unique_run_id(self, hint: str) -> str:
+        base = sanitize_run_id(hint)
+        taken = set(self.run_ids())
+        if base not in taken:
+            return base
+        i = 2
+        while True:  # the suffix always fits: an id cut at RUN_ID_MAX is cut shorter instead
+            suffix = f"-{i}"
+            cand = base[:RUN_ID_MAX - len(suffix)].rstrip("._-") + suffix
+            if cand not in taken:
+                return cand
+            i += 1
+
+    @staticmethod
+    def _chunks(data) -> Iterator:
+        if isinstance(data, (pa.Table, pl.DataFrame, dict)):
+            yield data
+        else:
+            yield from data
+
+    def write_run(self, run: dict, tables: dict[str, object], *, run_id: str | None = None,
+                  dedupe: bool = True, run_id_hint: str | None = None) -> WriteResult:
+        """Write a new run: its ``runs`` row and its tables, as one transaction.
+
+        ``run`` holds the ``runs`` columns (run_id, ingested_at_ns and collector_version are
+        filled in when absent). ``run_id`` is taken as is (an existing one is an error);
+        ``run_id_hint`` is made unique while the write lock is held. Tables may be Arrow tables, polars frames, dicts of columns or
+        iterables of those (streamed chunk by chunk). Returns the run id, or the id of the
+        run already holding the same ``ingest_key`` (else ``source_sha256``) (``skipped=True``).
+        """
+        run = dict(run)
+        sha = run.get("ingest_key") or run.get("source_sha256")
+        if dedupe and sha:
+            existing = self.find_by_sha(sha)
+            if existing is not None:
+                return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
+        self._init()  # a store opened read-only on an empty folder is created by its first write
+        with self._lock():
+            self._check_writable()
+            self.recover()
+            if dedupe and sha:
+                existing = self.find_by_sha(sha)
+                if existing is not None:
+                    return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
+            # a hint becomes a free id under the lock (two writers with one hint get hint, hint-2)
+            rid = run_id or run.get("run_id") or self.unique_run_id(run_id_hint or run.get("source", "run"))
+            rid = sanitize_run_id(rid)
+            if rid in self.run_ids():
+                raise StoreError(f"{self.path}: run {rid!r} already exists; pick another --run-id")
+            run["run_id"] = rid
+            run.setdefault("ingested_at_ns", time.time_ns())
+            run.setdefault("collector_version", __version__)
+            for col in schema.get("runs").columns:
+                run.setdefault(col.name, False if col.type == "bool" and not col.nullable else None)
+            runs_tbl = schema.conform("runs", pa.Table.from_pylist([run]))
+            rows = self._transaction(rid, {**tables, "runs": runs_tbl}, commit_table="runs")
+        self.refresh()
+        warning = self._refresh_catalog()
+        return WriteResult(rid, rows=rows, message=warning or "")
+
+    def append(self, run_id: str, tables: dict[str, object]) -> dict[str, int]:
+        """Add rows to an existing run (plans, replay results) as one transaction."""
+        if run_id not in self.run_ids():
+            raise StoreError(f"{self.path}: no run {run_id!r}")
+        with self._lock():
+            self._check_writable()
+            self.recover()
+            rows = self._transaction(run_id, tables, commit_table=None)
+        self.refresh()
+        self._refresh_catalog()
+        return rows
+
+    def _transaction(self, run_id: str, tables: dict[str, object], commit_table: str | None) -> dict[str, int]:
+        txid = uuid.uuid4().hex[:12]
+        self._check_no_symlinks()
+        staging = self.path / ".staging" / txid
+        moves: list[tuple[Path, str]] = []
+        rows: dict[str, int] = {}
+        try:
+            order = [t for t in tables if t != commit_table] + ([commit_table] if commit_table else [])
+            for table in order:
+                schema.get(table)  # unknown table: SchemaError before anything is written
+                n_written = 0
+                writer = None
+                tmp_file = staging / table / f"part-{txid}.parquet"
+                for chunk in self._chunks(tables[table]):
+                    if isinstance(chunk, pa.Table) and "run_id" not in chunk.column_names:
+                        chunk = chunk.append_column("run_id", pa.array([run_id] * chunk.num_rows, pa.string()))
+                    elif isinstance(chunk, pl.DataFrame) and "run_id" not in chunk.columns:
+                        chunk = chunk.with_columns(pl.lit(run_id).alias("run_id"))
+                    elif isinstance(chunk, dict) and "run_id" not in chunk:
+                        n = len(next(iter(chunk.values()))) if chunk else 0
+                        chunk = {**chunk, "run_id": [run_id] * n}
+                    tbl = schema.conform(table, chunk)
+                    if tbl.num_rows and (tbl.column("run_id").unique().to_pylist() != [run_id]):
+                        raise SchemaError(table, f"rows belong to another run than {run_id!r}", "run_id")
+                    body = tbl.drop_columns(["run_id"])
+                    if writer is None:
+                        tmp_file.parent.mkdir(parents=True, exist_ok=True)
+                        writer = pq.ParquetWriter(tmp_file, body.schema, compression="zstd")
+                    writer.write_table(body, row_group_size=1 << 20)
+                    n_written += tbl.num_rows
+                if writer is None:  # no chunks at all: keep the table empty, write nothing
+                    rows[table] = 0
+                    continue
+                writer.close()
+                rows[table] = n_written
+                final = f"{table}/run_id={run_id}/part-{txid}.parquet"
+                moves.append((tmp_file, final))
+            txn_dir = self.path / ".txn"
+            txn_dir.mkdir(exist_ok=True)
+            commit_file = next((f for _, f in moves if commit_table and f.startswith(commit_table + "/")), None)
+            journal = {"files": [f for _, f in moves], "commit_file": commit_file}
+            jtmp = txn_dir / f"{txid}.json.tmp"
+            jtmp.write_text(json.dumps(journal))
+            os.replace(jtmp, txn_dir / f"{txid}.json")
+            for tmp_file, final in moves:
+                dst = self.path / final
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if dst.parent.is_symlink() or dst.parent.parent.is_symlink():
+                    raise StoreError(f"{dst.parent}: is a symlink; refused; nothing was written")
+                os.replace(tmp_file, dst)
+            (txn_dir / f"{txid}.json").unlink()
+        except BaseException as exc:
+            # undo: remove anything renamed into place, then the staging area
+            for _, final in moves:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / final).unlink()
+                with contextlib.suppress(OSError):
+                    (self.path / final).parent.rmdir()
+                with contextlib.suppress(OSError):
+                    (self.path / final).parent.parent.rmdir()
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / ".txn" / f"{txid}.json").unlink()
+            if isinstance(exc, (OSError, pa.ArrowException)) and not isinstance(exc, StoreError):
+                why = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0][:200]
+                raise StoreError(f"{self.path}: cannot write ({why}); nothing was written") from None
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            for d in (self.path / ".staging", self.path / ".txn"):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+        return rows

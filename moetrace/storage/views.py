@@ -1,0 +1,92 @@
+"""The analysis views, as SQL: every ``sql/*.sql`` file holds CREATE VIEW statements over the
+canonical tables (files run in name order, so a view may use views of earlier files)."""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+SQL_DIR = Path(__file__).resolve().parent / "sql"
+
+
+def _split(text: str) -> list[str]:
+    out, buf = [], []
+    for line in text.splitlines():
+        if line.strip().startswith("--"):
+            continue
+        buf.append(line)
+        if line.rstrip().endswith(";"):
+            stmt = "\n".join(buf).strip().rstrip(";").strip()
+            if stmt:
+                out.append(stmt)
+            buf = []
+    rest = "\n".join(buf).strip()
+    if rest:
+        out.append(rest)
+    return out
+
+
+@lru_cache(maxsize=None)
+def view_statements() -> list[str]:
+    stmts: list[str] = []
+    for f in sorted(SQL_DIR.glob("*.sql")):
+        stmts.extend(_split(f.read_text()))
+    return stmts
+
+
+_VIEW_RE = re.compile(r"^\s*CREATE\s+(?:OR\s+REPLACE\s+)?VIEW\s+\"?(\w+)\"?", re.I)
+
+
+@lru_cache(maxsize=None)
+def view_docs() -> dict[str, dict]:
+    """{view: {"file", "doc"}} for every view of ``sql/*.sql``, in file order: the one
+    place where a metric view is described (``moetrace tables VIEW`` shows it). A view's
+    doc is the paragraph of its file's comments that starts with ``-- name:``, else the
+    comment block right above its CREATE VIEW statement, else the file's header."""
+    out: dict[str, dict] = {}
+    for f in sorted(SQL_DIR.glob("*.sql")):
+        lines = f.read_text().splitlines()
+        comments = [ln.strip()[2:].strip() if ln.strip().startswith("--") else None for ln in lines]
+        for i, line in enumerate(lines):
+            m = _VIEW_RE.match(line)
+            if not m:
+                continue
+            name = m.group(1)
+            para: list[str] = []
+            head = next((j for j, c in enumerate(comments) if c and c.lower().startswith(name.lower() + ":")), None)
+            if head is not None:
+                para = [comments[head][len(name) + 1:].strip()]
+                for c in comments[head + 1:]:
+                    if not c or _VIEW_RE.match(c) or re.match(r"^\w+:\s", c) and c.split(":")[0] in _view_names(f):
+                        break
+                    para.append(c)
+            else:
+                j = i - 1
+                while j >= 0 and not lines[j].strip():
+                    j -= 1
+                k = j
+                while k >= 0 and comments[k] is not None:
+                    k -= 1
+                para = [c for c in comments[k + 1:j + 1] if c]
+            if not para:   # a helper view: the file's header says what it is part of
+                k = 0
+                while k < len(lines) and comments[k] is not None:
+                    k += 1
+                para = [c for c in comments[:k] if c]
+            out[name] = {"file": f.name, "doc": " ".join(para).strip()}
+    return out
+
+
+@lru_cache(maxsize=None)
+def view_columns() -> dict[str, dict[str, str]]:
+    """{view: {column: meaning}} from ``view_columns.json`` (columns the view's comment does
+    not define in so many words)."""
+    import json
+
+    doc = json.loads((Path(__file__).resolve().parent / "view_columns.json").read_text())
+    return {k: v for k, v in doc.items() if not k.startswith("_")}
+
+
+@lru_cache(maxsize=None)
+def _view_names(f: Path) -> frozenset[str]:
+    return frozenset(m.group(1) for m in map(_VIEW_RE.match, f.read_text().splitlines()) if m)
