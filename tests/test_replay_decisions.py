@@ -230,7 +230,7 @@ def test_out_of_sample_by_default(tmp_path):
     r = run_cli("replay", path, "--policy", "greedy", "--json")
     d = json.loads(r.output)
     assert d["num_steps"] == 6 and "out-of-sample" in d["judged_on"]       # fitted on 0..5, judged on 6..11
-    d2 = json.loads(run_cli("replay", path, "--policy", "greedy", "--fit-window", "0:9", "--json").output)
+    d2 = json.loads(run_cli("replay", path, "--policy", "greedy", "--fit-steps", "0:9", "--json").output)
     assert d2["num_steps"] == 3
     d3 = json.loads(run_cli("replay", path, "--policy", "greedy", "--in-sample", "--json").output)
     assert d3["num_steps"] == 12 and "IN-SAMPLE" in d3["judged_on"]
@@ -295,7 +295,7 @@ def test_dispatch_traffic_matrix_per_rank_pair(tmp_path):
                       per_token=True, hidden=16, dtype_bytes=2, seed=3)
     st = Store(tmp_path / "pt", create=True)
     synth(st, cfg, run_id="pt")
-    r = run_cli("replay", tmp_path / "pt", "--policy", "greedy", "--fit-window", "0:2", "--json")
+    r = run_cli("replay", tmp_path / "pt", "--policy", "greedy", "--fit-steps", "0:2", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     st = Store(tmp_path / "pt")

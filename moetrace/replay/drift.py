@@ -106,7 +106,7 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShap
         lo, hi = static_window
         sl = (ids >= lo) & (ids < hi)
         if not sl.any():
-            raise InputError(None, f"--fit-window {lo}:{hi} holds no recorded steps")
+            raise InputError(None, f"--fit-steps {lo}:{hi} holds no recorded steps")
     else:
         sl = np.arange(T) < window
     static = make_plan(policy, load[sl].sum(axis=0), plan_shape, layers=shape.layers, plan_id=f"{policy}-static")
