@@ -328,7 +328,9 @@ def test_dispatch_traffic_matrix_per_rank_pair(tmp_path):
 
 
 # ----------------------------------------------------------------------------- re-ingest
-def test_reingest_with_other_options_or_run_id_makes_a_new_run(tmp_path):
+def test_reingest_with_other_options_needs_a_run_id(tmp_path):
+    """The same source with corrected options is never a silent second run (#25): refused
+    (one line, exit 2, store unchanged) unless --run-id names the new run."""
     path = tmp_path / "st"
     src = SAMPLES / "dsv3_synth_expert_load.parquet"
     base = ["ingest", src, "--store", path, "--top-k", 8, "--experts", 256, "--layers", 4]
@@ -336,13 +338,16 @@ def test_reingest_with_other_options_or_run_id_makes_a_new_run(tmp_path):
     assert r1.exit_code == 0 and "run " in r1.output
     again = run_cli(*base, "--ranks", 32)                       # same source, same options: a no-op
     assert again.exit_code == 0 and "nothing written" in again.output
-    r2 = run_cli(*base, "--ranks", 16)                          # corrected options: a new run
+    r2 = run_cli(*base, "--ranks", 16)                          # corrected options, no new id: refused
+    assert r2.exit_code == 2 and "with other options" in r2.output and "--run-id" in r2.output
+    r2 = run_cli(*base, "--ranks", 16, "--run-id", "r16")       # named: a new run
     assert r2.exit_code == 0 and "nothing written" not in r2.output
     r3 = run_cli(*base, "--ranks", 32, "--run-id", "again")      # a new run id: a new run
     assert r3.exit_code == 0 and "nothing written" not in r3.output
     st = Store(path)
     rows = st.sql("SELECT run_id, num_ranks, source_sha256 FROM runs ORDER BY ingested_at_ns")
     assert rows["num_ranks"].to_list() == [32, 16, 32] and rows["source_sha256"].n_unique() == 1
+    assert rows["run_id"].to_list()[1:] == ["r16", "again"]
     assert run_cli(*base, "--ranks", 32, "--run-id", "again").output.count("nothing written") == 1
 
 
