@@ -136,7 +136,8 @@ class Run(NotebookView):
         ``by="layer"``: the distribution over steps per layer (view ``skew_summary``, most
         skewed layer first); ``"run"``: one row (``run_skew_summary``); ``"step"``: every
         (step, layer) (``layer_skew``). Steps without tokens have an undefined imbalance:
-        NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means.
+        NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means; so do
+        steps with tokens when num_ranks is unknown, counted in ``steps_no_ranks``.
         The per-(step, layer) view is computed once, in batches of ``batch_steps`` steps,
         DuckDB capped at ``memory_limit``; ``progress(line)`` gets progress lines. With
         ``sql`` (a :class:`moetrace.storage.spark.SparkSQL`'s ``sql``), the views run on that engine
@@ -180,6 +181,14 @@ class Run(NotebookView):
 
         return kernels_table(self.store, self.id, kind, limit, name_width)
 
+    def expert_gemm_gap(self, sql=None) -> str | None:
+        """One line when the trace shows MoE work (MoE ranges, MoE kernels) but no kernel
+        was classified expert_gemm (the share is unknown, not 0), else None
+        (:func:`moetrace.analyze.kernel_gaps.expert_gemm_gap`)."""
+        from .analyze.kernel_gaps import expert_gemm_gap
+
+        return expert_gemm_gap(sql or self.store.sql, self.id)
+
     def waits(self) -> "WaitResult":
         """Who waited for whom: collective instances matched across ranks, each rank's wait
         charged to the last arriver, the wait matrix and the exposed split into waiting and
@@ -187,6 +196,14 @@ class Run(NotebookView):
         from .analyze.waits import wait_result
 
         return wait_result(self.store, self.id)
+
+    def hang(self):
+        """The hang post-mortem of the run's communication log (Flight Recorder dumps): per
+        process group, each rank's progress, the collective the others wait in, the ranks
+        that never reached it, and mismatched ops / sizes (:mod:`moetrace.analyze.hang`)."""
+        from .analyze.hang import hang_result
+
+        return hang_result(self.store, self.id)
 
     def wait_shift(self, steps_a, steps_b=None, by: str = "position"):
         """How much each rank's net wait rose in ``steps_a`` against ``steps_b`` (default:

@@ -63,7 +63,8 @@ def test_every_command_follows_the_convention(cli):
             if "--out-dir" in names and (not isinstance(p.type, click.Path) or p.type.file_okay):
                 problems.append(f"{where}: --out-dir must be a folder")
             # integer lists: one parser everywhere, a list where a list is meant
-            if set(names) & {"--replicas", "--replan-every", "--window"} and p.callback not in INT_LISTS:
+            if set(names) & {"--replicas", "--replan-every", "--window"} and p.callback not in INT_LISTS \
+                    and not getattr(p.callback, "int_list", False):
                 problems.append(f"{where}: must use the comma-list parser (_options.ints_option)")
             # step ranges and step sets: named *-steps, parsed by the one parser
             # (an integer option is a count of steps, e.g. --batch-steps N: not a selector)

@@ -111,8 +111,8 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 #: because plan files are read into its ``Plan``; the package's own ``__init__`` (lazy
 #: public names), ``cli`` and ``commands`` are the top.
 LAYERS = [
-    ("ground", {"moetrace.version", "moetrace.errors", "moetrace.output", "moetrace.safety", "moetrace.streams",
-                "moetrace.notebook", "moetrace.shape_gaps"}),
+    ("ground", {"moetrace.version", "moetrace.errors", "moetrace.output", "moetrace.safety", "moetrace.safety_pickle",
+                "moetrace.streams", "moetrace.notebook", "moetrace.shape_gaps"}),
     ("domain", {"moetrace.domain"}),
     ("placement", {"moetrace.placement"}),
     ("formats", {"moetrace.formats"}),
