@@ -407,7 +407,8 @@ class Store(Transactions):
             return ids[0]
         if not ids:
             raise StoreError(f"{self.path}: the store holds no runs")
-        raise StoreError(f"{self.path}: the store holds {len(ids)} runs; choose one with --run ({', '.join(ids)})")
+        raise StoreError(f"{self.path}: the store holds {len(ids)} runs; choose one (--run RUN_ID on the command "
+                         f"line, store.run('RUN_ID') in Python): {', '.join(ids)}")
 
     def find_by_sha(self, sha: str) -> str | None:
         """The run ingested with dedupe key ``sha``: its ``ingest_key`` (source + options +
