@@ -179,7 +179,10 @@ def test_drift_stale_plan_degrades_and_replan_recovers(tmp_path):
     d = json.loads(r.output)
     q = d["static_by_age_quartile"]
     assert q[-1] > q[0] + 0.1                          # the stale plan degrades as it ages
-    assert d["replan"]["mean_imbalance"] < d["static"]["mean_imbalance"] - 0.1
+    # re-planning every 5 steps recovers: it closes most of the gap between the stale plan
+    # and the oracle (re-planned every step on the step's own load)
+    static, replan, oracle = (d[k]["mean_imbalance"] for k in ("static", "replan", "oracle"))
+    assert static - replan > 0.5 * (static - oracle) > 0
     assert d["oracle"]["mean_imbalance"] <= d["replan"]["mean_imbalance"] + 1e-9
     assert d["replan"]["moved_experts"] > 0 and d["replan"]["moved_bytes"] == d["replan"]["moved_experts"] * cfg.hidden * 3 * 2048
     assert (tmp_path / "drift.png").stat().st_size > 1000
@@ -260,7 +263,8 @@ def test_cost_fitted_from_spans(tmp_path):
         np.add.at(load, (t.column("step").to_numpy(), t.column("layer").to_numpy(), t.column("expert").to_numpy()),
                   t.column("tokens").to_numpy())
     rows = {k: [] for k in ("rank", "device", "stream", "kind", "name_id", "start_ns", "end_ns", "step", "layer",
-                            "micro_batch", "inferred", "correlation", "collective", "process_group")}
+                            "micro_batch", "inferred", "correlation", "collective", "process_group", "classified_by",
+                            "moe_context")}
     for s in range(4):
         for li in range(2):
             for r in range(4):
@@ -269,7 +273,7 @@ def test_cost_fitted_from_spans(tmp_path):
                 for k, v in (("rank", r), ("device", r), ("stream", 7), ("kind", "expert_gemm"), ("name_id", 0),
                              ("start_ns", 0), ("end_ns", dur), ("step", s), ("layer", li), ("micro_batch", None),
                              ("inferred", False), ("correlation", None), ("collective", None),
-                             ("process_group", None)):
+                             ("process_group", None), ("classified_by", None), ("moe_context", None)):
                     rows[k].append(v)
     tables["spans"] = rows
     st = Store(tmp_path / "c", create=True)
