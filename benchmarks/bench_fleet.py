@@ -7,6 +7,7 @@ slot per rank, DeepSeek-V3 on 320 GPUs), one hour at 20 steps per second = 72,00
 
     python benchmarks/bench_fleet.py --size full
     python benchmarks/bench_fleet.py --size full --fraction 0.1   # 7,200 steps, extrapolated
+    python benchmarks/bench_fleet.py --size medium   # the full shape, 2,400 steps (profiling, before/after)
 
 Stages, each in a fresh process so its peak RSS is its own:
 
