@@ -84,8 +84,13 @@ def _slot_gather(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     copies of every slot's expert [L * S]): the sparse form of :meth:`Plan.copies`, one
     entry per slot instead of a dense [L, E, R] matrix that is almost all zeros."""
     L, S = plan.phy2log.shape
-    flat = (np.arange(L, dtype=np.int64)[:, None] * plan.num_experts + plan.phy2log).ravel()
-    cnt = np.take_along_axis(plan.logcnt(), plan.phy2log, axis=1).ravel()
+    E = plan.num_experts
+    # each rank's slots in expert order: a rank's sum then does not depend on the order of
+    # its slots (a relabeled plan replays to the same float32 bytes, as the dense product did)
+    order = np.argsort(plan.slot_rank[None, :] * E + plan.phy2log, axis=1, kind="stable")
+    p2l = np.take_along_axis(plan.phy2log, order, axis=1)
+    flat = (np.arange(L, dtype=np.int64)[:, None] * E + p2l).ravel()
+    cnt = np.take_along_axis(plan.logcnt(), p2l, axis=1).ravel()
     return flat, cnt
 
 
