@@ -227,6 +227,9 @@ class LayerMetrics:
     dispatch_ns: np.ndarray
     compute_ns: np.ndarray
     rank_ns: np.ndarray
+    #: the rank holding the most tokens (the load straggler, no time model), -1 where no
+    #: tokens were routed; ``straggler`` is the slowest rank under the cost model
+    load_straggler: np.ndarray | None = None
 
 
 def imbalance(tokens: np.ndarray) -> np.ndarray:
@@ -244,7 +247,9 @@ def layer_metrics(block: Block, cost: CostModel) -> LayerMetrics:
     disp, comp, comb = cost.rank_ns(tok, block.touched, block.bytes_intra, block.bytes_inter)
     rank_ns = disp + comp + comb
     strag = np.where(np.isnan(imb), -1, np.argmax(rank_ns, axis=2))
-    return LayerMetrics(tok.max(axis=2), tok.mean(axis=2), imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns)
+    load_strag = np.where(np.isnan(imb), -1, np.argmax(tok, axis=2))
+    return LayerMetrics(tok.max(axis=2), tok.mean(axis=2), imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns,
+                        load_strag)
 
 
 @dataclass
