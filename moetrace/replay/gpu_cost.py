@@ -9,9 +9,9 @@ combine from its bytes. This module maps the one onto the other:
   (``ceil(tokens / touched)`` per expert, the replay keeps no per-slot split), timed by
   :func:`moetrace.costmodel.gemm.expert_mlp_terms` (gate/up + down grouped GEMMs, tile and
   wave quantization, launch cost). One call per distinct (experts, tokens per expert)
-  pair, cached; tokens per expert above 256 are rounded up to a 1% geometric grid (at
-  most +1% time, well inside the band; below 256 every count is exact, where tile
-  quantization matters);
+  pair, cached; tokens per expert above 128 are rounded to the nearest point of a 2%
+  geometric grid (about ±1% in time, well inside the band; up to 128 every count is exact,
+  where tile quantization matters most);
 - **dispatch / combine** (the normal, high-throughput kernel regime):
   ``latency + max(inter-node bytes / (eff_rdma x NIC), intra-node bytes / (eff_nvl x
   NVLink))`` on the rank's own bytes, the bottleneck link as DeepEP defines it. The
@@ -34,9 +34,9 @@ from ..costmodel.a2a import message_bytes
 from ..costmodel.gemm import GemmParams, expert_mlp_terms
 from ..costmodel.hardware import GPUS, gpu
 
-#: tokens per expert up to this are timed exactly; above, on a 1% geometric grid
-EXACT_TOKENS = 256
-_GRID = np.log(1.01)
+#: tokens per expert up to this are timed exactly; above, on a 2% geometric grid
+EXACT_TOKENS = 128
+_GRID = np.log(1.02)
 REGIMES = {"normal": "a2a_normal", "low-latency": "a2a_low_latency"}
 
 
@@ -45,12 +45,12 @@ def known(hardware: str) -> bool:
 
 
 def quantize_tokens(m: np.ndarray) -> np.ndarray:
-    """Tokens per expert as timed: exact integers up to :data:`EXACT_TOKENS`, then rounded
-    up to the next point of a 1% geometric grid."""
+    """Tokens per expert as timed: integers (rounded up) up to :data:`EXACT_TOKENS`, then
+    the nearest point of a 2% geometric grid."""
     m = np.ceil(np.asarray(m, np.float64))
     big = m > EXACT_TOKENS
     if big.any():
-        k = np.ceil(np.log(m[big] / EXACT_TOKENS) / _GRID - 1e-9)
+        k = np.rint(np.log(m[big] / EXACT_TOKENS) / _GRID)
         m = m.copy()
         m[big] = np.ceil(EXACT_TOKENS * np.exp(k * _GRID))
     return m
