@@ -87,7 +87,7 @@ def test_replay_states_the_straggler_exactly_and_the_load_verdict_pays_off(tiny)
 
     res = Store(path).run("tiny").replay("pair", write=False)
     la = load_answer(res.judged)
-    assert la.verdict == "pays off"
+    assert la.verdict == "pays off" and res.load.to_dict() == la.to_dict()
     _check_layers(la.layers(), tok, PHY2LOG, np.arange(T))
     # the human output prints the exact half before the modelled time
     r = CliRunner().invoke(cli, ["replay", str(path), "--plan", "pair"])

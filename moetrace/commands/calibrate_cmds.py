@@ -36,13 +36,14 @@ def metrics_frame(summary: dict) -> pl.DataFrame:
                     # the same fit and judgement on the wall clock (host slowdown included), beside
                     "wall_layer_mape_pct": _pct(w.get("layer_mape")) if w else None,
                     "wall_expert_mape_pct": _pct(w.get("expert_mape")) if w else None})
-    return pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
+    df = pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
                                      "expert_mape_pct": pl.Float64, "expert_bias_pct": pl.Float64,
                                      "straggler_mape_pct": pl.Float64, "straggler_bias_pct": pl.Float64,
                                      "straggler_hit_pct": pl.Float64, "chance_pct": pl.Float64,
                                      "comm_mape_pct": pl.Float64, "layer_mape_pct": pl.Float64,
                                      "layer_bias_pct": pl.Float64, "wall_layer_mape_pct": pl.Float64,
                                      "wall_expert_mape_pct": pl.Float64})
+    return df if wall else df.drop("wall_layer_mape_pct", "wall_expert_mape_pct")
 
 
 def fit_lines(summary: dict) -> list[str]:

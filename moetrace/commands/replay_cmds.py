@@ -78,7 +78,6 @@ def _print_replay(res):
     if la is not None:
         for line in load_lines(la):
             click.echo(line)
-    click.echo("  modelled time (cost model, with its band):")
     und = f"; {s.undefined_cells} (step, layer) with no tokens left out" if s.undefined_cells else ""
     rec = "" if j.kind == "recorded" else f" vs {j.recorded.mean_imbalance:.3f} recorded"
     if s.mean_imbalance is None:
@@ -87,6 +86,7 @@ def _print_replay(res):
         eff = f", efficiency {s.mean_efficiency:.3f}" if s.mean_efficiency is not None else ""
         click.echo(f"  {j.steps.size} steps x {j.plan.num_layers} layers: mean max/mean rank tokens "
                    f"{s.mean_imbalance:.3f}{rec}, p99 {s.p99_imbalance:.3f}{eff}{und}")
+    click.echo("  modelled time (cost model, with its band):")
     click.echo(f"  {res.headline()}")
     _print_changes(j)
     if j.kind != "recorded":

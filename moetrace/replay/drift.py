@@ -37,6 +37,11 @@ class DriftResult:
     def fastest(self) -> Judged | None:
         return fastest(self.results.values())
 
+    def load(self, which: str = "replan"):
+        """The exact half of one strategy's answer (static, replan, oracle): see
+        :func:`moetrace.replay.results.load_answer`."""
+        return load_answer(self.results[which])
+
     def replan_by_age(self) -> dict:
         j = self.results["replan"]
         ages = np.array([a or 0 for a in j.ages])

@@ -215,6 +215,12 @@ class ReplayResult:
     recorded_traffic: np.ndarray | None = None
     trace: dict | None = None
 
+    @property
+    def load(self) -> LoadAnswer | None:
+        """The exact half of the answer (:func:`load_answer`): straggler rank and tokens per
+        layer, recorded vs plan, no time model."""
+        return load_answer(self.judged)
+
     def headline(self) -> str:
         j = self.judged
         unit = "pass" if self.timing.per_pass else "step"
