@@ -129,7 +129,8 @@ class Run:
         ``by="layer"``: the distribution over steps per layer (view ``skew_summary``, most
         skewed layer first); ``"run"``: one row (``run_skew_summary``); ``"step"``: every
         (step, layer) (``layer_skew``). Steps without tokens have an undefined imbalance:
-        NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means.
+        NULL in ``"step"``, counted in ``steps_undefined`` and left out of the means; so do
+        steps with tokens when num_ranks is unknown, counted in ``steps_no_ranks``.
         The per-(step, layer) view is computed once, in batches of ``batch_steps`` steps,
         DuckDB capped at ``memory_limit``; ``progress(line)`` gets progress lines. With
         ``sql`` (a :class:`moetrace.storage.spark.SparkSQL`'s ``sql``), the views run on that engine
@@ -172,6 +173,14 @@ class Run:
         from .analyze.exposure import kernels_table
 
         return kernels_table(self.store, self.id, kind, limit, name_width)
+
+    def expert_gemm_gap(self, sql=None) -> str | None:
+        """One line when the trace shows MoE work (MoE ranges, MoE kernels) but no kernel
+        was classified expert_gemm (the share is unknown, not 0), else None
+        (:func:`moetrace.analyze.kernel_gaps.expert_gemm_gap`)."""
+        from .analyze.kernel_gaps import expert_gemm_gap
+
+        return expert_gemm_gap(sql or self.store.sql, self.id)
 
     def waits(self) -> "WaitResult":
         """Who waited for whom: collective instances matched across ranks, each rank's wait

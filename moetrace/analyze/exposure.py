@@ -110,8 +110,10 @@ def hook_mode_message(modes: pl.DataFrame | None) -> str | None:
 
 def kernels_table(store, run_id: str, kind: str | None = None, limit: int | None = None,
                   name_width: int | None = 110) -> pl.DataFrame:
-    """Kernel names by kind with span count and total time (heaviest first within a kind);
-    names cut to ``name_width`` characters (None: full names, for csv/json/files)."""
+    """Kernel names by kind with span count and total time (heaviest first within a kind)
+    and how the kind was decided (``classified_by``: user, name, context, stream,
+    category, default; NULL in older stores); names cut to ``name_width`` characters
+    (None: full names, for csv/json/files)."""
     where = "s.run_id = ?"
     params: list = [run_id]
     if kind:
@@ -120,19 +122,19 @@ def kernels_table(store, run_id: str, kind: str | None = None, limit: int | None
     df = store.sql(f"""
         WITH k AS (
             SELECT s.kind, kn.name, count(*) AS spans, sum(s.end_ns - s.start_ns) AS total_ns,
-                   count(DISTINCT s.rank) AS ranks, s.collective
+                   count(DISTINCT s.rank) AS ranks, s.collective, s.classified_by
             FROM spans s JOIN kernel_names kn ON kn.run_id = s.run_id AND kn.name_id = s.name_id
             WHERE {where}
-            GROUP BY s.kind, kn.name, s.collective
+            GROUP BY s.kind, kn.name, s.collective, s.classified_by
         )
         SELECT kind, sum(total_ns) OVER (PARTITION BY kind) AS kind_total_ns, name, spans, ranks, collective,
-               total_ns,
+               classified_by, total_ns,
                total_ns / (SELECT sum(end_ns - start_ns) FROM spans WHERE run_id = ?) AS share_of_all
         FROM k
-        ORDER BY kind_total_ns DESC, kind, total_ns DESC""", params + [run_id])
+        ORDER BY kind_total_ns DESC, kind, total_ns DESC, name, classified_by""", params + [run_id])
     if limit:
         df = df.with_columns(pl.int_range(pl.len()).over("kind").alias("_r")).filter(pl.col("_r") < limit).drop("_r")
     if name_width:
         df = df.with_columns(pl.col("name").str.slice(0, name_width))
     return df.with_columns((pl.col("total_ns") / 1e6).alias("total_ms")).select(
-        "kind", "name", "spans", "ranks", "collective", "total_ms", "share_of_all")
+        "kind", "name", "spans", "ranks", "collective", "classified_by", "total_ms", "share_of_all")

@@ -13,7 +13,7 @@ _SKEW_SQL = {
     "run": ("SELECT run_id, layers, steps, imbalance_mean, imbalance_p50, imbalance_p99, balancedness, "
             "worst_layer, worst_layer_imbalance, placement_source FROM run_skew_summary WHERE run_id = ? "
             "ORDER BY run_id"),
-    "layer": ("SELECT run_id, layer, steps, steps_undefined, imbalance_mean, imbalance_p50, imbalance_p99, "
+    "layer": ("SELECT run_id, layer, steps, steps_undefined, steps_no_ranks, imbalance_mean, imbalance_p50, imbalance_p99, "
               "efficiency_mean, gini_mean, top5pct_share_mean, hottest_expert_mode, straggler_rank_mode, "
               "placement_source FROM skew_summary WHERE run_id = ? ORDER BY run_id, imbalance_mean DESC NULLS LAST"),
     "step": ("SELECT run_id, step, layer, max_rank_tokens, mean_rank_tokens, imbalance, efficiency, straggler_rank, "

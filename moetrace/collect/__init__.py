@@ -145,12 +145,15 @@ def detect(path: Path) -> Collector:
 
 
 def collect(paths: Sequence[str | Path], format: str | None = None, options: dict | None = None,
-            on_skip=None) -> list[RunData]:
+            on_skip=None, on_warn=None) -> list[RunData]:
     """Detect and run collectors; returns validated RunData, writes nothing.
 
     Files inside a folder that no collector recognizes (or that are empty) are skipped:
     ``on_skip(list_of_paths)`` is called, and every run of this call records them in
-    ``runs.approximations``. A file named directly must be readable as given."""
+    ``runs.approximations``. A file named directly must be readable as given.
+    ``on_warn(line)`` gets each shape warning (also in ``runs.approximations``: experts
+    that do not divide evenly over the ranks)."""
+    from ._shape_notes import uneven_blocks_note
     from .checks import validate_run
 
     options = dict(options or {})
@@ -212,19 +215,27 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
                 approx.append(f"{len(skipped)} file(s) in the input folder(s) were not recognized and were skipped: "
                               + ", ".join(f.name for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
                 rd.run["approximations"] = json.dumps(approx)
+            note = uneven_blocks_note(rd.run)
+            if note:
+                approx = json.loads(rd.run.get("approximations") or "[]")
+                if note not in approx:
+                    approx.append(note)
+                rd.run["approximations"] = json.dumps(approx)
+                if on_warn is not None:
+                    on_warn(note)
             out.append(validate_run(rd, options))
     return out
 
 
 def ingest(store, paths: Sequence[str | Path], format: str | None = None, options: dict | None = None,
-           run_id: str | None = None, *, on_skip=None, on_write=None) -> list:
+           run_id: str | None = None, *, on_skip=None, on_write=None, on_warn=None) -> list:
     """Collect ``paths`` and write each run to ``store`` (a Store, or a folder opened
     with ``create=True`` only once every input collected and validated: bad input leaves
     no trace). Nothing is written unless every input collected and validated.
     ``on_skip(paths)`` as in :func:`collect`; ``on_write(run_data, write_result)`` is
     called after each run is written (or skipped as already ingested). Returns the
     store's WriteResults."""
-    runs = collect(paths, format=format, options=options, on_skip=on_skip)
+    runs = collect(paths, format=format, options=options, on_skip=on_skip, on_warn=on_warn)
     if run_id and len(runs) > 1:
         raise InputError(None, f"--run-id given but the inputs make {len(runs)} runs")
     if not hasattr(store, "write_run"):

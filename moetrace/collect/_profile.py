@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from ..domain.kernels import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
+from . import _launch_context as lctx
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 #: backend-level collective ops (innermost CPU op of a collective call)
@@ -146,9 +147,14 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
     """The per-rank share of :func:`build` (the rank's spans, labeled and classified, and
     its steps), independent of the rank number; a collector may compute it in a parsing
     process (``RankEvents.part``) for :func:`build` to take as is."""
+    all_cpu = ev.cpu
+    if all_cpu.height and (all_cpu["cat"] == lctx.CONTEXT_CAT).any():   # (ops kept only as launch context)
+        ev = RankEvents(rank=ev.rank, gpu=ev.gpu, launch=ev.launch, cpu=all_cpu.filter(pl.col("cat") != lctx.CONTEXT_CAT),
+                        source=ev.source, rank_inferred=ev.rank_inferred, notes=ev.notes)
     fams = _families(ev.cpu)
+    no_launch = 0
     if host_mode:
-        pts = _host_events(ev)
+        pts = _host_events(ev).with_columns(pl.lit(True).alias("_launched"))
     else:
         g = ev.gpu.filter(pl.col("end_ns") >= pl.col("start_ns"))
         pts = g.join(ev.launch.unique("correlation", keep="first"), on="correlation", how="left")
@@ -157,6 +163,8 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
             main_pid = int(fams["step"]["pid"][0])
         elif ev.cpu.height:
             main_pid = int(ev.cpu["pid"].mode()[0])
+        pts = pts.with_columns(pl.col("ts_ns").is_not_null().alias("_launched"))
+        no_launch = int((~pts["_launched"]).sum())
         pts = pts.with_columns(
             pl.col("pid").fill_null(main_pid if main_pid is not None else -1),
             pl.col("tid").fill_null(-1),
@@ -175,19 +183,32 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
     pts = _enclosing(pts, fams["layer"], ["pid"], "layer_a")
     pts = _enclosing(pts, fams["mb"], ["pid"], "mb")
     pts = pts.sort("_i").with_columns(pl.coalesce("coll_arg", "coll_op").alias("coll"))
-    # classify each distinct (name, category, collective) once
-    keys = pts.select("name", "cat", "coll").unique()
+    # the CPU ranges each kernel was launched under (none without a launch record)
+    ranges = lctx.context_ranges(all_cpu, classifier.context_patterns)
+    launch_pts = pts.select(pl.when(pl.col("_launched")).then(pl.col("pid")).alias("pid"),
+                            pl.when(pl.col("_launched")).then(pl.col("tid")).alias("tid"), "t")
+    ctx_ids, chains = lctx.launch_context(launch_pts, ranges)
+    moe_names = lctx.moe_context_names(chains)
+    pts = pts.with_columns(ctx_ids.alias("_ctx"),
+                           ctx_ids.map_elements(lambda c: moe_names[c], return_dtype=pl.Utf8, skip_nulls=True)
+                           .alias("moe_context") if chains else pl.lit(None, pl.Utf8).alias("moe_context"))
+    # classify each distinct (name, category, collective, context[, stream]) once
+    key_cols = ["name", "cat", "coll", "_ctx"] + (["stream"] if classifier.uses_stream else [])
+    keys = pts.select(key_cols).unique()
     dem = _DEMANGLED
     todo = [n for n in keys["name"].to_list() if n.startswith("_Z") and n not in dem]
     if todo:
         dem.update({n: n for n in todo})
         dem.update(demangle_all(todo))
-    kinds = [classifier.classify(dem.get(n, n), c, k) for n, k, c in keys.iter_rows()]
+    how = [classifier.classify_how(dem.get(n, n), c, k, chains[x] if x is not None else (), st[0] if st else None)
+           for n, k, c, x, *st in keys.iter_rows()]
     norm = [normalize_name(dem.get(n, n)) for n in keys["name"].to_list()]
-    keys = keys.with_columns(pl.Series("kind", kinds, pl.Utf8), pl.Series("norm", norm, pl.Utf8),
+    keys = keys.with_columns(pl.Series("kind", [h[0] for h in how], pl.Utf8),
+                             pl.Series("classified_by", [h[1] for h in how], pl.Utf8),
+                             pl.Series("norm", norm, pl.Utf8),
                              pl.col("coll").map_elements(normalize_collective, return_dtype=pl.Utf8)
                              .alias("collective"))
-    pts = pts.join(keys, on=["name", "cat", "coll"], how="left", nulls_equal=True)
+    pts = pts.join(keys, on=key_cols, how="left", nulls_equal=True).drop("_ctx", "_launched")
     has_steps = fams["step"].height > 0
     if not has_steps:
         pts = pts.with_columns(pl.lit(0, pl.Int64).alias("step"))
@@ -197,7 +218,7 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
     if not has_steps and pts.height:
         steps.append((0, int(pts["start_ns"].min()), int(pts["end_ns"].max()), True))
     return {"pts": pts, "has_steps": has_steps, "steps": steps, "host_mode": host_mode, "host_steps": host_steps,
-            "clipped_ns": clipped}
+            "clipped_ns": clipped, "no_launch": no_launch}
 
 
 def step_windows(step_ranges: pl.DataFrame, pts: pl.DataFrame, host_mode: bool):
@@ -238,6 +259,7 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         approx.append("no GPU activity in the trace: host collective ops (e.g. gloo all_to_all) are the "
                       "all-to-all spans on device -1 (host), top-level CPU ops are the compute")
     any_step_annot = False
+    no_launch: dict[int, int] = {}
     for ev in ranks:
         part = ev.part if ev.part is not None and ev.part["host_mode"] == host_mode else None
         if part is None:
@@ -251,6 +273,8 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
         host_rows.extend({"step": s_, "rank": ev.rank, "start_ns": a, "end_ns": b, "gpu_lag_ns": lag}
                          for s_, a, b, lag in part.get("host_steps", ()))
         clipped += part.get("clipped_ns", 0)
+        if part.get("no_launch"):
+            no_launch[ev.rank] = part["no_launch"]
         meta["ranks"][str(ev.rank)] = {"source": ev.source, "rank_inferred": ev.rank_inferred,
                                        "spans": pts.height}
         if ev.rank_inferred:
@@ -272,9 +296,11 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
             msg += (f"; {clipped / 1e6:.3f} ms where a step's kernels ran past the next step's first kernel are "
                     "counted in the earlier step only (windows kept disjoint)")
         approx.append(msg)
+    if no_launch:
+        approx.append(no_launch_note(no_launch, any_step_annot))
     allp = pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame()
     if allp.height == 0:
-        names = pl.DataFrame(schema={"name_id": pl.Int32, "name": pl.Utf8, "kind": pl.Utf8})
+        names = pl.DataFrame(schema={"name_id": pl.Int32, "name": pl.Utf8, "kind": pl.Utf8, "classified_by": pl.Utf8})
         spans = pl.DataFrame(schema={"rank": pl.Int32})
     else:
         uniq = allp.select("norm").unique().sort("norm").with_row_index("name_id").with_columns(
@@ -285,6 +311,12 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
                  .sort(["name_id", "len", "kind"], descending=[False, True, False])
                  .group_by("name_id", maintain_order=True).first()
                  .select("name_id", pl.col("norm").alias("name"), "kind"))
+        # how that kind was decided: the way most of the name's spans of that kind got it
+        how = (allp.join(names.select("name_id", "kind"), on=["name_id", "kind"], how="inner")
+               .group_by(["name_id", "classified_by"]).len()
+               .sort(["name_id", "len", "classified_by"], descending=[False, True, False])
+               .group_by("name_id", maintain_order=True).first().select("name_id", "classified_by"))
+        names = names.join(how, on="name_id", how="left")
         spans = allp.select(
             "rank", pl.col("device").cast(pl.Int32), pl.col("stream").cast(pl.Int32), "kind", "name_id",
             "start_ns", "end_ns", pl.col("step").cast(pl.Int64), pl.col("layer").cast(pl.Int32),
@@ -292,6 +324,7 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
             pl.when(pl.col("collective").is_not_null() | pl.col("kind").is_in(["dispatch", "combine", "a2a_other",
                                                                               "comm_other"]))
             .then(pl.col("pg_arg")).otherwise(None).alias("process_group"),
+            "classified_by", "moe_context",
         ).sort(["rank", "start_ns", "device", "stream"])
     steps = pl.DataFrame(step_rows, schema={"step": pl.Int64, "rank": pl.Int32, "start_ns": pl.Int64,
                                             "end_ns": pl.Int64, "inferred": pl.Boolean})
@@ -302,6 +335,16 @@ def build(ranks: list[RankEvents], classifier: Classifier) -> tuple[dict[str, pl
             approx.append("all-to-all layer (and, for plain all-to-alls, direction) inferred from the order of "
                           "dispatches within each (rank, step, micro-batch) where no annotation gave it")
     return {"spans": spans, "kernel_names": names, "steps": steps, **tables_extra}, approx, meta
+
+
+def no_launch_note(per_rank: dict[int, int], has_steps: bool) -> str:
+    """The ``runs.approximations`` line for device activity with no launch record."""
+    n = sum(per_rank.values())
+    where = ", ".join(f"rank {r}: {c}" for r, c in sorted(per_rank.items())[:8]) + (
+        ", ..." if len(per_rank) > 8 else "")
+    return (f"{n} device event{'s' if n != 1 else ''} ({where}) have no launch record (no runtime call with their "
+            f"correlation id): their " + ("step and " if has_steps else "")
+            + "annotations were taken at their GPU start time, not at a launch, and they carry no launch context")
 
 
 def _resolve_a2a(pts: pl.DataFrame) -> pl.DataFrame:

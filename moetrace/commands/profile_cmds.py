@@ -21,7 +21,9 @@ def kernels(store, run_id, kind, limit, fmt, output):
     """List kernel names by kind with total time, heaviest first.
 
     Heavy names under compute_other are where an unknown all-to-all would hide: add a
-    rule for them with `moetrace ingest --kernel-rules FILE` (CSV kind,pattern,collective).
+    rule for them with `moetrace ingest --kernel-rules FILE` (CSV kind,match,pattern,context:
+    match is name, context or stream; see docs/profiler.md). classified_by says which rule
+    decided; an MoE trace with no expert GEMM kernel gets one line saying so.
 
     Example:
 
@@ -30,10 +32,16 @@ def kernels(store, run_id, kind, limit, fmt, output):
     run = open_store(store).run(run_id)
     # full names where they are data (csv, json, a file): a user copies them into --kernel-rules
     df = run.kernels(kind, limit or None, name_width=110 if fmt == "table" and not output else None)
+    gap = run.expert_gemm_gap()
     if df.height == 0:
-        click.echo(f"run {run.id}: no profiler spans (ingest a Kineto or Nsight trace)")
+        click.echo(f"run {run.id}: no span of kind {kind}" if kind and run.kernels(None, 1).height
+                   else f"run {run.id}: no profiler spans (ingest a Kineto or Nsight trace)")
+        if gap:
+            click.echo(gap)
         return
     emit(df, fmt, output, max_rows=500)
+    if gap:   # (on stderr when stdout is data)
+        click.echo(gap, err=fmt != "table" and not output)
 
 
 @click.command("exposure")
@@ -60,8 +68,11 @@ def exposure(store, run_id, by, engine, master, remote, fmt, output):
     run = st.run(run_id)
     with engine_sql(st, engine, master, remote) as sql:   # --engine spark: the views on Spark
         t = run.exposure(sql=sql)
+    gap = run.expert_gemm_gap(sql=sql)
     if not t.has_a2a:
         click.echo(t.no_a2a_message())
+        if gap:
+            click.echo(gap)
         return
     df = {"rank": t.ranks, "kind": t.by_kind, "group": t.groups, "straggler": t.stragglers, "mode": t.modes}[by]
     if by == "straggler" and df.height == 0:
@@ -72,8 +83,12 @@ def exposure(store, run_id, by, engine, master, remote, fmt, output):
         msg = t.hook_mode_message()
         if msg:
             click.echo("\n" + msg)
+        if gap:
+            click.echo(gap)
         for a in run.approximations:
             click.echo(f"note: {a}", err=True)
+    elif gap:
+        click.echo(gap, err=True)
 
 
 def register(cli):

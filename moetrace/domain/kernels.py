@@ -4,14 +4,34 @@ Every profiler collector (Kineto, Nsight) calls :func:`classify` here and nowher
 decides what a kernel is. The decisions live in a pattern table, ``kernel_rules.csv``
 beside this module, with the columns::
 
-    kind,pattern,collective,comment
+    kind,match,pattern,context,stream,collective,comment
 
-Rules are tried in order; the first whose ``pattern`` (a Python regular expression,
-searched in the *normalized* name) matches, and whose ``collective`` (a regular
-expression matched against the normalized collective of the linked CPU op, or empty for
-"any") matches, gives the kind. A user extends the table with ``--kernel-rules FILE``
-(same columns, CSV or a JSON list of objects); user rules are tried before the built-in
-ones, so they can also override them.
+Each rule belongs to one family, named in its ``match`` column (empty: ``name``):
+
+* ``name``: ``pattern`` (a Python regular expression) is searched in the *normalized*
+  kernel name;
+* ``context``: ``context`` is searched in the names of the CPU ranges the kernel was
+  launched under (Kineto ``cpu_op`` / ``user_annotation``, Nsight NVTX ranges on the
+  launching thread; see :mod:`moetrace.collect._launch_context`), innermost first;
+  ``pattern``, when given, must match the kernel name as well;
+* ``stream``: ``stream`` must match the kernel's stream id (decimal text, whole match).
+
+Any column given (``pattern``, ``context``, ``stream``, ``collective``: a regular
+expression matched against the normalized collective of the linked CPU op) must match.
+The order, first match wins (:data:`RULE_ORDER`):
+
+1. the profiler's category: ``gpu_memcpy`` / ``gpu_memset`` are memcpy / memset;
+2. user rules (``--kernel-rules FILE``, same columns, CSV or a JSON list of objects), in
+   file order, whatever their family: they can override everything below;
+3. built-in ``name`` rules, in file order: a known library's kernel is what its name says
+   wherever it was launched (a DeepEP dispatch under a ``moe_forward`` range is a dispatch);
+4. built-in ``context`` rules: kernels no name rule knows (``nvjet*``, cuBLAS, CUTLASS
+   GEMMs) take the kind of the MoE range they were launched under;
+5. built-in ``stream`` rules (none ship: stream ids are not portable);
+6. default: ``compute_other``.
+
+:meth:`Classifier.classify_how` also says which step decided (``classified_by``:
+``category``, ``user``, ``name``, ``context``, ``stream``, ``default``).
 
 Kinds: ``dispatch``, ``combine``, ``a2a_other`` (notify, barrier of the all-to-all
 library), ``expert_gemm``, ``attention``, ``compute_other``, ``memcpy``, ``memset``,
@@ -49,6 +69,16 @@ COLLECTIVE_OP_PREFIXES = tuple(f"{b}:" for b in COLLECTIVE_BACKENDS)   # str.sta
 COLLECTIVE_OP_RE = re.compile(r"^(?:" + "|".join(COLLECTIVE_BACKENDS) + r"):+\w", re.I)
 
 RULES_FILE = Path(__file__).resolve().parent / "kernel_rules.csv"
+
+#: names of CPU ranges that mark MoE work: router / gate, experts, fused MoE ops, dispatch /
+#: combine. A trace with such ranges but no expert GEMM kernel is reported, never a silent 0.
+MOE_RANGE_RE = re.compile(r"(?i)moe|experts?(?:[^a-z]|$)|router|(?:^|[^a-z])(?:dispatch|combine)(?:[^a-z]|$)")
+
+#: kernel names of MoE plumbing (routing, sorting, permutation): a trace launching these is
+#: an MoE trace even without annotations
+MOE_KERNEL_RE = re.compile(
+    r"(?i)topk_softmax|topkGating|grouped_topk|moe_align|count_and_sort_expert|moe_sum|moe_permute|"
+    r"moe_unpermute|expand_input_rows|finalize_moe|fused_topk|routing\w*kernel|moe_fused_gate")
 
 _CASTS = [
     (re.compile(r"\(bool\)1\b"), "true"),
@@ -117,13 +147,32 @@ def normalize_collective(text: str | None) -> str | None:
     return text.strip().lower() or None
 
 
+MATCHES = ("name", "context", "stream")
+#: what decides, in order (first match wins); also the values of ``classified_by``
+RULE_ORDER = ("category", "user", "name", "context", "stream", "default")
+
+
 @dataclass(frozen=True)
 class Rule:
     kind: str
-    pattern: re.Pattern
+    pattern: re.Pattern | None
     collective: re.Pattern | None
     comment: str = ""
     source: str = "built-in"
+    match: str = "name"
+    context: re.Pattern | None = None
+    stream: re.Pattern | None = None
+
+    def matches(self, norm: str, coll: str, context: tuple[str, ...], stream: str | None) -> bool:
+        if self.pattern is not None and not self.pattern.search(norm):
+            return False
+        if self.collective is not None and not self.collective.search(coll):
+            return False
+        if self.context is not None and not any(self.context.search(c) for c in context):
+            return False
+        if self.stream is not None and (stream is None or not self.stream.fullmatch(stream)):
+            return False
+        return True
 
 
 def _parse_rules(rows: list[dict], source: str) -> list[Rule]:
@@ -133,23 +182,37 @@ def _parse_rules(rows: list[dict], source: str) -> list[Rule]:
             raise InputError(source, "each kernel rule must be an object with kind and pattern", f"rule {i}")
         kind = str(row.get("kind") or "").strip()
         pat = str(row.get("pattern") or "")
+        match = str(row.get("match") or "").strip() or "name"
         if kind not in RULE_KINDS:
             raise InputError(source, f"unknown kind {kind!r} (known: {', '.join(sorted(RULE_KINDS))})", f"rule {i}")
-        if not pat:
-            raise InputError(source, "empty pattern", f"rule {i}")
+        if match not in MATCHES:
+            raise InputError(source, f"unknown match {match!r} (known: {', '.join(MATCHES)})", f"rule {i}")
+        ctx = str(row.get("context") or "").strip()
+        stream = str(row.get("stream") or "").strip()
+        need = {"name": pat, "context": ctx, "stream": stream}[match]
+        if not need:
+            raise InputError(source, "empty pattern" if match == "name" else f"a {match} rule needs a {match} column",
+                             f"rule {i}")
         try:
-            rx = re.compile(pat)
+            rx = re.compile(pat) if pat else None
             coll = str(row.get("collective") or "").strip()
             crx = re.compile(coll) if coll else None
+            ctx_rx = re.compile(ctx) if ctx else None
+            st_rx = re.compile(stream) if stream else None
         except re.error as e:
             raise InputError(source, f"bad regular expression: {e}", f"rule {i}") from None
-        out.append(Rule(kind, rx, crx, str(row.get("comment") or ""), source))
+        out.append(Rule(kind, rx, crx, str(row.get("comment") or ""), source, match, ctx_rx, st_rx))
     return out
 
 
 def read_rules_file(path: str | Path) -> list[Rule]:
-    """Rules from a CSV (kind,pattern[,collective,comment]) or JSON list file."""
+    """Rules from a CSV (kind,pattern[,match,context,stream,collective,comment]) or JSON list file."""
+    from ..safety import check_regular_file
+
     p = Path(path)
+    check_regular_file(p)   # /dev/zero or a FIFO would never end
+    if p.is_file() and p.stat().st_size > (16 << 20):
+        raise InputError(p, f"kernel rules file of {p.stat().st_size} bytes; a rules file is at most 16 MiB")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -164,7 +227,7 @@ def read_rules_file(path: str | Path) -> list[Rule]:
     else:
         reader = csv.DictReader(io.StringIO(text))
         if not reader.fieldnames or not {"kind", "pattern"} <= {f.strip() for f in reader.fieldnames}:
-            raise InputError(p, "kernel rules CSV needs a header with kind,pattern[,collective,comment]")
+            raise InputError(p, "kernel rules CSV needs a header with kind,pattern[,match,context,stream,collective,comment]")
         rows = [{(k or "").strip(): v for k, v in r.items()} for r in reader
                 if any((v or "").strip() for v in r.values())]
     return _parse_rules(rows, str(p))
@@ -176,35 +239,55 @@ def builtin_rules() -> tuple[Rule, ...]:
 
 
 class Classifier:
-    """Rules (user first, then built-in) with a cache per (name, collective)."""
+    """Rules (user first, then built-in name, context and stream rules: :data:`RULE_ORDER`)
+    with a cache per (name, collective, category, context, stream)."""
 
     def __init__(self, extra_rules: str | Path | None = None):
-        self.rules: list[Rule] = (read_rules_file(extra_rules) if extra_rules else []) + list(builtin_rules())
-        self._cache: dict[tuple[str, str | None, str | None], str] = {}
+        user = read_rules_file(extra_rules) if extra_rules else []
+        builtin = list(builtin_rules())
+        fam = {m: [r for r in builtin if r.match == m] for m in MATCHES}
+        #: (rule, classified_by) in the order they are tried
+        self.ordered: list[tuple[Rule, str]] = ([(r, "user") for r in user]
+                                                + [(r, m) for m in MATCHES for r in fam[m]])
+        self.rules: list[Rule] = [r for r, _ in self.ordered]
+        #: whether any rule looks at launch context / the stream (else those stay out of the cache key)
+        self.uses_context = any(r.context is not None for r in self.rules)
+        self.uses_stream = any(r.stream is not None for r in self.rules)
+        self.context_patterns: tuple[re.Pattern, ...] = tuple(r.context for r in self.rules if r.context is not None)
+        self._cache: dict[tuple, tuple[str, str]] = {}
 
     def classify(self, name: str, collective: str | None = None, category: str | None = None) -> str:
         """Kind of a kernel ``name``. ``collective`` is the linked CPU op or the kernel's
         ``Collective name`` arg (any spelling); ``category`` the profiler's event category
         (``gpu_memcpy``/``gpu_memset`` decide memcpy/memset whatever the name)."""
-        key = (name, collective, category)
+        return self.classify_how(name, collective, category)[0]
+
+    def classify_how(self, name: str, collective: str | None = None, category: str | None = None,
+                     context: tuple[str, ...] = (), stream: int | str | None = None) -> tuple[str, str]:
+        """(kind, classified_by) of a kernel; ``context``: the names of the CPU ranges it
+        was launched under (innermost first), ``stream`` its stream id."""
+        ctx = context if self.uses_context else ()
+        st = (None if stream is None else str(stream)) if self.uses_stream else None
+        key = (name, collective, category, ctx, st)
         k = self._cache.get(key)
         if k is None:
-            k = self._classify(name, collective, category)
+            k = self._classify(name, collective, category, ctx, st)
             self._cache[key] = k
         return k
 
-    def _classify(self, name: str, collective: str | None, category: str | None) -> str:
+    def _classify(self, name: str, collective: str | None, category: str | None, context: tuple[str, ...],
+                  stream: str | None) -> tuple[str, str]:
         cat = (category or "").lower()
         if "memcpy" in cat:
-            return "memcpy"
+            return "memcpy", "category"
         if "memset" in cat:
-            return "memset"
+            return "memset", "category"
         norm = normalize_name(name)
         coll = normalize_collective(collective) or ""
-        for r in self.rules:
-            if r.pattern.search(norm) and (r.collective is None or r.collective.search(coll)):
-                return r.kind
-        return "compute_other"
+        for r, by in self.ordered:
+            if r.matches(norm, coll, context, stream):
+                return r.kind, by
+        return "compute_other", "default"
 
 
 _DEFAULT: Classifier | None = None

@@ -57,6 +57,9 @@ def build(ctx: ReportContext) -> Section | None:
         if idle > 0.5 * win.sum():
             head += (" That idle time is as the trace records it: kernels a profiler did not capture (for "
                      "example inside graph replays it does not expand) count as idle.")
+    gap = ctx.facade.expert_gemm_gap(ctx.sql)
+    if gap:   # an MoE trace whose expert GEMMs no rule found: unknown, not 0
+        head += " " + gap.split(": ", 1)[1]
     kinds = tot["kind"].to_list()
     wide = (kt.pivot(on="kind", index=["rank", "step"], values="kernel_ns", aggregate_function="sum")
             .fill_null(0).join(busy, on=["rank", "step"], how="left").sort(["rank", "step"]))
@@ -78,7 +81,7 @@ def build(ctx: ReportContext) -> Section | None:
                          xlabel="ms (summed over streams)", ylabel="rank" if by_rank else "step")
     figs.append(Figure(path, f"Where the {what} went, by kind" + (" per rank, summed over steps" if by_rank else
                                                                   " per step") + "; kinds from the kernel classifier."))
-    notes = []
+    notes = [gap] if gap else []
     if "compute_other" in kinds and float(tot.filter(pl.col("kind") == "compute_other")["share"][0]) > 0.5 \
             and not host:
         notes.append("Most kernel time is 'other compute': kernels the classifier has no rule for. "

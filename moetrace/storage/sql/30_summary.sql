@@ -1,5 +1,7 @@
--- skew_summary: per run and layer, the distribution of imbalance over steps (steps with
--- undefined imbalance are counted in steps_undefined, not averaged in). The modal
+-- skew_summary: per run and layer, the distribution of imbalance over steps. A step's
+-- imbalance is undefined for one of two reasons, counted apart and never averaged in:
+-- steps_undefined (the step routed no tokens) and steps_no_ranks (tokens, but the run's
+-- num_ranks is unknown: ingest with --ranks). The modal
 -- hottest expert and straggler rank break ties toward the lowest id.
 CREATE OR REPLACE VIEW skew_summary AS
 WITH ls AS MATERIALIZED (
@@ -17,7 +19,9 @@ WITH ls AS MATERIALIZED (
 ), agg AS (
     SELECT run_id, layer,
            count(*) AS steps,
-           count(*) - count(imbalance) AS steps_undefined,
+           count(*) FILTER (WHERE imbalance IS NULL AND (num_ranks IS NOT NULL OR coalesce(assignments, 0) = 0))
+               AS steps_undefined,
+           count(*) FILTER (WHERE imbalance IS NULL AND num_ranks IS NULL AND assignments > 0) AS steps_no_ranks,
            avg(imbalance) AS imbalance_mean,
            quantile_cont(imbalance, 0.5) AS imbalance_p50,
            quantile_cont(imbalance, 0.99) AS imbalance_p99,
@@ -33,7 +37,7 @@ WITH ls AS MATERIALIZED (
     FROM ls
     GROUP BY run_id, layer
 )
-SELECT agg.run_id, agg.layer, agg.steps, agg.steps_undefined, agg.imbalance_mean, agg.imbalance_p50,
+SELECT agg.run_id, agg.layer, agg.steps, agg.steps_undefined, agg.steps_no_ranks, agg.imbalance_mean, agg.imbalance_p50,
        agg.imbalance_p99, agg.imbalance_max, agg.efficiency_mean, agg.gini_mean, agg.cv_mean,
        agg.top5pct_share_mean, agg.hottest_share_mean, hot.hottest_expert_mode, strag.straggler_rank_mode,
        agg.assignments, agg.num_ranks, agg.placement_source
@@ -58,7 +62,10 @@ WITH ls AS MATERIALIZED (
 SELECT s.run_id,
        count(DISTINCT s.layer) AS layers,
        count(DISTINCT s.step) AS steps,
-       count(*) - count(s.imbalance) AS step_layers_undefined,
+       count(*) FILTER (WHERE s.imbalance IS NULL AND (s.num_ranks IS NOT NULL OR coalesce(s.assignments, 0) = 0))
+           AS step_layers_undefined,
+       count(*) FILTER (WHERE s.imbalance IS NULL AND s.num_ranks IS NULL AND s.assignments > 0)
+           AS step_layers_no_ranks,
        avg(s.imbalance) AS imbalance_mean,
        quantile_cont(s.imbalance, 0.5) AS imbalance_p50,
        quantile_cont(s.imbalance, 0.99) AS imbalance_p99,
