@@ -229,8 +229,8 @@ def test_bad_input_exit_2_store_unchanged(slot_store):
     before = store_files(path)
     r = CliRunner().invoke(cli, ["replay", str(path), "--plan", "nope"])
     assert r.exit_code == 2 and "nope" in r.output
-    r = CliRunner().invoke(cli, ["replay", str(path), "--policy", "greedy", "--fit-window", "100:200"])
-    assert r.exit_code == 2 and "fit-window" in r.output
+    r = CliRunner().invoke(cli, ["replay", str(path), "--policy", "greedy", "--fit-steps", "100:200"])
+    assert r.exit_code == 2 and "fit-steps" in r.output
     r = CliRunner().invoke(cli, ["plan", str(path), "--policy", "greedy", "--replicas", "3"])
     assert r.exit_code == 2 and "divide" in r.output
     assert store_files(path) == before
@@ -491,10 +491,10 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     _constant_load_store(tmp_path / "c")
     path = tmp_path / "c"
     assert run_cli("plan", path, "--policy", "greedy", "--plan-id", "all").exit_code == 0
-    assert run_cli("plan", path, "--policy", "greedy", "--fit-window", "2:5", "--plan-id", "w").exit_code == 0
-    bad = run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-window", "20:30", "--plan-id", "m")
+    assert run_cli("plan", path, "--policy", "greedy", "--fit-steps", "2:5", "--plan-id", "w").exit_code == 0
+    bad = run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "20:30", "--plan-id", "m")
     assert bad.exit_code == 2 and "holds no recorded steps" in bad.output
-    assert run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-window", "8:40", "--plan-id", "m").exit_code == 0
+    assert run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "8:40", "--plan-id", "m").exit_code == 0
     assert run_cli("plan", path, "--plan", "w", "--out", tmp_path / "w.json", "--no-store").exit_code == 0
     assert run_cli("plan", path, "--import", tmp_path / "w.json", "--plan-id", "imp").exit_code == 0
     st = Store(path)

@@ -15,6 +15,7 @@ from ..placement.planners import Plan
 from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
 from .load import RunShape
 from ..domain.ranks import node_of
+from ..notebook import NotebookView
 
 
 # ----------------------------------------------------------------------------- the exact half
@@ -194,7 +195,7 @@ def _time_note(shape: RunShape, timing: Timing) -> list[str]:
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(NotebookView):
     """One judged plan (or policy) of a run, with everything its answer prints."""
     replay_id: str
     run_id: str
@@ -220,6 +221,12 @@ class ReplayResult:
         """The exact half of the answer (:func:`load_answer`): straggler rank and tokens per
         layer, recorded vs plan, no time model."""
         return load_answer(self.judged)
+
+    def _notebook_view(self):
+        """In a notebook: the answer in words and a short table (moetrace.notebook)."""
+        from ..notebook import replay_view
+
+        return replay_view(self)
 
     def headline(self) -> str:
         j = self.judged

@@ -297,7 +297,9 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
     try:
         from pyspark.sql import SparkSession
     except ImportError:
-        raise StoreError("Spark is not installed: pip install 'moetrace[spark]' (and a Java runtime)") from None
+        from .errors import MissingExtra
+
+        raise MissingExtra("--engine spark", "spark", "pyspark", hint="(and a Java runtime)") from None
     remote = remote or os.environ.get("SPARK_REMOTE")
     b = SparkSession.builder.appName(app_name)
     if remote:
