@@ -325,7 +325,7 @@ class Run(NotebookView):
             if tr is None:
                 raise InputError(None, f"--trace-steps {trace_steps}: none of these steps were judged")
             write_trace(chrome_trace, tr["steps"], tr["layers"], tr["tokens"], tr["touched"], tr["dispatch_ns"],
-                        tr["compute_ns"], tr["layer_ns"], res.plan_desc, tr["cost_source"])
+                        tr["compute_ns"], tr["layer_ns"], res.plan_desc, tr["cost_source"], tr.get("combine_ns"))
         return res
 
     def drift(self, policy: str, every: int, window: int | None = None, *, max_moves: int | None = None,

@@ -465,7 +465,8 @@ def test_conservation_backwards_span_refused_or_flagged(runner, cli, store, tmp_
                       "name_id": [0, 0, 0], "start_ns": [100, 500, 900], "end_ns": [200, 450, 950],
                       "step": [0, 0, 0], "layer": [None, None, None], "micro_batch": [None] * 3,
                       "inferred": [False] * 3, "correlation": [None] * 3, "collective": [None] * 3,
-                      "process_group": pa.array([None] * 3, pa.string())})
+                      "process_group": pa.array([None] * 3, pa.string()),
+                      "classified_by": pa.array([None] * 3, pa.string()), "moe_context": pa.array([None] * 3, pa.string())})
     _FIXTURE_TABLES.update(run=run, tables={**tables, "spans": spans})
     f = tmp_path / "d.tfx"
     f.write_text("x")

@@ -18,7 +18,7 @@ SPR = E // R
 A_TRUE, B_TRUE = 37.0, 1500.0                     # ns per token, ns per slot touched
 LAT, CI, CO = 4000.0, 0.5, 4.0                   # ns, ns per byte intra node, ns per byte inter node
 SPAN_COLS = ("rank", "device", "stream", "kind", "name_id", "start_ns", "end_ns", "step", "layer", "micro_batch",
-             "inferred", "correlation", "collective", "process_group")
+             "inferred", "correlation", "collective", "process_group", "classified_by", "moe_context")
 
 
 def _routing(seed, steps=T):
@@ -84,7 +84,8 @@ def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True, wha
     def add(r, kind, t0, dur, s, layer):
         for k, v in (("rank", r), ("device", r), ("stream", 7), ("kind", kind), ("name_id", 0), ("start_ns", t0),
                      ("end_ns", t0 + int(dur)), ("step", s + span_step_shift), ("layer", layer), ("micro_batch", None),
-                     ("inferred", False), ("correlation", None), ("collective", None), ("process_group", None)):
+                     ("inferred", False), ("correlation", None), ("collective", None), ("process_group", None),
+                     ("classified_by", None), ("moe_context", None)):
             spans[k].append(v)
 
     for s in range(T):
@@ -347,9 +348,10 @@ def test_refrun_has_one_expert_span_per_slot_touched(refrun_pair):
 
 def test_calibrate_refrun_pair_end_to_end(refrun_pair, runner, cli):
     path = refrun_pair / "st"
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--json"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--basis", "wall", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
+    assert out["basis"] == "wall"
     st = Store(path)
     # independent recomputation from the stored spans and load
     spr_of = {"ra": RE // RR, "rb": len(REPLICATED) // RR}
@@ -396,6 +398,60 @@ def test_calibrate_refrun_pair_end_to_end(refrun_pair, runner, cli):
     lt = st.sql("SELECT layer_ns, layer_cpu_ns FROM cell_times WHERE run_id = 'ra' AND rank = 0")
     slow = lt["layer_ns"].sum() / lt["layer_cpu_ns"].sum()
     assert f"wall-clock layer time = {slow:.2f} x its CPU-basis time" in " ".join(out["fit"]["input_notes"])
+
+
+def _expert_by_hand(st, rid, col, spr):
+    sp = st.sql(f"SELECT step, layer, rank, {col} d FROM cell_times WHERE run_id = ?", [rid])
+    ld = st.sql("SELECT step, layer, slot, sum(tokens) t FROM expert_load WHERE run_id = ? GROUP BY ALL", [rid])
+    meas, tok, tch = np.zeros((RSTEPS, 2, RR)), np.zeros((RSTEPS, 2, RR)), np.zeros((RSTEPS, 2, RR))
+    for s, la, rk, d in sp.iter_rows():
+        meas[s, la, rk] = d
+    for s, la, slot, t in ld.iter_rows():
+        tok[s, la, slot // spr] += t
+        tch[s, la, slot // spr] += t > 0
+    return meas, tok, tch
+
+
+def _fit_judge_by_hand(st, col):
+    ma, ta, ca = _expert_by_hand(st, "ra", col, RE // RR)
+    ok = ma > 0
+    a, b = np.linalg.lstsq(np.stack([ta[ok], ca[ok]], axis=1), ma[ok], rcond=None)[0]
+    mb, tb, cb = _expert_by_hand(st, "rb", col, len(REPLICATED) // RR)
+    pred, ok = a * tb + b * cb, mb > 0
+    return (a, b), float(np.mean(np.abs(pred[ok] - mb[ok]) / mb[ok]))
+
+
+def test_calibrate_refrun_judges_on_the_cpu_basis_by_default(refrun_pair, runner, cli):
+    """On refrun runs the default basis is the ranks' main-thread CPU time; the wall-clock
+    errors and each run's host slowdown come beside it, all recomputed here by hand."""
+    path = refrun_pair / "st"
+    st = Store(path)
+    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--json", "--no-store"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["basis"] == "cpu"
+    (a, b), mape = _fit_judge_by_hand(st, "expert_cpu_ns")
+    if a >= 0 and b >= 0:
+        assert [out["fit"]["a_ns"], out["fit"]["b_ns"]] == pytest.approx([a, b], rel=1e-6)
+        assert out["judged"][0]["metrics"]["expert_mape"] == pytest.approx(mape, rel=1e-6)
+    (wa_a, wa_b), wall_mape = _fit_judge_by_hand(st, "expert_ns")
+    if wa_a >= 0 and wa_b >= 0:     # (else the fit falls back to one parameter)
+        assert out["wall_clock"]["judged"][0]["metrics"]["expert_mape"] == pytest.approx(wall_mape, rel=1e-6)
+    for rid in ("ra", "rb"):
+        lt = st.sql("SELECT layer_ns, layer_cpu_ns FROM cell_times WHERE run_id = ? AND rank = 0", [rid])
+        assert out["host_slowdown"][rid] == pytest.approx(lt["layer_ns"].sum() / lt["layer_cpu_ns"].sum())
+    # the measured layer time on the CPU basis is the layer's CPU-basis time
+    cj = cal.observe(st, "rb", basis="cpu")
+    lay = st.sql("SELECT step, layer, any_value(layer_cpu_ns)::DOUBLE AS l FROM cell_times WHERE run_id = 'rb' "
+                 "GROUP BY ALL")
+    want = {(s_, la): v for s_, la, v in lay.iter_rows()}
+    got = {}
+    for s_, la, e, c in zip(cj.step, cj.layer, cj.expert_ns, cj.comm_ns):
+        got[(int(s_), int(la))] = max(got.get((int(s_), int(la)), 0.0), e + c)
+    assert got == pytest.approx({k: want[k] for k in got})
+    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--no-store"])
+    assert r.exit_code == 0, r.output
+    assert "judged on the CPU basis" in r.output and "host slowdown" in r.output and "wall_layer_mape_pct" in r.output
 
 
 def test_error_band_from_the_newest_calibration_on_the_same_hardware(refrun_pair, runner, cli):

@@ -83,8 +83,10 @@ def _timeline_store(tmp_path, late_rank: int):
                       "name_id": pa.array([0] * n, pa.int32()), "start_ns": start, "end_ns": end,
                       "step": [0] * n, "layer": pa.array([0] * n, pa.int32()), "micro_batch": pa.array([0] * n, pa.int32()),
                       "inferred": [False] * n, "correlation": pa.nulls(n, pa.int64()),
-                      "collective": pa.nulls(n, pa.string()), "process_group": pa.nulls(n, pa.string())})
-    names = pa.table({"name_id": pa.array([0], pa.int32()), "name": ["deepep_dispatch"], "kind": ["dispatch"]})
+                      "collective": pa.nulls(n, pa.string()), "process_group": pa.nulls(n, pa.string()),
+                      "classified_by": pa.nulls(n, pa.string()), "moe_context": pa.nulls(n, pa.string())})
+    names = pa.table({"name_id": pa.array([0], pa.int32()), "name": ["deepep_dispatch"], "kind": ["dispatch"],
+                      "classified_by": pa.nulls(1, pa.string())})
     st.write_run({"source": "timeline", "source_sha256": "t" * 64, "collector": "test", "time_base": "ns",
                   "num_ranks": R}, {"spans": spans, "kernel_names": names}, run_id="timeline")
     ingest(st, [SAMPLES / "deepep"], run_id="dep")

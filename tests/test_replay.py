@@ -240,10 +240,18 @@ def test_bad_input_exit_2_store_unchanged(slot_store):
 
 
 def test_cost_preset_and_fit():
+    # the preset is the GPU cost model (moetrace.costmodel): its linear terms are the fitted
+    # efficiencies times the datasheet peaks, its compute the costmodel's expert MLP time
+    from moetrace import costmodel
+
     c = costmod.preset("H100", hidden=7168, expert_bytes=3 * 7168 * 2048)
-    assert c.a_ns == pytest.approx(2 * 3 * 7168 * 2048 / (1979e12 * 0.6) * 1e9)
-    assert c.b_ns == pytest.approx(3 * 7168 * 2048 / (3.35e12 * 0.8) * 1e9)
-    assert c.internode_Bps == pytest.approx(40e9)
+    fit = costmodel.fitted()["regimes"]
+    g, a2a = fit["gemm_grouped"]["params"], fit["a2a_normal"]["params"]
+    assert c.a_ns == pytest.approx(2 * 3 * 7168 * 2048 / (1979e12 * g["eff_compute"]) * 1e9)
+    assert c.b_ns == pytest.approx(3 * 7168 * 2048 / (3.35e12 * g["eff_hbm"]) * 1e9)
+    assert c.internode_Bps == pytest.approx(50e9 * a2a["eff_rdma"])
+    _, comp, _ = c.rank_ns(np.array([512.0]), np.array([4.0]), np.array([0.0]), np.array([0.0]))
+    assert comp[0] == pytest.approx(costmodel.expert_ns("H100", 7168, 2048, [128] * 4)["expert_ns"])
     rng = np.random.default_rng(0)
     tok = rng.integers(10, 2000, 50)
     touched = rng.integers(1, 9, 50)

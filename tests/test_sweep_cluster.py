@@ -165,7 +165,7 @@ def test_unreachable_scheduler_one_line_exit_2_store_unchanged(store_path, tmp_p
     assert tree_hash(p) == before
 
 
-@pytest.mark.parametrize("extra, words", [(("--workers", "0"), "--workers must be >= 1"),
+@pytest.mark.parametrize("extra, words", [(("--workers", "0"), "'--workers': 0 is not in the range 1<=x<=1024"),
                                          (("--workers", "2", "--scheduler", "tcp://127.0.0.1:1"), "not both")])
 def test_bad_cluster_options(store_path, tmp_path, extra, words):
     p = _copy(store_path, tmp_path, "o")

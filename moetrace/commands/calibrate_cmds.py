@@ -21,8 +21,10 @@ def metrics_frame(summary: dict) -> pl.DataFrame:
     """One row per judged run (the fit run first, in-sample) with the headline errors in %."""
     rows = [("fit (in-sample)", summary["fit"]["fit_run_id"], summary["fit"]["metrics"])]
     rows += [("judge", j["run_id"], j["metrics"]) for j in summary["judged"]]
+    wall = summary.get("wall_clock")
+    walls = ([wall["fit"]["metrics"]] + [j["metrics"] for j in wall["judged"]]) if wall else [None] * len(rows)
     out = []
-    for role, rid, m in rows:
+    for (role, rid, m), w in zip(rows, walls):
         out.append({"role": role, "run_id": rid, "cells": m.get("cells_measured"), "pairs": m.get("pairs"),
                     "expert_mape_pct": _pct(m.get("expert_mape")), "expert_bias_pct": _pct(m.get("expert_bias")),
                     "straggler_mape_pct": _pct(m.get("straggler_mape")),
@@ -30,13 +32,18 @@ def metrics_frame(summary: dict) -> pl.DataFrame:
                     "straggler_hit_pct": _pct(m.get("straggler_hit_rate")),
                     "chance_pct": _pct(m.get("straggler_chance")),
                     "comm_mape_pct": _pct(m.get("comm_mape")), "layer_mape_pct": _pct(m.get("layer_mape")),
-                    "layer_bias_pct": _pct(m.get("layer_bias"))})
-    return pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
+                    "layer_bias_pct": _pct(m.get("layer_bias")),
+                    # the same fit and judgement on the wall clock (host slowdown included), beside
+                    "wall_layer_mape_pct": _pct(w.get("layer_mape")) if w else None,
+                    "wall_expert_mape_pct": _pct(w.get("expert_mape")) if w else None})
+    df = pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
                                      "expert_mape_pct": pl.Float64, "expert_bias_pct": pl.Float64,
                                      "straggler_mape_pct": pl.Float64, "straggler_bias_pct": pl.Float64,
                                      "straggler_hit_pct": pl.Float64, "chance_pct": pl.Float64,
                                      "comm_mape_pct": pl.Float64, "layer_mape_pct": pl.Float64,
-                                     "layer_bias_pct": pl.Float64})
+                                     "layer_bias_pct": pl.Float64, "wall_layer_mape_pct": pl.Float64,
+                                     "wall_expert_mape_pct": pl.Float64})
+    return df if wall else df.drop("wall_layer_mape_pct", "wall_expert_mape_pct")
 
 
 def fit_lines(summary: dict) -> list[str]:
@@ -60,6 +67,16 @@ def fit_lines(summary: dict) -> list[str]:
     return lines
 
 
+def basis_line(summary: dict) -> str:
+    """What the errors are measured on, and the host slowdown of every run."""
+    sl = ", ".join(f"{r} {v:.2f}x" for r, v in (summary.get("host_slowdown") or {}).items() if v is not None)
+    if summary.get("basis") == "cpu":
+        return ("judged on the CPU basis (each rank's main-thread CPU time: the cost model itself, the host's "
+                "scheduling of other processes left out); wall-clock errors beside (wall_*)"
+                + (f"; host slowdown (wall / CPU layer time): {sl}" if sl else ""))
+    return "judged on the wall clock" + (f"; host slowdown (wall / CPU layer time): {sl}" if sl else "")
+
+
 @click.command("calibrate")
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
 @alias_option("--run", "fit_run", aliases=("--fit",), default=None, metavar="RUN_ID",
@@ -81,10 +98,14 @@ def fit_lines(summary: dict) -> list[str]:
                    "(robust to preempted or warming-up cells).")
 @click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
+@click.option("--basis", type=click.Choice(["auto", "cpu", "wall"]), default="auto", show_default=True,
+              help="What the model is judged on: cpu = each rank's main-thread CPU time (refrun timed passes: "
+                   "other processes on a busy host left out), wall = the wall clock; auto: cpu where every run "
+                   "has it, with the wall-clock errors and the host slowdown beside.")
 @json_option(help="Print the whole summary (fit, residuals, metrics) as JSON.")
 @output_options
-def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, calibration_id, no_store, as_json,
-              fmt, output):
+def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, calibration_id,
+              no_store, basis, as_json, fmt, output):
     """Fit the replay cost model on a run's measured spans and judge it on another run.
 
     Per (step, layer, rank) the fit run's expert_gemm spans give the measured expert
@@ -115,12 +136,13 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         load_runs[st.resolve_run(a)] = st.resolve_run(b)
     summary = st.run(rid).calibrate(judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
                                     load_runs=load_runs, step_offset=step_offset,
-                                    write=not no_store, calibration_id=calibration_id)
+                                    write=not no_store, calibration_id=calibration_id, basis=basis)
     if as_json:
         echo_json(summary)
         return
     for line in fit_lines(summary):
         click.echo(line)
+    click.echo("  " + basis_line(summary))
     emit(metrics_frame(summary), fmt, output)
     for j in summary["judged"]:
         for n in j["notes"]:

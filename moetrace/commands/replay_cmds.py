@@ -6,6 +6,7 @@ import click
 import polars as pl
 
 from ..output import echo_json, emit, json_option, output_options
+from ..replay.results import load_answer, load_lines
 from ..run import Store
 from ._options import (alias_option, chrome_trace_option, fit_steps_option, hardware_option, ints_option,
                        policy_option, run_option, split_option, steps_list, store_argument)
@@ -75,6 +76,10 @@ def _print_replay(res):
     j, s = res.judged, res.judged.summary
     click.echo(f"replay {res.replay_id} of run {res.run_id}: {res.plan_desc}; split {res.split}")
     click.echo(f"  judged on {res.judged_on}")
+    la = load_answer(j)
+    if la is not None:
+        for line in load_lines(la):
+            click.echo(line)
     und = f"; {s.undefined_cells} (step, layer) with no tokens left out" if s.undefined_cells else ""
     rec = "" if j.kind == "recorded" else f" vs {j.recorded.mean_imbalance:.3f} recorded"
     if s.mean_imbalance is None:
@@ -83,10 +88,11 @@ def _print_replay(res):
         eff = f", efficiency {s.mean_efficiency:.3f}" if s.mean_efficiency is not None else ""
         click.echo(f"  {j.steps.size} steps x {j.plan.num_layers} layers: mean max/mean rank tokens "
                    f"{s.mean_imbalance:.3f}{rec}, p99 {s.p99_imbalance:.3f}{eff}{und}")
+    click.echo("  modelled time (cost model, with its band):")
     click.echo(f"  {res.headline()}")
     _print_changes(j)
     if j.kind != "recorded":
-        click.echo(f"  verdict: {j.verdict}: {j.verdict_reason}")
+        click.echo(f"  time verdict: {j.verdict}: {j.verdict_reason}")
     click.echo(f"  cost model: {res.cost.source.split(':')[0]}; time error band ±{res.error_band[0]:.0%} "
                f"({res.error_band[1]}); {res.move.describe()}")
     if res.nodes_per_token_max is not None:
@@ -281,9 +287,12 @@ def _print_drift(d, plot):
              if j.gross_step_ns is not None else "no time per step")
         click.echo(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_imbalance:.3f}  {t}  moved "
                    f"{j.moved_experts} experts ({_gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
+        la = load_answer(j)
+        if la is not None:
+            click.echo(f"          load (exact): {la.verdict}: {la.reason}")
         if k != "oracle":
             _print_changes(j, "          ")
-        click.echo(f"          verdict: {j.verdict}: {j.verdict_reason}")
+        click.echo(f"          time verdict: {j.verdict}: {j.verdict_reason}")
     f = d.fastest()
     click.echo(f"  fastest net: {f.kind if f else 'none'}" + (" (the oracle is a bound, not a plan)" if f else ""))
     if d.unrelabeled_moves is not None:

@@ -47,9 +47,56 @@ from .calibrate_fit import Cells, Fit, LAYER_TERMS, TIE_RTOL, fit, fit_layer_mod
 
 
 # ----------------------------------------------------------------------------- observe
+BASES = ("auto", "cpu", "wall")
+
+
+def cpu_basis_available(store, run_id: str) -> bool:
+    """Whether ``run_id`` has timed passes (``cell_times``) with the CPU-basis columns on
+    every row (a refrun measured with --repeats)."""
+    if not store.has_files("cell_times"):
+        return False
+    cols = store.sql("SELECT * FROM cell_times LIMIT 0").columns
+    if "expert_cpu_ns" not in cols or "layer_cpu_ns" not in cols:
+        return False
+    n = store.sql("""SELECT count(*) AS n, count(expert_cpu_ns) AS e, count(layer_cpu_ns) AS l FROM cell_times
+                     WHERE run_id = ?""", [run_id]).row(0, named=True)
+    return n["n"] > 0 and n["e"] == n["n"] and n["l"] == n["n"]
+
+
+def host_slowdown(store, run_id: str) -> float | None:
+    """Wall-clock layer time over its CPU-basis time (summed over the run's layers, as the
+    lowest rank's rows carry them): how much other processes sharing the cores stretched
+    the run; None without CPU-basis times."""
+    if not cpu_basis_available(store, run_id):
+        return None
+    sl = store.sql("""SELECT sum(layer_ns)::DOUBLE / nullif(sum(layer_cpu_ns), 0) AS s FROM cell_times
+                      WHERE run_id = ? AND rank = (SELECT min(rank) FROM cell_times WHERE run_id = ?)""",
+                   [run_id, run_id])
+    v = sl["s"][0] if sl.height else None
+    return None if v is None else float(v)
+
+
+def resolve_basis(store, run_id: str, basis: str = "auto") -> str:
+    """'cpu' or 'wall' for ``run_id``: ``auto`` takes the CPU basis where the run has it."""
+    if basis not in BASES:
+        raise ValueError(f"basis must be one of {', '.join(BASES)}, got {basis!r}")
+    if basis == "auto":
+        return "cpu" if cpu_basis_available(store, run_id) else "wall"
+    if basis == "cpu" and not cpu_basis_available(store, run_id):
+        raise InputError(None, f"run {run_id!r} has no CPU-basis times (timed passes of a refrun with --repeats): "
+                               "calibrate it on the wall clock")
+    return basis
+
+
 def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_run: str | None = None,
-            step_offset: int = 0) -> Cells:
+            step_offset: int = 0, basis: str = "wall") -> Cells:
     """Per (step, layer, rank) model inputs and measured span times of ``run_id``.
+
+    ``basis`` 'cpu' (timed refrun passes only): the measured expert time is the rank's
+    main-thread CPU time in its experts and the all-to-all time the layer's CPU-basis time
+    less it (so a (step, layer)'s measured layer time, the max over ranks of expert +
+    all-to-all, is the layer's CPU-basis time: what it takes with a free core per rank);
+    'wall': the wall clock (monotonic), medians over the passes.
 
     ``load_run``: take the routing / expert load / placement from this other run of the
     store (a profiler trace and an engine dump are ingested as two runs); span step ``s``
@@ -78,10 +125,18 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
         notes.append("no recorded placement: contiguous assumed (slot = expert)")
     if timed:
         # repeated timed passes (refrun --repeats): their medians, not one profiled pass
-        ex = store.sql("SELECT step + ? AS step, layer, rank, expert_ns::DOUBLE AS dur FROM cell_times WHERE run_id = ?",
-                       [int(step_offset), spans_run])
-        cm = store.sql("SELECT step + ? AS step, layer, rank, comm_ns::DOUBLE AS dur FROM cell_times WHERE run_id = ?",
-                       [int(step_offset), spans_run])
+        if basis == "cpu":
+            ex = store.sql("SELECT step + ? AS step, layer, rank, expert_cpu_ns::DOUBLE AS dur FROM cell_times "
+                           "WHERE run_id = ?", [int(step_offset), spans_run])
+            cm = store.sql("SELECT step + ? AS step, layer, rank, greatest(layer_cpu_ns - expert_cpu_ns, 0)::DOUBLE "
+                           "AS dur FROM cell_times WHERE run_id = ?", [int(step_offset), spans_run])
+            notes.append("CPU basis: expert time = the rank's main-thread CPU time in its experts; all-to-all = the "
+                         "layer's CPU-basis time less it (the host's scheduling of other processes left out)")
+        else:
+            ex = store.sql("SELECT step + ? AS step, layer, rank, expert_ns::DOUBLE AS dur FROM cell_times "
+                           "WHERE run_id = ?", [int(step_offset), spans_run])
+            cm = store.sql("SELECT step + ? AS step, layer, rank, comm_ns::DOUBLE AS dur FROM cell_times "
+                           "WHERE run_id = ?", [int(step_offset), spans_run])
         traced = np.sort(store.sql("SELECT DISTINCT rank FROM cell_times WHERE run_id = ?", [spans_run])["rank"]
                          .to_numpy())
         passes = store.sql("SELECT min(passes) AS p FROM cell_times WHERE run_id = ?", [spans_run])["p"][0]
@@ -322,18 +377,49 @@ def new_calibration_id() -> str:
 
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
               hardware: str = "H200", loss: str = "l2", write: bool = True,
-              calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0) -> dict:
+              calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0,
+              basis: str = "auto") -> dict:
     """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
     itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
-    False. Returns a summary dict (fit parameters and one metrics dict per judged run)."""
+    False. Returns a summary dict (fit parameters and one metrics dict per judged run).
+
+    ``basis`` (see :func:`observe`): 'auto' judges on the CPU basis when the fit run and
+    every judged run have it (refrun timed passes) and on the wall clock otherwise. On the
+    CPU basis the same fit and judgement on the wall clock come beside it (``wall_clock``,
+    not stored) with each run's host slowdown (``host_slowdown``)."""
     from .load import RunShape
 
     cid = calibration_id or new_calibration_id()
     now = time.time_ns()
     load_runs = load_runs or {}
+    runs = [fit_run] + [r for r in judge_runs if r != fit_run]
+    if basis == "auto":
+        basis = "cpu" if all(cpu_basis_available(store, r) for r in runs) else "wall"
+    else:
+        for r in runs:
+            resolve_basis(store, r, basis)
     shape = RunShape.from_store(store, load_runs.get(fit_run) or fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
-    cf = observe(store, fit_run, fit_steps, load_runs.get(fit_run), step_offset)
+    out = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
+                        basis, cid, now)
+    tables = out.pop("_tables")
+    out["basis"] = basis
+    out["host_slowdown"] = {r: host_slowdown(store, r) for r in runs}
+    if basis == "cpu":
+        wall = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
+                             "wall", cid, now)
+        out["wall_clock"] = {"fit": {"metrics": wall["fit"]["metrics"]},
+                             "judged": [{"run_id": j["run_id"], "metrics": j["metrics"]} for j in wall["judged"]]}
+    if write:
+        for rid, parts in tables.items():
+            store.append(rid, {"calibration": pa.concat_tables(parts)})
+    out["stored"] = bool(write)
+    return out
+
+
+def _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset, basis,
+                  cid, now) -> dict:
+    cf = observe(store, fit_run, fit_steps, load_runs.get(fit_run), step_offset, basis)
     f = fit(cf, base, loss)
     ex, cm = f.predict(cf)
     fit_metrics = metrics(cf.step, cf.layer, cf.expert_ns, ex, cf.comm_ns, cm)
@@ -343,7 +429,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     targets = list(judge_runs)
     for rid in targets:
         same = rid == fit_run
-        cj = observe(store, rid, judge_steps, load_runs.get(rid), step_offset)
+        cj = observe(store, rid, judge_steps, load_runs.get(rid), step_offset, basis)
         if same and not judge_steps:
             note = "judged on the fit run itself (in-sample)"
         elif same:
@@ -355,10 +441,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
         out["judged"].append({"run_id": rid, "steps": _steps_of(cj), "metrics": mt,
                               "notes": cj.notes + ([note] if note else [])})
         tables.setdefault(rid, []).append(cell_table(cj, f, cid, "judge", now))
-    if write:
-        for rid, parts in tables.items():
-            store.append(rid, {"calibration": pa.concat_tables(parts)})
-    out["stored"] = bool(write)
+    out["_tables"] = tables
     return out
 
 

@@ -16,9 +16,10 @@ has its own device, as the GPU presets assume). With it, ``rank_ns`` needs the r
 the last axis. It is 0 unless fitted on request: the fidelity matrix did not confirm it on
 held-out runs (docs/calibration.md), so the replay's fit leaves it out.
 
-Parameters come from a named hardware preset (datasheet peaks times an achieved
-efficiency; the figures and their sources are in docs/replay.md) scaled to the run's model
-shape, or are fitted from the run's ``expert_gemm`` spans (least squares of span duration
+A named hardware preset times ranks with the GPU cost model instead (:mod:`.gpu_cost`
+over :mod:`moetrace.costmodel`: grouped-GEMM time from tokens per expert with tile
+quantization, dispatch/combine from the bottleneck link, a band measured on published
+kernel rows); the linear terms are fitted from the run's ``expert_gemm`` spans (least squares of span duration
 against the rank's tokens and slots touched). Every prediction records which parameters it
 used (:meth:`CostModel.describe`).
 """
@@ -30,23 +31,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..domain.model_shape import DEFAULT_HIDDEN, default_expert_bytes
+from ..costmodel.hardware import GPUS
+from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN, default_expert_bytes
+from . import gpu_cost
 
-# Datasheet peaks (NVIDIA product pages / whitepapers): dense FP8 tensor TFLOPS, HBM TB/s,
-# NVLink GB/s per direction, scale-out NIC GB/s per GPU (400 Gb/s ConnectX-7 = 50 GB/s;
-# B200 systems ship 800 Gb/s ConnectX-8 = 100 GB/s on GB200/B300, HGX B200 uses 400 Gb/s).
-PRESETS: dict[str, dict] = {
-    "H100": {"fp8_tflops": 1979.0, "hbm_tbps": 3.35, "nvlink_gbps": 450.0, "nic_gbps": 50.0,
-             "source": "NVIDIA H100 SXM datasheet (FP8 dense 1,979 TFLOPS; HBM3 3.35 TB/s; NVLink 900 GB/s bidirectional); ConnectX-7 400 Gb/s"},
-    "H200": {"fp8_tflops": 1979.0, "hbm_tbps": 4.8, "nvlink_gbps": 450.0, "nic_gbps": 50.0,
-             "source": "NVIDIA H200 SXM datasheet (FP8 dense 1,979 TFLOPS; HBM3e 4.8 TB/s; NVLink 900 GB/s bidirectional); ConnectX-7 400 Gb/s"},
-    "H800": {"fp8_tflops": 1979.0, "hbm_tbps": 3.35, "nvlink_gbps": 200.0, "nic_gbps": 50.0,
-             "source": "H800 SXM: H100 compute and memory, NVLink cut to 400 GB/s bidirectional (DeepSeek-V3 report, DeepEP README: ~160 GB/s achieved); 400 Gb/s InfiniBand"},
-    "B200": {"fp8_tflops": 4500.0, "hbm_tbps": 8.0, "nvlink_gbps": 900.0, "nic_gbps": 50.0,
-             "source": "NVIDIA HGX B200 datasheet (FP8 dense 4.5 PFLOPS per GPU; HBM3e 8 TB/s; NVLink 5 1.8 TB/s bidirectional); ConnectX-7 400 Gb/s"},
-}
-# achieved fraction of the peak figures (GEMMs on few tokens and all-to-all never reach peak)
-EFFICIENCY = {"flops": 0.6, "hbm": 0.8, "nvlink": 0.8, "nic": 0.8}
+#: the hardware presets: every GPU the GPU cost model (moetrace.costmodel) knows, with its
+#: datasheet source; their times come from that model (:mod:`.gpu_cost`)
+PRESETS: dict[str, dict] = {name: {"source": g.source} for name, g in GPUS.items()}
 
 
 @dataclass
@@ -68,6 +59,9 @@ class CostModel:
     fixed_ns: float = 0.0
     latency_ns: float = 0.0
     contention: float = 0.0
+    #: a hardware preset's GPU cost model (:mod:`.gpu_cost`: hardware, hidden, intermediate,
+    #: weight dtype, kernel regime, message dtypes); None: the linear terms above time it
+    gpu: dict | None = None
 
     def describe(self) -> dict:
         return asdict(self)
@@ -83,12 +77,16 @@ class CostModel:
     def rank_ns(self, tokens, touched, bytes_intra, bytes_inter):
         """Per-rank (dispatch, compute, combine) in ns, broadcasting over any shape (ranks on
         the last axis when ``contention`` > 0)."""
-        comm = self.transfer_ns(bytes_intra, bytes_inter) + self.latency_ns / 2
-        work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        if self.gpu is not None:
+            disp, comb = gpu_cost.comm_ns(self.gpu, bytes_intra, bytes_inter)
+            work = gpu_cost.expert_ns(self.gpu, tokens, touched)
+        else:
+            disp = comb = self.transfer_ns(bytes_intra, bytes_inter) + self.latency_ns / 2
+            work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
         compute = self.fixed_ns + work
         if self.contention:
             compute = compute + self.contention * overlap_ns(work)
-        return comm, compute, comm
+        return disp, compute, comb
 
 
 def overlap_ns(work) -> np.ndarray:
@@ -109,26 +107,28 @@ def overlap_ns(work) -> np.ndarray:
 
 
 def preset(name: str, hidden: int | None = None, expert_bytes: int | None = None,
-           moe_intermediate: int | None = None) -> CostModel:
-    """Cost parameters of hardware ``name`` for a model with ``hidden`` and ``expert_bytes``.
-
-    a = FLOPs of one token through one expert (3 matrices hidden × intermediate, 2 FLOPs
-    per multiply-add) / (FP8 peak × efficiency); b = expert_bytes / (HBM × efficiency).
-    """
+           moe_intermediate: int | None = None, kernel: str = "normal") -> CostModel:
+    """The GPU cost model of hardware ``name`` (:mod:`moetrace.costmodel`, fitted on
+    published kernel measurements) for a model with ``hidden`` and ``expert_bytes`` (FP8
+    weights: 3 matrices hidden x intermediate, one byte each), with its measured band.
+    ``a_ns``/``b_ns``/bandwidths are the model's large-batch slopes (display, weight moves)."""
     key = name.upper()
     if key not in PRESETS:
         raise KeyError(f"unknown hardware preset {name!r} (choose from {', '.join(PRESETS)})")
-    p = PRESETS[key]
     hidden = hidden or DEFAULT_HIDDEN
     expert_bytes = expert_bytes or default_expert_bytes(hidden)
     inter = moe_intermediate or max(1, expert_bytes // (3 * hidden))   # FP8: 1 byte per weight
-    flops = 2.0 * 3 * hidden * inter
-    a_ns = flops / (p["fp8_tflops"] * 1e12 * EFFICIENCY["flops"]) * 1e9
-    b_ns = expert_bytes / (p["hbm_tbps"] * 1e12 * EFFICIENCY["hbm"]) * 1e9
-    return CostModel(a_ns=a_ns, b_ns=b_ns, nvlink_Bps=p["nvlink_gbps"] * 1e9 * EFFICIENCY["nvlink"],
-                     internode_Bps=p["nic_gbps"] * 1e9 * EFFICIENCY["nic"],
-                     source=f"preset {key}: {p['source']}; efficiency {EFFICIENCY}; hidden {hidden}, "
-                            f"expert_bytes {expert_bytes}")
+    spec = {"hardware": key, "hidden": int(hidden), "intermediate": int(inter), "weight_dtype": "fp8",
+            "kernel": kernel, "dispatch_dtype": "fp8", "combine_dtype": "bf16",
+            "token_bytes": int(hidden) * DEFAULT_DTYPE_BYTES}
+    lin = gpu_cost.linear_terms(key, int(hidden), int(inter))
+    rel, src = gpu_cost.band(key, kernel)
+    return CostModel(a_ns=lin["a_ns"], b_ns=lin["b_ns"], nvlink_Bps=lin["nvlink_Bps"],
+                     internode_Bps=lin["internode_Bps"],
+                     source=f"preset {key}: GPU cost model (moetrace.costmodel: grouped-GEMM roofline with tile "
+                            f"quantization, {kernel} all-to-all); {PRESETS[key]['source']}; hidden {hidden}, "
+                            f"expert_bytes {expert_bytes}",
+                     rel_error=rel, rel_error_source=src, gpu=spec)
 
 
 def fit_expert_time(tokens, touched, duration_ns, base: CostModel) -> CostModel | None:

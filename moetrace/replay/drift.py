@@ -15,7 +15,7 @@ from .strategies import Fixed, Judged, MoveCost, Oracle, Replan, Timing, fastest
 from .cost_fit import _cost
 from .judge_plan import _in_memory, _too_short, judged_steps
 from .load import RunShape
-from .results import ReplayOptions, ReplayResult, _int, _layer_table, _runs_row, _time_note, new_replay_id
+from .results import ReplayOptions, ReplayResult, _int, load_answer, _layer_table, _runs_row, _time_note, new_replay_id
 
 
 # ----------------------------------------------------------------------------- drift
@@ -44,6 +44,11 @@ class DriftResult(NotebookView):
     def fastest(self) -> Judged | None:
         return fastest(self.results.values())
 
+    def load(self, which: str = "replan"):
+        """The exact half of one strategy's answer (static, replan, oracle): see
+        :func:`moetrace.replay.results.load_answer`."""
+        return load_answer(self.results[which])
+
     def replan_by_age(self) -> dict:
         j = self.results["replan"]
         ages = np.array([a or 0 for a in j.ages])
@@ -62,7 +67,9 @@ class DriftResult(NotebookView):
                "error_band": dict(zip(("rel", "source"), costmod.error_band(self.cost))),
                "approximations": self.notes}
         for k, j in self.results.items():
-            s = {**asdict(j.summary), "gross_step_ns": _int(j.gross_step_ns), "net_step_ns": _int(j.net_step_ns),
+            la = load_answer(j)
+            s = {"load": la.to_dict() if la else None, "load_verdict": la.verdict if la else None,
+                 **asdict(j.summary), "gross_step_ns": _int(j.gross_step_ns), "net_step_ns": _int(j.net_step_ns),
                  "recorded_step_ns": _int(j.recorded_step_ns), "vs_recorded": j.vs_recorded(),
                  "moved_experts": j.moved_experts, "moved_bytes": j.moved_bytes, "verdict": j.verdict,
                  "verdict_reason": j.verdict_reason, "replay_id": self.replay_ids.get(k),

@@ -290,6 +290,9 @@ class LayerMetrics:
     dispatch_ns: np.ndarray
     compute_ns: np.ndarray
     rank_ns: np.ndarray
+    #: the rank holding the most tokens (the load straggler, no time model), -1 where no
+    #: tokens were routed; ``straggler`` is the slowest rank under the cost model
+    load_straggler: np.ndarray | None = None
 
 
 def imbalance(tokens: np.ndarray) -> np.ndarray:
@@ -314,9 +317,9 @@ def layer_metrics(block: Block, cost: CostModel) -> LayerMetrics:
         if out is None:
             out = LayerMetrics(*(np.empty((T,) + x.shape[1:], x.dtype) for x in
                                  (m.max_tokens, m.mean_tokens, m.imbalance, m.straggler, m.layer_ns, m.dispatch_ns,
-                                  m.compute_ns, m.rank_ns)))
+                                  m.compute_ns, m.rank_ns, m.load_straggler)))
         for k in ("max_tokens", "mean_tokens", "imbalance", "straggler", "layer_ns", "dispatch_ns", "compute_ns",
-                  "rank_ns"):
+                  "rank_ns", "load_straggler"):
             getattr(out, k)[a:b] = getattr(m, k)
     return out
 
@@ -330,7 +333,8 @@ def _layer_metrics(tok, touched, intra, inter, cost: CostModel) -> LayerMetrics:
     rank_ns = disp + comp
     rank_ns += comb
     strag = np.where(np.isnan(imb), -1, np.argmax(rank_ns, axis=2))
-    return LayerMetrics(mx, mean, imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns)
+    load_strag = np.where(np.isnan(imb), -1, np.argmax(tok, axis=2))
+    return LayerMetrics(mx, mean, imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns, load_strag)
 
 
 @dataclass

@@ -131,7 +131,7 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
             sel = np.isin(ids, trace_steps)
             if sel.any():
                 kept.append((ids[sel], blk.tokens[sel], blk.touched[sel], m.dispatch_ns[sel], m.compute_ns[sel],
-                             m.layer_ns[sel]))
+                             m.layer_ns[sel], (m.rank_ns - m.dispatch_ns - m.compute_ns)[sel]))
 
     def on_recorded(ids, blk):   # the recorded placement's traffic, on the same steps
         if blk.traffic is not None:
@@ -171,7 +171,8 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
     if kept:
         res.trace = {"steps": np.concatenate([k[0] for k in kept]),
                      **{name: np.concatenate([k[i] for k in kept])
-                        for i, name in enumerate(("tokens", "touched", "dispatch_ns", "compute_ns", "layer_ns"), 1)},
+                        for i, name in enumerate(("tokens", "touched", "dispatch_ns", "compute_ns", "layer_ns",
+                                                               "combine_ns"), 1)},
                      "layers": plan.layers, "cost_source": cost.source}
     if write:
         tables = {"replay_layer": layer_tbls, "replay_rank": rank_tbls,

@@ -12,10 +12,157 @@ import pyarrow as pa
 from . import cost as costmod
 from .engine import Block, imbalance
 from ..placement.planners import Plan
-from .strategies import Judged, MoveCost, Timing, compare_text
+from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
 from .load import RunShape
 from ..domain.ranks import node_of
 from ..notebook import NotebookView
+
+
+# ----------------------------------------------------------------------------- the exact half
+@dataclass
+class LayerLoad:
+    """One layer's exact load under one placement, over the judged steps (no time model):
+    the rank that straggled most often (ties: the lowest rank) and on how many steps, the
+    straggler's tokens (the most tokens on one rank) mean and p99 over the steps, the mean
+    rank tokens, and max/mean (the mean over steps of the straggler's tokens over the mean
+    rank tokens)."""
+    layer: int
+    straggler_rank: int | None
+    straggler_steps: int
+    straggler_tokens_mean: float | None
+    straggler_tokens_p99: float | None
+    mean_rank_tokens: float | None
+    max_over_mean: float | None
+
+
+def _layer_loads(layers: np.ndarray, la) -> list[LayerLoad]:
+    out = []
+    for li, layer in enumerate(np.asarray(layers).tolist()):
+        rk, mx, mn = la.straggler[:, li], la.max_tokens[:, li], la.mean_tokens[:, li]
+        ok = rk >= 0
+        if not ok.any():
+            out.append(LayerLoad(int(layer), None, 0, None, None, None, None))
+            continue
+        cnt = np.bincount(rk[ok].astype(np.int64))
+        top = int(np.argmax(cnt))
+        out.append(LayerLoad(int(layer), top, int(cnt[top]), float(mx[ok].mean()), float(np.percentile(mx[ok], 99)),
+                             float(mn[ok].mean()), float((mx[ok] / mn[ok]).mean())))
+    return out
+
+
+def _mean_over_layers(xs) -> float | None:
+    v = [x for x in xs if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+def steps_text(steps: np.ndarray) -> str:
+    """'steps 100-199' (contiguous) or 'the 50 judged steps 100..299'."""
+    s = np.asarray(steps)
+    if s.size == 0:
+        return "no steps"
+    lo, hi = int(s.min()), int(s.max())
+    return f"steps {lo}-{hi}" if s.size == hi - lo + 1 else f"the {s.size} judged steps {lo}..{hi}"
+
+
+@dataclass
+class LoadAnswer:
+    """The exact half of a replay's answer: per layer the straggler rank and its tokens under
+    the recorded placement and under the plan, max/mean, and the moves; counted from the
+    recorded routing on the judged steps, no time model, so no error band. The one
+    definition every command, the facade and the report read."""
+    steps: str
+    judged_steps: int
+    plan: list[LayerLoad]
+    recorded: list[LayerLoad]
+    moved_experts: int
+    verdict: str
+    reason: str
+
+    @property
+    def straggler_tokens(self) -> float | None:
+        """The plan's straggler tokens, mean over the judged steps and the layers."""
+        return _mean_over_layers(x.straggler_tokens_mean for x in self.plan)
+
+    @property
+    def recorded_straggler_tokens(self) -> float | None:
+        return _mean_over_layers(x.straggler_tokens_mean for x in self.recorded)
+
+    @property
+    def straggler_tokens_p99(self) -> float | None:
+        return _mean_over_layers(x.straggler_tokens_p99 for x in self.plan)
+
+    @property
+    def recorded_straggler_tokens_p99(self) -> float | None:
+        return _mean_over_layers(x.straggler_tokens_p99 for x in self.recorded)
+
+    def layers(self) -> list[dict]:
+        """One row per layer: recorded and plan side by side."""
+        rows = []
+        for r, p in zip(self.recorded, self.plan):
+            rows.append({"layer": r.layer,
+                         **{f"recorded_{k}": v for k, v in asdict(r).items() if k != "layer"},
+                         **{f"plan_{k}": v for k, v in asdict(p).items() if k != "layer"}})
+        return rows
+
+    def to_dict(self) -> dict:
+        return {"exact": True, "steps": self.steps, "judged_steps": self.judged_steps,
+                "straggler_tokens_mean": self.straggler_tokens,
+                "recorded_straggler_tokens_mean": self.recorded_straggler_tokens,
+                "straggler_tokens_p99": self.straggler_tokens_p99,
+                "recorded_straggler_tokens_p99": self.recorded_straggler_tokens_p99,
+                "moved_experts": self.moved_experts, "verdict": self.verdict, "reason": self.reason,
+                "layers": self.layers()}
+
+
+def _tok(x: float | None) -> str:
+    return "n/a" if x is None else (f"{x:,.0f}" if abs(x) >= 100 else f"{x:,.1f}")
+
+
+def load_answer(j: Judged) -> LoadAnswer | None:
+    """The exact half of ``j``'s answer (None when the judge kept no load arrays)."""
+    if j.load is None or j.recorded_load is None:
+        return None
+    layers = j.plan.layers
+    plan, rec = _layer_loads(layers, j.load), _layer_loads(layers, j.recorded_load)
+    st = steps_text(j.steps)
+    ans = LoadAnswer(st, int(j.steps.size), plan, rec, j.moved_experts, NOT_ENOUGH, "")
+    a, b = ans.recorded_straggler_tokens, ans.straggler_tokens
+    where = f"mean over {st} and {len(layers)} layer(s), exact"
+    if j.kind == "recorded":
+        ans.verdict, ans.reason = "baseline", f"straggler tokens {_tok(a)} ({where})"
+    elif a is None or b is None:
+        ans.reason = "no (step, layer) routed any token"
+    elif j.kind == "oracle":
+        ans.reason = (f"straggler tokens {_tok(a)} -> {_tok(b)} ({where}); the oracle is fitted on the steps it is "
+                      "judged on: a lower bound, not a plan")
+    elif b < a:
+        ans.verdict, ans.reason = PAYS_OFF, f"straggler tokens cut from {_tok(a)} to {_tok(b)} ({where})"
+    elif b > a:
+        ans.verdict, ans.reason = DOES_NOT, f"straggler tokens up from {_tok(a)} to {_tok(b)} ({where})"
+    else:
+        ans.verdict, ans.reason = DOES_NOT, f"straggler tokens unchanged at {_tok(a)} ({where})"
+    return ans
+
+
+def load_lines(ans: LoadAnswer, indent: str = "  ", max_layers: int = 8) -> list[str]:
+    """The exact half as text lines: the headline, then per layer the straggler rank and its
+    tokens recorded -> plan (the first ``max_layers`` layers, the rest counted)."""
+    out = [f"{indent}load (exact, no time model): {ans.verdict if ans.verdict != NOT_ENOUGH else 'n/a'}: {ans.reason}"]
+    if ans.recorded_straggler_tokens_p99 is not None:
+        out.append(f"{indent}  straggler tokens p99 {_tok(ans.recorded_straggler_tokens_p99)} recorded -> "
+                   f"{_tok(ans.straggler_tokens_p99)} plan (mean over layers); moves {ans.moved_experts} expert copies")
+    for r, p in list(zip(ans.recorded, ans.plan))[:max_layers]:
+        if r.straggler_rank is None:
+            out.append(f"{indent}  layer {r.layer}: no tokens routed")
+            continue
+        out.append(f"{indent}  layer {r.layer}: straggler rank {r.straggler_rank} ({r.straggler_steps}/"
+                   f"{ans.judged_steps} steps) {_tok(r.straggler_tokens_mean)} tokens (p99 "
+                   f"{_tok(r.straggler_tokens_p99)}), max/mean {r.max_over_mean:.3f} -> plan rank {p.straggler_rank} "
+                   f"{_tok(p.straggler_tokens_mean)} (p99 {_tok(p.straggler_tokens_p99)}), max/mean "
+                   f"{p.max_over_mean:.3f}")
+    if len(ans.plan) > max_layers:
+        out.append(f"{indent}  ... {len(ans.plan) - max_layers} more layer(s) in --json / replay_layer")
+    return out
 
 
 # ----------------------------------------------------------------------------- options, results
@@ -69,6 +216,12 @@ class ReplayResult(NotebookView):
     recorded_traffic: np.ndarray | None = None
     trace: dict | None = None
 
+    @property
+    def load(self) -> LoadAnswer | None:
+        """The exact half of the answer (:func:`load_answer`): straggler rank and tokens per
+        layer, recorded vs plan, no time model."""
+        return load_answer(self.judged)
+
     def _notebook_view(self):
         """In a notebook: the answer in words and a short table (moetrace.notebook)."""
         from ..notebook import replay_view
@@ -88,8 +241,11 @@ class ReplayResult(NotebookView):
 
     def to_dict(self) -> dict:
         j, s, p = self.judged, self.judged.summary, self.judged.plan
+        la = load_answer(j)
         d = {"replay_id": self.replay_id, "run_id": self.run_id, "kind": j.kind, "policy": self.policy,
              "plan_id": p.plan_id, "plan": self.plan_desc, "split": self.split, "judged_on": self.judged_on,
+             # the exact half first (counted, no band), then the modelled time with its band
+             "load": la.to_dict() if la else None, "load_verdict": la.verdict if la else None,
              "num_steps": int(j.steps.size), "num_layers": p.num_layers, "num_ranks": p.num_ranks,
              "ranks_per_node": p.ranks_per_node, "num_nodes": p.num_nodes, "num_slots": p.num_slots,
              "num_groups": p.num_groups, "redundant_slots": p.replicas,
@@ -101,7 +257,7 @@ class ReplayResult(NotebookView):
              "moved_experts": j.moved_experts, "moved_bytes": j.moved_bytes,
              "changes": [asdict(c) for c in j.changes],
              "break_even_steps": [c.break_even_steps for c in j.changes],
-             "verdict": j.verdict, "verdict_reason": j.verdict_reason,
+             "verdict": j.verdict, "verdict_reason": j.verdict_reason, "time_verdict": j.verdict,
              "error_band": {"rel": self.error_band[0], "source": self.error_band[1]},
              "move_cost": {**asdict(self.move), "text": self.move.describe()},
              "exact_bytes": self.exact_bytes, "cost": self.cost.describe(), "approximations": self.notes}
@@ -125,6 +281,7 @@ def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
     T, L = m.imbalance.shape
     n = T * L
     strag = m.straggler.ravel()
+    lstrag = (m.load_straggler if m.load_straggler is not None else m.straggler).ravel()
     return pa.table({
         "replay_id": pa.array([replay_id] * n, pa.string()),
         "step": np.repeat(ids, L).astype(np.int64), "layer": np.tile(layers, T).astype(np.int32),
@@ -132,6 +289,8 @@ def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
         "plan_age_steps": pa.array(np.repeat(ages, L) if ages is not None else [None] * n, pa.int64()),
         "max_rank_tokens": m.max_tokens.ravel(), "mean_rank_tokens": m.mean_tokens.ravel(),
         "imbalance": _nan_none(m.imbalance), "straggler_rank": pa.array(strag.astype(np.int32), mask=strag < 0),
+        # the most loaded rank (exact, as layer_skew.straggler_rank); straggler_rank above is the slowest modelled
+        "load_straggler_rank": pa.array(lstrag.astype(np.int32), mask=lstrag < 0),
         "predicted_ns": np.rint(m.layer_ns.ravel()).astype(np.int64)})
 
 

@@ -77,6 +77,15 @@ class Change:
 
 
 @dataclass
+class LoadArrays:
+    """The exact load of a judged plan, [judged steps, L] each (no time model): the most
+    tokens on one rank, that rank (-1: no tokens routed), and the mean rank tokens."""
+    max_tokens: np.ndarray
+    straggler: np.ndarray
+    mean_tokens: np.ndarray
+
+
+@dataclass
 class Judged:
     """A strategy judged against the recorded placement on the same steps."""
     name: str
@@ -94,6 +103,8 @@ class Judged:
     series: np.ndarray | None = None            # mean imbalance over layers per judged step
     plan_ids: list[str] = field(default_factory=list)   # per judged step
     ages: list[int | None] = field(default_factory=list)
+    load: LoadArrays | None = None              # the plan's exact per-(step, layer) load
+    recorded_load: LoadArrays | None = None     # the recorded placement's, same steps
 
     @property
     def moved_experts(self) -> int:
@@ -243,14 +254,17 @@ class _Acc:
     """Per-block arrays of the judged plan and the recorded one, concatenated at the end."""
 
     def __init__(self):
-        self.parts = {k: [] for k in ("imb", "lns", "means", "rimb", "rlns", "rmeans")}
+        self.parts = {k: [] for k in ("imb", "lns", "means", "rimb", "rlns", "rmeans",
+                                      "smax", "srank", "tmean", "rsmax", "rsrank", "rtmean")}
         self.plan_ids: list[str] = []
         self.ages: list[int | None] = []
         self.steps: list[np.ndarray] = []
 
     def add(self, ids, m: LayerMetrics, mr: LayerMetrics, plan_id: str, replan: bool):
         for k, v in (("imb", m.imbalance), ("lns", m.layer_ns), ("means", m.rank_ns.mean(axis=2)),
-                     ("rimb", mr.imbalance), ("rlns", mr.layer_ns), ("rmeans", mr.rank_ns.mean(axis=2))):
+                     ("rimb", mr.imbalance), ("rlns", mr.layer_ns), ("rmeans", mr.rank_ns.mean(axis=2)),
+                     ("smax", m.max_tokens), ("srank", m.load_straggler), ("tmean", m.mean_tokens),
+                     ("rsmax", mr.max_tokens), ("rsrank", mr.load_straggler), ("rtmean", mr.mean_tokens)):
             self.parts[k].append(v)
         self.steps.append(ids)
         self.plan_ids += [plan_id] * ids.size
@@ -285,7 +299,9 @@ class _Acc:
             warnings.simplefilter("ignore", RuntimeWarning)   # steps where no layer routed a token
             series = np.nanmean(self.cat("imb").astype(np.float64), axis=1)
         return Judged(name or strategy.kind, strategy.kind, first_plan, steps, s, r, gross, net, rec, changes, v, why,
-                      series=series, plan_ids=self.plan_ids, ages=self.ages)
+                      series=series, plan_ids=self.plan_ids, ages=self.ages,
+                      load=LoadArrays(self.cat("smax"), self.cat("srank"), self.cat("tmean")),
+                      recorded_load=LoadArrays(self.cat("rsmax"), self.cat("rsrank"), self.cat("rtmean")))
 
 
 def _charge(prev, plan, expert_bytes, cost, mc, step, gain, served) -> Change | None:

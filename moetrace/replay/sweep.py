@@ -18,7 +18,7 @@ from .cost_fit import _cost
 from .judge_plan import _InMemory, _in_memory, _too_short, judged_steps
 from .load import RunShape
 from .plan_store import recorded_plan
-from .results import ReplayOptions, ReplayResult, _layer_table, _runs_row, _time_note, new_replay_id
+from .results import ReplayOptions, ReplayResult, _layer_table, load_answer, _runs_row, _time_note, new_replay_id
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -31,6 +31,10 @@ class SweepRow:
     window: int
     judged_steps: int
     extra_mem_gib_per_rank: float
+    #: the exact half (no time model): straggler tokens, mean over the judged steps and layers
+    recorded_straggler_tokens: float | None
+    straggler_tokens: float | None
+    load_verdict: str
     mean_imbalance: float | None
     recorded_ms: float | None
     gross_ms: float | None
@@ -71,7 +75,9 @@ class SweepResult(NotebookView):
             df = df.drop("what", "why", "judged_steps", "moved_experts", "gross_ms").rename(
                 {"extra_mem_gib_per_rank": "extra_GiB_per_rank", "vs_recorded_pct": "net_vs_rec_%",
                  "moved_gib": "moved_GiB", "moved_gib_per_hour": "replan_GiB_per_h",
-                 "median_break_even_steps": "break_even_steps", "mean_imbalance": "imbalance"})
+                 "median_break_even_steps": "break_even_steps", "mean_imbalance": "imbalance",
+                 "recorded_straggler_tokens": "rec_straggler_tok", "straggler_tokens": "straggler_tok",
+                 "load_verdict": "load (exact)", "verdict": "time verdict"})
         return df
 
 
@@ -146,8 +152,8 @@ def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[
                     f"node), {shape.num_experts} experts + replicas slots, " + (
                         f"{ps.num_groups} expert groups" if policy == "eplb" else "expert groups not used"))
         except InputError as e:
-            items.append(SweepRow(f"replicas {rep}", rep, None, 0, 0, 0.0, None, None, None, None, None, 0, 0.0, None,
-                                  None, "", "", skipped=e.message))
+            items.append(SweepRow(f"replicas {rep}", rep, None, 0, 0, 0.0, None, None, "", None, None, None, None, None,
+                                  0, 0.0, None, None, "", "", skipped=e.message))
             continue
         for every in [None] + list(intervals):
             for w in windows:
@@ -193,9 +199,11 @@ def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
     mem = rep * shape.expert_bytes * shape.layers.size / cell.plan_shape.num_ranks / 2**30
     hours = (j.steps.size * (j.net_step_ns or 0) * (timing.per_pass or 1)) / 3.6e12
     be = [c.break_even_steps for c in j.changes if c.break_even_steps is not None]
+    la = load_answer(j)
     row = SweepRow(
         f"+{rep} replicas, " + ("static" if every is None else f"re-plan every {every}") + f", window {w}",
-        rep, every, w, int(j.steps.size), mem, j.summary.mean_imbalance,
+        rep, every, w, int(j.steps.size), mem, la.recorded_straggler_tokens, la.straggler_tokens, la.verdict,
+        j.summary.mean_imbalance,
         None if j.recorded_step_ns is None else j.recorded_step_ns / 1e6,
         None if j.gross_step_ns is None else j.gross_step_ns / 1e6,
         None if j.net_step_ns is None else j.net_step_ns / 1e6,
@@ -232,7 +240,10 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
         "net = predicted MoE time per step + the cost of moving experts (bytes over NVLink / NIC from the cost "
         "model, " + opts.move.describe() + "), spread over the judged steps; the first plan is charged its moves "
         "from the recorded placement",
-        f"verdict: pays off / does not pay off beyond the model's ±{band[0]:.0%} error ({band[1]}); fewer than "
+        "straggler_tok / rec_straggler_tok: the most tokens on one rank under the plan / the recorded placement, "
+        "mean over the judged steps and layers: counted from the recorded routing, exact (no time model, no band); "
+        "load (exact) says whether the plan cuts it",
+        f"time verdict: pays off / does not pay off beyond the model's ±{band[0]:.0%} error ({band[1]}); fewer than "
         "10 judged steps: not enough evidence",
         "replan GiB per hour: weights moved by re-plans after the first plan, per hour of predicted (net) time, "
         "not wall-clock time; the first plan's moves (from the recorded placement) are in moved GiB"]

@@ -10,10 +10,12 @@ import numpy as np
 
 
 def chrome_trace(path, steps, layers, tokens, touched, dispatch_ns, compute_ns, layer_ns, plan_desc: str,
-                 cost_source: str) -> Path:
-    """``steps [t]``, ``layers [L]``; tokens/touched/dispatch_ns/compute_ns ``[t, L, R]``;
-    layer_ns ``[t, L]``. Times are laid out from 0; each layer starts when the previous
-    layer's barrier releases."""
+                 cost_source: str, combine_ns=None) -> Path:
+    """``steps [t]``, ``layers [L]``; tokens/touched/dispatch_ns/compute_ns ``[t, L, R]``
+    (``combine_ns`` too; None: the combine takes as long as the dispatch); layer_ns
+    ``[t, L]``. Times are laid out from 0; each layer starts when the previous layer's
+    barrier releases."""
+    combine_ns = dispatch_ns if combine_ns is None else combine_ns
     ev = []
     T, L, R = tokens.shape
     for ti in range(T):
@@ -26,15 +28,15 @@ def chrome_trace(path, steps, layers, tokens, touched, dispatch_ns, compute_ns, 
             ev.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": r, "args": {"sort_index": r}})
         t0 = 0.0
         for li in range(L):
-            strag = int(np.argmax(2 * dispatch_ns[ti, li] + compute_ns[ti, li]))
+            strag = int(np.argmax(dispatch_ns[ti, li] + compute_ns[ti, li] + combine_ns[ti, li]))
             for r in range(R):
-                d, c = float(dispatch_ns[ti, li, r]), float(compute_ns[ti, li, r])
+                d, c, cb = float(dispatch_ns[ti, li, r]), float(compute_ns[ti, li, r]), float(combine_ns[ti, li, r])
                 args = {"layer": int(layers[li]), "tokens": float(tokens[ti, li, r]),
                         "slots_touched": int(touched[ti, li, r]), "straggler": r == strag}
                 t = t0
                 for name, dur, cat in (("dispatch", d, "a2a"),
                                        (f"experts L{int(layers[li])}" + (" (straggler)" if r == strag else ""), c, "expert"),
-                                       ("combine", d, "a2a")):
+                                       ("combine", cb, "a2a")):
                     ev.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": r, "ts": t / 1e3,
                                "dur": dur / 1e3, "args": args})
                     t += dur

@@ -14,6 +14,7 @@ import numpy as np
 import polars as pl
 
 from ..base import Figure, ReportContext, Section, md_table
+from ...replay.results import load_answer
 from .. import plots
 
 ORDER = 60
@@ -66,7 +67,12 @@ def _whatif_section(ctx, w) -> Section:
     unit = "pass" if w.timing.per_pass else "step"
     rows = []
     for j in w.results:
+        la = load_answer(j)
         rows.append({"plan": j.name, "slots": j.plan.num_slots, "groups": j.plan.num_groups,
+                     # the exact half first: straggler tokens (mean over steps and layers), no band
+                     "recorded_straggler_tokens": la.recorded_straggler_tokens if la else None,
+                     "straggler_tokens": la.straggler_tokens if la else None,
+                     "load": ("baseline" if j.kind == "recorded" else la.verdict) if la else None,
                      "mean_imbalance": j.summary.mean_imbalance, "recorded_imbalance": j.recorded.mean_imbalance,
                      f"predicted_ms_per_{unit}": None if j.gross_step_ns is None else j.gross_step_ns / 1e6,
                      f"net_ms_per_{unit}": None if j.net_step_ns is None else j.net_step_ns / 1e6,
@@ -88,7 +94,9 @@ def _whatif_section(ctx, w) -> Section:
         text = (f"The recorded placement runs at {_ms(rec.gross_step_ns / 1e6)} {b} per {unit}; no other plan could "
                 f"be made. {band_sentence([w.error_band])}")
     else:
-        text = (f"Recorded placement: max/mean **{rec.summary.mean_imbalance:.2f}×**, {_ms(rec.gross_step_ns / 1e6)} "
+        la = load_answer(best)
+        exact = (f"Exact (counted, no time model): with **{best.name}** {la.reason}. " if la else "")
+        text = exact + (f"Recorded placement: max/mean **{rec.summary.mean_imbalance:.2f}×**, {_ms(rec.gross_step_ns / 1e6)} "
                 f"{b} of MoE time per {unit}. Fastest net: **{best.name}**, {_ms(best.net_step_ns / 1e6)} {b} vs "
                 f"{_ms(best.recorded_step_ns / 1e6)} {b} recorded{_pct(best.net_step_ns, best.recorded_step_ns)} "
                 f"(gross {_ms(best.gross_step_ns / 1e6)} {b}; {best.moved_experts} expert moves charged), max/mean "
@@ -117,6 +125,12 @@ def build(ctx: ReportContext) -> Section | None:
         (col("recorded_step_ns") / 1e6).alias("recorded_ms"), (pl.col("predicted_step_ns") / 1e6).alias("predicted_ms"),
         (col("net_step_ns") / 1e6).alias("net_ms"), "moved_experts", (pl.col("moved_bytes") / 2**30).alias("moved_GiB"),
         col("verdict").alias("verdict"), col("verdict_reason").alias("verdict_reason"), "exact_bytes")
+    loads = [_stored_load(sj) for sj in stored["summary_json"].to_list()]
+    at0 = show.columns.index("num_steps") + 1
+    for i, (name, key) in enumerate((("recorded_straggler_tokens", "recorded_straggler_tokens_mean"),
+                                     ("straggler_tokens", "straggler_tokens_mean"))):
+        show = show.insert_column(at0 + i, pl.Series(name, [ld.get(key) for ld in loads], pl.Float64))
+    show = show.insert_column(at0 + 2, pl.Series("load", [ld.get("verdict") for ld in loads], pl.Utf8))
     bands = [_stored_band(sj) for sj in stored["summary_json"].to_list()]
     timed = [t is not None for t in show["predicted_ms"].to_list()]
     at = show.columns.index("net_ms") + 1
@@ -127,6 +141,11 @@ def build(ctx: ReportContext) -> Section | None:
     lines = [f"{show.height} stored replay(s), each judged against the recorded placement on the same steps with "
              "the same cost model; net = predicted time plus the cost of moving experts."]
     if deployable.height:
+        b = fastest_net(deployable)
+        if b is not None and b.get("straggler_tokens") is not None and b.get("recorded_straggler_tokens") is not None:
+            lines.append(f"Exact (counted, no time model): under **{b['policy']}** the straggler holds "
+                         f"{b['straggler_tokens']:,.0f} tokens vs {b['recorded_straggler_tokens']:,.0f} recorded "
+                         f"(mean over the judged steps and layers; load: {b['load']}).")
         lines.append(fastest_sentence(deployable))
     elif show.filter(pl.col("predicted_ms").is_null()).height:
         lines.append("The counts aggregate many passes of unknown number: imbalance answers only, no time per step.")
@@ -149,6 +168,14 @@ def build(ctx: ReportContext) -> Section | None:
             notes.append(f"Cost model: {src}")
     return Section(key="replay", title="Replay: alternative placements and re-planning", markdown="\n".join(md),
                    terminal="\n".join(term), figures=figs, notes=notes)
+
+
+def _stored_load(summary_json: str | None) -> dict:
+    """The exact half a replay stored (:class:`moetrace.replay.results.LoadAnswer`); {} before it."""
+    try:
+        return json.loads(summary_json or "{}").get("load") or {}
+    except ValueError:
+        return {}
 
 
 def fastest_net(deployable: pl.DataFrame) -> dict | None:

@@ -1,0 +1,120 @@
+"""Replay's per-rank times from the GPU cost model (:mod:`moetrace.costmodel`), vectorized.
+
+The replay core has, per (step, layer, rank), the tokens a rank computes, the expert slots
+it touches and the dispatch bytes it receives (inside its node, from other nodes). The GPU
+cost model times one rank's grouped GEMMs from its tokens per expert, and one dispatch /
+combine from its bytes. This module maps the one onto the other:
+
+- **expert MLP**: the rank's ``tokens`` spread evenly over its ``touched`` slots
+  (``ceil(tokens / touched)`` per expert, the replay keeps no per-slot split), timed by
+  :func:`moetrace.costmodel.gemm.expert_mlp_terms` (gate/up + down grouped GEMMs, tile and
+  wave quantization, launch cost). One call per distinct (experts, tokens per expert)
+  pair, cached; tokens per expert above 128 are rounded to the nearest point of a 2%
+  geometric grid (about ±1% in time, well inside the band; up to 128 every count is exact,
+  where tile quantization matters most);
+- **dispatch / combine** (the normal, high-throughput kernel regime):
+  ``latency + max(inter-node bytes / (eff_rdma x NIC), intra-node bytes / (eff_nvl x
+  NVLink))`` on the rank's own bytes, the bottleneck link as DeepEP defines it. The
+  replay counts BF16 activations per token; dispatch bytes are rescaled to the FP8
+  message (values + one FP32 scale per 128) and combine bytes to the BF16 message. A rank
+  that receives nothing (or a run without ``top_k``: no bytes at all) has no all-to-all
+  time;
+- **band** of a step time: the larger of the expert-GEMM band and the all-to-all band
+  (a sum of terms each within its relative band is within the largest of them), each the
+  costmodel's measured held-out band, carried over to GPUs without published rows.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from .. import costmodel
+from ..costmodel.a2a import message_bytes
+from ..costmodel.gemm import GemmParams, expert_mlp_terms
+from ..costmodel.hardware import GPUS, gpu
+
+#: tokens per expert up to this are timed exactly; above, on a 2% geometric grid
+EXACT_TOKENS = 128
+_GRID = np.log(1.02)
+REGIMES = {"normal": "a2a_normal", "low-latency": "a2a_low_latency"}
+
+
+def known(hardware: str) -> bool:
+    return str(hardware).upper() in GPUS
+
+
+def quantize_tokens(m: np.ndarray) -> np.ndarray:
+    """Tokens per expert as timed: integers (rounded up) up to :data:`EXACT_TOKENS`, then
+    the nearest point of a 2% geometric grid."""
+    m = np.ceil(np.asarray(m, np.float64))
+    big = m > EXACT_TOKENS
+    if big.any():
+        k = np.rint(np.log(m[big] / EXACT_TOKENS) / _GRID)
+        m = m.copy()
+        m[big] = np.ceil(EXACT_TOKENS * np.exp(k * _GRID))
+    return m
+
+
+@lru_cache(maxsize=200_000)
+def _mlp_ns(hardware: str, hidden: int, intermediate: int, dtype: str, experts: int, m: int) -> float:
+    if experts <= 0 or m <= 0:
+        return 0.0
+    params = GemmParams(**costmodel.fitted()["regimes"]["gemm_grouped"]["params"])
+    return expert_mlp_terms(gpu(hardware), params, [m] * experts, hidden, intermediate, dtype)["time_s"] * 1e9
+
+
+def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
+    """Expert-MLP time (ns) of every rank, broadcasting over any shape."""
+    tok = np.asarray(tokens, np.float64)
+    g = np.rint(np.broadcast_to(np.asarray(touched, np.float64), tok.shape)).astype(np.int64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m = np.where(g > 0, tok / np.maximum(g, 1), 0.0)
+    mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
+    key = g * (1 << 32) + mq
+    uniq, inv = np.unique(key.ravel(), return_inverse=True)
+    hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
+    vals = np.array([_mlp_ns(hw, h, i, dt, int(k >> 32), int(k & 0xFFFFFFFF)) for k in uniq.tolist()], np.float64)
+    return vals[inv].reshape(tok.shape)
+
+
+def comm_ns(spec: dict, bytes_intra, bytes_inter) -> tuple[np.ndarray, np.ndarray]:
+    """(dispatch, combine) ns of every rank from the BF16 bytes it receives."""
+    hw = gpu(spec["hardware"])
+    p = costmodel.fitted()["regimes"][REGIMES[spec["kernel"]]]["params"]
+    intra = np.asarray(bytes_intra, np.float64)
+    inter = np.asarray(bytes_inter, np.float64)
+    token = float(spec["token_bytes"])
+    out = []
+    for dtype in (spec["dispatch_dtype"], spec["combine_dtype"]):
+        scale = message_bytes(int(spec["hidden"]), dtype) / token
+        t = np.maximum(inter * scale / (p["eff_rdma"] * hw.rdma_Bps), intra * scale / (p["eff_nvl"] * hw.nvlink_Bps))
+        out.append(np.where(intra + inter > 0, p["latency_us"] * 1e3 + t * 1e9, 0.0))
+    return out[0], out[1]
+
+
+def band(hardware: str, kernel: str = "normal", weight_dtype: str = "fp8") -> tuple[float, str]:
+    """The step-time band of the GPU model on ``hardware`` and where it comes from."""
+    pre = costmodel.preset(hardware)
+    g, a = pre["regimes"]["gemm_grouped"], pre["regimes"][REGIMES[kernel]]
+    rel = max(float(g["band"]), float(a["band"]))
+    measured = pre["hardware"] == costmodel.MEASURED_ON and weight_dtype == "fp8"
+    how = "measured" if measured else f"carried over from {costmodel.MEASURED_ON}/FP8 (no published {pre['hardware']} rows)"
+    src = (f"GPU cost model {pre['hardware']}, {how}: the larger of the expert-GEMM band ±{g['band']:.0%} and the "
+           f"{kernel} all-to-all band ±{a['band']:.0%} (held-out error on published rows; "
+           f"moetrace/costmodel/data/published.csv)")
+    return rel, src
+
+
+def linear_terms(hardware: str, hidden: int, intermediate: int, weight_dtype: str = "fp8") -> dict:
+    """The GPU model's large-batch slopes as the linear model's terms (for display, the
+    spans fit's base and weight moves): ns per token-expert at the achieved tensor rate,
+    ns per expert read at the achieved HBM rate, the achieved NVLink and NIC bandwidths."""
+    hw = gpu(hardware)
+    r = costmodel.fitted()["regimes"]
+    gp, ap = r["gemm_grouped"]["params"], r["a2a_normal"]["params"]
+    flops = 2.0 * 3 * hidden * intermediate
+    wbytes = 3.0 * hidden * intermediate * {"fp8": 1.0, "bf16": 2.0, "fp4": 0.53125}[weight_dtype]
+    return {"a_ns": flops / (gp["eff_compute"] * hw.tensor_flops[weight_dtype if weight_dtype != "fp4" else "fp8"]) * 1e9,
+            "b_ns": wbytes / (gp["eff_hbm"] * hw.hbm_Bps) * 1e9,
+            "nvlink_Bps": ap["eff_nvl"] * hw.nvlink_Bps, "internode_Bps": ap["eff_rdma"] * hw.rdma_Bps}
