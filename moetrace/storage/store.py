@@ -91,6 +91,7 @@ class Store(Transactions):
     def __init__(self, path: str | os.PathLike, create: bool = False):
         self.path = Path(path)
         self._con: duckdb.DuckDBPyConnection | None = None
+        self._views_files: dict[str, tuple[str, ...]] | None = None
         check_store_path(self.path)
         marker = self.path / STORE_MARKER
         if not marker.exists():
@@ -171,10 +172,16 @@ class Store(Transactions):
         d = self.path / table
         return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
 
-    def _view_sql(self, table: str, relative: bool, present: set[str] | None = None) -> str:
+    def _view_sql(self, table: str, relative: bool, present: set[str] | None = None,
+                  files: dict[str, tuple[str, ...]] | None = None) -> str:
         """A table's view. Tables other than ``runs`` show only committed runs (whose
         ``runs`` row is in place: it is renamed last), so a reader never sees part of a run
         being written or left by a crash; readers never recover.
+
+        ``files``: the committed files of every table (:meth:`committed_files`): the view
+        reads exactly those (a list, not a glob), so a reader never sees part of an append
+        either; :attr:`con` defines the views again when that set changes. The catalog
+        (``relative``) reads globs (docs/hardening.md).
 
         ``present``: the columns the table's files hold, when some contract column is in
         none of them (a store written before that column existed): a nullable one reads
@@ -182,8 +189,13 @@ class Store(Transactions):
         a file lacks it (:meth:`_column_sql`)."""
         ts = schema.get(table)
         name = sql_identifier(table)
-        if self.has_files(table):
-            glob = sql_literal(self.table_glob(table, relative))
+        if files is not None and not relative:
+            listed = files.get(table, ())
+            src = "[" + ", ".join(sql_literal(self.path / f) for f in listed) + "]" if listed else None
+        else:
+            src = sql_literal(self.table_glob(table, relative)) if self.has_files(table) else None
+        if src is not None:
+            glob = src
             cols = ", ".join(self._column_sql(table, c, present) for c in ts.column_names)
             committed = "" if table == "runs" else " WHERE run_id IN (SELECT run_id FROM \"runs\")"
             return (f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} FROM read_parquet({glob}, "
@@ -244,26 +256,36 @@ class Store(Transactions):
             out.add(meta.get(schema.META_VERSION, b"none").decode(errors="replace"))
         return out
 
-    def _present_columns(self, con: duckdb.DuckDBPyConnection, table: str, relative: bool) -> set[str]:
-        glob = sql_literal(self.table_glob(table, relative))
+    def _present_columns(self, con: duckdb.DuckDBPyConnection, table: str, relative: bool,
+                         files: dict[str, tuple[str, ...]] | None = None) -> set[str]:
+        if files is not None and not relative:
+            glob = "[" + ", ".join(sql_literal(self.path / f) for f in files[table]) + "]"
+        else:
+            glob = sql_literal(self.table_glob(table, relative))
         rows = con.execute(f"DESCRIBE SELECT * FROM read_parquet({glob}, hive_partitioning=true, "
                            f"hive_types={{'run_id': VARCHAR}}, union_by_name=true)").fetchall()
         return {r[0] for r in rows}
 
-    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False) -> None:
-        """Create every view on ``con``. A store written before a contract column existed
+    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False,
+                      files: dict[str, tuple[str, ...]] | None = None) -> None:
+        """Create every view on ``con``: over ``files`` (default: the committed files now;
+        the catalog, ``relative``, over globs). A store written before a contract column existed
         (no file of the table holds it) fails to bind; then the views are made again with
         that column NULL (or derived): older stores are read as they are, never rewritten."""
+        if files is None and not relative:
+            files = self.committed_files()
+        if not relative and (con is self._con or self._con is None):
+            self._views_files = files
         try:
-            for stmt in self.view_statements(relative):
+            for stmt in self.view_statements(relative, files=files):
                 con.execute(stmt)
             return
         except duckdb.BinderException as e:
             first = e
         present = {}
         for t in schema.load_all():
-            if self.has_files(t):
-                cols = self._present_columns(con, t, relative)
+            if (files.get(t) if files is not None and not relative else self.has_files(t)):
+                cols = self._present_columns(con, t, relative, files)
                 if set(schema.get(t).column_names) - cols:
                     present[t] = cols
         if not present:
@@ -271,14 +293,15 @@ class Store(Transactions):
             raise StoreError(f"{self.path}: cannot define the store's views ({why}); the store may have been "
                              f"written by another moetrace version than {__version__}") from None
         try:
-            for stmt in self.view_statements(relative, present):
+            for stmt in self.view_statements(relative, present, files=files):
                 con.execute(stmt)
         except duckdb.Error as e:
             why = str(e).strip().splitlines()[0][:200]
             raise StoreError(f"{self.path}: cannot read this store's tables ({why}); it was written by another "
                              f"moetrace version than {__version__}: re-ingest the sources into a new store") from None
 
-    def view_statements(self, relative: bool = False, present: dict[str, set[str]] | None = None) -> list[str]:
+    def view_statements(self, relative: bool = False, present: dict[str, set[str]] | None = None,
+                        files: dict[str, tuple[str, ...]] | None = None) -> list[str]:
         """CREATE VIEW statements: one per contract table (``runs`` first: the others
         filter on it), then the analysis views. ``present``: {table: columns its files
         hold} for tables of an older store that lack a contract column."""
@@ -288,9 +311,9 @@ class Store(Transactions):
 
         present = present or {}
         tables = sorted(schema.load_all(), key=lambda t: t != "runs")
-        stmts = [self._view_sql(t, relative, present.get(t)) for t in tables]
+        stmts = [self._view_sql(t, relative, present.get(t), files) for t in tables]
         # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
-        stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load")))
+        stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load"), files))
         return stmts + analysis_views()
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
@@ -312,14 +335,22 @@ class Store(Transactions):
 
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
+        """The store's connection. Its views read the committed files as of the last
+        access: each access looks again (two folder scans and the journals, no file is
+        opened) and defines the views again when another writer committed since, so a
+        reader sees new runs, plans and tables without reopening the store."""
         if self._con is None:
             self._con = self.connect()
+        else:
+            self.refresh()
         return self._con
 
     def refresh(self) -> None:
-        """Re-create views (after a write added a table that was empty)."""
+        """Re-create the views when the committed files changed (a write landed)."""
         if self._con is not None:
-            self._define_views(self._con)
+            files = self.committed_files()
+            if files != self._views_files:
+                self._define_views(self._con, files=files)
 
     def sql(self, query: str, params=None) -> pl.DataFrame:
         """Run SQL over the store's views and return a polars DataFrame."""
