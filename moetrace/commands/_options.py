@@ -122,7 +122,7 @@ def out_option(f=None, *, dir_okay=False, help="Write to FILE."):
     """-o/--out: where a command writes its file (or folder, with dir_okay)."""
     def deco(g):
         kind = click.Path(file_okay=not dir_okay, dir_okay=dir_okay)
-        return click.option("-o", "--out", "out", type=kind, default=None, help=help)(g)
+        return click.option("-o", "--out", "out", type=kind, default=None, callback=check_out_path, help=help)(g)
     return deco(f) if f is not None else deco
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import polars as pl
 
-from ..output import echo_json, emit, json_option, output_options
+from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..run import Store
 from ._options import (hardware_option, int_list, policy_option, run_option, split_option, steps_list,
                        steps_option, store_argument)
@@ -105,7 +105,8 @@ def _print_replay(res):
 @click.option("--target-imbalance", type=float, default=None, help="Move-aware re-plan: stop at this max/mean.")
 @click.option("--plan-id", default=None, help="Id to store the plan under (default: the policy name).")
 @click.option("--no-store", is_flag=True, help="Do not write the plan into the store.")
-@click.option("-o", "--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Export the plan to FILE.")
+@click.option("-o", "--out", "out_file", type=click.Path(dir_okay=False), default=None, callback=check_out_path,
+              help="Export the plan to FILE.")
 @click.option("--out-format", type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
               show_default=True, help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON; "
               "trtllm: TensorRT-LLM moe_config.load_balancer YAML; vllm-ascend: expert map JSON (expert_map_path).")

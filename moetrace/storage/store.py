@@ -438,7 +438,16 @@ class Store(Transactions):
         DuckDB resolves relative paths against ``file_search_path`` (or the working
         directory), so open it with ``cd STORE && duckdb catalog.duckdb`` or
         ``duckdb -cmd "SET file_search_path='STORE'" STORE/catalog.duckdb``.
+
+        A write like the others: under the write lock, to a temporary file renamed into
+        place (a crash leaves the old catalog and a temporary file that recovery removes).
         """
+        if (self.path / STORE_MARKER).exists() and os.access(self.path, os.W_OK):
+            with self._lock():
+                return self._write_catalog()
+        return self._write_catalog()
+
+    def _write_catalog(self) -> Path:
         target = self.path / "catalog.duckdb"
         tmp = self.path / f".catalog-{uuid.uuid4().hex[:8]}.duckdb"
         try:

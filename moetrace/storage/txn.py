@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -22,6 +23,9 @@ from ..version import __version__
 from . import schema
 from ..errors import SchemaError, StoreError
 from .paths import RUN_ID_MAX, _SAFE_ID_RE, _TXID_RE, sanitize_run_id
+
+
+_CATALOG_TMP_RE = re.compile(r"\.catalog-[0-9a-f]{8}\.duckdb(\.wal)?")
 
 
 def _txid_of(rel: str) -> str | None:
@@ -50,7 +54,8 @@ class Transactions:
         alone; a store we cannot write, or without any leftovers, is left as is."""
         if not os.access(self.path, os.W_OK):
             return
-        if not any((self.path / d).is_symlink() or (self.path / d).exists() for d in (".txn", ".staging")):
+        if not any((self.path / d).is_symlink() or (self.path / d).exists() for d in (".txn", ".staging")) \
+                and not any(self.path.glob(".catalog-*.duckdb*")):
             return
         self._check_no_symlinks()
         self.journals()
@@ -162,6 +167,10 @@ class Transactions:
                         and not t.is_symlink():
                     t.unlink()
                     done.append(f"dropped unfinished journal {t.name[:-9]}")
+        for t in self.path.glob(".catalog-*.duckdb*"):  # a catalog write cut short (it holds the lock too)
+            if _CATALOG_TMP_RE.fullmatch(t.name) and t.is_file() and not t.is_symlink():
+                t.unlink()
+                done.append(f"removed unfinished catalog {t.name}")
         staging = self.path / ".staging"
         if staging.is_dir():
             for d in staging.iterdir():
