@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import click
 
+from ..output import check_out_path
+
 
 class LazyChoice(click.Choice):
     """A click.Choice whose choices come from ``load()`` the first time they are needed."""
