@@ -84,7 +84,12 @@ class MoetraceGroup(click.Group):
     def _load_module(self, module: str) -> None:
         if module not in self._loaded:
             self._loaded.add(module)
+            before = set(self.commands)
             importlib.import_module(f"{__package__}.commands.{module}").register(self)
+            from .commands._options import apply_ranges   # every numeric option's declared range
+
+            for name in set(self.commands) - before:
+                apply_ranges(self.commands[name])
 
     def load_all(self) -> dict[str, click.Command]:
         """Import every command module (what a test walking ``cli.commands`` needs)."""
@@ -114,6 +119,30 @@ class MoetraceGroup(click.Group):
             click.echo(f"moetrace: internal error: {type(e).__name__}: {text} (rerun with --debug for the "
                        "traceback)", err=True)
             ctx.exit(1)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's main, with a usage error (a value out of its declared range, a missing
+        argument) as one line, exit code 2, like every other refusal."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else (prog_name or "moetrace")
+            text = " ".join(e.format_message().split())
+            click.echo(f"moetrace: error: {where}: {text} (see '{where} --help')", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.ClickException as e:
+            click.echo(f"moetrace: error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except OSError as e:   # a closed pipe (moetrace sql ... | head)
+            if getattr(e, "errno", None) == 32:
+                sys.exit(1)
+            raise
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def list_commands(self, ctx):
         return sorted(set(self.commands) | set(self.index))

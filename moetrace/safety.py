@@ -111,6 +111,12 @@ LIMITS = {lim.name: lim for lim in (
     Limit("max_line_bytes", "bytes of one server-log line that is parsed (longer lines are counted, not parsed)",
           64 << 10),
     Limit("max_name_bytes", "bytes of one event / kernel / range name in a profiler trace", 64 << 10),
+    Limit("max_yaml_nodes", "nodes of a YAML document counted with every alias expanded (a billion-laughs "
+                            "file of a few hundred bytes expands to billions)", 1 << 20),
+    Limit("max_replay_bytes", "memory a replay, plan or sweep may allocate for its per-step arrays, "
+                              "estimated from the run's shape before it starts (default: available memory / 2)",
+          lambda: max(256 << 20, _mem_available() // 2)),
+    Limit("max_sweep_cells", "cells of one sweep (replica budgets x re-plan intervals x windows)", 10_000),
     Limit("max_pickle_bytes", "bytes of one pickled dump (Flight Recorder) read by the plain-values unpickler "
                               "(safety_pickle.py)", 1 << 30),
     Limit("max_pickle_objects", "objects the value of one pickled dump reaches, shared references counted "
@@ -163,6 +169,47 @@ def how_to_raise(name: str) -> str:
 
 def limit_error(path, name: str, what: str, position: str | None = None) -> InputError:
     return InputError(path, f"{what} exceeds the limit {name}={limit(name)}; {how_to_raise(name)}", position)
+
+
+# ----------------------------------------------------------------------------- integers
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+#: ranks, layers, experts, slots: the shape bound of docs/hardening.md
+SHAPE_MAX = 2**24
+
+
+def checked_int(value, lo: int, hi: int, file, where: str, what: str = "", position: str | None = None) -> int:
+    """``value`` (an int, or digits in text) as an int within ``lo..hi``, checked *before*
+    it is converted to a fixed-width type; otherwise an InputError naming the file, where
+    (``"key '3_1'"``, ``"rank"``), the value (cut short) and the limit."""
+    what = f"{what} {where}" if what else where
+    if isinstance(value, bool):
+        raise InputError(file, f"{what} is a boolean, expected an integer", position)
+    if isinstance(value, str):
+        t = value.strip()
+        if not re.fullmatch(r"[+-]?\d{1,4300}", t):
+            raise InputError(file, f"{what} = {excerpt(t, 30)!r} is not an integer", position)
+        value = int(t)
+    elif isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")) or value != int(value):
+            raise InputError(file, f"{what} = {value!r} is not an integer", position)
+        value = int(value)
+    elif not isinstance(value, int):
+        try:
+            value = int(value)   # numpy integers
+        except (TypeError, ValueError):
+            raise InputError(file, f"{what} is a {type(value).__name__}, expected an integer",
+                             position) from None
+    if not lo <= value <= hi:
+        shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:12]}...({len(str(value))} digits)"
+        raise InputError(file, f"{what} = {shown} is outside {_range_name(lo, hi)}", position)
+    return value
+
+
+def _range_name(lo: int, hi: int) -> str:
+    names = {INT64: "int64 (-2^63..2^63-1)", INT32: "int32 (-2^31..2^31-1)", (0, INT64[1]): "0..2^63-1 (int64)",
+             (0, INT32[1]): "0..2^31-1 (int32)", (0, SHAPE_MAX - 1): "0..2^24-1 (the shape bound)"}
+    return names.get((lo, hi), f"{lo}..{hi}")
 
 
 # ----------------------------------------------------------------------------- files
@@ -268,9 +315,10 @@ def check_array_elements(path, shape, what: str = "array") -> None:
         raise limit_error(path, "max_array_elements", f"{what} of shape {tuple(shape)} ({n} elements)")
 
 
-def check_npy_headers(path: str | os.PathLike) -> None:
+def check_npy_headers(path: str | os.PathLike) -> dict[str, tuple]:
     """Read the header of a .npy (or every .npy inside a .npz) and check the declared
-    shape and dtype before numpy allocates anything."""
+    shape and dtype before numpy allocates anything (a .npy's declared data size must be
+    the file's). Returns {array name ("array" for a .npy): shape}."""
     import zipfile
 
     import numpy as np
@@ -287,14 +335,19 @@ def check_npy_headers(path: str | os.PathLike) -> None:
             raise InputError(path, f"cannot read {what}: object arrays (pickles) are refused; moetrace loads .npy with "
                                    "allow_pickle=False")
         check_array_elements(path, shape, what)
+        shapes[what] = tuple(int(d) for d in shape)
         return np.dtype(dtype).itemsize * int(np.prod(shape, dtype=object))
 
+    shapes: dict[str, tuple] = {}
     with open(path, "rb") as fh:
         magic = fh.read(6)
         fh.seek(0)
         if magic == b"\x93NUMPY":
-            one(fh, "array")
-            return
+            need = one(fh, "array")
+            have = os.fstat(fh.fileno()).st_size - fh.tell()
+            if need != have:   # a header that lies about the data is refused before numpy reads it
+                raise InputError(path, f"the .npy header declares {need} bytes of data, the file holds {have}")
+            return shapes
     if magic[:4] == b"PK\x03\x04":
         check_zip_members(path)
         try:
@@ -305,6 +358,7 @@ def check_npy_headers(path: str | os.PathLike) -> None:
                             one(f, info.filename[:-4])
         except (zipfile.BadZipFile, OSError, EOFError) as e:
             raise InputError(path, f"not a readable .npz (truncated or corrupt): {e}") from None
+    return shapes
 
 
 # ----------------------------------------------------------------------------- JSON

@@ -761,12 +761,12 @@ def test_sglang_empty_or_deep_logical_count(runner, cli, store, tmp_path):
 
 # ----------------------------------------------------------------------------- values out of physical range
 @pytest.mark.parametrize("args,words", [
-    (["--ranks", "-4"], "--ranks = -4"),
-    (["--ranks", "0"], "--ranks = 0"),
-    (["--ranks-per-node", "-1"], "--ranks-per-node = -1"),
+    (["--ranks", "-4"], "'--ranks': -4 is not in the range 1<=x<=16777216"),   # the option's declared range
+    (["--ranks", "0"], "'--ranks': 0 is not in the range"),
+    (["--ranks-per-node", "-1"], "'--ranks-per-node': -1 is not in the range"),
     (["--set", "num_slots=-3"], "num_slots = -3"),
     (["--top-k", "9", "--experts", "4"], "top_k = 9 is larger than the 4 experts"),
-    (["--top-k", "0"], "--top-k = 0"),
+    (["--top-k", "0"], "'--top-k': 0 is not in the range"),
     (["--ranks", "4", "--ranks-per-node", "8"], "ranks_per_node = 8 is larger than the 4 ranks"),
     (["--set", "num_ranks=abc"], "not a whole number"),
 ])

@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from ..errors import InputError
-from ..safety import bounded_gunzip, check_regular_file, limit, max_inflated
+from ..safety import INT64, SHAPE_MAX, bounded_gunzip, check_regular_file, checked_int, limit, max_inflated
 from ._launch_context import CONTEXT_CAT, keep_cpu_op
 from ._profile import CPU_SCHEMA, GPU_SCHEMA
 from ..domain.kernels import COLLECTIVE_OP_PREFIXES
@@ -88,11 +88,11 @@ _RANK_PATTERNS = [
 ]
 
 
-def rank_from_name(name: str) -> int | None:
+def rank_from_name(name: str, path=None) -> int | None:
     for pat in _RANK_PATTERNS:
         m = pat.search(name)
-        if m:
-            return int(m.group(1))
+        if m:   # a rank in a file name is range-checked like one in the trace
+            return checked_int(m.group(1), 0, SHAPE_MAX - 1, path or name, "rank in the file name")
     return None
 
 
@@ -370,7 +370,13 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
             buf.close()
     top, acc, n_events = got
     base = top.baseTimeNanoseconds
+    if base is not None:
+        base = checked_int(base, 0, INT64[1], path, "baseTimeNanoseconds")
     dist = top.distributedInfo
+    if dist is not None and dist.rank is not None:
+        checked_int(dist.rank, 0, SHAPE_MAX - 1, path, "distributedInfo.rank")
+    if dist is not None and dist.world_size is not None:
+        checked_int(dist.world_size, 1, SHAPE_MAX, path, "distributedInfo.world_size")
     info = {"n_events": n_events, "base_ns": base, "sha256": None, "rank": dist.rank if dist else None,
             "world_size": dist.world_size if dist else None, "bytes": n_bytes, "all_cpu_ops": all_cpu_ops,
             "pg_names": _pg_names(dist.pg_config) if dist else []}
@@ -383,6 +389,10 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
                                          (acc.ts["cpu"], acc.cpu_dur, acc.cpu_idx, cpu)):
         starts = ts_column(ts_list, idx, base_ns, path)
         durs = _dur_column(dur_list, idx, path)
+        if len(starts) and starts.min() < 0:
+            j = int(starts.arg_min())
+            raise InputError(path, f"event starts at a negative time ({starts[j]} ns since the epoch"
+                                   f"{'' if absolute else ', no baseTimeNanoseconds'})", f"event {idx[j]}")
         cols["start_ns"] = starts
         cols["end_ns"] = starts + durs
     launch["ts_ns"] = ts_column(acc.ts["launch"], acc.launch_idx, base_ns, path)
@@ -620,7 +630,11 @@ def ts_column(ts_list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
 
 
 def _dur_column(dur_list: list, idx: list, path: Path) -> pl.Series:
-    d = pl.Series("d", dur_list, pl.Float64, strict=False).fill_null(0.0)
+    d = pl.Series("d", dur_list, pl.Float64, strict=False)
+    if d.null_count():   # every event kept is a complete ('X') one: its dur says when it ended
+        j = d.is_null().arg_true()[0]
+        raise InputError(path, "a complete ('X') event has no numeric dur, so when it ended is unknown",
+                         f"event {idx[j]}")
     ns = (d * 1000).round(0)
     bad = (ns < 0) | (ns > MAX_DUR_NS) | d.is_nan()
     if bad.any():

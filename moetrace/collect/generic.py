@@ -60,8 +60,12 @@ def _sniff(path: Path, head: bytes) -> bool:
     return _kind_of(path, head) is not None
 
 
-def _jsonl_batches(path: Path, batch_rows: int | None = None) -> Iterator[pl.DataFrame]:
-    """The JSON objects of a JSONL file, :data:`BATCH_ROWS` lines at a time."""
+def _jsonl_batches(path: Path, batch_rows: int | None = None, meta: list | None = None) -> Iterator[pl.DataFrame]:
+    """The JSON objects of a JSONL file, :data:`BATCH_ROWS` lines at a time. Metadata
+    records (``{"type": "meta", ...}``, :func:`._jsonl_meta.is_meta`) are skipped and, when
+    ``meta`` is a list, appended to it as (line, record)."""
+    from ._jsonl_meta import is_meta
+
     batch_rows = batch_rows or BATCH_ROWS
     rows = []
     with open(path, encoding="utf-8", errors="strict") as f:
@@ -75,6 +79,10 @@ def _jsonl_batches(path: Path, batch_rows: int | None = None) -> Iterator[pl.Dat
                 raise InputError(path, f"invalid JSON: {e.msg}", f"line {i}") from None
             if not isinstance(obj, dict):
                 raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
+            if is_meta(obj):
+                if meta is not None:
+                    meta.append((i, obj))
+                continue
             for k in _INT_COLS.intersection(obj):
                 if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
                     raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
@@ -147,7 +155,7 @@ def _parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[p
             yield b
 
 
-def _frames(path: Path) -> Iterator[pl.DataFrame]:
+def _frames(path: Path, meta: list | None = None) -> Iterator[pl.DataFrame]:
     """The file's rows in batches: Parquet by row batches of :data:`BATCH_ROWS`, JSONL by
     as many lines, CSV by 8 MiB blocks (pyarrow's streaming reader; column types from the
     first block)."""
@@ -156,7 +164,7 @@ def _frames(path: Path) -> Iterator[pl.DataFrame]:
             yield pl.from_arrow(b)
         return
     if path.name.lower().endswith((".jsonl", ".ndjson")):
-        it = _jsonl_batches(path)
+        it = _jsonl_batches(path, meta=meta)
     else:
         import pyarrow.csv as pacsv
 
@@ -416,25 +424,37 @@ def _run_row(path: Path, options: dict, kind: str, L_seen: int, E: int, top_k_se
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
     out = []
+    from ._jsonl_meta import keep_meta
+
     for path in paths:
-        frames = _frames(path)
+        meta: list = []
+        frames = _frames(path, meta)
         first = next(frames, None)
         if first is None:
-            raise InputError(path, "file holds no rows")
+            raise InputError(path, "file holds no rows" + (f" (only {len(meta)} metadata records)" if meta else ""))
         cols = set(first.columns)
         if set(LOAD_REQ) <= cols:
             frames.close()
-            out.append(_collect_load(path, cols, options))
+            if path.name.lower().endswith((".jsonl", ".ndjson")):   # every metadata line, not only the first batch's
+                meta = []
+                for _ in _jsonl_batches(path, meta=meta):
+                    pass
+            out.append(keep_meta(_collect_load(path, cols, options), path, meta))
             continue
         # routing (or missing columns): read whole, as before (aggregated into expert_load)
         df = pl.concat([first, *frames], how="vertical_relaxed")
         if set(ROUTE_REQ) <= cols:
             req, opt = ROUTE_REQ, ROUTE_OPT
         else:
+            from ._jsonl_meta import routing_formats_matching
+            from .routing_wide import EXPERT_COLS
+
             miss_l = [c for c in LOAD_REQ if c not in cols]
             miss_r = [c for c in ROUTE_REQ if c not in cols]
+            hint = routing_formats_matching(cols, EXPERT_COLS)
             raise InputError(path, f"missing columns: expert_load needs {', '.join(miss_l)}; "
-                                   f"routing needs {', '.join(miss_r)} (found: {_shown_columns(df.columns)})")
+                                   f"routing needs {', '.join(miss_r)} (found: {_shown_columns(df.columns)})"
+                                   + (f"; the columns match {hint}" if hint else ""))
         df = _columns(df, path, req, opt)
         approx = []
         if "choice" not in cols:
@@ -456,8 +476,8 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         if not options.get("num_experts"):
             approx.append("num_experts inferred from the highest expert id")
         run = _run_row(path, options, "routing", int(df["layer"].max()) + 1, E, top_k_seen, approx)
-        out.append(RunData(run=run, tables={"routing": routing, "expert_load": load},
-                           run_id_hint=path.name.split(".")[0], files=[str(path)]))
+        out.append(keep_meta(RunData(run=run, tables={"routing": routing, "expert_load": load},
+                                     run_id_hint=path.name.split(".")[0], files=[str(path)]), path, meta))
     return out
 
 

@@ -90,6 +90,8 @@ def _jobs(options: dict, paths: list[Path], total: int) -> int:
         j = int(j)
     except (TypeError, ValueError):
         raise InputError(None, f"--set jobs={j!r}: expected a number or 'auto'") from None
+    if not 1 <= j <= 1024:
+        raise InputError(None, f"--set jobs={j}: parsing processes must be within 1..1024 (or 'auto')")
     return max(1, min(j, len(paths)))
 
 
@@ -201,7 +203,7 @@ def _parse_frames(path: Path, progress: bool):
 
 
 def _rank_of(p: Path, info: dict) -> int | None:
-    return info["rank"] if info["rank"] is not None else rank_from_name(p.name)
+    return info["rank"] if info["rank"] is not None else rank_from_name(p.name, p)
 
 
 def _one_run(items: list) -> bool:
@@ -223,7 +225,7 @@ def _collect_run(items: list, options: dict) -> RunData:
     for i, (p, info, ev) in enumerate(items):
         rank, inferred = info["rank"], False
         if rank is None:
-            fr = rank_from_name(p.name)
+            fr = rank_from_name(p.name, p)
             rank, inferred = (fr, True) if fr is not None else (i, True)
         if rank in seen:
             raise InputError(p, f"rank {rank} appears twice (also in {seen[rank]})")

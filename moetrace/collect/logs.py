@@ -58,6 +58,9 @@ SGL_SKIP = re.compile(r"\[EPLBManager\]\s+Skipped ep rebalancing: current GPU ut
 VLLM_PREFIX = re.compile(r"(?:\((?P<proc>[^()]*?pid=\d+)\)\s+)?(?:INFO|DEBUG|WARNING|ERROR)\s+"
                          r"(?P<mon>\d{2})-(?P<day>\d{2})\s+(?P<hms>\d{2}:\d{2}:\d{2})(?:\.\d+)?\s+\[[^\]]*\]\s")
 SGL_PREFIX = re.compile(r"\[(?P<date>\d{4}-\d{2}-\d{2})\s+(?P<hms>\d{2}:\d{2}:\d{2})(?:[.,]\d+)?(?P<proc>(?:\s+[A-Z]+\d+)*)\]\s")
+# Python logging's default asctime at the start of the line ("2026-11-30 10:15:02,345 - name - INFO - msg",
+# "2026-11-30 10:15:02,345 INFO msg"): SGLang run under a logging.basicConfig format (#23)
+PY_PREFIX = re.compile(r"^\s*(?P<date>\d{4}-\d{2}-\d{2})[ T](?P<hms>\d{2}:\d{2}:\d{2})(?:[.,]\d+)?\s")
 
 
 def _sniff(path: Path, head: bytes) -> bool:
@@ -99,18 +102,21 @@ def parse_line(text: str) -> dict | None:
         row["process"] = m["proc"]
     else:
         m2 = SGL_PREFIX.search(text)
-        if m2:
-            y, mo, d = (int(x) for x in m2["date"].split("-"))
-            row["ts_ns"] = _epoch(y, mo, d, m2["hms"])
-            row["process"] = m2["proc"].strip() or None
+        m3 = None if m2 else PY_PREFIX.match(text)
+        if m2 or m3:
+            y, mo, d = (int(x) for x in (m2 or m3)["date"].split("-"))
+            row["ts_ns"] = _epoch(y, mo, d, (m2 or m3)["hms"])
+            row["process"] = (m2["proc"].strip() or None) if m2 else None
     msg = text.rstrip("\r\n")
     if "EPLB step:" in msg:
         g = VLLM_BAL.search(msg)
         if not g:
             raise ValueError("vLLM balancedness line")
+        # vLLM logs balancedness 0.0 when no token was routed (max_tokens = 0): undefined, stored null (#23)
+        empty = float(g["max"]) == 0
         row.update(engine="vllm", event="balancedness", step=int(g["step"]) if g["step"] else None,
                    model=g["model"], avg_tokens=float(g["avg"]), max_tokens=float(g["max"]),
-                   balancedness=float(g["bal"]),
+                   balancedness=None if empty else float(g["bal"]), _empty=empty,
                    steps_until_rearrangement=int(g["until"]) if g["until"] else None)
         return row
     if "Rearranging experts" in msg:
@@ -154,8 +160,8 @@ def parse_line(text: str) -> dict | None:
 COLUMNS = ["file", "line", "engine", "event", "step", "ts_ns", "model", "process", "avg_tokens", "max_tokens",
            "balancedness", "balancedness_last_10", "balancedness_last_100", "balancedness_last_1000",
            "gpu_physical_count_sum", "steps_until_rearrangement", "duration_s", "utilization", "threshold",
-           "is_profile"]
-_TYPES = {"file": pa.string(), "line": pa.int64(), "engine": pa.string(), "event": pa.string(), "step": pa.int64(),
+           "is_profile", "imbalance", "definition"]
+_TYPES = {"definition": pa.string(), "file": pa.string(), "line": pa.int64(), "engine": pa.string(), "event": pa.string(), "step": pa.int64(),
           "ts_ns": pa.int64(), "model": pa.string(), "process": pa.string(), "gpu_physical_count_sum": pa.int64(),
           "steps_until_rearrangement": pa.int64(), "is_profile": pa.bool_()}
 
@@ -199,7 +205,7 @@ def _lines(f, cap: int):
 
 def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
     """Rows and counts (lines, matched, malformed, unrelated, too_long) of one log file."""
-    rows, malformed, n, too_long = [], [], 0, []
+    rows, malformed, n, too_long, empty = [], [], 0, [], []
     check_regular_file(path)
     if year is None:
         year = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).year
@@ -225,6 +231,9 @@ def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
             if md is not None:
                 row["ts_ns"] = _epoch(year, md[0], md[1], md[2])
             _check_ranges(row, path, n)
+            if row.pop("_empty", False):
+                empty.append(n)
+            _convert(row)
             row["file"], row["line"] = path.name, n
             rows.append(row)
     counts = {"lines": n, "matched": len(rows), "malformed": len(malformed),
@@ -234,7 +243,19 @@ def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
               "malformed_kinds": sorted({m[1] for m in malformed})}
     if too_long:
         counts.update(too_long=len(too_long), too_long_lines=too_long[:50])
+    if empty:
+        counts.update(empty_windows=len(empty), empty_window_lines=empty[:50])
     return rows, counts
+
+
+def _convert(row: dict) -> None:
+    """moetrace's imbalance (max/mean) beside the engine's balancedness (moetrace.domain.balance)."""
+    from ..domain.balance import ENGINE_FIGURE, definition, to_imbalance
+
+    if row.get("event", "").startswith("balancedness") and row.get("engine") in ENGINE_FIGURE:
+        fig = ENGINE_FIGURE[row["engine"]]
+        row["imbalance"] = to_imbalance(fig, row.get("balancedness"))
+        row["definition"] = definition(fig)
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
@@ -261,8 +282,17 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         if "vllm" in engines and any(r.get("ts_ns") is not None and r["engine"] == "vllm" for r in rows):
             approx.append("vLLM log timestamps carry no year or time zone: year from --set year=YYYY or the file's "
                           "modification time, clock taken as UTC")
-        if "sglang" in engines:
+        sgl = [r for r in rows if r["engine"] == "sglang"]
+        if any(r.get("ts_ns") is not None for r in sgl):
             approx.append("SGLang log timestamps are local time of the server, taken as UTC")
+        untimed = sum(r.get("ts_ns") is None for r in sgl)
+        if untimed:
+            approx.append(f"{untimed} SGLang log lines carry no timestamp (no '[YYYY-MM-DD HH:MM:SS ...]' or "
+                          "'YYYY-MM-DD HH:MM:SS,mmm' prefix): their ts_ns is empty")
+        if counts.get("empty_windows"):
+            approx.append(f"{counts['empty_windows']} vLLM EPLB lines had no token routed (max_tokens=0; vLLM logs "
+                          "balancedness 0.0 there): balancedness undefined, stored empty (first at line "
+                          f"{counts['empty_window_lines'][0]})")
         if counts.get("too_long"):
             approx.append(f"{counts['too_long']} log lines longer than max_line_bytes={limit('max_line_bytes')} were "
                           f"counted and not parsed (first at line {counts['too_long_lines'][0]}; raise the limit with "

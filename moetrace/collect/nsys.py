@@ -24,7 +24,8 @@ from pathlib import Path
 import polars as pl
 
 from ..errors import InputError
-from ..safety import bounded_gunzip, check_regular_file, sql_identifier, sqlite_ro_uri
+from ..safety import (INT64, bounded_gunzip, check_regular_file, checked_int, limit, limit_error, sql_identifier,
+                      sqlite_ro_uri)
 from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, run_data
@@ -62,6 +63,8 @@ def _open(path: Path, tmpdir: Path) -> sqlite3.Connection:
     try:
         con = sqlite3.connect(sqlite_ro_uri(src), uri=True)
         con.text_factory = lambda b: b.decode("utf-8", "replace")
+        # no string or blob (a generated column's value included) longer than names may be
+        con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(1 << 16, 2 * limit("max_name_bytes")))
         con.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
     except (sqlite3.Error, UnicodeError) as e:
         raise InputError(path, f"not a readable SQLite database: {e}") from None
@@ -81,7 +84,12 @@ def _tables(con: sqlite3.Connection, path: Path) -> dict[str, set[str]]:
                 raise InputError(path, f"{t[:60]!r} is a {typ if typ != 'table' else 'virtual table'}, not a table; "
                                        "an Nsight export holds plain tables only")
             continue
-        out[t] = {r[1] for r in con.execute(f"PRAGMA table_info({sql_identifier(t)})")}
+        cols = con.execute(f"PRAGMA table_xinfo({sql_identifier(t)})").fetchall()
+        gen = [c[1] for c in cols if c[6] in (2, 3)]   # hidden = 2/3: a generated column, computed when read
+        if wanted and gen:
+            raise InputError(path, f"table {t[:60]!r} has a generated column {str(gen[0])[:60]!r}; an Nsight export "
+                                   "holds stored values only")
+        out[t] = {c[1] for c in cols if c[6] not in (1,)}
     return out
 
 
@@ -103,9 +111,37 @@ def _check_row_counts(con: sqlite3.Connection, tabs: dict, path: Path, size: int
 def _df(con, sql: str, schema: dict, path: Path) -> pl.DataFrame:
     try:
         rows = con.execute(sql).fetchall()
+    except sqlite3.DataError as e:   # SQLITE_LIMIT_LENGTH: a string longer than any name may be
+        raise limit_error(path, "max_name_bytes", f"a value ({e})") from None
     except sqlite3.DatabaseError as e:
         raise InputError(path, f"cannot read the nsys export: {e}") from None
-    return pl.DataFrame(rows, schema=schema, orient="row")
+    cap = limit("max_name_bytes")
+    for i, row in enumerate(rows):
+        for v in row:
+            if isinstance(v, str) and len(v) > cap // 4 and len(v.encode("utf-8", "replace")) > cap:
+                raise limit_error(path, "max_name_bytes", f"a name of {len(v.encode('utf-8', 'replace'))} bytes",
+                                  f"row {i + 1}")
+    try:
+        return pl.DataFrame(rows, schema=schema, orient="row")
+    except Exception as e:  # noqa: BLE001 - a text / real / out-of-range value in an integer column
+        raise InputError(path, f"a column holds a value that is not a {', '.join(sorted({str(t) for t in schema.values()}))} "
+                               f"({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+
+
+def _check_times(path: Path, off: int, *cols) -> None:
+    """Timestamps are >= 0 and stay within int64 nanoseconds after the session's epoch
+    offset is added (polars would wrap them silently)."""
+    checked_int(off, 0, INT64[1], path, "TARGET_INFO_SESSION_START_TIME.utcEpochNs")
+    for c in cols:
+        c = c.drop_nulls()
+        if not c.len():
+            continue
+        lo, hi = int(c.min()), int(c.max())
+        if lo < 0:
+            raise InputError(path, f"a timestamp is negative ({lo} ns)")
+        if hi + off > INT64[1]:
+            raise InputError(path, f"timestamp {hi} ns + session start {off} ns is outside int64 nanoseconds "
+                                   f"(-2^63..2^63-1)")
 
 
 def read_export(path: Path, tmpdir: Path) -> tuple[list[dict], int | None]:
@@ -121,7 +157,8 @@ def read_export(path: Path, tmpdir: Path) -> tuple[list[dict], int | None]:
         epoch = None
         if "TARGET_INFO_SESSION_START_TIME" in tabs and "utcEpochNs" in tabs["TARGET_INFO_SESSION_START_TIME"]:
             r = con.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME LIMIT 1").fetchone()
-            epoch = int(r[0]) if r and r[0] is not None else None
+            epoch = checked_int(r[0], 0, INT64[1], path, "TARGET_INFO_SESSION_START_TIME.utcEpochNs") \
+                if r and r[0] is not None else None
         gschema = {"name": pl.Utf8, "cat": pl.Utf8, "device": pl.Int32, "stream": pl.Int32, "start_ns": pl.Int64,
                    "end_ns": pl.Int64, "correlation": pl.Int64, "gpid": pl.Int64}
         parts = []
@@ -173,6 +210,7 @@ def read_export(path: Path, tmpdir: Path) -> tuple[list[dict], int | None]:
                            (pl.col("gtid") % (1 << 24)).alias("tid"), pl.lit("user_annotation").alias("cat"))
     gpu = gpu.with_columns((pl.col("gpid") // (1 << 24) % (1 << 24)).alias("pid"))
     off = epoch or 0
+    _check_times(path, off, gpu["start_ns"], gpu["end_ns"], launch["ts_ns"], cpu["start_ns"], cpu["end_ns"])
     if off:
         gpu = gpu.with_columns(pl.col("start_ns") + off, pl.col("end_ns") + off)
         launch = launch.with_columns(pl.col("ts_ns") + off)
@@ -223,7 +261,7 @@ def _collect_run(paths: list[Path], options: dict) -> RunData:
                 msg = str(e).encode("utf-8", "replace").decode("utf-8", "replace")[:200]
                 raise InputError(p, f"corrupt or unreadable Nsight export ({type(e).__name__}: {msg})") from None
             epochs.add(epoch is not None)
-            file_rank = rank_from_name(p.name)
+            file_rank = rank_from_name(p.name, p)
             for j, part in enumerate(per):
                 if len(per) == 1 and file_rank is not None:
                     rank, inferred = file_rank, False

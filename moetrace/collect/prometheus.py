@@ -33,7 +33,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ..errors import InputError
-from ..safety import limit, limit_error
+from ..safety import checked_int, limit, limit_error
 from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from .logs import COLUMNS, _TYPES
@@ -104,8 +104,18 @@ def _file_time(path: Path) -> tuple[int | None, str]:
     m = _EPOCH.search(path.name)
     if m:
         v = int(m.group(1))
-        return (v * 10**9 if len(m.group(1)) == 10 else v * 10**6), "file name (Unix time)"
+        ns = v * 10**9 if len(m.group(1)) == 10 else v * 10**6
+        if ns < 2**63:
+            return ns, "file name (Unix time)"
     return None, "file modification time"
+
+
+def _ts_ns(text: str | None, path: Path, line: int) -> int | None:
+    """An exposition timestamp (ms since the epoch) as ns, within 1970..2262 (int64 ns)."""
+    if not text:
+        return None
+    ms = checked_int(text, 0, (2**63 - 1) // 10**6, path, "sample timestamp (ms)", position=f"line {line}")
+    return ms * 10**6
 
 
 def parse(path: Path) -> list[dict]:
@@ -134,7 +144,7 @@ def parse(path: Path) -> list[dict]:
         except ValueError:
             raise InputError(path, f"sample value {m['value'][:40]!r} is not a number", f"line {n}") from None
         samples.append({"name": m["name"], "labels": _labels(m["labels"], path, n), "value": value,
-                        "ts_ns": int(m["ts"]) * 10**6 if m["ts"] else None, "line": n})
+                        "ts_ns": _ts_ns(m["ts"], path, n), "line": n})
     if not samples:
         raise InputError(path, "no samples in the file")
     return samples
@@ -248,6 +258,10 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
                       "per-layer balancedness of the engine's last EPLB step before the scrape")
     if "file modification time" in time_from:
         approx.append("scrape time from the file modification time (no timestamp in the samples or file name)")
+    from .logs import _convert
+
+    for r in rows:
+        _convert(r)   # moetrace's imbalance beside the engine's figure (moetrace.domain.balance)
     rows.sort(key=lambda r: (r["ts_ns"] or 0, r["file"], r["line"]))
     table = pa.table({c: pa.array([r.get(c) for r in rows], _TYPES.get(c, pa.float64())) for c in COLUMNS})
     srcs = [p for _, p, _ in scrapes]

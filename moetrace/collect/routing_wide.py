@@ -50,6 +50,7 @@ _LAYER_NAME = re.compile(r"(?:^|[^a-z])(?:layers?|l)[_\-.]?(\d+)(?:[^0-9]|$)", r
 _ARROW_EXT = (".arrow", ".feather", ".ipc")
 _PQ_MAGIC = b"PAR1"
 _RESP = re.compile(rb'"routed_experts"\s*:\s*"')   # a serving-API response: base64 routed experts
+_LISTED = re.compile(rb'"routed_experts"\s*:\s*\[\s*\[\s*\[')   # a saved request: [tokens][layers][k] lists
 _IPC_MAGIC = b"ARROW1"
 
 
@@ -69,9 +70,15 @@ def _schema(path: Path, head: bytes) -> pa.Schema | None:
             with pa.memory_map(str(path)) as f:
                 return ipc.open_file(f).schema
         if name.endswith((".jsonl", ".ndjson")):
-            first = head.split(b"\n", 1)[0]
-            obj = json.loads(first)
-            if isinstance(obj, dict):
+            from ._jsonl_meta import is_meta
+
+            obj = None
+            for line in head.split(b"\n")[:-1] or head.split(b"\n"):   # the first record that is not metadata
+                if line.strip():
+                    obj = json.loads(line)
+                    if not is_meta(obj):
+                        break
+            if isinstance(obj, dict) and not is_meta(obj):
                 return pa.schema([(k, pa.list_(pa.int64()) if isinstance(v, list) else pa.null())
                                   for k, v in obj.items()])
     except Exception:
@@ -88,15 +95,39 @@ def _expert_col(schema: pa.Schema) -> str | None:
     return None
 
 
+def _is_routed_npy(path: Path, head: bytes) -> bool:
+    """A vLLM ``CompletionOutput.routed_experts`` array saved with ``np.save``: a ``.npy``
+    whose name says ``routed`` and whose header declares an integer [tokens, layers, top_k]."""
+    if not (path.name.lower().endswith(".npy") and head[:6] == b"\x93NUMPY" and "routed" in path.name.lower()):
+        return False
+    try:
+        shape, dtype = _npy_header(head)
+    except ValueError:
+        return False
+    return len(shape) == 3 and dtype.kind in "iu"
+
+
+def _npy_header(raw: bytes):
+    import io
+
+    bio = io.BytesIO(raw)
+    version = np.lib.format.read_magic(bio)
+    shape, _, dtype = (np.lib.format.read_array_header_1_0(bio) if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0(bio))
+    return shape, dtype
+
+
 def _sniff(path: Path, head: bytes) -> bool:
-    if path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and _RESP.search(head):
+    if path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and (_RESP.search(head) or _LISTED.search(head)):
+        return True
+    if _is_routed_npy(path, head):
         return True
     s = _schema(path, head)
     return s is not None and _expert_col(s) is not None
 
 
 # ----------------------------------------------------------------------------- reading
-def _read(path: Path) -> pa.Table:
+def _read(path: Path, meta: list | None = None) -> pa.Table:
     name = path.name.lower()
     try:
         if name.endswith(".parquet"):
@@ -110,7 +141,7 @@ def _read(path: Path) -> pa.Table:
 
             with pa.memory_map(str(path)) as f:
                 return ipc.open_file(f).read_all()
-        return _read_jsonl(path)
+        return _read_jsonl(path, meta)
     except InputError:
         raise
     except (KeyboardInterrupt, SystemExit):
@@ -120,15 +151,42 @@ def _read(path: Path) -> pa.Table:
         raise InputError(path, f"cannot parse: {msg}") from None
 
 
-def _read_jsonl(path: Path) -> pa.Table:
+def _read_jsonl(path: Path, meta: list | None = None) -> pa.Table:
     """JSON lines through Arrow's reader (nested lists kept as lists; a type that changes
-    between lines, bad syntax or too deep nesting is one error naming the row)."""
+    between lines, bad syntax or too deep nesting is one error naming the row).
+    Metadata records (``{"type": "meta", ...}``) are taken out first and appended to
+    ``meta`` as (line, record)."""
+    import io
+
     import pyarrow.json as pj
+
+    from ._jsonl_meta import is_meta
 
     size = path.stat().st_size
     opts = pj.ReadOptions(block_size=max(1 << 20, min(size + 1, 256 << 20)))
+    src = path
+    with open(path, "rb") as f:
+        data = f.read()
+    if b"meta" in data or b"header" in data or b"config" in data:
+        keep, found = [], []
+        for i, line in enumerate(data.splitlines(keepends=True), 1):
+            obj = None
+            if line.lstrip().startswith(b"{") and (b'"type"' in line or b'"kind"' in line or b'"record_type"' in line):
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    obj = None
+            if obj is not None and is_meta(obj):
+                found.append((i, obj))
+            else:
+                keep.append(line)
+        if found:
+            if meta is not None:
+                meta.extend(found)
+            src = io.BytesIO(b"".join(keep))
+    del data
     try:
-        t = pj.read_json(path, read_options=opts)
+        t = pj.read_json(src, read_options=opts)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         m = re.search(r"\s*in row (\d+)$", text)
@@ -143,7 +201,8 @@ def _read_jsonl(path: Path) -> pa.Table:
 def _is_responses(path: Path) -> bool:
     from . import head
 
-    return path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and bool(_RESP.search(head(path, 65536)))
+    h = head(path, 65536)
+    return path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and bool(_RESP.search(h) or _LISTED.search(h))
 
 
 def _responses(path: Path, options: dict, approx: set[str]) -> pa.Table:
@@ -163,8 +222,10 @@ def _responses(path: Path, options: dict, approx: set[str]) -> pa.Table:
             where = f"line {i}" + (f" item {j}" if isinstance(doc, list) else "")
             if not isinstance(item, dict):
                 raise InputError(path, "expected a JSON object (a serving-API response)", where)
-            if isinstance(item.get("choices"), list):          # vLLM OpenAI-style completion
-                for c, ch in enumerate(item["choices"]):
+            if item.get("routed_experts") is not None:          # a saved per-request record
+                seqs.append(_decode(path, item["routed_experts"], f"{where} routed_experts", options, None))
+            elif isinstance(item.get("choices") or item.get("outputs"), list):   # vLLM completion / RequestOutput
+                for c, ch in enumerate(item.get("choices") or item["outputs"]):
                     s = ch.get("routed_experts") if isinstance(ch, dict) else None
                     if s is not None:
                         seqs.append(_decode(path, s, f"{where} choices[{c}]", options, None))
@@ -197,8 +258,10 @@ def _decode(path: Path, s, where: str, options: dict, tokens: int | None) -> np.
 
     from ..safety import check_array_elements
 
+    if isinstance(s, list):                      # saved from CompletionOutput.routed_experts.tolist()
+        return _routed_array(path, s, where)
     if not isinstance(s, str):
-        raise InputError(path, "routed_experts is not a base64 string", where)
+        raise InputError(path, "routed_experts is not a base64 string or a [tokens][layers][top_k] list", where)
     try:
         raw = base64.b64decode(s, validate=True)
     except (binascii.Error, ValueError):
@@ -234,6 +297,57 @@ def _decode(path: Path, s, where: str, options: dict, tokens: int | None) -> np.
     return a.reshape(tokens, a.size // (tokens * k), k)
 
 
+def _routed_array(path: Path, v, where: str | None) -> np.ndarray:
+    """A [tokens, layers, top_k] integer array from JSON lists (no booleans, no fractions,
+    rectangular), as vLLM's ``CompletionOutput.routed_experts`` holds it."""
+    from ..safety import check_array_elements
+
+    try:
+        a = np.array(v)
+    except (ValueError, TypeError, OverflowError):
+        a = None
+    if a is None or a.dtype == object or a.ndim != 3:
+        got = list(a.shape) if a is not None and a.dtype != object else "ragged or out of range"
+        raise InputError(path, f"routed_experts has shape {got}, expected integer [tokens, layers, top_k]", where)
+    check_array_elements(path, a.shape, "routed_experts")
+    if a.size and a.dtype.kind not in "iu":
+        raise InputError(path, f"routed_experts must hold integer expert ids, got {a.dtype}", where)
+    return a.astype(np.int64)
+
+
+def _npy_requests(paths: list[Path], approx: set[str]) -> pa.Table:
+    """vLLM routed_experts arrays saved with np.save, one file per request: step = the
+    file's position in name order, token = position in the sequence."""
+    from ..safety import check_npy_headers, check_regular_file
+
+    seqs = []
+    for p in paths:
+        check_regular_file(p)
+        check_npy_headers(p)
+        from . import head
+
+        try:
+            shape, dtype = _npy_header(head(p, 4096))
+        except ValueError as e:
+            raise InputError(p, f"malformed .npy header: {e}") from None
+        if len(shape) != 3 or dtype.kind not in "iu":
+            raise InputError(p, f"routed_experts .npy is {dtype} {list(shape)}, expected integer [tokens, layers, top_k]")
+        try:
+            seqs.append(np.load(p, allow_pickle=False).astype(np.int64))
+        except ValueError as e:
+            raise InputError(p, f"cannot read .npy: {e}") from None
+    shapes = {a.shape[1:] for a in seqs}
+    if len(shapes) > 1:
+        raise InputError(paths[0], f"requests disagree on [layers, top_k]: {sorted(shapes)}")
+    L, K = shapes.pop()
+    flat = np.concatenate([a.reshape(-1) for a in seqs])
+    experts = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(pa.array(flat), K), L)
+    approx.add("vLLM routed_experts arrays: each file is one request (step = its position in name order, a request, "
+               "not a forward pass); token = position in the sequence")
+    return pa.table({"step": np.repeat(np.arange(len(seqs)), [a.shape[0] for a in seqs]),
+                     "token": np.concatenate([np.arange(a.shape[0]) for a in seqs]), "routed_experts": experts})
+
+
 def _int_column(t: pa.Table, name: str, path: Path) -> np.ndarray:
     col = t.column(name)
     if col.null_count:
@@ -267,7 +381,10 @@ def _layer_from_name(path: Path) -> int | None:
 
 def _one_file(path: Path, options: dict, approx: set[str]) -> dict:
     """Canonical routing columns (numpy) of one file."""
-    return _from_table(path, _responses(path, options, approx) if _is_responses(path) else _read(path), approx)
+    meta: list = []
+    d = _from_table(path, _responses(path, options, approx) if _is_responses(path) else _read(path, meta), approx)
+    d["meta"] = meta
+    return d
 
 
 def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
@@ -368,7 +485,16 @@ def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
     paths = sorted(paths)
     approx: set[str] = set()
-    parts = [(p, _one_file(p, options, approx)) for p in paths]
+    npys = [p for p in paths if p.name.lower().endswith(".npy")]
+    if npys:        # vLLM routed_experts arrays, one per request: one table, steps numbered across files
+        if len(npys) != len(paths):
+            raise InputError(paths[0], "routed_experts .npy files and other files given together: ingest them "
+                                       "separately")
+        d = _from_table(npys[0], _npy_requests(npys, approx), approx)
+        d["meta"] = []
+        parts = [(npys[0], d)]
+    else:
+        parts = [(p, _one_file(p, options, approx)) for p in paths]
     has = {c: {d[c] is not None for _, d in parts} for c in ("step", "token", "src_rank")}
     for c, v in has.items():
         if len(v) > 1:
@@ -473,8 +599,13 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
            "meta_json": json.dumps({"format": "routing_wide", "files": len(paths), "top_k_seen": k,
                                     "layers": sorted(set(layer.tolist()))})}
     hint = paths[0].parent.name if len(paths) > 1 else paths[0].name.split(".")[0]
-    return [RunData(run=run, tables={"routing": routing, "expert_load": load}, run_id_hint=hint,
-                    files=[str(p) for p in paths])]
+    from ._jsonl_meta import keep_meta
+
+    rd = RunData(run=run, tables={"routing": routing, "expert_load": load}, run_id_hint=hint,
+                 files=[str(p) for p in paths])
+    for p, d in parts:
+        keep_meta(rd, p, d["meta"])
+    return [rd]
 
 
 register(Collector("routing_wide", "per-token routing, a row per token with a list column of experts (indices / "

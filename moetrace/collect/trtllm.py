@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from ..errors import InputError
 from ..formats.plan_files import looks_like_trtllm_yaml, read_trtllm_yaml
-from ..safety import json_loads
+from ..safety import INT64, SHAPE_MAX, checked_int, excerpt, json_loads, limit, limit_error
 from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from .sglang import _ranges
@@ -88,10 +88,15 @@ def _rank_counts(path: Path, E: int) -> tuple[np.ndarray, np.ndarray]:
     keys, rows = [], []
     try:
         with safe_open(str(path), framework="np") as f:
-            for key in f.keys():
+            names = list(f.keys())
+            if len(names) * E > limit("max_array_elements"):   # bounded before any tensor is read
+                raise limit_error(path, "max_array_elements", f"{len(names)} tensors of {E} counts")
+            for key in names:
                 m = _KEY.match(key)
                 if not m:
-                    raise InputError(path, f"tensor key {key!r} is not '{{iter}}_{{layer}}'")
+                    raise InputError(path, f"tensor key {excerpt(key, 60)!r} is not '{{iter}}_{{layer}}'")
+                it = checked_int(m.group(1), 0, INT64[1], path, f"of key {excerpt(key, 40)!r}", "iteration")
+                lay = checked_int(m.group(2), 0, SHAPE_MAX - 1, path, f"of key {excerpt(key, 40)!r}", "layer")
                 shape = f.get_slice(key).get_shape()
                 if list(shape) != [E]:
                     raise InputError(path, f"tensor {key!r} has shape {list(shape)}, expected [{E}] "
@@ -99,7 +104,7 @@ def _rank_counts(path: Path, E: int) -> tuple[np.ndarray, np.ndarray]:
                 t = f.get_tensor(key)
                 if t.dtype.kind not in "iu":
                     raise InputError(path, f"tensor {key!r} has dtype {t.dtype}, expected integer counts")
-                keys.append((int(m.group(1)), int(m.group(2))))
+                keys.append((it, lay))
                 rows.append(t)
     except InputError:
         raise
@@ -178,10 +183,15 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         gaps = [(a + 1, b - 1) for a, b in zip(iters, iters[1:]) if b > a + 1]
         desc = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps[:5]) + (" ..." if len(gaps) > 5 else "")
         raise InputError(folder, f"iterations are not contiguous: {desc} missing between {iters[0]} and {iters[-1]}")
-    holes = sorted((i, l) for i in iters for l in layers if (i, l) not in keys)
-    if holes:
-        raise InputError(folder, f"{len(holes)} (iteration, layer) pairs have no counts on any rank, first "
-                                 f"iteration {holes[0][0]} layer {holes[0][1]}")
+    n_holes = len(iters) * len(layers) - len(keys)   # counted, not listed: 20,000 keys can span 10^8 pairs
+    if n_holes:
+        per_iter: dict[int, set] = {}
+        for i, l in keys:
+            per_iter.setdefault(i, set()).add(l)
+        first = next(i for i in iters if len(per_iter[i]) < len(layers))
+        lay = next(l for l in layers if l not in per_iter[first])
+        raise InputError(folder, f"{n_holes} (iteration, layer) pairs have no counts on any rank, first "
+                                 f"iteration {first} layer {lay}")
     approx = []
     lidx = {l: j for j, l in enumerate(layers)}
     # tokens[r, iteration, layer] = counted choices / k; -1 where the rank file has no key

@@ -29,7 +29,7 @@ import pyarrow as pa
 from ..errors import InputError
 from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
-from ..safety import check_npy_headers, check_regular_file
+from ..safety import SHAPE_MAX, check_npy_headers, check_regular_file, checked_int
 from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 from ..domain.ranks import UNKNOWN_RPN_NOTE, node_of, ranks_per_node_or_all
 
@@ -56,7 +56,10 @@ def _read(path: Path) -> dict:
     name = path.name.lower()
     if name.endswith((".npy", ".npz")):
         check_regular_file(path)
-        check_npy_headers(path)  # shapes and dtypes checked before numpy allocates anything
+        shapes = check_npy_headers(path)  # shapes and dtypes checked before numpy allocates anything
+        for what, shape in shapes.items():   # layers, slots: the shape bound, before the rows are built
+            for d in shape[1:] if len(shape) > 2 else shape:
+                checked_int(d, 0, SHAPE_MAX, path, f"of {what} shape {list(shape)}", "a dimension")
     if name.endswith(".npy"):
         try:
             arr = np.load(path, allow_pickle=False)

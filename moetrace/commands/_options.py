@@ -185,3 +185,109 @@ def engine_sql(store, engine: str, master: str | None, remote: str | None):
             yield sp.sql
 
     return ctx()
+
+
+# ----------------------------------------------------------------------------- numeric ranges
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses NaN and ±inf (``nan`` and ``inf`` parse as floats)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        import math
+
+        v = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(v, param, ctx)
+
+
+def finite_float(min: float | None = None, max: float | None = None, *, min_open: bool = False,
+                 max_open: bool = False) -> FiniteFloat:
+    """The click type of every float option: finite, within [min, max]."""
+    return FiniteFloat(min, max, min_open=min_open, max_open=max_open)
+
+
+def count(lo: int, hi: int) -> click.IntRange:
+    """The click type of an integer option: within lo..hi."""
+    return click.IntRange(lo, hi)
+
+
+SHAPE = 2**24          # ranks, layers, experts, slots, groups (docs/hardening.md)
+BIG = 2**40            # steps, moves, intervals: far past any run, far from int64 overflow
+SEED = 2**63 - 1
+
+#: the declared range of every numeric option, by option name (``(command, option)`` first).
+#: ``apply_ranges`` installs them when a command module registers; tests/test_cli_ranges.py
+#: fails on a numeric option missing here. Ranges are what the quantity can be, not a policy:
+#: resource limits (memory, cells) are checked where the size is known (docs/hardening.md).
+RANGES = {
+    "--layers": count(1, SHAPE), "--experts": count(1, SHAPE), "--top-k": count(1, SHAPE),
+    "--ranks": count(1, SHAPE), "--ranks-per-node": count(1, SHAPE), "--groups": count(1, SHAPE),
+    "--nodes": count(1, SHAPE), "--gpus": count(1, SHAPE), "--dp-size": count(1, SHAPE),
+    "--replicas": count(0, SHAPE),
+    "--steps": count(1, BIG), "--tokens-per-step": count(1, BIG), "--batch-steps": count(1, BIG),
+    "--seed": count(0, SEED), "--sigma": finite_float(0, 100), "--drift": finite_float(0, 1),
+    "--dummy-share": finite_float(0, 1, max_open=True),
+    "--step-offset": count(-BIG, BIG), "--top": count(1, 10**6),
+    "--max-moves": count(0, BIG), "--target-imbalance": finite_float(1, 10**6),
+    "--replan-every": count(1, BIG), "--window": count(1, BIG), "--passes": count(1, BIG),
+    "--stall-ms": finite_float(0, 10**9), "--move-overlap": finite_float(0, 1),
+    "--workers": count(1, 1024), "--timeout": finite_float(0.001, 10**7),
+    # refrun / capture: a real model run on this machine
+    ("refrun", "--steps"): count(1, 10**4), "--hidden": count(1, 2**16), "--ffn": count(1, 2**16),
+    "--tokens-per-rank": count(1, 2**20), "--prefill-tokens": count(0, 2**20), "--skew": finite_float(0, 100),
+    "--delay-rank": count(-1, SHAPE), "--delay-us": finite_float(0, 10**9), "--delay-every": count(1, 10**6),
+    "--micro-batches": count(1, 2), "--repeats": count(1, 10**4), "--warmup": count(0, 10**4),
+    "--threads-per-rank": count(1, 1024), "--max-new-tokens": count(0, 10**5), "--batch-size": count(1, 10**5),
+    ("refrun", "--ranks"): count(1, 1024), ("refrun", "--experts"): count(1, 2**16),
+    ("refrun", "--layers"): count(1, 1024),
+    # whatif: times in µs / ns per token, tokens per batch
+    "--split-extra-us": finite_float(0, 10**9), "--a2a-latency-us": finite_float(0, 10**9),
+    "--tokens": finite_float(0, 2.0**40, min_open=True), "--attn-ns": finite_float(0, 10**9),
+    "--expert-ns": finite_float(0, 10**9), "--transfer-ns": finite_float(0, 10**9),
+    "--fixed-attn-ns": finite_float(0, 10**12), "--fixed-expert-ns": finite_float(0, 10**12),
+    "--max-micro-batches": count(1, 1024),
+}
+
+
+def is_numeric(param) -> bool:
+    return (isinstance(param, click.Option) and not param.is_flag
+            and isinstance(param.type, (click.types.IntParamType, click.types.FloatParamType)))
+
+
+def int_list_in(lo: int, hi: int, most: int = 10_000):
+    """click callback: a comma-separated list of integers, each within lo..hi, at most
+    ``most`` of them."""
+    def cb(ctx, param, value):
+        xs = int_list(ctx, param, value)
+        if xs is None:
+            return None
+        if len(xs) > most:
+            raise click.BadParameter(f"{len(xs)} values; at most {most}")
+        bad = [x for x in xs if not lo <= x <= hi]
+        if bad:
+            raise click.BadParameter(f"{bad[0]} is not in the range {lo}<=x<={hi}")
+        return xs
+
+    cb.declared_range = (lo, hi)
+    return cb
+
+
+#: declared ranges of the comma-list options (``--replicas 0,16,32``), by option name
+LIST_RANGES = {"--replicas": (0, SHAPE), "--replan-every": (1, BIG), "--window": (1, BIG), "--hot": (0, SHAPE - 1)}
+
+
+def apply_ranges(cmd: click.Command) -> None:
+    """Give each numeric option of ``cmd`` its declared range (:data:`RANGES`), and each
+    comma list of integers its range (:data:`LIST_RANGES`)."""
+    for p in cmd.params:
+        if isinstance(p, click.Option) and p.callback is int_list:
+            name = max(p.opts, key=len)
+            if name in LIST_RANGES:
+                p.callback = int_list_in(*LIST_RANGES[name])
+        if is_numeric(p):
+            name = max(p.opts, key=len)
+            t = RANGES.get((cmd.name, name)) or RANGES.get(name)
+            if t is not None:
+                p.type = t

@@ -186,15 +186,30 @@ def _with_dense_rows(st, counts):
 @click.argument("query")
 @engine_options
 @output_options
-def sql(store, query, engine, master, remote, fmt, output):
+@click.option("--timeout", type=click.FloatRange(min=0.001, max=10**7), default=None, metavar="SECONDS",
+              help="Interrupt the query after SECONDS (one line, exit 2). Default: no limit.")
+@click.option("--memory-limit", default=None, metavar="SIZE",
+              help="DuckDB's memory cap (default 1GiB, or $MOETRACE_SQL_MEMORY_LIMIT); larger work spills.")
+@click.option("--allow-path", "allow_paths", multiple=True, metavar="DIR",
+              help="Also let the query read Parquet files in DIR (or one FILE), e.g. to join them; repeatable.")
+@click.option("--unsafe", is_flag=True,
+              help="Lift the sandbox: any statement, any file, extensions (COPY, ATTACH, INSTALL ...).")
+def sql(store, query, engine, master, remote, fmt, output, timeout, memory_limit, allow_paths, unsafe):
     """Run SQL over the store's tables and metric views (expert_load, routing, steps, spans,
     layer_skew, ...): DuckDB SQL here, or Spark SQL with --engine spark (the same views,
     transpiled from their DuckDB definitions; see docs/scale.md).
+
+    DuckDB runs sandboxed: one SELECT (or EXPLAIN) statement, reading only the store's files
+    (and --allow-path ones); COPY, ATTACH, INSTALL, SET and reads of other files are refused
+    with one line, exit 2. --unsafe lifts the sandbox. Rows are streamed: -o files and
+    --format csv/json are written batch by batch (docs/hardening.md).
 
     Example:
 
     \b
         moetrace sql demo "SELECT step, layer, sum(tokens) FROM expert_load GROUP BY ALL LIMIT 5"
+        moetrace sql demo "SELECT * FROM expert_load" -o load.parquet --timeout 600
+        moetrace sql demo "SELECT * FROM runs JOIN 'ref/*.parquet' USING (run_id)" --allow-path ref
         moetrace sql demo --engine spark "SELECT layer, avg(imbalance) FROM layer_skew GROUP BY layer"
     """
     st = open_store(store)
@@ -204,7 +219,11 @@ def sql(store, query, engine, master, remote, fmt, output):
         with SparkSQL(st.path, master=master, remote=remote) as sp:
             emit(sp.sql(query, dialect="spark"), fmt, output)
         return
-    emit(st.sql(query), fmt, output)
+    from ..output import _is_pretty
+    from ..storage.sandbox import run_query
+
+    run_query(st, query, fmt=fmt, output=output, pretty=_is_pretty(), unsafe=unsafe, allow=list(allow_paths),
+              memory_limit=memory_limit, timeout=timeout)
 
 
 @click.command()

@@ -207,7 +207,12 @@ def _parse_rules(rows: list[dict], source: str) -> list[Rule]:
 
 def read_rules_file(path: str | Path) -> list[Rule]:
     """Rules from a CSV (kind,pattern[,match,context,stream,collective,comment]) or JSON list file."""
+    from ..safety import check_regular_file
+
     p = Path(path)
+    check_regular_file(p)   # /dev/zero or a FIFO would never end
+    if p.is_file() and p.stat().st_size > (16 << 20):
+        raise InputError(p, f"kernel rules file of {p.stat().st_size} bytes; a rules file is at most 16 MiB")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

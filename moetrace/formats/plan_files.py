@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
+from ..safety import excerpt
 from ..placement.eplb import rebalance_experts
 from ..placement.planners import Plan
 from ..domain.ranks import node_of
@@ -170,32 +171,21 @@ def looks_like_trtllm_yaml(head: bytes) -> bool:
 def read_trtllm_yaml(path: str | Path, num_experts: int | None = None) -> TrtllmEplbConfig:
     """Read a TensorRT-LLM EPLB config YAML (top level, or under ``moe_config.load_balancer``)
     with ``yaml.safe_load``; every problem is an InputError naming the file."""
-    import yaml
+    from .safe_yaml import load as load_yaml
 
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise InputError(path, "not UTF-8 text") from None
-    except OSError as e:
-        raise InputError(path, f"cannot read: {e.strerror}") from None
-    except RecursionError:
-        raise InputError(path, "YAML nested too deeply to parse (more than the parser's recursion limit)") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1} column {mark.column + 1}" if mark is not None else None
-        raise InputError(path, f"invalid YAML: {getattr(e, 'problem', None) or e}", where) from None
+    doc = load_yaml(path)   # aliases counted expanded (max_yaml_nodes) before a value is built
     if isinstance(doc, dict) and isinstance(doc.get("moe_config"), dict):
         doc = doc["moe_config"].get("load_balancer")
         if isinstance(doc, str):
-            raise InputError(path, f"moe_config.load_balancer names another file ({doc!r}): give that file")
+            raise InputError(path, f"moe_config.load_balancer names another file ({excerpt(doc, 80)!r}): give that file")
     if not isinstance(doc, dict) or "num_slots" not in doc:
         raise InputError(path, "not a TensorRT-LLM EPLB config: expected num_slots (and initial_global_assignments) "
                                "at the top level or under moe_config.load_balancer")
 
     def count(key, v, lo):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise InputError(path, f"{key} must be an integer >= {lo}, got {v!r}")
+            raise InputError(path, f"{key} must be an integer >= {lo}, got {excerpt(repr(v), 40)}")
         return v
 
     S = count("num_slots", doc["num_slots"], 1)
@@ -212,7 +202,7 @@ def read_trtllm_yaml(path: str | Path, num_experts: int | None = None) -> Trtllm
         elif isinstance(key, str) and key.strip().isdigit():
             layer = int(key)
         else:
-            raise InputError(path, f"initial_global_assignments key {key!r} is not a layer number")
+            raise InputError(path, f"initial_global_assignments key {excerpt(repr(key), 40)} is not a layer number")
         where = f"initial_global_assignments[{key}]"
         if not isinstance(row, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in row):
             raise InputError(path, f"{where} must be a list of integer expert ids")
@@ -308,28 +298,31 @@ def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_no
         raise InputError(path, "expected a JSON object with physical_to_logical_map, phy2log, logical_count or "
                                "layer_list")
 
+    from .plan_checks import check_eplb_agrees, counts_array, int_array
+    from ..safety import SHAPE_MAX, checked_int
+
     def arr(key):
-        try:
-            a = np.asarray(doc[key], dtype=np.int64)
-        except (ValueError, TypeError):
-            raise InputError(path, f"{key} is not a rectangular integer array") from None
+        a = int_array(path, doc[key], key, 0, SHAPE_MAX - 1)   # expert ids, range-checked before int64
         if a.ndim != 2:
             raise InputError(path, f"{key} must be [layers, slots], got shape {a.shape}")
         return a
 
     if "phy2log" in doc:
         p2l = arr("phy2log")
-        file_layers = np.asarray(doc.get("layers", range(p2l.shape[0])), np.int64)
-        num_experts = int(doc.get("num_experts", num_experts))
-        num_ranks = int(doc.get("num_ranks", num_ranks))
-        ranks_per_node = int(doc.get("ranks_per_node", ranks_per_node))
+        check_eplb_agrees(path, doc, p2l)
+        file_layers = int_array(path, doc.get("layers", list(range(p2l.shape[0]))), "layers", 0, SHAPE_MAX - 1, ndim=1)
+        num_experts = checked_int(doc.get("num_experts", num_experts), 1, SHAPE_MAX, path, "num_experts")
+        num_ranks = checked_int(doc.get("num_ranks", num_ranks), 1, SHAPE_MAX, path, "num_ranks")
+        ranks_per_node = checked_int(doc.get("ranks_per_node", ranks_per_node), 1, SHAPE_MAX, path, "ranks_per_node")
         policy = f"file:{doc.get('policy', 'eplb-json')}"
     elif "physical_to_logical_map" in doc:
         p2l = arr("physical_to_logical_map")
+        if "logical_to_physical_map" in doc:   # SGLang writes both: they must agree
+            check_eplb_agrees(path, {"log2phy": doc["logical_to_physical_map"]}, p2l)
         file_layers = np.arange(p2l.shape[0])
         policy = "file:sglang"
     elif "logical_count" in doc:
-        lc = np.asarray(doc["logical_count"], dtype=np.float64)
+        lc = counts_array(path, doc["logical_count"], "logical_count")   # finite, >= 0
         if lc.ndim == 3:
             lc = lc.sum(axis=0)
         if lc.ndim != 2:

@@ -70,6 +70,15 @@ class SynthConfig:
             bad("drift", "must be within [0, 1]")
         if not 0 <= self.dummy_share < 1:
             bad("dummy_share", "must be within [0, 1)")
+        # the run is built in memory: its (step, layer, expert) and (step, rank) cells, before any is allocated
+        from ..safety import LIMITS, limit
+
+        need = self.steps * (self.layers * self.experts * 24 + self.ranks * 40 + self.tokens_per_step * 8)
+        if need > limit("max_replay_bytes"):
+            bad("steps", f"{self.steps} steps x ({self.layers} layers x {self.experts} experts + "
+                         f"{self.tokens_per_step} tokens) need about "
+                         f"{need / 2**30:.1f} GiB, over the limit max_replay_bytes={limit('max_replay_bytes')}; "
+                         f"give fewer steps, or raise it with {LIMITS['max_replay_bytes'].env}=N")
 
 
 def load_popularity_file(path: str | Path, layers: int | None, experts: int) -> np.ndarray:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import InputError
+from .budget import check_replay_memory, check_slots
 from .engine import Block, replay_routing
 from ..placement.planners import Plan, PlanShape, check_shape
 from .strategies import Timing
@@ -68,7 +69,9 @@ class RunShape:
         else:
             S = self.num_slots if ranks is None or ranks == self.num_ranks else self.num_experts
         ps = PlanShape(R, rpn, S, groups if groups is not None else self.num_groups, nodes)
+        check_slots(S, self.num_experts)   # before any array is sized by it (replay/budget.py)
         check_shape(ps, self.num_experts, None)
+        check_replay_memory(S, int(self.steps.size), int(self.layers.size))
         return ps
 
     def describe(self) -> str:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from ..errors import InputError
+from .budget import check_sweep_cells
 from . import cost as costmod
 from .engine import imbalance
 from ..placement.planners import PlanShape, check_shape, make_plan
@@ -145,6 +146,7 @@ def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[
             for w in windows:
                 i = len(items)
                 items.append(SweepCell(run_id, i, rep, every, w, ps, f"{sid}-{i}" if sid else None))
+    check_sweep_cells(sum(isinstance(c, SweepCell) for c in items))
     if items and not any(isinstance(c, SweepCell) for c in items):
         raise InputError(None, "no replica budget can be planned: " + items[0].skipped)
     params = {"policy": policy, "replicas": list(replicas), "replan_every": list(intervals), "windows": windows,

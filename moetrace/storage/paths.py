@@ -37,6 +37,10 @@ def check_store_path(path: Path) -> None:
         raise StoreError(f"{path}: the store path holds {bad!r}, which DuckDB reads as a file pattern (it would "
                          f"read other folders' files); move or rename the store, or open it through a symlink "
                          f"whose path has none of {GLOB_CHARS}")
+    if "\\" in text:
+        raise StoreError(f"{path}: the store path holds a backslash, which DuckDB reads as '/' (it would read or "
+                         f"write another folder's files); move or rename the store, or open it through a symlink "
+                         f"whose path has none")
     if text.startswith("~"):
         raise StoreError(f"{path}: the store path starts with '~', which DuckDB and Arrow read as the home folder "
                          f"(the shell did not expand it: it was quoted); give the full path")

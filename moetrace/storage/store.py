@@ -327,11 +327,21 @@ class Store(Transactions):
             con.execute(f"SET threads={int(threads)}")
         if memory_limit:
             con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit))}")
+        self.check_readable()
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
             con.execute(f"SET temp_directory={sql_literal(tmp)}")
         self._define_views(con)
         return con
+
+    def check_readable(self) -> None:
+        """A file readers would trip on (truncated, garbage, wrong schema or partition) is
+        one line naming it (moetrace/storage/check.py); checked once per Store."""
+        if not getattr(self, "_readable", False):
+            from .check import check_readable
+
+            check_readable(self.path)
+            self._readable = True
 
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
@@ -373,6 +383,7 @@ class Store(Transactions):
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
                     "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64, "int64[]": pl.List(pl.Int64)}
         empty = pl.DataFrame(schema={c.name: pl_types[c.type] for c in schema.get("runs").columns})
+        self.check_readable()
         frames = [pl.read_parquet(f).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
                   for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
         for f in frames:  # a required column older files lack is refused, as the views do

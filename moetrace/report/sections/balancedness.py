@@ -15,12 +15,17 @@ def build(ctx: ReportContext) -> Section | None:
     if not ctx.store.has_files("balancedness"):
         return None
     rid = ctx.run_id
-    b = ctx.sql("SELECT engine, event, step, ts_ns, line, balancedness, avg_tokens, max_tokens, duration_s, "
+    # imbalance: max/mean as ingest converted it (moetrace.domain.balance); a store written before that column
+    # existed reads it empty, and 1/balancedness stands in (vLLM's and SGLang's figures are mean/max)
+    b = ctx.sql("SELECT engine, event, step, ts_ns, line, balancedness, "
+                "coalesce(imbalance, 1.0 / nullif(balancedness, 0)) AS imbalance, avg_tokens, max_tokens, duration_s, "
                 "utilization, threshold, is_profile FROM balancedness WHERE run_id = ? "
                 "ORDER BY file, line", [rid])   # scrape folders: many files (named by time)
     if b.height == 0:
         return None
-    bal = b.filter(b["event"] == "balancedness").drop_nulls("balancedness")
+    # an empty window (vLLM max_tokens=0) has no balancedness: null, never 0 (#23)
+    bal = b.filter((b["event"] == "balancedness") & (b["balancedness"] > 0)).drop_nulls("balancedness")
+    empty = int(((b["event"] == "balancedness") & b["balancedness"].is_null()).sum())
     ev = b.filter(b["event"].is_in(["rebalance_start", "rebalance_end", "rebalance_skip"]))
     # vLLM metrics scrapes also give per-layer spread gauges (events balancedness_min / _p50 / _p90)
     spread = {k: b.filter(b["event"] == f"balancedness_{k}").drop_nulls("balancedness")["balancedness"]
@@ -31,12 +36,13 @@ def build(ctx: ReportContext) -> Section | None:
         v = bal["balancedness"].to_numpy()
         what = (f"{bal.height} scrape intervals" if ctx.run.get("collector") == "prometheus"
                 else f"{bal.height} passes")
-        inv = 1 / np.maximum(v, 1e-9)
+        inv = bal["imbalance"].to_numpy()
         text = (f"The engine ({engines}) logged balancedness for {what}: mean **{v.mean():.3f}**, "
                 f"p10 {np.percentile(v, 10):.3f}, worst {v.min():.3f} (1.0 = every rank equally loaded; "
                 f"1/balancedness, the busiest rank's load over the mean rank's, is {inv.mean():.2f}× on average and "
                 f"{inv.max():.2f}× at worst"
-                + ("; for SGLang's per-layer average only approximately" if "sglang" in engines else "") + ").")
+                + ("; for SGLang's per-layer average only approximately" if "sglang" in engines else "") + ")."
+                + (f" {empty} passes routed no token: balancedness undefined there, left out." if empty else ""))
         md.append(text)
         x = bal["step"].to_numpy() if bal["step"].null_count() == 0 else np.arange(bal.height)
         figs.append(Figure(plots.lines(ctx.outdir / "balancedness_log.png", [("balancedness", x, v)],
@@ -73,3 +79,4 @@ def build(ctx: ReportContext) -> Section | None:
     text = "\n".join(md)
     return Section(key="balancedness", title="Engine-reported balancedness", markdown=text,
                    terminal=text.replace("**", ""), figures=figs, notes=notes)
+

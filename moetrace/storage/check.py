@@ -1,0 +1,176 @@
+"""What in a store folder cannot be read, file by file, without changing anything.
+
+:func:`scan` walks a store the way its readers do (``<table>/run_id=<id>/*.parquet`` of
+every contract table, the journals in ``.txn``) and returns one :class:`Problem` per file
+that a reader would trip on: a truncated or garbage Parquet file (its footer), a file whose
+columns have the wrong types for its table, a file holding its own ``run_id`` column
+(the partition folder's name is the run id: the two could disagree), a partition folder
+whose name is not ``run_id=<id>``, a file where a folder is expected (or the reverse), a
+journal that is not what a writer writes. ``deep=True`` (``moetrace check``) also reads
+every file's pages, so corruption past the footer is found too.
+
+Readers call :func:`first_problem` before they build their views (footers only: one small
+read per file), so a bad file is one line naming it, exit 2, instead of an Arrow, polars or
+DuckDB internal error (docs/hardening.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_SAFE_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_TXID_RE = re.compile(r"[0-9a-f]{12}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.what}"
+
+
+def _schema_problem(table: str, names: list[str], types: list, contract) -> str | None:
+    from .schema import _compatible
+
+    if "run_id" in names:
+        return ("holds a run_id column; a store file's run id is its partition folder's name (the two could "
+                "disagree)")
+    want = {c.name: c for c in contract.columns}
+    for name, typ in zip(names, types):
+        c = want.get(name)
+        if c is None:
+            continue
+        if not _compatible(typ, c.arrow_type):
+            return f"column {name!r} is {typ}, table {table!r} needs {c.arrow_type}"
+    if not any(n in want for n in names):
+        return f"none of its columns ({', '.join(names[:5]) or 'none'}) belongs to table {table!r}"
+    return None
+
+
+def _check_file(table: str, f: Path, contract, deep: bool) -> str | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if f.is_symlink():
+        return "is a symlink; a store holds its own files only"
+    if not f.is_file():
+        return "is not a regular file (a folder or a device where a Parquet file is expected)"
+    try:
+        if f.stat().st_size < 12:
+            return f"is {f.stat().st_size} bytes, too short for a Parquet file (truncated)"
+        pf = pq.ParquetFile(f)
+        sch = pf.schema_arrow
+        why = _schema_problem(table, sch.names, sch.types, contract)
+        if why:
+            return why
+        if deep:
+            for i in range(pf.metadata.num_row_groups):
+                pf.read_row_group(i)
+    except (OSError, pa.ArrowException, ValueError, EOFError) as e:
+        msg = " ".join(str(e).split())[:160] or type(e).__name__
+        return f"not a readable Parquet file (truncated or corrupt): {msg}"
+    return None
+
+
+def scan(store: str | os.PathLike, deep: bool = False) -> list[Problem]:
+    """Every file of the store that a reader cannot read, in path order."""
+    from . import schema
+
+    root = Path(store)
+    out: list[Problem] = []
+    tables = schema.load_all()
+    committed = set()
+    runs_dir = root / "runs"
+    for table in sorted(tables, key=lambda t: t != "runs"):
+        d = root / table
+        if not (d.exists() or d.is_symlink()):
+            continue
+        if not d.is_dir():
+            out.append(Problem(str(d), f"is a file where the folder of table {table!r} is expected"))
+            continue
+        for part in sorted(d.iterdir()):
+            if part.name.startswith("."):
+                continue
+            if not part.is_dir():
+                out.append(Problem(str(part), f"is a file where a partition folder run_id=<id> of table {table!r} "
+                                              "is expected"))
+                continue
+            if not part.name.startswith("run_id=") or not _SAFE_ID_RE.fullmatch(part.name[7:]):
+                out.append(Problem(str(part), "partition folder name is not run_id=<id> (letters, digits, . _ -)"))
+                continue
+            if table == "runs":
+                committed.add(part.name[7:])
+            elif runs_dir.is_dir() and part.name[7:] not in committed:
+                out.append(Problem(str(part), "has no runs row: an uncommitted or orphaned write, hidden from "
+                                              "every view (a crashed writer's journal, if any, is rolled back at "
+                                              "the next write)"))
+            for f in sorted(part.iterdir()):
+                if not f.name.endswith(".parquet"):
+                    continue
+                why = _check_file(table, f, tables[table], deep)
+                if why:
+                    out.append(Problem(str(f), why))
+    out += _journal_problems(root)
+    return out
+
+
+def _journal_problems(root: Path) -> list[Problem]:
+    out = []
+    for name in (".txn", ".staging"):
+        d = root / name
+        if d.is_symlink():
+            out.append(Problem(str(d), "is a symlink; refused by every writer"))
+        elif d.exists() and not d.is_dir():
+            out.append(Problem(str(d), "is a file where moetrace's transaction folder is expected"))
+    txn = root / ".txn"
+    if txn.is_dir() and not txn.is_symlink():
+        for j in sorted(txn.iterdir()):
+            if not (j.name.endswith(".json") and _TXID_RE.fullmatch(j.name[:-5])):
+                continue
+            if j.is_symlink() or not j.is_file():
+                out.append(Problem(str(j), "journal is not a regular file"))
+                continue
+            try:
+                doc = json.loads(j.read_bytes()[: 64 << 20])
+            except (OSError, ValueError, RecursionError):
+                doc = None
+            if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
+                out.append(Problem(str(j), "malformed journal (not {\"files\": [...], \"commit_file\": ...})"))
+                continue
+            for rel in doc["files"]:
+                if not isinstance(rel, str):
+                    out.append(Problem(str(j), "malformed journal (an entry is not a path)"))
+                    break
+                parts = rel.split("/")
+                for k in range(1, len(parts)):
+                    p = root.joinpath(*parts[:k])
+                    if p.exists() and not p.is_dir():
+                        out.append(Problem(str(j), f"entry {rel[:80]!r}: {p} is a file where a folder is expected"))
+                        break
+    return out
+
+
+def first_problem(store: str | os.PathLike) -> Problem | None:
+    """The first problem :func:`scan` finds with footers only (what readers check), or None.
+    Uncommitted partitions are not problems for a reader (the views hide them)."""
+    root = Path(store)
+    for p in scan(store, deep=False):
+        if "has no runs row" in p.what or Path(p.file).parent.name in (".txn", ".staging") \
+                or Path(p.file) in (root / ".txn", root / ".staging"):
+            continue   # journals are the writers' business (Store.journals refuses a bad one)
+        return p
+    return None
+
+
+def check_readable(store: str | os.PathLike) -> None:
+    """Raise StoreError (one line naming the file) when a reader would trip on a file."""
+    from ..errors import StoreError
+
+    p = first_problem(store)
+    if p is not None:
+        raise StoreError(f"{p}; `moetrace check {store}` lists every such file")
