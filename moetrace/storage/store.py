@@ -11,8 +11,11 @@ Layout::
 Writes are transactions: every table of a run is written to ``.staging`` first, a journal
 lists the final paths, files are renamed into place (``runs`` last), then the journal is
 removed. A crash leaves either a journal (rolled back, or forward when the ``runs`` row
-made it, on the next write) or nothing: never a half-written partition. Readers only see
-complete files because a rename is atomic. Validation happens before anything touches the
+made it, on the next write) or nothing: never a half-written partition. Appends (plans,
+replays, calibrations) are the same transaction, their header table (``plans``,
+``replay_runs``) renamed last. Readers read the files of committed transactions only
+(``Transactions.committed_files``), looked up again on every query, so they never see
+half of a write and see new files without reopening. Validation happens before anything touches the
 disk, so bad input leaves the store byte-for-byte as it was.
 
 Hostile stores (docs/hardening.md): readers never write and never recover; their views
