@@ -218,7 +218,7 @@ def _stage_layer_skew(store: str, cfg: dict, steps: int, spill: str, q) -> None:
 def _stage_replay(store: str, cfg: dict, q) -> None:
     from moetrace.cli import cli
 
-    args = ["replay", store, "--policy", "eplb", "--fit-window", f"0:{cfg['fit_steps']}", "--no-rank-rows", "--json"]
+    args = ["replay", store, "--policy", "eplb", "--fit-steps", f"0:{cfg['fit_steps']}", "--no-rank-rows", "--json"]
     buf = io.StringIO()
     sampler = _RssSampler()
     t0 = time.perf_counter()

@@ -172,8 +172,44 @@ class MoetraceGroup(click.Group):
             else:
                 stub = click.Command(name, help=inspect.cleandoc(self.index[name][1]))
                 rows.append((name, stub.get_short_help_str(limit)))
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
+        by_name = dict(rows)
+        placed = set()
+        for title, members in SECTIONS:
+            got = [(n, by_name[n]) for n in members if n in by_name]
+            placed.update(n for n, _ in got)
+            if got:
+                with formatter.section(title):
+                    formatter.write_dl(got)
+        rest = [r for r in rows if r[0] not in placed]   # a new command nobody filed yet: still listed
+        if rest:
+            with formatter.section("Other commands"):
+                formatter.write_dl(rest)
+
+    def format_epilog(self, ctx, formatter):
+        """The top-level help ends, as every command's does, with an example."""
+        formatter.write_paragraph()
+        formatter.write_text("Example:")
+        for line in EXAMPLE:   # as written, never re-wrapped (a command must stay pasteable)
+            formatter.write(f"{'':>{formatter.current_indent + 2}}{line}\n")
+        formatter.write_paragraph()
+        formatter.write_text("moetrace COMMAND --help shows a command's options and its own example.")
+
+
+#: the top-level help in sections, in the order of the work: get data in, look at it, ask
+#: what another placement would do, write it up; the rest are tools
+SECTIONS = (
+    ("Ingest and the store", ("ingest", "runs", "tables", "catalog", "check")),
+    ("Analysis", ("skew", "sql", "kernels", "exposure", "waits", "hang")),
+    ("Replay and planning", ("replay", "sweep", "plan", "whatif", "calibrate", "cost")),
+    ("Reports", ("report",)),
+    ("Tools: make data", ("synth", "capture", "refrun")),
+)
+EXAMPLE = (
+    "moetrace ingest st loads.csv --ranks 32 --top-k 8   # your expert loads, with the shape",
+    "moetrace skew st                                    # which layers, which rank",
+    "moetrace replay st --policy eplb --replicas 32      # EPLB with 32 redundant slots",
+    "moetrace report st --out-dir rep                    # report.html, report.md, PNGs",
+)
 
 
 @click.group(cls=MoetraceGroup, context_settings={"help_option_names": ["-h", "--help"]})

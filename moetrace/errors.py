@@ -51,3 +51,27 @@ class UsageError(MoetraceError):
     of range): one line, exit code 2, nothing written."""
 
     exit_code = 2
+
+
+class MissingExtra(UsageError):
+    """An optional dependency is not installed: one line naming the extra and the pip
+    command that installs it, exit code 2."""
+
+    def __init__(self, what: str, extra: str, module: str, hint: str = ""):
+        self.extra, self.module = extra, module
+        super().__init__(f"{what} needs the {extra!r} extra ({module} is not installed): "
+                         f"pip install 'moetrace[{extra}]'" + (f" {hint}" if hint else ""))
+
+
+def require_extra(what: str, extra: str, *modules: str, hint: str = ""):
+    """Import ``modules`` (first one returned) or raise :class:`MissingExtra` for the first
+    that is missing: the one place an extra's install line is written."""
+    import importlib
+
+    got = []
+    for m in modules:
+        try:
+            got.append(importlib.import_module(m))
+        except ImportError:
+            raise MissingExtra(what, extra, m, hint) from None
+    return got[0] if got else None

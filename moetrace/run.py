@@ -42,6 +42,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from .notebook import NotebookView
 from .storage.store import Store as _Store
 
 if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
@@ -82,7 +83,7 @@ class Shape:
         return cls(**kw)
 
 
-class Run:
+class Run(NotebookView):
     """One run of a store: its shape, its metrics, and what-ifs over it.
 
     Get one with ``moetrace.open_store(path).run(run_id)`` (``run_id=None``: the store's
@@ -97,6 +98,12 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.id!r} in {str(self.store.path)!r})"
+
+    def _notebook_view(self):
+        """In a notebook: the source, the shape and what it leaves unknown (moetrace.notebook)."""
+        from .notebook import run_view
+
+        return run_view(self)
 
     # ------------------------------------------------------------------ what the run is
     @cached_property
@@ -249,6 +256,10 @@ class Run:
         cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost)
         return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
+
+    def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
+        """The cost model a replay of this run uses (:class:`moetrace.replay.cost.CostModel`)."""
+        return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
 
     def plan(self, policy: str | None = None, *, ranks: int | None = None, replicas: int | None = None,
              groups: int | None = None, nodes: int | None = None, rpn: int | None = None,

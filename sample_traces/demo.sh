@@ -31,8 +31,8 @@ run moetrace sql "$OUT/store" "SELECT layer, round(avg(imbalance), 3) AS mean_ma
 #    the recorded placement on the same steps, net of moving the experts (break-even, verdict); then
 #    re-planning every 25 steps from the last 25 (static vs re-planned vs oracle, judged on steps 25-199),
 #    and the operator's decision table (replica budgets x re-plan intervals, net time, memory, moves)
-run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --fit-window 0:100 --json
-run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --replan-every 25 --window 25 --json
+run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --fit-steps 0:100
+run moetrace replay "$OUT/store" --run dsv3 --policy eplb --replicas 32 --replan-every 25 --window 25
 run moetrace sweep "$OUT/store" --run dsv3 --replicas 0,32 --replan-every 25,50 --window 50
 # 5. all-to-all exposure on the real multi-rank trace
 run moetrace exposure "$OUT/store" --run refrun
@@ -40,11 +40,11 @@ run moetrace exposure "$OUT/store" --run refrun
 #    plan: judged on all 8 steps), compare with what the second run measured, and calibrate the cost model
 #    on one, judge on the other
 run moetrace plan "$OUT/store" --run refrun --import "$HERE/refrun_eplb_plan.json" --plan-id eplb4
-run moetrace replay "$OUT/store" --run refrun --plan eplb4 --split hash --json
+run moetrace replay "$OUT/store" --run refrun --plan eplb4 --split hash
 run moetrace sql "$OUT/store" "SELECT run_id, round(avg(imbalance), 4) AS measured_mean_max_over_mean FROM layer_skew WHERE run_id LIKE 'refrun%' GROUP BY 1 ORDER BY 1"
-run moetrace calibrate "$OUT/store" --fit refrun --judge refrun_eplb
+run moetrace calibrate "$OUT/store" --run refrun --judge-run refrun_eplb
 # 7. the reports (terminal summary + report.html, report.md, PNGs)
-run moetrace report "$OUT/store" --run dsv3 --out "$OUT/report-dsv3" --quiet
-run moetrace report "$OUT/store" --run refrun --out "$OUT/report-refrun" --quiet
+run moetrace report "$OUT/store" --run dsv3 --out-dir "$OUT/report-dsv3" --quiet
+run moetrace report "$OUT/store" --run refrun --out-dir "$OUT/report-refrun" --quiet
 echo
 echo "open $OUT/report-dsv3/report.html and $OUT/report-refrun/report.html"

@@ -59,3 +59,35 @@ def cli():
 def invoke(runner, cli, *args):
     """``cli`` through a click runner with every argument as text, exceptions caught."""
     return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
+
+
+def _java_ok() -> bool:
+    import shutil
+    import subprocess
+
+    java = shutil.which("java")
+    return bool(java) and subprocess.run([java, "-version"], capture_output=True).returncode == 0
+
+
+def require_spark():
+    """Skip (with the reason) unless pyspark, sqlglot and a Java runtime are here."""
+    pytest.importorskip("pyspark", reason="pip install 'moetrace[spark]' for the Spark tests")
+    pytest.importorskip("sqlglot", reason="pip install 'moetrace[spark]' for the Spark tests")
+    if not _java_ok():
+        pytest.skip("no Java runtime (apt-get install default-jre-headless); .ci/run installs one")
+
+
+@pytest.fixture(scope="session")
+def spark_session():
+    """One Spark session (one JVM, one SparkContext) for the Spark tests that take it
+    (test_spark_views, test_store_spark): a JVM start is tens of seconds on 2 cores.
+    ``moetrace.storage.spark.keep_session`` also hands it to any ``--engine spark`` command
+    run while it is alive."""
+    require_spark()
+    from moetrace.storage import spark as ms
+
+    sp = ms.session("local[2]")
+    ms.keep_session(sp)
+    yield sp
+    ms.keep_session(None)
+    sp.stop()

@@ -256,15 +256,20 @@ def test_structural_skew_plateau_on_synthetic_runs(physics_runs):
     # small batches: more imbalance per step (sampling noise) ...
     small = dec[32]
     assert (small["imbalance_mean"].to_numpy() > big["imbalance_mean"].to_numpy() + 0.1).all()
-    # ... but the larger batch does not go below the structural skew: sampling excess is small
+    # ... but the larger batch does not go below the structural skew of what top-k without
+    # replacement makes of the popularity (the inclusion shares): sampling excess is small
     assert (big["sampling_excess"].to_numpy() < 0.05).all()
-    assert (big["imbalance_mean"].to_numpy() > true_struct - 0.05).all()
+    assert (big["imbalance_mean"].to_numpy() > expect_struct - 0.02).all()
     # merging the small run's steps walks imbalance down toward the plateau
     sb = st.sql("SELECT layer, steps_per_batch, imbalance FROM skew_by_batch WHERE run_id = ? ORDER BY layer, "
                 "steps_per_batch", [runs[32]])
+    # (all 32 steps merged: 32*32*8 assignments, 256 per rank on average, so the hottest
+    # rank's count has a Poisson spread of 1/sqrt(256*structural): it stays within 3 of
+    # those below the plateau)
     for layer in range(4):
         imb = sb.filter(sb["layer"] == layer)["imbalance"].to_numpy()
-        assert imb[0] > imb[-1] > true_struct[layer] - 0.1
+        floor = expect_struct[layer] * (1 - 3 / np.sqrt(256 * expect_struct[layer]))
+        assert imb[0] > imb[-1] > floor
 
 
 # ----------------------------------------------------------------------------- edge cases

@@ -112,7 +112,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 #: public names), ``cli`` and ``commands`` are the top.
 LAYERS = [
     ("ground", {"moetrace.version", "moetrace.errors", "moetrace.output", "moetrace.safety", "moetrace.safety_pickle",
-                "moetrace.streams"}),
+                "moetrace.streams", "moetrace.notebook", "moetrace.shape_gaps"}),
     ("domain", {"moetrace.domain"}),
     ("placement", {"moetrace.placement"}),
     ("formats", {"moetrace.formats"}),

@@ -179,7 +179,10 @@ def test_drift_stale_plan_degrades_and_replan_recovers(tmp_path):
     d = json.loads(r.output)
     q = d["static_by_age_quartile"]
     assert q[-1] > q[0] + 0.1                          # the stale plan degrades as it ages
-    assert d["replan"]["mean_imbalance"] < d["static"]["mean_imbalance"] - 0.1
+    # re-planning every 5 steps recovers: it closes most of the gap between the stale plan
+    # and the oracle (re-planned every step on the step's own load)
+    static, replan, oracle = (d[k]["mean_imbalance"] for k in ("static", "replan", "oracle"))
+    assert static - replan > 0.5 * (static - oracle) > 0
     assert d["oracle"]["mean_imbalance"] <= d["replan"]["mean_imbalance"] + 1e-9
     assert d["replan"]["moved_experts"] > 0 and d["replan"]["moved_bytes"] == d["replan"]["moved_experts"] * cfg.hidden * 3 * 2048
     assert (tmp_path / "drift.png").stat().st_size > 1000
@@ -229,8 +232,8 @@ def test_bad_input_exit_2_store_unchanged(slot_store):
     before = store_files(path)
     r = CliRunner().invoke(cli, ["replay", str(path), "--plan", "nope"])
     assert r.exit_code == 2 and "nope" in r.output
-    r = CliRunner().invoke(cli, ["replay", str(path), "--policy", "greedy", "--fit-window", "100:200"])
-    assert r.exit_code == 2 and "fit-window" in r.output
+    r = CliRunner().invoke(cli, ["replay", str(path), "--policy", "greedy", "--fit-steps", "100:200"])
+    assert r.exit_code == 2 and "fit-steps" in r.output
     r = CliRunner().invoke(cli, ["plan", str(path), "--policy", "greedy", "--replicas", "3"])
     assert r.exit_code == 2 and "divide" in r.output
     assert store_files(path) == before
@@ -260,7 +263,8 @@ def test_cost_fitted_from_spans(tmp_path):
         np.add.at(load, (t.column("step").to_numpy(), t.column("layer").to_numpy(), t.column("expert").to_numpy()),
                   t.column("tokens").to_numpy())
     rows = {k: [] for k in ("rank", "device", "stream", "kind", "name_id", "start_ns", "end_ns", "step", "layer",
-                            "micro_batch", "inferred", "correlation", "collective", "process_group")}
+                            "micro_batch", "inferred", "correlation", "collective", "process_group", "classified_by",
+                            "moe_context")}
     for s in range(4):
         for li in range(2):
             for r in range(4):
@@ -269,7 +273,7 @@ def test_cost_fitted_from_spans(tmp_path):
                 for k, v in (("rank", r), ("device", r), ("stream", 7), ("kind", "expert_gemm"), ("name_id", 0),
                              ("start_ns", 0), ("end_ns", dur), ("step", s), ("layer", li), ("micro_batch", None),
                              ("inferred", False), ("correlation", None), ("collective", None),
-                             ("process_group", None)):
+                             ("process_group", None), ("classified_by", None), ("moe_context", None)):
                     rows[k].append(v)
     tables["spans"] = rows
     st = Store(tmp_path / "c", create=True)
@@ -483,10 +487,10 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     _constant_load_store(tmp_path / "c")
     path = tmp_path / "c"
     assert run_cli("plan", path, "--policy", "greedy", "--plan-id", "all").exit_code == 0
-    assert run_cli("plan", path, "--policy", "greedy", "--fit-window", "2:5", "--plan-id", "w").exit_code == 0
-    bad = run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-window", "20:30", "--plan-id", "m")
+    assert run_cli("plan", path, "--policy", "greedy", "--fit-steps", "2:5", "--plan-id", "w").exit_code == 0
+    bad = run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "20:30", "--plan-id", "m")
     assert bad.exit_code == 2 and "holds no recorded steps" in bad.output
-    assert run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-window", "8:40", "--plan-id", "m").exit_code == 0
+    assert run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "8:40", "--plan-id", "m").exit_code == 0
     assert run_cli("plan", path, "--plan", "w", "--out", tmp_path / "w.json", "--no-store").exit_code == 0
     assert run_cli("plan", path, "--import", tmp_path / "w.json", "--plan-id", "imp").exit_code == 0
     st = Store(path)

@@ -230,7 +230,7 @@ def test_out_of_sample_by_default(tmp_path):
     r = run_cli("replay", path, "--policy", "greedy", "--json")
     d = json.loads(r.output)
     assert d["num_steps"] == 6 and "out-of-sample" in d["judged_on"]       # fitted on 0..5, judged on 6..11
-    d2 = json.loads(run_cli("replay", path, "--policy", "greedy", "--fit-window", "0:9", "--json").output)
+    d2 = json.loads(run_cli("replay", path, "--policy", "greedy", "--fit-steps", "0:9", "--json").output)
     assert d2["num_steps"] == 3
     d3 = json.loads(run_cli("replay", path, "--policy", "greedy", "--in-sample", "--json").output)
     assert d3["num_steps"] == 12 and "IN-SAMPLE" in d3["judged_on"]
@@ -295,7 +295,7 @@ def test_dispatch_traffic_matrix_per_rank_pair(tmp_path):
                       per_token=True, hidden=16, dtype_bytes=2, seed=3)
     st = Store(tmp_path / "pt", create=True)
     synth(st, cfg, run_id="pt")
-    r = run_cli("replay", tmp_path / "pt", "--policy", "greedy", "--fit-window", "0:2", "--json")
+    r = run_cli("replay", tmp_path / "pt", "--policy", "greedy", "--fit-steps", "0:2", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     st = Store(tmp_path / "pt")
@@ -328,7 +328,9 @@ def test_dispatch_traffic_matrix_per_rank_pair(tmp_path):
 
 
 # ----------------------------------------------------------------------------- re-ingest
-def test_reingest_with_other_options_or_run_id_makes_a_new_run(tmp_path):
+def test_reingest_with_other_options_needs_a_run_id(tmp_path):
+    """The same source with corrected options is never a silent second run (#25): refused
+    (one line, exit 2, store unchanged) unless --run-id names the new run."""
     path = tmp_path / "st"
     src = SAMPLES / "dsv3_synth_expert_load.parquet"
     base = ["ingest", src, "--store", path, "--top-k", 8, "--experts", 256, "--layers", 4]
@@ -336,13 +338,16 @@ def test_reingest_with_other_options_or_run_id_makes_a_new_run(tmp_path):
     assert r1.exit_code == 0 and "run " in r1.output
     again = run_cli(*base, "--ranks", 32)                       # same source, same options: a no-op
     assert again.exit_code == 0 and "nothing written" in again.output
-    r2 = run_cli(*base, "--ranks", 16)                          # corrected options: a new run
+    r2 = run_cli(*base, "--ranks", 16)                          # corrected options, no new id: refused
+    assert r2.exit_code == 2 and "with other options" in r2.output and "--run-id" in r2.output
+    r2 = run_cli(*base, "--ranks", 16, "--run-id", "r16")       # named: a new run
     assert r2.exit_code == 0 and "nothing written" not in r2.output
     r3 = run_cli(*base, "--ranks", 32, "--run-id", "again")      # a new run id: a new run
     assert r3.exit_code == 0 and "nothing written" not in r3.output
     st = Store(path)
     rows = st.sql("SELECT run_id, num_ranks, source_sha256 FROM runs ORDER BY ingested_at_ns")
     assert rows["num_ranks"].to_list() == [32, 16, 32] and rows["source_sha256"].n_unique() == 1
+    assert rows["run_id"].to_list()[1:] == ["r16", "again"]
     assert run_cli(*base, "--ranks", 32, "--run-id", "again").output.count("nothing written") == 1
 
 

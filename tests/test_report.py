@@ -354,7 +354,7 @@ def test_every_predicted_time_carries_its_error_band(tmp_path):
     assert f"static plan {m['static']:.3f}×, re-planned {m['replan']:.3f}×, oracle {m['oracle']:.3f}×" in cap
     if m["replan"] < m["static"] and m["static"] > m["oracle"]:
         share = (m["static"] - m["replan"]) / (m["static"] - m["oracle"])
-        assert f"closes {100 * share:.0f}% of the gap" in cap
+        assert f"closes {100 * share:.0f}% of the imbalance gap" in cap
     else:
         assert "closes" not in cap
 
@@ -363,7 +363,7 @@ def test_drift_caption_states_only_what_the_means_say():
     from moetrace.report.sections.replay import drift_caption
 
     c = drift_caption({"static": 1.4, "replan": 1.2, "oracle": 1.1})
-    assert "static plan 1.400×, re-planned 1.200×, oracle 1.100×" in c and "closes 67% of the gap" in c
+    assert "static plan 1.400×, re-planned 1.200×, oracle 1.100×" in c and "closes 67% of the imbalance gap" in c
     c = drift_caption({"static": 1.2, "replan": 1.25, "oracle": 1.1})
     assert "did not lower the imbalance" in c and "closes" not in c and "recovers" not in c
     assert "lowers it by 0.100×" in drift_caption({"static": 1.3, "replan": 1.2})

@@ -1,6 +1,6 @@
 """``--engine spark`` on the commands: ``sql``, ``skew`` and ``exposure`` give on Spark
 local mode what they give on DuckDB (the same views, transpiled), and a query Spark refuses
-is one line with exit code 2. Marked spark+slow (a JVM per command): ``-m "not spark"``
+is one line with exit code 2. Marked spark+slow (a SparkContext per command): ``-m "not spark"``
 skips it; ``.ci/run`` installs Java and pyspark."""
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from click.testing import CliRunner
 
 from moetrace.cli import cli
 
-from .conftest import REPO
-from .test_spark_views import _require_spark
+from .conftest import REPO, require_spark
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -28,7 +27,7 @@ def _cli(args, code=0):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    _require_spark()
+    require_spark()
     root = tmp_path_factory.mktemp("sparkcli") / "st"
     _cli(["ingest", str(root), str(SAMPLES / "refrun"), "--run-id", "refrun"])
     _cli(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",

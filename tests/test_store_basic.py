@@ -64,7 +64,7 @@ def test_second_run_gets_its_own_partition_and_unique_id(tmp_path):
     b = st.write_run(_run("b"), {"expert_load": _load()})
     assert a.run_id != b.run_id
     assert st.run_ids() == sorted([a.run_id, b.run_id])
-    with pytest.raises(StoreError, match="choose one with --run"):
+    with pytest.raises(StoreError, match="choose one \\(--run RUN_ID"):
         st.resolve_run(None)
 
 

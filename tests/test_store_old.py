@@ -87,7 +87,13 @@ def test_old_store_reads_as_it_is(runner, cli, stores):
                  ("sql", "SELECT * EXCLUDE (ingest_key) FROM runs", "--format", "json")):
         a, b = _cli(runner, cli, args[0], new, *args[1:]), _cli(runner, cli, args[0], old, *args[1:])
         assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
-        assert json.loads(a.output) == json.loads(b.output), args
+        # equal up to the last bit of a float mean (the old files' sorted counts are summed
+        # in another order)
+        ra, rb = json.loads(a.output), json.loads(b.output)
+        assert [r.keys() for r in ra] == [r.keys() for r in rb], args
+        for x, y in zip(ra, rb):
+            assert x == {k: pytest.approx(v, rel=1e-12) if isinstance(v, float) else v
+                         for k, v in y.items()}, args
     assert tree_hash(old) == before  # a read never rewrites the files
 
 

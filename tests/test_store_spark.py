@@ -3,13 +3,8 @@ Parquet folders (no export, no conversion) and a portable SQL statement of rank-
 imbalance gives the same numbers as moetrace's DuckDB ``layer_skew`` view.
 
 Needs pyspark (``pip install 'moetrace[spark]'``) and a Java runtime; skipped otherwise.
-About 30 s: a JVM starts."""
+Runs on the session the whole test run shares (conftest ``spark_session``)."""
 from __future__ import annotations
-
-import shutil
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pyarrow as pa
@@ -36,24 +31,6 @@ FROM rank_load r JOIN runs s ON s.run_id = r.run_id
 GROUP BY r.run_id, r.step, r.layer
 """
 
-SPARK = textwrap.dedent("""
-    import json, sys
-    from pyspark.sql import SparkSession
-    store = sys.argv[1]
-    spark = (SparkSession.builder.master("local[1]").appName("moetrace-test")
-             .config("spark.driver.memory", "1g").config("spark.ui.enabled", "false")
-             .config("spark.sql.shuffle.partitions", "2")
-             .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    for t in ("expert_load", "placement", "runs"):
-        spark.read.parquet(f"{store}/{t}").createOrReplaceTempView(t)
-    rows = spark.sql(sys.argv[2]).orderBy("run_id", "step", "layer").collect()
-    types = {f.name: f.dataType.simpleString() for f in spark.table("expert_load").schema.fields}
-    print("RESULT " + json.dumps({"types": types, "rows": [[r.run_id, r.step, r.layer, r.imbalance] for r in rows]}))
-    spark.stop()
-""")
-
-
 def _store(path, rng):
     """Two runs with hand-made loads; run 'b' replicates its two hottest experts."""
     st = Store(path, create=True)
@@ -76,17 +53,15 @@ def _store(path, rng):
     return st
 
 
-def test_spark_reads_the_store_as_is_and_agrees_with_layer_skew(tmp_path):
-    pytest.importorskip("pyspark", reason="pyspark not installed (pip install 'moetrace[spark]')")
-    if shutil.which("java") is None:
-        pytest.skip("no Java runtime for Spark")
+def test_spark_reads_the_store_as_is_and_agrees_with_layer_skew(tmp_path, spark_session):
     st = _store(tmp_path / "store", np.random.default_rng(7))
-    proc = subprocess.run([sys.executable, "-c", SPARK, str(tmp_path / "store"), PORTABLE_IMBALANCE],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    doc = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    spark = spark_session           # the run's one session (conftest); plain reads, no moetrace code
+    store = tmp_path / "store"
+    for t in ("expert_load", "placement", "runs"):
+        spark.read.parquet(str(store / t)).createOrReplaceTempView(t)
+    rows = spark.sql(PORTABLE_IMBALANCE).orderBy("run_id", "step", "layer").collect()
+    types = {f.name: f.dataType.simpleString() for f in spark.table("expert_load").schema.fields}
+    doc = {"types": types, "rows": [[r.run_id, r.step, r.layer, r.imbalance] for r in rows]}
     assert doc["types"] == {"step": "bigint", "layer": "int", "expert": "int", "slot": "int", "src_rank": "int",
                             "tokens": "bigint", "run_id": "string"}
     spark_rows = {(r[0], r[1], r[2]): r[3] for r in doc["rows"]}

@@ -242,16 +242,36 @@ def ingest(store, paths: Sequence[str | Path], format: str | None = None, option
         from ..storage.store import Store
 
         store = Store(store, create=True)
+    for rd in runs:   # every refusal before the first write: the store stays as it was
+        rd.run["ingest_key"] = ingest_key(rd.run.get("source_sha256"), options, run_id)
+        if run_id is None:
+            refuse_silent_reingest(store, rd)
     results = []
     for rd in runs:
         hint = run_id or rd.run.get("run_id") or rd.run_id_hint
         rd.run.pop("run_id", None)
-        rd.run["ingest_key"] = ingest_key(rd.run.get("source_sha256"), options, run_id)
         res = store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint)
         if on_write is not None:
             on_write(rd, res)
         results.append(res)
     return results
+
+
+def refuse_silent_reingest(store, rd) -> None:
+    """The same source again with other options (a corrected ``--ranks``) never becomes a
+    second run silently (``loads-2``): without ``--run-id`` it is refused, naming the run that
+    holds the source. The same source with the same options stays a no-op (write_run)."""
+    sha = rd.run.get("source_sha256")
+    if not sha or not store.has_files("runs"):
+        return
+    key = rd.run.get("ingest_key") or sha
+    if store.find_by_sha(key) is not None:
+        return                                   # same source, same options: already there, a no-op
+    held = store.sql("SELECT run_id FROM runs WHERE source_sha256 = ? ORDER BY run_id", [sha])["run_id"].to_list()
+    if held:
+        src = (rd.files or [rd.run.get("source")])[0]
+        raise InputError(src, f"already ingested as run {held[0]!r} with other options; to ingest it again with "
+                              "these, name the new run: --run-id NEW (both runs are kept)")
 
 
 def ingest_key(source_sha256: str | None, options: dict | None, run_id: str | None) -> str | None:

@@ -15,9 +15,8 @@ import numpy as np
 from ..errors import InputError
 from ..safety import check_regular_file, check_zip_members
 
-INSTALL_HINT = ("reading .pt dumps needs PyTorch; install the CPU build with "
-                "`pip install 'moetrace[torch]'` (or `pip install torch --index-url "
-                "https://download.pytorch.org/whl/cpu`)")
+INSTALL_HINT = ("reading .pt dumps needs the 'torch' extra (torch is not installed): pip install 'moetrace[torch]' "
+                "(CPU-only build: pip install torch --index-url https://download.pytorch.org/whl/cpu)")
 
 PT_MAGIC = b"PK\x03\x04"
 

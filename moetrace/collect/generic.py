@@ -18,6 +18,7 @@ DuckDB over the key columns (it spills), or ruled out by the dense order.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -111,23 +112,49 @@ def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
             bad = s.is_nan() | (s != s.round(0))
             if bad.any():
                 i = int(bad.arg_max())
-                raise InputError(path, f"column {c!r} holds a non-integer value {s[i]!r}", f"row {offset + i + 1}")
+                raise InputError(path, f"column {c!r} holds a non-integer value {s[i]!r}", _row(path, offset + i + 1))
         elif not s.dtype.is_integer() and s.dtype != pl.Null:
             try:
                 df = df.with_columns(pl.col(c).cast(pl.Int64, strict=True))
                 continue
             except Exception:
-                raise InputError(path, f"column {c!r} must be integer, got {s.dtype}") from None
+                i = _first_uncastable(s)
+                raise InputError(path, f"column {c!r} must be integer, got {s[i]!r}" if i is not None else
+                                 f"column {c!r} must be integer, got {s.dtype}",
+                                 _row(path, offset + i + 1) if i is not None else None) from None
         try:
             df = df.with_columns(pl.col(c).cast(pl.Int64))
         except Exception:  # e.g. a 128-bit integer polars read from a huge literal
-            raise InputError(path, f"column {c!r} holds a value outside the 64-bit integer range") from None
+            i = _first_uncastable(s)
+            pos = _row(path, offset + i + 1) if i is not None else None
+            raise InputError(path, f"column {c!r} holds a value outside the 64-bit integer range", pos) from None
     return df
+
+
+def _first_uncastable(s: pl.Series) -> int | None:
+    """Index of the first non-null value of ``s`` that is no 64-bit integer (None: not found,
+    or a type such as a list that has no per-value cast)."""
+    try:
+        bad = s.cast(pl.Int64, strict=False).is_null() & s.is_not_null()
+    except Exception:
+        return None
+    return int(bad.arg_max()) if bad.any() else None
+
+
+def _row(path: Path, row: int) -> str:
+    """Where data row ``row`` (1-based, the header not counted) is: in a CSV also its line
+    (the header is line 1), so an editor's line number finds it."""
+    name = str(path).lower()
+    if name.endswith((".parquet", ".jsonl", ".ndjson")):
+        return f"row {row}"
+    return f"row {row}, line {row + 1}"
 
 
 def _parse_error(path: Path, e: BaseException) -> InputError:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return InputError(path, f"cannot parse: {msg}")
+    m = re.search(r"Row #(\d+)", msg)       # pyarrow's CSV reader counts lines, the header being line 1
+    pos = _row(path, int(m.group(1)) - 1) if m else None
+    return InputError(path, f"cannot parse: {msg}", pos)
 
 
 def _parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
@@ -195,7 +222,7 @@ def _columns(df: pl.DataFrame, path: Path, req: list[str], opt: list[str], offse
     for c in req:
         if df[c].null_count():
             i = int(df[c].is_null().arg_max())
-            raise InputError(path, f"column {c!r} is empty", f"row {offset + i + 1}")
+            raise InputError(path, f"column {c!r} is empty", _row(path, offset + i + 1))
     for c in opt:
         if c not in df.columns:
             df = df.with_columns(pl.lit(None, dtype=pl.Int64 if c != "gate" else pl.Float32).alias(c))
@@ -206,14 +233,14 @@ def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shap
     """One batch of expert_load rows: the contract's columns as Int64 (absent optional ones
     null), required ones non-null, counts and ids non-negative and inside ``shape``."""
     if set(df.columns) != cols:
-        raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", f"row {offset + 1}")
+        raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", _row(path, offset + 1))
     df = _columns(df, path, LOAD_REQ, LOAD_OPT, offset)
     for c in ("layer", "expert", "slot", "step", "src_rank", "tokens"):
         col = df[c]
         mn = col.min()
         if mn is not None and mn < 0:
             i = int((col < 0).fill_null(False).arg_max())
-            raise InputError(path, f"expert_load.{c} = {col[i]} is negative", f"row {offset + i + 1}")
+            raise InputError(path, f"expert_load.{c} = {col[i]} is negative", _row(path, offset + i + 1))
         upper = shape.get(c)
         if c == "tokens":  # counts bounded so sums stay exact (checks.MAX_COUNT)
             upper = MAX_COUNT + 1
@@ -226,14 +253,14 @@ def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shap
                 f"is outside the run's shape (0..{upper - 1})"
             if c == "tokens":
                 what = f"is beyond the largest count moetrace accepts (2^40 = {MAX_COUNT}; sums must stay exact)"
-            raise InputError(path, f"expert_load.{c} = {col[i]} {what}", f"row {offset + i + 1}")
+            raise InputError(path, f"expert_load.{c} = {col[i]} {what}", _row(path, offset + i + 1))
     return df.select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
 
 
 def _cast_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set) -> pl.DataFrame:
     """A batch the first pass checked, cast as :func:`_check_load_batch` casts it."""
     if set(df.columns) != cols:
-        raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", f"row {offset + 1}")
+        raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", _row(path, offset + 1))
     return _columns(df, path, LOAD_REQ, LOAD_OPT, offset).select(["step", "layer", "expert", "slot", "src_rank",
                                                                    "tokens"])
 
@@ -263,12 +290,13 @@ def _first_duplicate(path: Path, cols: set, shape: dict) -> dict | None:
     over the key columns of every batch (its aggregation spills to disk)."""
     import duckdb
 
-    schema = pa.schema([(c, pa.int64()) for c in ("step", "layer", "expert", "slot", "src_rank")])
+    schema = pa.schema([(c, pa.int64()) for c in ("step", "layer", "expert", "slot", "src_rank", "rn")])
 
     def keys():
         off = 0
         for df in _frames(path):
             b = _check_load_batch(df, path, off, cols, shape)
+            b = b.with_columns(pl.int_range(off + 1, off + 1 + b.height, dtype=pl.Int64).alias("rn"))
             off += df.height
             yield from b.select(schema.names).cast(pl.Int64).to_arrow().to_batches()
 
@@ -276,10 +304,11 @@ def _first_duplicate(path: Path, cols: set, shape: dict) -> dict | None:
     con.execute("SET preserve_insertion_order=false")
     reader = pa.RecordBatchReader.from_batches(schema, keys())
     con.register("_keys", reader)
-    row = con.execute("SELECT step, layer, expert, count(*) AS n FROM _keys GROUP BY step, layer, expert, slot, "
-                      "src_rank HAVING count(*) > 1 ORDER BY step, layer, expert LIMIT 1").fetchone()
+    row = con.execute("SELECT step, layer, expert, count(*) AS n, min(rn), max(rn) FROM _keys GROUP BY step, layer, "
+                      "expert, slot, src_rank HAVING count(*) > 1 ORDER BY step, layer, expert LIMIT 1").fetchone()
     con.close()
-    return None if row is None else {"step": row[0], "layer": row[1], "expert": row[2], "len": row[3]}
+    return None if row is None else {"step": row[0], "layer": row[1], "expert": row[2], "len": row[3],
+                                     "first": row[4], "last": row[5]}
 
 
 def _collect_load(path: Path, cols: set, options: dict) -> RunData:
@@ -332,7 +361,8 @@ def _collect_load(path: Path, cols: set, options: dict) -> RunData:
         dup = _first_duplicate(path, cols, shape)
         if dup:
             raise InputError(path, f"duplicate expert_load row for step={dup['step']}, layer={dup['layer']}, "
-                                   f"expert={dup['expert']} ({dup['len']} rows)")
+                                   f"expert={dup['expert']} ({dup['len']} rows; first {_row(path, dup['first'])}, "
+                                   f"last {_row(path, dup['last'])})", _row(path, dup["last"]))
     big = bool(options.get("progress")) or rows > PROGRESS_ROWS
 
     parquet = path.name.lower().endswith(".parquet")
@@ -460,9 +490,10 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         if "choice" not in cols:
             df = df.with_columns(pl.int_range(pl.len()).over(["step", "layer", "token"]).alias("choice"))
             approx.append("routing.choice inferred from row order within each token")
-        neg = df.filter(pl.col("expert") < 0)
-        if neg.height:
-            raise InputError(path, f"expert id {neg['expert'][0]} is negative")
+        neg = (df["expert"] < 0)
+        if neg.any():
+            i = int(neg.arg_max())
+            raise InputError(path, f"expert id {df['expert'][i]} is negative", _row(path, i + 1))
         routing = df.select(["step", "layer", "token", "src_rank", "choice", "expert", "slot", "gate"])
         load = (routing.group_by(["step", "layer", "expert"])
                 .agg(pl.len().cast(pl.Int64).alias("tokens"))

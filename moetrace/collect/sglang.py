@@ -151,46 +151,89 @@ def _stat_run(path: Path, options: dict) -> RunData:
 
 
 # ----------------------------------------------------------------------------- JSON
-def _json_run(path: Path, options: dict) -> RunData:
-    check_regular_file(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise InputError(path, "not UTF-8 text") from None
-    try:
-        obj = json.loads(text)
-    except RecursionError:
-        raise InputError(path, "JSON nested too deeply to parse (a crafted or corrupt file)") from None
-    except ValueError as e:
-        raise InputError(path, f"invalid JSON: {e.msg}", f"line {e.lineno} column {e.colno}") from None
-    if not isinstance(obj, dict) or "logical_count" not in obj:
-        raise InputError(path, "expected a JSON object with 'logical_count'")
-    try:
-        lc = np.asarray(obj["logical_count"])
-    except ValueError:
-        lc = np.asarray([], dtype=object)
-    if lc.dtype == object or lc.ndim not in (2, 3):
+def _json_counts(arr: np.ndarray, path: Path, first: int, ndim: int) -> np.ndarray:
+    """One batch of logical_count rows as int64 (integers, finite, non-negative, at most
+    MAX_COUNT); an error names the index in the whole array."""
+    from .checks import MAX_COUNT
+
+    if arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
+            raise InputError(path, "logical_count holds non-integer counts")
+    elif arr.dtype.kind not in "iu":
         raise InputError(path, "logical_count must be a rectangular [layers][experts] or [N][layers][experts] "
                                "array of integers")
-    if 0 in lc.shape:
-        raise InputError(path, f"logical_count has shape {list(lc.shape)}: no layers or experts (nothing recorded)")
-    lc = _check_counts(lc, path, "logical_count")
+    for bad, what in ((arr < 0, "a negative count"), (arr > MAX_COUNT, "a count beyond 2^40 (sums must stay exact)")):
+        if arr.size and bad.any():
+            idx = [int(i) for i in np.argwhere(bad)[0]]
+            v = arr[tuple(idx)]
+            idx[0] += first
+            raise InputError(path, f"logical_count holds {what}: {int(v)}", f"index {idx}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _json_run(path: Path, options: dict) -> RunData:
+    """The logical_count JSON, read twice in bounded memory (collect/_json_stream.py):
+    a first pass checks every value and finds the shape, the zero layers and the highest
+    ids; the store's write streams the rows of the second."""
+    from ._json_stream import array_batches
+    from ..streams import Rereadable
+
+    check_regular_file(path)
+    what = "[layers][experts] or [N][layers][experts]"
+
+    def batches():
+        n = 0
+        for ndim, arr in array_batches(path, "logical_count", what):
+            yield ndim, n, _json_counts(arr, path, n, ndim)
+            n += arr.shape[0]
+
+    ndim, rows, layer_tot, expert_tot = None, 0, None, None
+    inner = None
+    for ndim, first, arr in batches():
+        inner = arr.shape[1:]
+        rows = first + arr.shape[0]
+        if 0 in arr.shape:
+            continue
+        if ndim == 3:
+            s = arr.sum(axis=(0, 2))
+            layer_tot = s if layer_tot is None else layer_tot + s
+            e = arr.sum(axis=(0, 1))
+        else:
+            layer_tot = arr.sum(axis=1) if layer_tot is None else np.concatenate([layer_tot, arr.sum(axis=1)])
+            e = arr.sum(axis=0)
+        expert_tot = e if expert_tot is None else expert_tot + e
+    shape = [rows, *inner]
+    if 0 in shape:
+        raise InputError(path, f"logical_count has shape {shape}: no layers or experts (nothing recorded)")
+    L, E = shape[-2], shape[-1]
+    # the bounds validate_run checks on a whole table, checked here (the rows are streamed)
+    for col, tot, opt in (("layer", layer_tot, "num_layers"), ("expert", expert_tot, "num_experts")):
+        upper = options.get(opt)
+        nz = np.flatnonzero(tot)
+        if upper and nz.size and nz[-1] >= int(upper):
+            raise InputError(path, f"expert_load.{col} = {int(nz[-1])} is outside the run's shape (0..{int(upper) - 1})")
     approx = []
-    if lc.ndim == 2:
-        lc = lc[None]
+    if ndim == 2:
         approx.append("aggregate logical_count (SGLang --init-expert-location JSON): the whole recording is one "
                       "pseudo-step (step 0); per-pass variation is not in the source")
     else:
         approx.append("logical_count [N, layers, experts]: each of the N rows is taken as one step")
-    dense = [int(i) for i in np.nonzero(lc.sum(axis=(0, 2)) == 0)[0]]
+    dense = [int(i) for i in np.flatnonzero(layer_tot == 0)]
     if dense:
         approx.append(f"layers with no routed tokens (dense or unrecorded): {_ranges(dense)}")
-    s, l, e, t = _load_rows(lc)
+
+    def stream():
+        for nd, first, arr in batches():
+            if nd == 2:
+                l, e = np.nonzero(arr)
+                yield _load_table(np.zeros(len(l), np.int64), l + first, e, arr[l, e])
+            else:
+                s, l, e, t = _load_rows(arr)
+                yield _load_table(s + first, l, e, t)
+
     meta = {"format": "sglang_logical_count_json", "zero_layers": dense}
-    run = _run(path.name, sha256_files([path]), lc.shape[1], lc.shape[2], approx, meta, options,
-               collector="sglang")
-    return RunData(run=run, tables={"expert_load": _load_table(s, l, e, t)}, run_id_hint=path.stem,
-                   files=[str(path)])
+    run = _run(path.name, sha256_files([path]), L, E, approx, meta, options, collector="sglang")
+    return RunData(run=run, tables={"expert_load": Rereadable(stream)}, run_id_hint=path.stem, files=[str(path)])
 
 
 def _ranges(ids: list[int]) -> str:

@@ -120,12 +120,78 @@ def steps_option(*names, help: str, dest: str | None = None):
     return click.option(*decls, callback=steps_range, default=None, metavar="A:B", help=help)
 
 
-def out_option(f=None, *, dir_okay=False, help="Write to FILE."):
-    """-o/--out: where a command writes its file (or folder, with dir_okay)."""
+class AliasOption(click.Option):
+    """An option that also answers to old spellings (``aliases``) without showing them in
+    ``--help``: a renamed option keeps working, the help shows the one convention."""
+
+    def __init__(self, param_decls, aliases=(), **attrs):
+        self.aliases = tuple(aliases)
+        super().__init__(list(param_decls) + list(self.aliases), **attrs)
+
+    def get_help_record(self, ctx):
+        opts = self.opts
+        self.opts = [o for o in opts if o not in self.aliases]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+
+def alias_option(*decls, aliases=(), **attrs):
+    """``click.option`` with hidden old spellings (:class:`AliasOption`); ``decls`` name the
+    destination explicitly."""
+    return click.option(*decls, cls=AliasOption, aliases=aliases, **attrs)
+
+
+def out_dir_option(f=None, *, help="Folder to write into."):
+    """--out-dir DIR: the folder a command writes its files into (``-o/--out`` is a rows
+    file everywhere; the old ``report -o/--out DIR`` still works, unlisted)."""
     def deco(g):
-        kind = click.Path(file_okay=not dir_okay, dir_okay=dir_okay)
-        return click.option("-o", "--out", "out", type=kind, default=None, callback=check_out_path, help=help)(g)
+        return alias_option("--out-dir", "out", aliases=("-o", "--out"), metavar="DIR",
+                            type=click.Path(file_okay=False, dir_okay=True), default=None, callback=check_out_path, help=help)(g)
     return deco(f) if f is not None else deco
+
+
+def one_int(ctx, param, value):
+    """click callback: the comma-list parser (:func:`int_list`) held to one value, for a
+    command that replays one configuration (``moetrace sweep`` takes several)."""
+    v = int_list(ctx, param, value)
+    if v is None:
+        return None
+    if len(v) != 1:
+        raise click.BadParameter(f"{value!r}: {ctx.command.name} takes one value here; moetrace sweep compares "
+                                 "several")
+    return v[0]
+
+
+def ints_option(name: str, dest: str, *, one: bool = False, help: str, default=None, show_default: bool = False):
+    """``--replicas`` / ``--replan-every`` / ``--window``: integers in the one comma-list
+    syntax in every command; ``one``: exactly one of them (replay, plan)."""
+    return click.option(name, dest, callback=one_int if one else int_list, default=default,
+                        show_default=show_default, metavar="N" if one else "N[,N...]", help=help)
+
+
+def steps_select(ctx, param, value):
+    """click callback: a set of steps as ``A:B`` (A <= step < B), a comma list, or ``even``
+    / ``odd`` -> ``("parity", 0 | 1)`` or a sorted list of steps."""
+    if value in (None, ""):
+        return None
+    if value in ("even", "odd"):
+        return ("parity", 0 if value == "even" else 1)
+    return sorted(steps_list(ctx, param, value))
+
+
+def fit_steps_option(help: str):
+    """--fit-steps A:B (the old ``--fit-window`` still works, unlisted): the steps a plan is
+    fitted on."""
+    return alias_option("--fit-steps", "fit_window", aliases=("--fit-window",), callback=steps_range, default=None,
+                        metavar="A:B", help=help)
+
+
+def chrome_trace_option(help: str, aliases=()):
+    """--chrome-trace FILE: a Chrome/Perfetto trace, under one name in every command."""
+    return alias_option("--chrome-trace", "chrome_trace", aliases=aliases, type=click.Path(dir_okay=False),
+                        default=None, metavar="FILE", help=help)
 
 
 def kv_options(known=None):
@@ -185,6 +251,19 @@ def engine_sql(store, engine: str, master: str | None, remote: str | None):
             yield sp.sql
 
     return ctx()
+
+
+def rows_written(rows: dict, run: dict | None = None) -> str:
+    """"expert_load 51200 rows, steps 1600 rows, ...": the rows a write added, as the views show
+    them: dense expert_counts rows (one list of E counts per (step, layer)) counted as the
+    expert_load rows they hold, so the line matches ``moetrace runs`` and a query of
+    expert_load. One line for ingest, synth, refrun and capture."""
+    rows = dict(rows)
+    E = (run or {}).get("num_experts")
+    if "expert_counts" in rows and E:
+        dense = rows.pop("expert_counts")
+        rows = {"expert_load": rows.pop("expert_load", 0) + dense * int(E), **rows}
+    return ", ".join(f"{t} {n} rows" for t, n in rows.items())
 
 
 # ----------------------------------------------------------------------------- numeric ranges
@@ -271,10 +350,26 @@ def int_list_in(lo: int, hi: int, most: int = 10_000):
         return xs
 
     cb.declared_range = (lo, hi)
+    cb.int_list = True          # the one comma-list parser, with a range (tests/test_cli_convention.py)
     return cb
 
 
 #: declared ranges of the comma-list options (``--replicas 0,16,32``), by option name
+def one_int_in(lo: int, hi: int):
+    """click callback: :func:`one_int` (exactly one value of the comma-list syntax), within lo..hi."""
+    inner = int_list_in(lo, hi)
+
+    def cb(ctx, param, value):
+        v = one_int(ctx, param, value)
+        if v is not None:
+            inner(ctx, param, str(v))
+        return v
+
+    cb.declared_range = (lo, hi)
+    cb.int_list = True
+    return cb
+
+
 LIST_RANGES = {"--replicas": (0, SHAPE), "--replan-every": (1, BIG), "--window": (1, BIG), "--hot": (0, SHAPE - 1)}
 
 
@@ -282,10 +377,10 @@ def apply_ranges(cmd: click.Command) -> None:
     """Give each numeric option of ``cmd`` its declared range (:data:`RANGES`), and each
     comma list of integers its range (:data:`LIST_RANGES`)."""
     for p in cmd.params:
-        if isinstance(p, click.Option) and p.callback is int_list:
+        if isinstance(p, click.Option) and p.callback in (int_list, one_int):
             name = max(p.opts, key=len)
             if name in LIST_RANGES:
-                p.callback = int_list_in(*LIST_RANGES[name])
+                p.callback = (one_int_in if p.callback is one_int else int_list_in)(*LIST_RANGES[name])
         if is_numeric(p):
             name = max(p.opts, key=len)
             t = RANGES.get((cmd.name, name)) or RANGES.get(name)

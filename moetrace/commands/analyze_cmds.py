@@ -6,7 +6,7 @@ import click
 from .. import open_store
 from ..output import emit, output_options
 from ..run import SKEW_BY
-from ._options import engine_options, engine_sql, out_option, run_option
+from ._options import engine_options, engine_sql, out_dir_option, run_option
 
 
 def _progress(line: str) -> None:
@@ -26,7 +26,7 @@ def _heavy_options(f):
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
 @run_option(help="Run to report on (needed when the store holds several).")
-@out_option(dir_okay=True, help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
+@out_dir_option(help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
 @_heavy_options
 def report(store, run_id, out, quiet, batch_steps, memory_limit):
@@ -38,7 +38,7 @@ def report(store, run_id, out, quiet, batch_steps, memory_limit):
 
     \b
         moetrace synth demo --layers 4 --steps 50 --sigma 0.6
-        moetrace report demo --out demo-report
+        moetrace report demo --out-dir demo-report
 
     Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
     """
@@ -89,6 +89,11 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
                   for r in runs]
     df = pl.concat([f for f in frames if f.height] or frames[:1], how="vertical_relaxed")
     emit(df, fmt, output)
+    from ..shape_gaps import gap_notes
+
+    for r in runs:   # a null column always has its reason next to it
+        for n in gap_notes(r.row):
+            click.echo(f"note: {n}", err=True)
 
 
 def register(cli):

@@ -7,7 +7,7 @@ import polars as pl
 
 from ..output import echo_json, emit, json_option, output_options
 from ..run import Store
-from ._options import hardware_option, steps_range
+from ._options import alias_option, hardware_option, steps_range
 
 
 _steps_range = steps_range
@@ -62,8 +62,9 @@ def fit_lines(summary: dict) -> list[str]:
 
 @click.command("calibrate")
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@click.option("--fit", "fit_run", required=True, help="Run whose measured spans the cost model is fitted on.")
-@click.option("--judge", "judge_runs", multiple=True,
+@alias_option("--run", "fit_run", aliases=("--fit",), default=None, metavar="RUN_ID",
+              help="Run whose measured spans the cost model is fitted on (default: the store's only run).")
+@alias_option("--judge-run", "judge_runs", aliases=("--judge",), multiple=True, metavar="RUN_ID",
               help="Run to predict with the fitted model and compare with its measured spans (repeatable). "
                    "Without it: the fit only (in-sample errors), or with --judge-steps the fit run's other steps.")
 @click.option("--load", "loads", multiple=True, metavar="SPANS_RUN=LOAD_RUN",
@@ -71,8 +72,8 @@ def fit_lines(summary: dict) -> list[str]:
                    "and an engine dump ingested as two runs); repeatable.")
 @click.option("--step-offset", type=int, default=0, show_default=True,
               help="With --load: load step = profiler step + N.")
-@click.option("--fit-steps", callback=_steps_range, default=None, help="Fit on steps A <= step < B only (A:B).")
-@click.option("--judge-steps", callback=_steps_range, default=None,
+@click.option("--fit-steps", callback=_steps_range, default=None, metavar="A:B", help="Fit on steps A <= step < B only (A:B).")
+@click.option("--judge-steps", callback=_steps_range, default=None, metavar="A:B",
               help="Judge on steps A <= step < B only (A:B); with one run, a time split of it.")
 @hardware_option(help="Preset whose bandwidths are kept where the fit run cannot determine them.")
 @click.option("--loss", type=click.Choice(["l2", "mape"]), default="l2", show_default=True,
@@ -99,9 +100,9 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
 
     \b
         moetrace refrun ra --ranks 4 --experts 16 --skew 1.2 --store st
-        moetrace plan st --run ra --policy eplb --replicas 4 --out eplb4.json
+        moetrace plan st --run ra --policy eplb --replicas 4 --export eplb4.json
         moetrace refrun rb --ranks 4 --experts 16 --skew 1.2 --placement eplb4.json --store st
-        moetrace calibrate st --fit ra --judge rb
+        moetrace calibrate st --run ra --judge-run rb
     """
     st = Store(store)
     rid = st.resolve_run(fit_run)

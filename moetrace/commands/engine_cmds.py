@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import click
 
-from ._options import int_list
+from ._options import int_list, rows_written
+
+#: the CPU build of PyTorch, for the install line of the torch extra
+CPU_TORCH = "(CPU-only build: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
 
 
 def _idle(ctx, param, values):
@@ -65,6 +68,9 @@ def refrun(outdir, store_path, run_id, no_profile, quiet, **kw):
     \b
         moetrace refrun rr --ranks 4 --experts 16 --skew 1.2 --idle 3:2 --store st
     """
+    from ..errors import require_extra
+
+    require_extra("moetrace refrun", "torch", "torch", hint=CPU_TORCH)
     from ..produce.refrun import RefRunConfig, run
 
     cfg = RefRunConfig(profile=not no_profile, progress=not quiet, **kw)
@@ -84,8 +90,7 @@ def refrun(outdir, store_path, run_id, no_profile, quiet, **kw):
         from ..collect import ingest
 
         def said(rd, res):
-            click.echo(f"run {res.run_id}: " + (res.message if res.skipped else
-                                                 ", ".join(f"{t} {n} rows" for t, n in res.rows.items())))
+            click.echo(f"run {res.run_id}: " + (res.message if res.skipped else rows_written(res.rows, rd.run)))
 
         ingest(store_path, [outdir], run_id=run_id, on_write=said)
 
@@ -113,6 +118,9 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
         moetrace capture st --tiny qwen3_moe --prompts prompts.txt --max-new-tokens 4
     """
     from .. import open_store
+    from ..errors import require_extra
+
+    require_extra("moetrace capture", "capture", "torch", "transformers")
     from ..produce.capture import capture_prompts, load_model, read_prompts, tiny_model
 
     if bool(model_path) == bool(tiny):
@@ -126,7 +134,7 @@ def capture(store, prompts, model_path, tiny, max_new_tokens, batch_size, downlo
                           progress=lambda line: click.echo(line, err=True))   # progress on stderr
     res = cap.write(open_store(store, create=True), run_id=run_id, source=source)
     click.echo(f"run {res.run_id} ({type(model).__name__}, {len(cap.routers)} MoE layers, {cap.step + 1} steps): "
-               + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+               + rows_written(res.rows))
 
 
 def register(cli):

@@ -7,8 +7,8 @@ import polars as pl
 
 from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..run import Store
-from ._options import (hardware_option, int_list, policy_option, run_option, split_option, steps_list,
-                       steps_option, store_argument)
+from ._options import (alias_option, chrome_trace_option, fit_steps_option, hardware_option, ints_option,
+                       policy_option, run_option, split_option, steps_list, store_argument)
 
 
 def _stack(*opts):
@@ -27,11 +27,13 @@ cluster_options = _stack(
     click.option("--nodes", type=int, default=None, help="Nodes (must equal ranks / ranks-per-node)."),
     click.option("--ranks-per-node", "rpn", type=int, default=None, help="Ranks per node (default: the run's)."))
 
-shape_options = _stack(
-    run_option, policy_option, cluster_options,
-    click.option("--replicas", type=int, default=None, help="Redundant slots per layer (default: the run's)."),
-    steps_option("--fit-window", help="Fit the plan on steps A <= step < B (default: the first half); "
-                                      "it is judged on the steps after B."))
+def shape_options(fit_help: str):
+    """--run, --policy, the cluster shape, --replicas N and --fit-steps A:B (its help says
+    what the command fits on by default)."""
+    return _stack(
+        run_option, policy_option, cluster_options,
+        ints_option("--replicas", "replicas", one=True, help="Redundant slots per layer (default: the run's)."),
+        fit_steps_option(help=fit_help))
 
 move_options = _stack(
     click.option("--stall-ms", type=float, default=0.0, show_default=True,
@@ -96,7 +98,8 @@ def _print_replay(res):
 
 @click.command()
 @store_argument
-@shape_options
+@shape_options("Fit the plan on steps A <= step < B (default: every recorded step: a plan to deploy uses all "
+               "the data; replay --policy fits on the first half and judges on the rest).")
 @click.option("--plan", "plan_id_in", default=None, help="Start from a stored plan ('recorded' = the run's own).")
 @click.option("--import", "import_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read a plan file (SGLang physical_to_logical_map / logical_count JSON, EPLB JSON, TensorRT-LLM "
@@ -105,9 +108,10 @@ def _print_replay(res):
 @click.option("--target-imbalance", type=float, default=None, help="Move-aware re-plan: stop at this max/mean.")
 @click.option("--plan-id", default=None, help="Id to store the plan under (default: the policy name).")
 @click.option("--no-store", is_flag=True, help="Do not write the plan into the store.")
-@click.option("-o", "--out", "out_file", type=click.Path(dir_okay=False), default=None, callback=check_out_path,
-              help="Export the plan to FILE.")
-@click.option("--out-format", type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
+@alias_option("--export", "out_file", aliases=("-o", "--out"), type=click.Path(dir_okay=False), default=None,
+              callback=check_out_path, metavar="FILE", help="Export the plan to FILE in --export-format.")
+@alias_option("--export-format", "out_format", aliases=("--out-format",),
+              type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
               show_default=True, help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON; "
               "trtllm: TensorRT-LLM moe_config.load_balancer YAML; vllm-ascend: expert map JSON (expert_map_path).")
 @click.option("--list", "list_plans", is_flag=True, help="List the run's stored plans and exit.")
@@ -119,8 +123,8 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
          max_moves, target_imbalance, plan_id, no_store, out_file, out_format, list_plans, no_relabel, as_json):
     """Make an expert placement plan (or import / re-plan / export one) and store it.
 
-    The plan is fitted on the run's summed load (all steps or --fit-window), stored in the
-    placement table under --plan-id, and exported with --out as SGLang
+    The plan is fitted on the run's summed load (all steps or --fit-steps), stored in the
+    placement table under --plan-id, and exported with --export as SGLang
     --init-expert-location JSON or EPLB-style JSON. With --plan and --max-moves the
     move-aware re-planner changes as few slots as it can; with --plan and --policy the
     policy re-plans from scratch and its ranks are renamed to keep the most experts where
@@ -130,8 +134,18 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
     Example:
 
     \b
-        moetrace plan demo --policy eplb --replicas 32 --plan-id eplb32 --out eplb32.json
+        moetrace plan demo --policy eplb --replicas 32 --plan-id eplb32 --export eplb32.json
     """
+    if plan_id_in and not policy and not import_file:
+        # --plan alone exports it, with --max-moves re-plans it: its shape is the stored plan's
+        given = [n for n, v in (("--ranks", ranks), ("--replicas", replicas), ("--groups", groups),
+                                ("--nodes", nodes), ("--ranks-per-node", rpn), ("--no-relabel", no_relabel or None))
+                 if v is not None]
+        if given:
+            from ..errors import UsageError
+
+            raise UsageError(f"--plan {plan_id_in} keeps the stored plan's shape: {', '.join(given)} would be "
+                             "ignored; leave them out (or fit a new plan with --policy)")
     st = Store(store)
     run = st.run(run_id)
     if list_plans:
@@ -165,19 +179,18 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 
 @click.command()
 @store_argument
-@shape_options
+@shape_options("Fit the plan on steps A <= step < B (default: the first half); it is judged on the steps after B.")
 @click.option("--plan", "plan_id", default=None, help="Replay a stored plan ('recorded' = the run's own).")
 @click.option("--in-sample", is_flag=True,
               help="Judge a fitted plan on every step, those it was fitted on included (labelled in-sample).")
-@click.option("--replan-every", type=int, default=None, help="Re-plan every N steps (drift replay).")
-@click.option("--window", type=int, default=None, help="Re-plan from the trailing W steps (default N).")
+@ints_option("--replan-every", "replan_every", one=True, help="Re-plan every N steps (drift replay).")
+@ints_option("--window", "window", one=True, help="Re-plan from the trailing N steps (default: --replan-every).")
 @click.option("--max-moves", type=int, default=None, help="Drift: move-aware re-plans with at most K moves each.")
 @split_option
 @hardware_option
 @click.option("--no-fit", "no_fit", is_flag=True, help="Use the preset even when the run has expert_gemm spans.")
 @move_options
-@click.option("--chrome-trace", type=click.Path(dir_okay=False), default=None,
-              help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
+@chrome_trace_option(help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
 @click.option("--trace-steps", callback=steps_list, default=None, metavar="A:B|A,B",
               help="Steps for --chrome-trace (A:B or a comma list; default: the first judged).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Drift: imbalance-over-time PNG.")
@@ -202,7 +215,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     Example:
 
     \b
-        moetrace replay demo --policy eplb --replicas 32 --fit-window 0:25 --stall-ms 50
+        moetrace replay demo --policy eplb --replicas 32 --fit-steps 0:25 --stall-ms 50
     """
     from ..errors import InputError
 
@@ -227,7 +240,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         return
     if plan_id and (fit_window or any(v is not None for v in shape_kw.values())):
         given = [f"--{k.replace('rpn', 'ranks-per-node')}" for k, v in shape_kw.items() if v is not None]
-        given += ["--fit-window"] if fit_window else []
+        given += ["--fit-steps"] if fit_window else []
         raise InputError(None, f"--plan {plan_id} replays a stored plan as it is: {', '.join(given)} would be ignored")
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
@@ -290,12 +303,10 @@ def _print_drift(d, plot):
 @store_argument
 @run_option
 @policy_option(default="eplb")
-@click.option("--replicas", "replicas", callback=int_list, default="0,16,32,64", show_default=True,
-              help="Replica budgets (redundant slots per layer).")
-@click.option("--replan-every", "intervals", callback=int_list, default=None,
-              help="Re-plan intervals in steps (comma-separated); a static plan is always a row.")
-@click.option("--window", "windows", callback=int_list, default=None,
-              help="Fit windows in steps (comma-separated; default: the largest interval, else half the run).")
+@ints_option("--replicas", "replicas", default="0,16,32,64", show_default=True,
+             help="Replica budgets (redundant slots per layer).")
+@ints_option("--replan-every", "intervals", help="Re-plan intervals in steps; a static plan is always a row.")
+@ints_option("--window", "windows", help="Fit windows in steps (default: the largest interval, else half the run).")
 @cluster_options
 @split_option
 @hardware_option

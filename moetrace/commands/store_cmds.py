@@ -5,7 +5,7 @@ import click
 
 from .. import open_store
 from ..output import emit, output_options
-from ._options import engine_options, kv_options, store_argument
+from ._options import engine_options, kv_options, rows_written, store_argument
 
 store_arg = store_argument
 
@@ -71,7 +71,7 @@ def synth(store, run_id, **kw):
     if res.skipped:
         click.echo(f"{res.message}; nothing written")
     else:
-        click.echo(f"run {res.run_id}: " + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+        click.echo(f"run {res.run_id}: " + rows_written(res.rows, open_store(store).run_row(res.run_id)))
 
 
 @click.command()
@@ -121,8 +121,12 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
         if res.skipped:
             click.echo(f"{', '.join(rd.files)}: {res.message}; nothing written")
         else:
-            click.echo(f"run {res.run_id} ({rd.run.get('collector')}): "
-                       + ", ".join(f"{t} {n} rows" for t, n in res.rows.items()))
+            click.echo(f"run {res.run_id} ({rd.run.get('collector')}): " + rows_written(res.rows, rd.run))
+            if any(t in rd.tables for t in ("expert_load", "expert_counts", "routing")):
+                from ..shape_gaps import shape_gaps
+
+                for g in shape_gaps(rd.run):   # what it could not know, said now, not as a null later
+                    click.echo(f"warning: run {res.run_id}: {g}", err=True)
 
     if store_path is None:
         if len(paths) < 2:
@@ -158,6 +162,11 @@ def runs(store, fmt, output):
         keep = [c for c in ("expert_load", "routing", "steps", "spans", "placement") if c in wide.columns]
         show = show.join(wide.select(["run_id", *keep]), on="run_id", how="left")
     emit(show, fmt, output)
+    from ..shape_gaps import gap_notes
+
+    for row in df.iter_rows(named=True):   # every null shape value with its reason
+        for n in gap_notes(row):
+            click.echo(f"note: {n}", err=True)
 
 
 def _with_dense_rows(st, counts):

@@ -8,7 +8,7 @@ import polars as pl
 
 from ..output import emit, output_options
 from ..run import Store
-from ._options import hardware_option, run_option
+from ._options import chrome_trace_option, hardware_option, run_option, steps_select
 
 
 @click.command("waits")
@@ -17,9 +17,9 @@ from ._options import hardware_option, run_option
 @click.option("--by", type=click.Choice(["rank", "matrix", "instance"]), default="rank", show_default=True,
               help="rank: wait caused and suffered per rank, exposed split into waiting and transfer; matrix: "
                    "who waited for whom (ns summed over instances); instance: every matched collective instance.")
-@click.option("--shift-steps", default=None,
-              help="Compare the net wait (caused per peer - suffered) of these steps ('even', 'odd' or a comma "
-                   "list) with the other steps: per rank (per (step, layer) cells), or with --by instance per rank, "
+@click.option("--shift-steps", callback=steps_select, default=None, metavar="A:B|A,B|even|odd",
+              help="Compare the net wait (caused per peer - suffered) of these steps (A:B, a comma list, 'even' or "
+                   "'odd') with the other steps: per rank (per (step, layer) cells), or with --by instance per rank, "
                    "collective and position in the layer, the median shift and its standard error. A delay injected with `refrun "
                    "--delay-every 2` shows at its rank and collective.")
 @output_options
@@ -65,17 +65,14 @@ def waits(store, run_id, by, shift_steps, fmt, output):
                        f"last to arrive at {top['times_last']} of {res.instances.height} instances.")
 
 
-def _shift(run, spec: str, by: str, fmt, output) -> None:
-    steps = sorted(run.store.sql("SELECT DISTINCT step FROM layer_waits WHERE run_id = ? AND step IS NOT NULL",
-                                 [run.id])["step"].to_list())
-    if spec in ("even", "odd"):
-        chosen = [s for s in steps if s % 2 == (0 if spec == "even" else 1)]
+def _shift(run, spec, by: str, fmt, output) -> None:
+    """``spec``: what the one step parser (``_options.steps_select``) made of --shift-steps."""
+    if isinstance(spec, tuple):            # ("parity", 0 | 1): the even or odd recorded steps
+        steps = sorted(run.store.sql("SELECT DISTINCT step FROM layer_waits WHERE run_id = ? AND step IS NOT NULL",
+                                     [run.id])["step"].to_list())
+        chosen = [s for s in steps if s % 2 == spec[1]]
     else:
-        try:
-            chosen = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise click.BadParameter(f"{spec!r} is not 'even', 'odd' or a comma-separated list of steps",
-                                     param_hint="--shift-steps") from None
+        chosen = list(spec)
     ws = run.wait_shift(chosen, by="position" if by == "instance" else "layer")
     if ws.ranks.height == 0:
         click.echo(f"run {run.id}: no matched collective instances in both the chosen and the other steps.")
@@ -126,12 +123,12 @@ def _ints(ctx, param, value):
 @click.option("--fixed-expert-ns", default=0.0, show_default=True, help="Disaggregation: fixed ns per micro-batch and "
                                                                         "layer on an expert GPU (weight reads).")
 @click.option("--max-micro-batches", default=8, show_default=True, help="Disaggregation: micro-batch counts tried.")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a Chrome trace (Perfetto) of the overlap what-if for the step with most exposed all-to-all.")
+@chrome_trace_option(help="Write a Chrome/Perfetto trace of the overlap what-if for the step with most exposed "
+                         "all-to-all.", aliases=("--trace",))
 @click.option("--no-write", is_flag=True, help="Print only; do not append replay_whatif rows to the store.")
 @output_options
 def whatif(store, run_id, only, split_extra_us, a2a_latency_us, domains, hardware, tokens, gpus, attn_ns, expert_ns, transfer_ns,
-           fixed_attn_ns, fixed_expert_ns, max_micro_batches, trace_path, no_write, fmt, output):
+           fixed_attn_ns, fixed_expert_ns, max_micro_batches, chrome_trace, no_write, fmt, output):
     """What overlap, disaggregation or a bigger NVLink domain would have done.
 
     Overlap: two micro-batches, each one's exposed all-to-all hidden behind the other's
@@ -143,17 +140,17 @@ def whatif(store, run_id, only, split_extra_us, a2a_latency_us, domains, hardwar
 
     Example:
 
-        moetrace whatif st --domains 8,16,72 --trace overlap.json
+        moetrace whatif st --domains 8,16,72 --chrome-trace overlap.json
     """
     rep = Store(store).run(run_id).whatif(overlap=only in ("all", "overlap"), disagg=only in ("all", "disagg"),
                       domains=domains if only in ("all", "domain") else (), split_extra_ns=split_extra_us * 1e3,
                       a2a_latency_ns=None if a2a_latency_us is None else a2a_latency_us * 1e3,
                       hardware=hardware, tokens=tokens, gpus=gpus, ta_ns=attn_ns, te_ns=expert_ns,
                       tc_ns=transfer_ns, fa_ns=fixed_attn_ns, fe_ns=fixed_expert_ns,
-                      max_micro_batches=max_micro_batches, write=not no_write, trace_path=trace_path)
+                      max_micro_batches=max_micro_batches, write=not no_write, trace_path=chrome_trace)
     print_whatif(rep, fmt, output)
-    if fmt == "table" and not output and trace_path and rep.overlap is not None:
-        click.echo(f"wrote {trace_path}", err=True)
+    if fmt == "table" and not output and chrome_trace and rep.overlap is not None:
+        click.echo(f"wrote {chrome_trace}", err=True)
 
 
 def print_whatif(rep, fmt: str = "table", output: str | None = None) -> None:

@@ -93,7 +93,7 @@ def fit_notes(meta: dict | None, steps: np.ndarray, plan_id: str) -> list[str]:
     if inside == 0:
         return [f"plan fitted on steps [{lo}, {hi}), none of the {steps.size} judged steps: out-of-sample"]
     if inside == steps.size:
-        return ["plan fitted on the same steps it is judged on (in-sample; use moetrace plan --fit-window for "
+        return ["plan fitted on the same steps it is judged on (in-sample; use moetrace plan --fit-steps for "
                 "out-of-sample)"]
     return [f"plan fitted on {inside} steps in [{lo}, {hi}); the replay judges all {steps.size} steps, those included"]
 

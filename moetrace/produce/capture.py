@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InputError
+from ..errors import InputError, MissingExtra
 
 _ROUTER_CLS = re.compile(r"Router$")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
@@ -236,7 +236,7 @@ def load_model(model_path: str, download: bool = False):
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
-        raise InputError(None, "capture needs transformers: pip install 'moetrace[capture]'") from None
+        raise MissingExtra("loading a model for capture", "capture", "transformers") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=not download)
         tok = AutoTokenizer.from_pretrained(model_path, local_files_only=not download)

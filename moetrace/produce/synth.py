@@ -6,7 +6,7 @@ Each layer has a popularity vector over experts: log-normal with shape ``sigma``
 ``(1 - d·t/(T-1)) · p0 + d·t/(T-1) · p1`` where p1 is p0 over a random permutation of the
 experts (the hot experts move, the overall skew stays the same). Every token picks
 ``top_k`` distinct experts, sampled without replacement with probability proportional to
-the popularity (Gumbel top-k), so per (step, layer) the loads sum to exactly
+the popularity (successive sampling, :class:`TopKSampler`), so per (step, layer) the loads sum to exactly
 tokens_per_step · top_k. Tokens belong to DP ranks (``src_rank``); a ``dummy_share`` of
 (step, rank) pairs run with no tokens (the step's tokens go to the other ranks).
 
@@ -126,8 +126,9 @@ def popularity(cfg: SynthConfig, rng: np.random.Generator) -> tuple[np.ndarray, 
 
 def alias_tables(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Walker/Vose alias tables of the rows of ``p [G, E]``: ``(prob [G, E], alias [G, E])``;
-    a draw from row g is ``i = floor(u·E)``, kept when ``frac(u·E) < prob[g, i]``, else
-    ``alias[g, i]``: exactly ∝ p[g] with one uniform per draw."""
+    a draw from row g picks a bin ``i`` uniformly and keeps it with probability
+    ``prob[g, i]``, else takes ``alias[g, i]``: exactly ∝ p[g]. A zero entry has prob 0 and
+    is never drawn (nor is it anyone's alias)."""
     p = np.atleast_2d(np.asarray(p, np.float64))
     G, E = p.shape
     prob = np.ones((G, E))
@@ -146,54 +147,103 @@ def alias_tables(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return prob, alias
 
 
-def draw_topk(prob: np.ndarray, alias: np.ndarray, table: np.ndarray, k: int, rng: np.random.Generator,
-              mix: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """[n, k] distinct expert ids for n tokens: successive sampling without replacement,
-    each choice drawn ∝ the token's popularity row (``table[n]`` indexes the alias tables)
-    and drawn again while it repeats an earlier choice of the token (which is exactly
-    drawing ∝ p among the experts not chosen yet). Columns are in draw order. With
-    ``mix = (table2 [n], share [n])`` a draw comes from row ``table2`` with probability
-    ``share`` (the popularity is the mixture ``(1 - share)·p[table] + share·p[table2]``)."""
-    n, E = table.size, prob.shape[1]
-    pflat, aflat = prob.ravel(), alias.ravel()
-    table = np.asarray(table, np.int64)
+class TopKSampler:
+    """Top-k distinct experts per token, by successive sampling without replacement ∝ a
+    popularity row: choice 1 is drawn ∝ p, choice j ∝ p among the experts not chosen yet.
 
-    def draw(idx):
-        g = table if idx is None else table[idx]
-        m = g.shape[0] if idx is None else idx.size
+    How (and why it is that law): a token's choices are the first k *distinct* values of an
+    i.i.d. sequence of draws ∝ p — drawing again while a value repeats an earlier choice is
+    drawing ∝ p conditioned on the not-yet-chosen set, i.e. ∝ p restricted to it, which is
+    the successive-sampling (Plackett–Luce) law, the same as Gumbel-top-k. Each i.i.d. draw
+    is one Walker alias draw from one 64-bit random word ``r``: the top ``b`` bits pick a bin
+    of the table padded to ``2**b`` bins (padding has probability 0), and the bin is kept
+    iff ``r < (bin << (64-b)) + floor(prob · 2**(64-b))`` — the low bits are the uniform
+    coin; the acceptance probability is exact to 2**-(64-b) (well below float64 rounding
+    of ``p`` itself). With a mixture (drift) a second word picks the row: row 2 when it is
+    below ``share · 2**64``. Nothing is approximated in distribution; only the random
+    stream differs from the earlier float alias sampler (tests/synth_oracle.py keeps it,
+    and tests/test_synth_sampler.py compares the two laws).
+
+    Vectorized over tokens, choice-major ``[k, n]`` small-integer arrays, one block of
+    tokens at a time (the caller keeps blocks a few tens of thousands of tokens: cache-sized).
+    """
+
+    def __init__(self, p: np.ndarray):
+        p = np.atleast_2d(np.asarray(p, np.float64))
+        G, E = p.shape
+        self.E = E
+        self.b = b = max(1, int(E - 1).bit_length())
+        Ep = 1 << b
+        padded = np.zeros((G, Ep))
+        padded[:, :E] = p
+        prob, alias = alias_tables(padded)
+        shift = 64 - b
+        self.shift = np.uint64(shift)
+        full = (1 << shift) - 1
+        thr = np.minimum(np.floor(prob * float(1 << shift)), full).astype(np.uint64)
+        thr[prob >= 1.0] = np.uint64(full)      # kept but for r's low bits all ones: alias = itself
+        self.T = ((np.arange(Ep, dtype=np.uint64) << self.shift)[None, :] + thr).ravel()
+        self.dtype = np.uint16 if Ep <= 1 << 16 else np.int32
+        self.A = alias.astype(self.dtype).ravel()
+
+    def row_offsets(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(rows, np.uint64) << np.uint64(self.b)
+
+    def _draw(self, goff, bitgen, mix):
+        r = bitgen.random_raw(goff.size)
         if mix is not None:
-            t2, share = (mix[0], mix[1]) if idx is None else (mix[0][idx], mix[1][idx])
-            g = np.where(rng.random(m) < share, t2, g)
-        u = rng.random(m) * E
-        i = np.minimum(u.astype(np.int64), E - 1)
-        gi = g * E + i
-        return np.where(u - i < pflat[gi], i, aflat[gi])
+            goff = np.where(bitgen.random_raw(goff.size) < mix[1], mix[0], goff)
+        i = r >> self.shift
+        e = i.astype(self.dtype)
+        np.bitwise_or(i, goff, out=i)
+        idx = i.view(np.int64)                  # < 2**63: the same numbers, and take() needs no cast
+        return np.where(r < self.T.take(idx), e, self.A.take(idx))
 
-    out = np.empty((k, n), np.int64)         # choice-major: each choice's column contiguous
-    for j in range(k):       # choice j: drawn for every token, drawn again where it repeats
-        e = out[j] = draw(None)
-        if not j:
-            continue
-        hit = out[0] == e
-        for c in range(1, j):
-            hit |= out[c] == e
-        todo = np.flatnonzero(hit)
-        while todo.size:
-            e = draw(todo)
-            out[j, todo] = e
-            hit = out[0, todo] == e
+    def draw(self, goff: np.ndarray, k: int, bitgen: np.random.BitGenerator,
+             mix: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """``[k, n]`` expert ids (choice-major, in draw order) for n tokens whose rows are
+        ``goff`` (:meth:`row_offsets`). ``mix = (goff2 [n], share [n] as uint64 thresholds
+        share·2**64)``: each draw comes from row 2 with probability share."""
+        n = goff.size
+        out = np.empty((k, n), self.dtype)
+        for j in range(k):
+            e = out[j] = self._draw(goff, bitgen, mix)
+            if not j:
+                continue
+            hit = out[0] == e
             for c in range(1, j):
-                hit |= out[c, todo] == e
-            todo = todo[hit]
-    return np.ascontiguousarray(out.T)
+                hit |= out[c] == e
+            todo = np.flatnonzero(hit)
+            while todo.size:
+                sub = None if mix is None else (mix[0][todo], mix[1][todo])
+                e = self._draw(goff[todo], bitgen, sub)
+                out[j, todo] = e
+                hit = out[0, todo] == e
+                for c in range(1, j):
+                    hit |= out[c, todo] == e
+                todo = todo[hit]
+        return out
+
+
+def share_thresholds(share: np.ndarray) -> np.ndarray:
+    """Mixture shares in [0, 1] as uint64 thresholds for :meth:`TopKSampler.draw`."""
+    s = np.asarray(share, np.float64)
+    out = np.floor(s * 2.0**64).clip(0, 2.0**64 - 2048).astype(np.uint64)
+    out[s >= 1.0] = np.uint64(2**64 - 1)
+    return out
 
 
 def sample_topk(p: np.ndarray, n_tokens: int, k: int, rng: np.random.Generator, ordered: bool = True) -> np.ndarray:
     """[n_tokens, k] distinct expert ids per token, sampled without replacement ∝ p
-    (successive sampling, :func:`draw_topk`). Columns are in draw order (the router's
-    order of choice); ``ordered`` is kept for callers and changes nothing."""
-    prob, alias = alias_tables(np.asarray(p, np.float64)[None])
-    return draw_topk(prob, alias, np.zeros(n_tokens, np.int64), k, rng)
+    (successive sampling, :class:`TopKSampler`; ``rng``'s bit generator is advanced).
+    Columns are in draw order (the router's order of choice); ``ordered`` is kept for
+    callers and changes nothing."""
+    s = TopKSampler(np.asarray(p, np.float64)[None])
+    out = np.empty((n_tokens, k), np.int64)
+    for a in range(0, n_tokens, BLOCK_TOKENS):
+        b = min(n_tokens, a + BLOCK_TOKENS)
+        out[a:b] = s.draw(np.zeros(b - a, np.uint64), k, rng.bit_generator).T
+    return out
 
 
 def _token_ranks(rng, cfg: SynthConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -208,14 +258,23 @@ def _token_ranks(rng, cfg: SynthConfig) -> tuple[np.ndarray, np.ndarray]:
     return dummy, src
 
 
-#: steps drawn together (memory: STEP_CHUNK x layers x tokens_per_step x top_k ids)
+#: steps drawn together (one random stream per chunk of steps; a table chunk per chunk)
 STEP_CHUNK = 16
+#: tokens drawn at once (cache-sized working arrays; whole (step, layer) cells when they fit)
+BLOCK_TOKENS = 32768
 
 
-def generate(cfg: SynthConfig):
+def _block_size(tokens_per_step: int) -> int:
+    B = tokens_per_step
+    return B * max(1, BLOCK_TOKENS // B) if B <= BLOCK_TOKENS else BLOCK_TOKENS
+
+
+def generate(cfg: SynthConfig, dense: bool = False):
     """The run dict and the tables of a synthetic run. ``expert_load`` (and ``routing``)
     are re-readable streams of chunks of :data:`STEP_CHUNK` steps: every pass draws the
-    same tokens again (its own random stream), so nothing grows with the run's length."""
+    same tokens again (each chunk of steps has its own random stream, keyed by the seed
+    and the chunk's index), so nothing grows with the run's length. ``dense``: the counts
+    come as ``expert_counts`` rows (the dense layout) instead of long ``expert_load``."""
     cfg.validate()
     s_pop, s_steps, s_draw = np.random.SeedSequence(cfg.seed).spawn(3)
     p0, p1 = popularity(cfg, np.random.default_rng(s_pop))
@@ -233,25 +292,55 @@ def generate(cfg: SynthConfig):
         "phase": np.where(dummy.ravel(), "idle", "decode"), "num_tokens": counts_rank.ravel().astype(np.int64),
         "is_dummy": dummy.ravel(), "start_ns": pa.nulls(T * R, pa.int64()), "end_ns": pa.nulls(T * R, pa.int64()),
         "inferred": np.zeros(T * R, bool)})
-    prob, alias = alias_tables(np.concatenate([p0, p1]))     # rows 0..L-1: p0, rows L..2L-1: p1
+    sampler = TopKSampler(np.concatenate([p0, p1]))     # rows 0..L-1: p0, rows L..2L-1: p1
+    bs = _block_size(B)
+
+    def blocks(t0: int, n: int):
+        """(first token, [K, m] expert ids) per block of the chunk's n·L·B tokens, which
+        are in (step, layer, token) order; draws in draw order."""
+        bitgen = np.random.PCG64(np.random.SeedSequence(s_draw.entropy, spawn_key=(*s_draw.spawn_key, t0 // STEP_CHUNK)))
+        N = n * L * B
+        for a in range(0, N, bs):
+            cell = np.arange(a, min(N, a + bs)) // B            # (step - t0) * L + layer
+            goff = sampler.row_offsets(cell % L)
+            mix = None
+            if cfg.drift > 0 and T > 1:
+                share = cfg.drift * (t0 + cell // L) / (T - 1)
+                mix = (goff + sampler.row_offsets(np.full(cell.size, L)), share_thresholds(share))
+            yield a, sampler.draw(goff, K, bitgen, mix)
+
+    def counts(t0: int, n: int) -> np.ndarray:
+        """int64 [n·L, E] tokens per (step, layer) cell and expert."""
+        c = np.zeros((n * L, E), np.int64)
+        for a, ch in blocks(t0, n):
+            m = ch.shape[1]
+            c0, c1 = a // B, (a + m - 1) // B + 1
+            key = (((np.arange(a, a + m) // B) - c0) * E)[None, :] + ch
+            c[c0:c1] += np.bincount(key.ravel(), minlength=(c1 - c0) * E).reshape(c1 - c0, E)
+        return c
 
     def draws():
         """(first step, [n, L, B, K] expert ids) per chunk of steps, in draw order."""
-        rng = np.random.default_rng(s_draw)
         for t0 in range(0, T, STEP_CHUNK):
             n = min(STEP_CHUNK, T - t0)
-            table = np.tile(np.repeat(np.arange(L), B), n)
-            mix = None
-            if cfg.drift > 0 and T > 1:
-                share = np.repeat(cfg.drift * np.arange(t0, t0 + n) / (T - 1), L * B)
-                mix = (table + L, share)
-            yield t0, draw_topk(prob, alias, table, K, rng, mix).reshape(n, L, B, K)
+            ch = np.empty((n * L * B, K), sampler.dtype)
+            for a, blk in blocks(t0, n):
+                ch[a:a + blk.shape[1]] = blk.T
+            yield t0, ch.reshape(n, L, B, K)
+
+    def dense_chunks():
+        from ..storage.dense import dense_table
+
+        for t0 in range(0, T, STEP_CHUNK):
+            n = min(STEP_CHUNK, T - t0)
+            yield dense_table(np.repeat(np.arange(t0, t0 + n, dtype=np.int64), L),
+                              np.tile(np.arange(L, dtype=np.int32), n), counts(t0, n))
 
     def load_chunks():
-        for t0, ch in draws():
-            n = ch.shape[0]
-            cell = (np.arange(n)[:, None] * L + np.arange(L)[None, :])[:, :, None, None]
-            if cfg.by_src_rank:
+        if cfg.by_src_rank:
+            for t0, ch in draws():
+                n = ch.shape[0]
+                cell = (np.arange(n)[:, None] * L + np.arange(L)[None, :])[:, :, None, None]
                 key = ((cell * R + src[t0:t0 + n, None, :, None]) * E + ch).ravel()
                 c = np.bincount(key, minlength=n * L * R * E)
                 nz = np.flatnonzero(c)
@@ -261,14 +350,16 @@ def generate(cfg: SynthConfig):
                 yield pa.table({"step": (t0 + tl).astype(np.int64), "layer": ll.astype(np.int32),
                                 "expert": ee.astype(np.int32), "slot": pa.nulls(nz.size, pa.int32()),
                                 "src_rank": rr.astype(np.int32), "tokens": c[nz].astype(np.int64)})
-            else:
-                c = np.bincount((cell * E + ch).ravel(), minlength=n * L * E)
-                m = n * L * E
-                yield pa.table({"step": np.repeat(np.arange(t0, t0 + n, dtype=np.int64), L * E),
-                                "layer": np.tile(np.repeat(np.arange(L, dtype=np.int32), E), n),
-                                "expert": np.tile(np.arange(E, dtype=np.int32), n * L),
-                                "slot": pa.nulls(m, pa.int32()), "src_rank": pa.nulls(m, pa.int32()),
-                                "tokens": c.astype(np.int64)})
+            return
+        for t0 in range(0, T, STEP_CHUNK):
+            n = min(STEP_CHUNK, T - t0)
+            c = counts(t0, n)
+            m = n * L * E
+            yield pa.table({"step": np.repeat(np.arange(t0, t0 + n, dtype=np.int64), L * E),
+                            "layer": np.tile(np.repeat(np.arange(L, dtype=np.int32), E), n),
+                            "expert": np.tile(np.arange(E, dtype=np.int32), n * L),
+                            "slot": pa.nulls(m, pa.int32()), "src_rank": pa.nulls(m, pa.int32()),
+                            "tokens": c.ravel()})
 
     def routing_chunks():
         for t0, ch in draws():
@@ -301,7 +392,11 @@ def generate(cfg: SynthConfig):
         "approximations": json.dumps(["synthetic run: no placement recorded, contiguous placement assumed"]),
         "meta_json": json.dumps({"synth": params}),
     }
-    tables = {"expert_load": Rereadable(load_chunks), "steps": steps_tbl, "true_popularity": truth}
+    tables = {"steps": steps_tbl, "true_popularity": truth}
+    if dense and not cfg.by_src_rank:
+        tables["expert_counts"] = Rereadable(dense_chunks)
+    else:
+        tables["expert_load"] = Rereadable(load_chunks)
     if cfg.per_token:
         tables["routing"] = Rereadable(routing_chunks)
     return run, tables
@@ -309,11 +404,6 @@ def generate(cfg: SynthConfig):
 
 def synth(store: Store, cfg: SynthConfig, run_id: str | None = None):
     """Generate a synthetic run into ``store``; returns the store's WriteResult."""
-    run, tables = generate(cfg)
-    if not cfg.by_src_rank:             # complete (step, layer) grids: the dense layout
-        from ..storage.dense import dense_chunks
-
-        load = tables.pop("expert_load")
-        tables["expert_counts"] = Rereadable(lambda: dense_chunks(load, cfg.experts))
+    run, tables = generate(cfg, dense=True)   # complete (step, layer) grids: the dense layout
     rid = run_id or f"synth-s{cfg.seed}"
     return store.write_run(run, tables, run_id=store.unique_run_id(rid) if run_id is None else run_id)

@@ -42,7 +42,9 @@ def _need_dask():
     try:
         import distributed  # noqa: F401
     except ImportError:
-        raise UsageError("--workers / --scheduler need Dask: pip install 'moetrace[cluster]'") from None
+        from ..errors import MissingExtra
+
+        raise MissingExtra("--workers / --scheduler", "cluster", "distributed") from None
 
 
 def run_fingerprint(store_path, run_id: str) -> tuple:

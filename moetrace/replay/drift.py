@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import InputError
+from ..notebook import NotebookView
 from . import cost as costmod
 from ..placement.moves import replan
 from ..placement.planners import PlanShape, make_plan
@@ -19,7 +20,7 @@ from .results import ReplayOptions, ReplayResult, _int, _layer_table, _runs_row,
 
 # ----------------------------------------------------------------------------- drift
 @dataclass
-class DriftResult:
+class DriftResult(NotebookView):
     run_id: str
     policy: str
     every: int
@@ -33,6 +34,12 @@ class DriftResult:
     timing: Timing
     unrelabeled_moves: int | None
     notes: list[str]
+
+    def _notebook_view(self):
+        """In a notebook: the answer in words and a short table (moetrace.notebook)."""
+        from ..notebook import drift_view
+
+        return drift_view(self)
 
     def fastest(self) -> Judged | None:
         return fastest(self.results.values())
@@ -99,7 +106,7 @@ def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShap
         lo, hi = static_window
         sl = (ids >= lo) & (ids < hi)
         if not sl.any():
-            raise InputError(None, f"--fit-window {lo}:{hi} holds no recorded steps")
+            raise InputError(None, f"--fit-steps {lo}:{hi} holds no recorded steps")
     else:
         sl = np.arange(T) < window
     static = make_plan(policy, load[sl].sum(axis=0), plan_shape, layers=shape.layers, plan_id=f"{policy}-static")

@@ -46,7 +46,7 @@ def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, 
     if after.size == 0:
         raise InputError(None, f"no recorded step after the fit window [{a}, {b})"
                                + (f" of plan {plan_id!r}" if plan_id else "") + ": nothing to judge it on "
-                               "out of sample (give an earlier --fit-window, or --in-sample to judge it on the steps "
+                               "out of sample (give an earlier --fit-steps, or --in-sample to judge it on the steps "
                                "it was fitted on)")
     return JudgedSteps(after, f"{after.size} steps after the fit window [{a}, {b}) (out-of-sample)",
                        [f"backtest: plan fitted on steps [{a}, {b}), judged on the {after.size} recorded steps from "
@@ -54,14 +54,14 @@ def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, 
 
 
 def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tuple[int, int], list[str]]:
-    """--fit-window, else the first half of the steps (all steps with --in-sample)."""
+    """--fit-steps, else the first half of the steps (all steps with --in-sample)."""
     if fit_window is not None:
         return tuple(fit_window), []
     st = shape.steps
     if in_sample or st.size < 2:
         return (int(st[0]), int(st[-1]) + 1), []
     lo, half = first_half(st)
-    return (lo, half), [f"no --fit-window: plan fitted on the first half of the steps [{lo}, {half}) and judged "
+    return (lo, half), [f"no --fit-steps: plan fitted on the first half of the steps [{lo}, {half}) and judged "
                         f"on the rest"]
 
 
@@ -191,7 +191,7 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape,
     fw, notes = default_fit_window(shape, fit_window, in_sample)
     ids, load, _ = read_load(store, run_id, shape, fw)
     if ids.size == 0:
-        raise InputError(None, f"--fit-window {fw[0]}:{fw[1]} holds no recorded steps")
+        raise InputError(None, f"--fit-steps {fw[0]}:{fw[1]} holds no recorded steps")
     plan = make_plan(policy, load.sum(axis=0), plan_shape, layers=shape.layers, plan_id=plan_id)
     # moves are counted after relabeling in every command (plan, replay, drift, sweep): a
     # planner's rank numbering is arbitrary, so the plan is renamed to keep experts where

@@ -71,7 +71,7 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
     moves_mode = max_moves is not None or target_imbalance is not None
     if import_file is not None:
         ignored = [n for n, v in (("--policy", policy), ("--replicas", replicas), ("--groups", groups),
-                                  ("--fit-window", fit_window), ("--max-moves", max_moves),
+                                  ("--fit-steps", fit_window), ("--max-moves", max_moves),
                                   ("--target-imbalance", target_imbalance), ("--plan", start_plan_id)) if v is not None]
         if ignored:
             raise InputError(None, f"--import reads the plan as it is in the file: {', '.join(ignored)} would be "
@@ -85,7 +85,7 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
         raise InputError(None, "give --policy or --import, not both")
     ids, load, _ = read_load(store, run_id, shape, fit_window)
     if ids.size == 0 and (policy or moves_mode):
-        what = f"--fit-window {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
+        what = f"--fit-steps {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
         raise InputError(None, f"{what} holds no recorded steps")
     total = load.sum(axis=0)
     base = load_plan(store, run_id, "recorded", shape) if shape.num_ranks else None

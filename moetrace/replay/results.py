@@ -15,6 +15,7 @@ from ..placement.planners import Plan
 from .strategies import Judged, MoveCost, Timing, compare_text
 from .load import RunShape
 from ..domain.ranks import node_of
+from ..notebook import NotebookView
 
 
 # ----------------------------------------------------------------------------- options, results
@@ -47,7 +48,7 @@ def _time_note(shape: RunShape, timing: Timing) -> list[str]:
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(NotebookView):
     """One judged plan (or policy) of a run, with everything its answer prints."""
     replay_id: str
     run_id: str
@@ -67,6 +68,12 @@ class ReplayResult:
     traffic: np.ndarray | None = None
     recorded_traffic: np.ndarray | None = None
     trace: dict | None = None
+
+    def _notebook_view(self):
+        """In a notebook: the answer in words and a short table (moetrace.notebook)."""
+        from ..notebook import replay_view
+
+        return replay_view(self)
 
     def headline(self) -> str:
         j = self.judged

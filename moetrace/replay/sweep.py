@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from ..errors import InputError
+from ..notebook import NotebookView
 from .budget import check_sweep_cells
 from . import cost as costmod
 from .engine import imbalance
@@ -45,12 +46,18 @@ class SweepRow:
 
 
 @dataclass
-class SweepResult:
+class SweepResult(NotebookView):
     rows: list[SweepRow]
     notes: list[str]
     #: the stored sweep's id (its cells are ``replay_runs`` rows ``<sweep_id>-<cell>``); None: not stored
     sweep_id: str | None = None
     run_id: str | None = None
+
+    def _notebook_view(self):
+        """In a notebook: the answer in words and a short table (moetrace.notebook)."""
+        from ..notebook import sweep_view
+
+        return sweep_view(self)
 
     def frame(self, brief: bool = False):
         """The decision table as a polars frame (one row per cell, skipped cells say why);

@@ -84,6 +84,28 @@ def run_notes(run: dict) -> list[str]:
     return notes
 
 
+def shape_caveats(store, rid: str, run: dict) -> list[str]:
+    """Caveats every report shows first that the run's shape implies: an assumed placement,
+    a rank count or top-k that ingest could not know."""
+    notes = []
+    try:
+        src = set(store.sql("SELECT DISTINCT placement_source FROM layer_placement WHERE run_id = ?",
+                            [rid])["placement_source"].drop_nulls().to_list())
+    except Exception:   # a store without the placement views (no expert load): nothing assumed there
+        src = set()
+    if "contiguous" in src:
+        notes.append("No placement was recorded: rank loads, stragglers and replays ASSUME contiguous placement "
+                     "(expert e on rank e·ranks/experts, one slot per expert); a deployment with replicas or a "
+                     "planned placement differs.")
+    if run.get("num_ranks") is None:
+        notes.append("The number of ranks is unknown (runs.num_ranks is empty: ingest --ranks N records it): no "
+                     "rank loads, imbalance or replay.")
+    if run.get("top_k") is None and run.get("num_experts") is not None:
+        notes.append("top-k is unknown (runs.top_k is empty: ingest --top-k K records it): tokens per step are "
+                     "not derived, only token-expert assignments.")
+    return notes
+
+
 def header_lines(run: dict, notes: list[str], plain: bool) -> str:
     shape = ", ".join(f"{k} {run[c]}" for k, c in (("layers", "num_layers"), ("experts", "num_experts"),
                                                     ("top-k", "top_k"), ("ranks", "num_ranks"),
@@ -134,7 +156,7 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
 
         raise UsageError(f"{out}: cannot create the report folder ({e.strerror})") from None
     ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
-    report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run))
+    report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run) + shape_caveats(store, rid, run))
     configure(store.con, memory_limit)
     cached = materialize_layer_skew(store, rid, batch_steps, progress=progress) if cache else None
     try:
@@ -213,18 +235,18 @@ _INLINE = [
 
 
 def _inline(text: str) -> str:
-    """Escape and apply inline code/bold/italic. Code spans are protected from the rest."""
-    pieces = re.split(r"(`[^`]+`)", text)
-    out = []
-    for p in pieces:
-        if p.startswith("`") and p.endswith("`") and len(p) > 1:
-            out.append(f"<code>{html.escape(p[1:-1])}</code>")
-        else:
-            e = html.escape(p)
-            for pat, rep in _INLINE[1:]:
-                e = pat.sub(rep, e)
-            out.append(e)
-    return "".join(out)
+    """Escape and apply inline code/bold/italic. Code spans are set aside first (their text
+    is never formatted) and put back last, so an emphasis may contain a code span."""
+    codes: list[str] = []
+
+    def keep(m):
+        codes.append(m.group(1))
+        return f"\x00{len(codes) - 1}\x00"
+
+    e = html.escape(re.sub(r"`([^`]+)`", keep, text))
+    for pat, rep in _INLINE[1:]:
+        e = pat.sub(rep, e)
+    return re.sub(r"\x00(\d+)\x00", lambda m: f"<code>{html.escape(codes[int(m.group(1))])}</code>", e)
 
 
 def md_to_html(md: str) -> str:
@@ -237,7 +259,7 @@ def md_to_html(md: str) -> str:
 
     def flush():
         if para:
-            out.append("<p>" + " ".join(_inline(p) for p in para) + "</p>")
+            out.append("<p>" + _inline(" ".join(para)) + "</p>")   # an emphasis may span lines
             para.clear()
 
     while i < len(lines):

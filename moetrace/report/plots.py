@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 
 DPI = 110
@@ -98,17 +99,22 @@ def highlighted(values, highlight) -> list[int]:
 
 def heatmap(path, matrix: np.ndarray, *, title: str, xlabel: str, ylabel: str, cbar_label: str,
             x_ticks=None, y_ticks=None, y_range: tuple[float, float] | None = None,
-            groups: list[tuple[int, str]] | None = None, mark_group: int | None = None):
+            groups: list[tuple[int, str]] | None = None, mark_group: int | None = None,
+            vmax: float | None = None, integer_ticks: bool = False):
     """A [rows, cols] matrix; rows go up the y axis (steps), cols along x (experts).
 
     ``y_range`` (first, last): the rows' values (e.g. steps) so that the y ticks are round
     numbers of that unit rather than row indices. ``groups``: (first column, label) of
     consecutive column groups (experts of one rank): drawn as boundaries with the labels
-    on the top axis; ``mark_group`` outlines one group (e.g. the straggler rank)."""
+    on the top axis; ``mark_group`` outlines one group (e.g. the straggler rank). ``vmax``:
+    the top of the colour scale (pass the same one to every heatmap of a figure so their
+    colours compare; default the 99.5th percentile). ``integer_ticks``: rows and columns are
+    integers (ranks): one tick per row/column at its centre (thinned past 32)."""
     fig, ax = figure(9.0, 4.4)
     ax.grid(False)
     m = np.asarray(matrix, dtype=float)
-    vmax = np.nanpercentile(m, 99.5) if np.isfinite(m).any() and np.nanmax(m) > 0 else 1.0
+    if vmax is None:
+        vmax = np.nanpercentile(m, 99.5) if np.isfinite(m).any() and np.nanmax(m) > 0 else 1.0
     rows, cols = m.shape
     extent = None
     if y_range is not None:
@@ -123,6 +129,9 @@ def heatmap(path, matrix: np.ndarray, *, title: str, xlabel: str, ylabel: str, c
         ax.yaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
     cb = fig.colorbar(im, ax=ax, pad=0.01)
     cb.set_label(cbar_label)
+    if integer_ticks:
+        for n_, set_ in ((cols, ax.set_xticks), (rows, ax.set_yticks)):
+            set_(np.arange(0, n_, max(1, int(np.ceil(n_ / 32)))))
     if x_ticks is not None:
         ax.set_xticks(x_ticks[0])
         ax.set_xticklabels(x_ticks[1])
@@ -132,7 +141,7 @@ def heatmap(path, matrix: np.ndarray, *, title: str, xlabel: str, ylabel: str, c
     if groups:
         edges = [g[0] for g in groups] + [cols]
         for e in edges[1:-1]:
-            ax.axvline(e - 0.5, color="#00E5FF", linewidth=0.5, alpha=0.7)
+            ax.axvline(e - 0.5, color="#00E5FF", linewidth=1.1, alpha=1.0)
         top = ax.secondary_xaxis("top")
         step = max(1, int(np.ceil(len(groups) / 16)))
         centers = [(edges[i] + edges[i + 1] - 1) / 2 for i in range(len(groups))]
@@ -187,9 +196,11 @@ def plateau(path, series, *, title: str, xlabel: str, ylabel: str):
     top = 1.0
     for i, (label, x, merged, same, structural) in enumerate(series):
         c = colors[i % len(colors)]
-        ax.plot(x, merged, marker="o", markersize=4, color=c, alpha=0.75, label=f"{label}: merged batches")
-        # on top and thicker: where it coincides with the solid line, merging changed nothing
-        ax.plot(x, same, linestyle=":", linewidth=2.2, color="black", alpha=0.6, zorder=3,
+        # the solid line is a wide light band, the dotted one a thin dark line drawn over it: where
+        # they coincide (merging changed nothing) the dots run inside the band, both visible
+        ax.plot(x, merged, marker="o", markersize=6, linewidth=5, color=c, alpha=0.35, zorder=2,
+                label=f"{label}: merged batches")
+        ax.plot(x, same, linestyle=":", linewidth=1.6, color="black", alpha=0.9, zorder=4,
                 label="each: same steps one at a time" if i == 0 else None)
         top = max(top, float(np.nanmax(merged)), float(np.nanmax(same)))
         if structural is not None:
@@ -253,6 +264,84 @@ def label_points(ax, xs, ys, labels, color=None, fontsize: int = 7):
                     fontsize=fontsize, color=color, ha="left", va="bottom" if i % 2 == 0 else "top")
 
 
+BYTE_UNITS = (("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30), ("TiB", 2.0**40), ("PiB", 2.0**50))
+TIME_UNITS = (("ns", 1.0), ("µs", 1e3), ("ms", 1e6), ("s", 1e9))
+
+
+def byte_unit(max_bytes: float) -> tuple[str, float]:
+    """(name, bytes per unit): the largest binary unit in which ``max_bytes`` reads at least 1
+    (so 0.016 MiB reads 16 KiB and 1.1e6 GiB reads 1 PiB)."""
+    return _unit(BYTE_UNITS, max_bytes)
+
+
+def time_unit(max_ns: float) -> tuple[str, float]:
+    """(name, ns per unit): the largest of ns, µs, ms, s in which ``max_ns`` reads at least 1."""
+    return _unit(TIME_UNITS, max_ns)
+
+
+def _unit(units, top: float) -> tuple[str, float]:
+    top = abs(float(top or 0.0))
+    pick = units[0]
+    for name, size in units:
+        if top >= size:
+            pick = (name, size)
+    return pick
+
+
+def place_labels(ax, xs, ys, texts, colors=None, fontsize: int = 7, gap_px: float = 8.0):
+    """Text labels beside markers, inside the axes and never overlapping each other: each
+    starts right of its point (left of it near the right edge), then overlapping labels are
+    pushed apart vertically and kept inside the axes; a thin line joins a moved label to its
+    point. Call after the axes' limits and the figure layout are final (display geometry)."""
+    fig = ax.figure
+    if not texts:
+        return []
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    box = ax.get_window_extent(r)
+    k = 72.0 / fig.dpi                          # display pixels -> offset points
+    colors = colors or [None] * len(texts)
+    anns = []
+    for x, y, t, c in zip(xs, ys, texts, colors):
+        px, _ = ax.transData.transform((x, y))
+        a = ax.annotate(str(t), (x, y), xytext=(gap_px * k, 0), textcoords="offset points", ha="left",
+                        va="center", fontsize=fontsize, color=c, annotation_clip=False,
+                        arrowprops=dict(arrowstyle="-", lw=0.5, color=c or "grey", shrinkA=0, shrinkB=3))
+        a.set_in_layout(False)
+        w = a.get_window_extent(r).width
+        if px + gap_px + w > box.x1 - 2:        # no room on the right: the label goes left of its point
+            a.set_ha("right")
+            a.xyann = (-gap_px * k, 0)
+        anns.append(a)
+    for _ in range(300):
+        bbs = [a.get_window_extent(r) for a in anns]
+        moved = False
+        for i in range(len(anns)):
+            for j in range(i + 1, len(anns)):
+                bi, bj = bbs[i], bbs[j]
+                if bi.x1 <= bj.x0 or bj.x1 <= bi.x0 or bi.y1 <= bj.y0 or bj.y1 <= bi.y0:
+                    continue
+                up, dn = (i, j) if (bi.y0 + bi.y1) >= (bj.y0 + bj.y1) else (j, i)
+                push = (min(bi.y1, bj.y1) - max(bi.y0, bj.y0)) / 2 + 1.0
+                for idx, sign in ((up, 1), (dn, -1)):
+                    ox, oy = anns[idx].xyann
+                    anns[idx].xyann = (ox, oy + sign * push * k)
+                moved = True
+                bbs = [a.get_window_extent(r) for a in anns]
+        for a in anns:                           # inside the axes, vertically
+            b = a.get_window_extent(r)
+            ox, oy = a.xyann
+            if b.y1 > box.y1 - 1:
+                a.xyann = (ox, oy - (b.y1 - box.y1 + 1) * k)
+                moved = True
+            elif b.y0 < box.y0 + 1:
+                a.xyann = (ox, oy + (box.y0 + 1 - b.y0) * k)
+                moved = True
+        if not moved:
+            break
+    return anns
+
+
 def _gib(b) -> str:
     return "" if b is None else f", {b / 2**30:.2f} GiB moved"
 
@@ -312,34 +401,64 @@ def drift_from_dict(d: dict, path):
 
 def decision(rows, path):
     """The operator's decision table (``moetrace sweep``): net predicted time per step
-    against extra expert memory per rank (left) and against moved GiB per hour (right),
-    one marker per row, the recorded placement as a dashed line. Axes start at zero;
-    labels sit beside their markers (offset, never on them)."""
+    against extra expert memory per rank (left) and against weights moved per hour (right),
+    one marker per row labelled with its budget, window and verdict, the recorded placement
+    as a dashed line. Units scale to the numbers (µs/ms, KiB..PiB), no offset ("1e6") on an
+    axis; the time axis spans the values (from 0 it flattened differences of a few percent);
+    labels sit inside the axes and never on each other (:func:`place_labels`)."""
     ok = [r for r in rows if r.skipped is None and r.net_ms is not None]
-    fig, _ = figure(12.0, 4.6)
+    fig, _ = figure(12.0, 5.0)
     fig.clear()
     axes = fig.subplots(1, 2)
     rec = next((r.recorded_ms for r in ok), None)
-    for ax, xkey, xlabel in ((axes[0], "extra_mem_gib_per_rank", "extra expert memory per rank (GiB)"),
-                             (axes[1], "moved_gib_per_hour", "expert weights moved (GiB per hour of predicted time)")):
+    times = [r.net_ms for r in ok] + ([rec] if rec is not None else [])
+    tname, tdiv = time_unit(1e6 * max(times)) if times else ("ms", 1e6)
+    tscale = 1e6 / tdiv                     # ms -> the chosen unit
+    groups: dict[str, list] = {}
+    for r in ok:
+        groups.setdefault("static" if r.replan_every is None else f"re-plan every {r.replan_every}", []).append(r)
+    order = sorted(groups, key=lambda g: (g != "static", int(g.rsplit(" ", 1)[1]) if g != "static" else 0))
+    panels = ((axes[0], "extra_mem_gib_per_rank", "extra expert memory per rank ({u})", ""),
+              (axes[1], "moved_gib_per_hour", "expert weights moved ({u} per hour of predicted time)", "/h"))
+    for ax, xkey, xlabel, per in panels:
         _apply_style(ax)
-        groups = {}
-        for r in ok:
-            groups.setdefault("static" if r.replan_every is None else f"every {r.replan_every}", []).append(r)
-        for i, (name, rs) in enumerate(sorted(groups.items())):
-            xs = [getattr(r, xkey) or 0.0 for r in rs]
-            ax.plot(xs, [r.net_ms for r in rs], "o", color=f"C{i}", label=name)
-            label_points(ax, xs, [r.net_ms for r in rs], [f"+{r.replicas}, w{r.window}: {r.verdict}" for r in rs],
-                         color=f"C{i}")
+        xb = [2**30 * (getattr(r, xkey) or 0.0) for r in ok]
+        uname, udiv = byte_unit(max(xb, default=0.0))
+        pts = []
+        for i, name in enumerate(order):
+            rs = groups[name]
+            xs = [2**30 * (getattr(r, xkey) or 0.0) / udiv for r in rs]
+            ys = [r.net_ms * tscale for r in rs]
+            ax.plot(xs, ys, "o", color=f"C{i}", label=name, zorder=3)
+            pts += [(x, y, f"+{r.replicas}, w{r.window}: {r.verdict}", f"C{i}") for x, y, r in zip(xs, ys, rs)]
         if rec is not None:
-            ax.axhline(rec, color="grey", ls="--", lw=1, label=f"recorded {rec:.3f} ms")
-        from_zero(ax, x=True, y=True, headroom=0.15)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("net predicted MoE time per step (ms)")
-        ax.legend(loc="lower right", fontsize=8, frameon=False)
+            ax.axhline(rec * tscale, color="grey", ls="--", lw=1,
+                       label=f"recorded placement {rec * tscale:.3g} {tname}")
+        lo, hi = min(times) * tscale, max(times) * tscale
+        pad = 0.3 * (hi - lo) if hi - lo > 1e-9 * max(abs(hi), 1e-12) else 0.05 * max(abs(hi), 1e-12)
+        ax.set_ylim(lo - pad, hi + pad)
+        xmax = max([p[0] for p in pts], default=0.0)
+        ax.set_xlim(-0.06 * (xmax or 1.0), 1.08 * (xmax or 1.0))
+        for a in (ax.xaxis, ax.yaxis):
+            a.set_major_formatter(matplotlib.ticker.ScalarFormatter(useOffset=False))
+            a.get_major_formatter().set_scientific(False)
+        ax.set_xlabel(xlabel.format(u=uname))
+        ax.set_ylabel(f"net predicted MoE time per step ({tname})")
+        ax._moetrace_points = pts
     axes[0].set_title("replica budget: net time vs memory")
-    axes[1].set_title("re-plan interval: net time vs bytes moved")
-    return save(fig, path)
+    axes[1].set_title("re-plan interval: net time vs weights moved")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(handles), 5), frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    for ax in axes:
+        pts = ax._moetrace_points
+        place_labels(ax, [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], [p[3] for p in pts])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
 
 
 def predicted_vs_measured(path, measured: np.ndarray, predicted: np.ndarray, marked: np.ndarray, *, title: str,

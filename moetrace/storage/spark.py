@@ -274,15 +274,32 @@ def spark_schema(table: str):
     return _parse_datatype_string(ddl)
 
 
+#: a session this process keeps for every caller (:func:`keep_session`), or None
+_kept = None
+
+
+def keep_session(spark) -> None:
+    """Hand ``spark`` to every later :func:`session` call (and keep :class:`SparkSQL` and
+    :func:`sql` from stopping it) until ``keep_session(None)``: one JVM and one
+    SparkContext for a whole process that runs many Spark commands (the test suite)."""
+    global _kept
+    _kept = spark
+
+
 def session(master: str | None = None, remote: str | None = None, app_name: str = "moetrace",
             conf: dict[str, str] | None = None):
     """A SparkSession: Spark Connect when ``remote`` (or ``SPARK_REMOTE``) is set, else
     classic Spark on ``master`` (default ``local[*]``, or ``spark.master`` from the
-    environment's Spark configuration when ``MASTER`` is set)."""
+    environment's Spark configuration when ``MASTER`` is set); the kept session
+    (:func:`keep_session`) when there is one."""
+    if _kept is not None:
+        return _kept
     try:
         from pyspark.sql import SparkSession
     except ImportError:
-        raise StoreError("Spark is not installed: pip install 'moetrace[spark]' (and a Java runtime)") from None
+        from .errors import MissingExtra
+
+        raise MissingExtra("--engine spark", "spark", "pyspark", hint="(and a Java runtime)") from None
     remote = remote or os.environ.get("SPARK_REMOTE")
     b = SparkSession.builder.appName(app_name)
     if remote:
@@ -389,7 +406,7 @@ def to_arrow(df) -> pa.Table:
 def sql(store_path: str | os.PathLike, query: str, master: str | None = None, remote: str | None = None,
         spark=None) -> pa.Table:
     """Run ``query`` over the store's tables and metric views on Spark; an Arrow table."""
-    own = spark is None
+    own = spark is None and _kept is None
     spark = spark or session(master=master, remote=remote)
     try:
         register_store(spark, store_path)
@@ -410,7 +427,7 @@ class SparkSQL:
 
     def __init__(self, store_path: str | os.PathLike, master: str | None = None, remote: str | None = None,
                  spark=None):
-        self._own = spark is None
+        self._own = spark is None and _kept is None
         self.spark = spark or session(master=master, remote=remote)
         try:
             register_store(self.spark, store_path)

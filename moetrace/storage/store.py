@@ -37,9 +37,8 @@ import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import duckdb
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -49,6 +48,10 @@ from ..errors import StoreError
 from ..safety import sql_identifier, sql_literal
 from .txn import Transactions
 from .paths import GLOB_CHARS, STORE_FORMAT, STORE_MARKER, check_store_path
+
+if TYPE_CHECKING:   # duckdb and polars are imported where a path needs them (start-up: issue #26)
+    import duckdb
+    import polars as pl
 
 
 _DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
@@ -75,6 +78,8 @@ def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.T
 def _narrow_hugeints(df: pl.DataFrame) -> pl.DataFrame:
     """DuckDB sums BIGINTs into HUGEINT (Decimal(38,0) in polars); bring them back to Int64
     when every value fits, so results behave like integers (numpy, arithmetic)."""
+    import polars as pl
+
     casts = []
     for name, dtype in df.schema.items():
         if isinstance(dtype, pl.Decimal) and (dtype.scale or 0) == 0:
@@ -269,18 +274,21 @@ class Store(Transactions):
                            f"hive_types={{'run_id': VARCHAR}}, union_by_name=true)").fetchall()
         return {r[0] for r in rows}
 
-    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False,
+    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False, tables_only: bool = False,
                       files: dict[str, tuple[str, ...]] | None = None) -> None:
-        """Create every view on ``con``: over ``files`` (default: the committed files now;
-        the catalog, ``relative``, over globs). A store written before a contract column existed
+        """Create every view on ``con`` (``tables_only``: the tables' views, not those of
+        ``sql/``): over ``files`` (default: the committed files now; the catalog,
+        ``relative``, over globs). A store written before a contract column existed
         (no file of the table holds it) fails to bind; then the views are made again with
         that column NULL (or derived): older stores are read as they are, never rewritten."""
+        import duckdb
+
         if files is None and not relative:
             files = self.committed_files()
-        if not relative and (con is self._con or self._con is None):
+        if not relative and (self._con is None or con is getattr(self._con, "raw", None)):
             self._views_files = files
         try:
-            for stmt in self.view_statements(relative, files=files):
+            for stmt in self.view_statements(relative, tables_only=tables_only, files=files):
                 con.execute(stmt)
             return
         except duckdb.BinderException as e:
@@ -296,7 +304,7 @@ class Store(Transactions):
             raise StoreError(f"{self.path}: cannot define the store's views ({why}); the store may have been "
                              f"written by another moetrace version than {__version__}") from None
         try:
-            for stmt in self.view_statements(relative, present, files=files):
+            for stmt in self.view_statements(relative, present, tables_only=tables_only, files=files):
                 con.execute(stmt)
         except duckdb.Error as e:
             why = str(e).strip().splitlines()[0][:200]
@@ -304,7 +312,7 @@ class Store(Transactions):
                              f"moetrace version than {__version__}: re-ingest the sources into a new store") from None
 
     def view_statements(self, relative: bool = False, present: dict[str, set[str]] | None = None,
-                        files: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+                        tables_only: bool = False, files: dict[str, tuple[str, ...]] | None = None) -> list[str]:
         """CREATE VIEW statements: one per contract table (``runs`` first: the others
         filter on it), then the analysis views. ``present``: {table: columns its files
         hold} for tables of an older store that lack a contract column."""
@@ -317,12 +325,15 @@ class Store(Transactions):
         stmts = [self._view_sql(t, relative, present.get(t), files) for t in tables]
         # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
         stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load"), files))
-        return stmts + analysis_views()
+        return stmts if tables_only else stmts + analysis_views()
 
-    def connect(self, threads: int | None = None, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+    def connect(self, threads: int | None = None, memory_limit: str | None = None,
+                tables_only: bool = False) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory DuckDB connection with every view defined. Never writes:
         no recovery (the views hide uncommitted runs), spills go to the store's
         ``.duckdb_tmp`` only when DuckDB needs to spill."""
+        import duckdb
+
         from ..safety import memory_limit as check_memory_limit
 
         con = duckdb.connect(":memory:")
@@ -334,7 +345,7 @@ class Store(Transactions):
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
             con.execute(f"SET temp_directory={sql_literal(tmp)}")
-        self._define_views(con)
+        self._define_views(con, tables_only=tables_only)
         return con
 
     def check_readable(self) -> None:
@@ -348,12 +359,15 @@ class Store(Transactions):
 
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
-        """The store's connection. Its views read the committed files as of the last
-        access: each access looks again (two folder scans and the journals, no file is
-        opened) and defines the views again when another writer committed since, so a
-        reader sees new runs, plans and tables without reopening the store."""
+        """The store's connection. Its views of ``sql/`` are defined when a statement
+        first names them (with the views they read): defining all of them costs more than
+        a small query (issue #26); :meth:`connect` and the catalog define every view.
+        The tables' views read the committed files as of the last access: each access
+        looks again (two folder scans and the journals, no file is opened) and defines the
+        views again when another writer committed since, so a reader sees new runs, plans
+        and tables without reopening the store."""
         if self._con is None:
-            self._con = self.connect()
+            self._con = _LazyViews(self, self.connect(tables_only=True))
         else:
             self.refresh()
         return self._con
@@ -363,10 +377,14 @@ class Store(Transactions):
         if self._con is not None:
             files = self.committed_files()
             if files != self._views_files:
-                self._define_views(self._con, files=files)
+                self._define_views(self._con.raw, tables_only=True, files=files)
+                self._con.redefine()
 
     def sql(self, query: str, params=None) -> pl.DataFrame:
         """Run SQL over the store's views and return a polars DataFrame."""
+        import duckdb
+        import polars as pl
+
         try:
             tbl = query_arrow(self.con, query, params)
         except duckdb.Error as e:
@@ -383,6 +401,8 @@ class Store(Transactions):
         required one is refused: :meth:`_missing_column`), oldest first.
         Read from the runs partitions directly (no SQL view is built: ``moetrace runs``); a
         runs file is renamed into place last, so every row here is a committed run. Never writes."""
+        import polars as pl
+
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
                     "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64, "int64[]": pl.List(pl.Int64)}
         empty = pl.DataFrame(schema={c.name: pl_types[c.type] for c in schema.get("runs").columns})
@@ -420,7 +440,8 @@ class Store(Transactions):
             return ids[0]
         if not ids:
             raise StoreError(f"{self.path}: the store holds no runs")
-        raise StoreError(f"{self.path}: the store holds {len(ids)} runs; choose one with --run ({', '.join(ids)})")
+        raise StoreError(f"{self.path}: the store holds {len(ids)} runs; choose one (--run RUN_ID on the command "
+                         f"line, store.run('RUN_ID') in Python): {', '.join(ids)}")
 
     def find_by_sha(self, sha: str) -> str | None:
         """The run ingested with dedupe key ``sha``: its ``ingest_key`` (source + options +
@@ -434,6 +455,8 @@ class Store(Transactions):
 
     def row_counts(self) -> pl.DataFrame:
         """Rows per (run, table), read from Parquet footers (no data scan)."""
+        import polars as pl
+
         rows = []
         for t in schema.load_all():
             d = self.path / t
@@ -462,6 +485,8 @@ class Store(Transactions):
         return self._write_catalog()
 
     def _write_catalog(self) -> Path:
+        import duckdb
+
         target = self.path / "catalog.duckdb"
         tmp = self.path / f".catalog-{uuid.uuid4().hex[:8]}.duckdb"
         try:
@@ -515,6 +540,8 @@ class Store(Transactions):
         warning (on stderr and returned), never an error for a write that landed."""
         if not (self.path / "catalog.duckdb").exists():
             return None
+        import duckdb
+
         try:
             self.write_catalog()
         except (StoreError, OSError, duckdb.Error) as e:
@@ -533,6 +560,58 @@ class Store(Transactions):
         if self._con is not None:
             self._con.close()
             self._con = None
+
+
+class _LazyViews:
+    """A DuckDB connection of a store whose views of ``sql/`` are created when a statement
+    run through it (``execute``, ``sql``) first names them; anything else is the
+    connection's own."""
+
+    def __init__(self, store: Store, con):
+        self.raw, self._store, self._defined = con, store, set()
+
+    def _ensure(self, query) -> None:
+        from .views import views_needed
+
+        if not isinstance(query, str):
+            return
+        for stmt in views_needed(query, self._defined):
+            self._create(stmt)
+
+    def _create(self, stmt: str) -> None:
+        import duckdb
+
+        from .views import _VIEW_RE
+
+        try:
+            self.raw.execute(stmt)
+        except duckdb.Error as e:   # as an eager definition of every view reports it
+            why = str(e).strip().splitlines()[0][:200]
+            raise StoreError(f"{self._store.path}: cannot define the store's views ({why}); the store may have been "
+                             f"written by another moetrace version than {__version__}") from None
+        self._defined.add(_VIEW_RE.match(stmt).group(1))
+
+    def redefine(self) -> None:
+        """Create again the views defined so far (after the tables' views were)."""
+        from .views import view_graph
+
+        graph = view_graph()
+        for v in sorted(self._defined, key=lambda v: graph[v][0]):
+            self._create(graph[v][1])
+
+    def execute(self, query, *args, **kwargs):
+        self._ensure(query)
+        return self.raw.execute(query, *args, **kwargs)
+
+    def sql(self, query, *args, **kwargs):
+        self._ensure(query)
+        return self.raw.sql(query, *args, **kwargs)
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
 
 
 def open_store(path: str | os.PathLike, create: bool = False) -> Store:

@@ -9,13 +9,13 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -33,6 +33,12 @@ def _txid_of(rel: str) -> str | None:
     name = rel.rsplit("/", 1)[-1]
     x = name[5:17] if name.startswith("part-") else ""
     return x if _TXID_RE.fullmatch(x) and name[17:] in (".parquet",) else None
+
+
+def _is_polars(obj) -> bool:
+    """A polars DataFrame (polars is imported only where one exists: start-up, issue #26)."""
+    pl = sys.modules.get("polars")
+    return pl is not None and isinstance(obj, pl.DataFrame)
 
 
 @dataclass
@@ -274,7 +280,7 @@ class Transactions:
 
     @staticmethod
     def _chunks(data) -> Iterator:
-        if isinstance(data, (pa.Table, pl.DataFrame, dict)):
+        if isinstance(data, (pa.Table, dict)) or _is_polars(data):
             yield data
         else:
             yield from data
@@ -356,7 +362,9 @@ class Transactions:
                 for chunk in self._chunks(tables[table]):
                     if isinstance(chunk, pa.Table) and "run_id" not in chunk.column_names:
                         chunk = chunk.append_column("run_id", pa.array([run_id] * chunk.num_rows, pa.string()))
-                    elif isinstance(chunk, pl.DataFrame) and "run_id" not in chunk.columns:
+                    elif _is_polars(chunk) and "run_id" not in chunk.columns:
+                        import polars as pl
+
                         chunk = chunk.with_columns(pl.lit(run_id).alias("run_id"))
                     elif isinstance(chunk, dict) and "run_id" not in chunk:
                         n = len(next(iter(chunk.values()))) if chunk else 0

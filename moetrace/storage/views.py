@@ -90,3 +90,34 @@ def view_columns() -> dict[str, dict[str, str]]:
 @lru_cache(maxsize=None)
 def _view_names(f: Path) -> frozenset[str]:
     return frozenset(m.group(1) for m in map(_VIEW_RE.match, f.read_text().splitlines()) if m)
+
+
+@lru_cache(maxsize=None)
+def view_graph() -> dict[str, tuple[int, str, frozenset[str]]]:
+    """{view: (position, CREATE statement, views of ``sql/`` it reads)} of every analysis
+    view, parsed once: a connection defines only the views a query names, with what they
+    read (:class:`moetrace.storage.store.Store`). A word of the statement that names an
+    earlier view counts as a dependency (a stray match only defines one view more)."""
+    out: dict[str, tuple[int, str, frozenset[str]]] = {}
+    for i, stmt in enumerate(view_statements()):
+        m = _VIEW_RE.match(stmt)
+        if not m:
+            raise ValueError(f"not a CREATE VIEW statement in sql/: {stmt[:80]!r}")
+        words = set(re.findall(r"\w+", stmt[m.end():]))
+        out[m.group(1)] = (i, stmt, frozenset(w for w in words if w in out))
+    return out
+
+
+def views_needed(text: str, defined: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The CREATE statements of the views of ``sql/`` that ``text`` (a query) names and
+    that are not in ``defined``, with the views they read, in file order."""
+    graph = view_graph()
+    todo = [w for w in set(re.findall(r"\w+", text)) if w in graph and w not in defined]
+    need: set[str] = set()
+    while todo:
+        v = todo.pop()
+        if v in need or v in defined:
+            continue
+        need.add(v)
+        todo.extend(graph[v][2])
+    return [graph[v][1] for v in sorted(need, key=lambda v: graph[v][0])]

@@ -170,7 +170,7 @@ def _caption(facts: list[LayerBatch]) -> str:
     falls = [f for f in facts if not f.flat and f.drop > 0]
     flat = [f for f in facts if f.flat]
     rises = [f for f in facts if not f.flat and f.drop <= 0]
-    parts = ["Solid: imbalance of merged batches; black dotted: the same steps one at a time (where it lies on "
+    parts = ["Light solid band: imbalance of merged batches; black dotted: the same steps one at a time (where it lies on "
              "the solid line, merging changed nothing); dashed: the structural skew (whole-run rank totals); y axis "
              "from 1.0 (perfect balance)."]
     if flat and not falls:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, md_table
+from ..base import Figure, ReportContext, Section, fmt_ns, md_table
 
 ORDER = 65
 
@@ -38,8 +38,8 @@ def build(ctx: ReportContext) -> Section | None:
     top = df.row(0, named=True)
     what = ("judged with parameters fitted on run " + str(top["fit_run_id"]) if top["role"] == "judge"
             else "fitted on this run (in-sample)")
-    head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {top['a_ns']:.1f} ns × tokens + "
-            f"{top['b_ns']:.1f} ns × slots touched. Per (step, layer, rank) the predicted expert time is off by "
+    head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {fmt_ns(top['a_ns'])} × tokens + "
+            f"{fmt_ns(top['b_ns'])} × slots touched. Per (step, layer, rank) the predicted expert time is off by "
             f"{_pct(top['expert_mape'])}% on average (bias {_pct(top['expert_bias']):+}%); the straggler's time per "
             f"(step, layer) by {_pct(top['straggler_mape'])}%, and the predicted straggler rank is the measured one in "
             f"{_pct(top['straggler_hit_rate'])}% of {top['pairs']} (step, layer) (a random guess: "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 
 from ..base import Figure, ReportContext, Section, md_table
 from .. import plots
@@ -37,6 +38,10 @@ def build(ctx: ReportContext) -> Section | None:
     term = [text.replace("**", "")]
     figs = []
     if total_dummy:
+        # a rank with no dummy step and a recorded time spent 0 ns on them (not unknown)
+        none = (pl.col("dummy_steps") == 0) & pl.col("timed_ns").is_not_null()
+        df = df.with_columns(pl.when(none).then(0).otherwise(pl.col(c)).alias(c)
+                             for c in ("dummy_time_ns", "dummy_time_share"))
         worst = df.sort("dummy_share", descending=True).head(10)
         md += ["", "Ranks with the most dummy steps:", "",
                md_table(worst.select("rank", "steps", "dummy_steps", "dummy_share", "dummy_time_ns",

@@ -2,9 +2,11 @@
 experts a step touched against the uniform-routing expectation."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from ..base import Figure, ReportContext, Section, md_table
+from ..base import Figure, ReportContext, Section, fmt_ns, md_table
 from .. import plots
 
 ORDER = 20
@@ -16,6 +18,38 @@ BOUND_GPU, BOUND_DTYPE, BOUND_TFLOPS, BOUND_TBPS, BOUND_BYTES = "H100 SXM", "BF1
 WEIGHT_BOUND_TOKENS = int(round(BOUND_TFLOPS / BOUND_TBPS * BOUND_BYTES / 2))   # 295
 BOUND_WHO = (f"an {BOUND_GPU} with {BOUND_DTYPE} weights ({BOUND_TFLOPS:.0f} dense TFLOP/s over {BOUND_TBPS} TB/s "
              "of HBM)")
+
+
+def weight_bound(ctx: ReportContext) -> tuple[int, str, str]:
+    """(tokens, short name, long description) of the weight-read crossover on the hardware
+    the replay used: under its cost model (expert time = a x tokens + b x slots touched) an
+    expert below b / a tokens spends more on reading its weights than on arithmetic. From the
+    newest replay stored for the run, else the cost model a replay would use now (the facade),
+    else the fixed H100/BF16 datasheet figure above (said as assumed)."""
+    cost = None
+    if ctx.store.has_files("replay_runs"):
+        df = ctx.sql("SELECT cost_json FROM replay_runs WHERE run_id = ? ORDER BY created_at_ns DESC LIMIT 1",
+                     [ctx.run_id])
+        if df.height and df["cost_json"][0]:
+            try:
+                c = json.loads(df["cost_json"][0])
+                cost = (float(c["a_ns"]), float(c["b_ns"]), str(c.get("source", "")), "the stored replay's")
+            except (ValueError, KeyError, TypeError):
+                cost = None
+    if cost is None:
+        try:
+            m = ctx.facade.cost_model()
+            cost = (float(m.a_ns), float(m.b_ns), str(m.source), "the replay's")
+        except Exception:   # no shape to build a cost model on: the datasheet figure, said as assumed
+            cost = None
+    if cost is None or cost[0] <= 0 or cost[1] <= 0:
+        return (WEIGHT_BOUND_TOKENS, f"{BOUND_GPU}, {BOUND_DTYPE}, assumed",
+                f"{BOUND_WHO} (assumed: no replay cost model for this run)")
+    a, b, src, whose = cost
+    short = src.split(":", 1)[0].split(";", 1)[0].strip() or "cost model"
+    return (max(1, int(round(b / a))), short,
+            f"the hardware {whose} cost model uses ({short}: {fmt_ns(b)} to read an expert's weights vs "
+            f"{fmt_ns(a)} per token)")
 
 
 def quantile_from_counts(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:
@@ -49,6 +83,7 @@ def build(ctx: ReportContext) -> Section | None:
     E, k = shape["num_experts"], shape["top_k"]
     notes = []
     md, term = [], []
+    bound, bound_short, bound_who = weight_bound(ctx)
     overall = ctx.sql("SELECT avg(tokens) AS b, avg(per_expert_mean) AS m, avg(per_expert_median) AS med, "
                       "avg(per_expert_max) AS mx, avg(experts_hit) AS hit, avg(experts_hit_expected) AS hit_exp "
                       "FROM tokens_per_expert WHERE run_id = ? AND assignments > 0", [rid]).row(0, named=True)
@@ -77,11 +112,10 @@ def build(ctx: ReportContext) -> Section | None:
             md.append("")
             md.append(line)
             term.append(line)
-        elif overall["med"] < WEIGHT_BOUND_TOKENS:
-            line = (f"The median expert saw fewer than {WEIGHT_BOUND_TOKENS} tokens per step: on {BOUND_WHO} its "
+        elif overall["med"] < bound:
+            line = (f"The median expert saw fewer than {bound} tokens per step: on {bound_who} its "
                     "GEMM would be bound by reading the expert's weights, not by arithmetic, so extra tokens on a "
-                    "cold expert would be nearly free and the hottest expert's count would set the time (the run's "
-                    "own GPU and dtype are not recorded).")
+                    "cold expert would be nearly free and the hottest expert's count would set the time.")
             md.append("")
             md.append(line)
             term.append(line)
@@ -116,10 +150,10 @@ def build(ctx: ReportContext) -> Section | None:
         if counts[nb]:
             ax.bar(centers[nb], counts[nb], width=width * 0.95, color="#C44E52",
                    label=f"{nb * width:.0f} or more (busiest 0.1%)")
-        bound_shown = WEIGHT_BOUND_TOKENS <= top * 1.1 and not whole
+        bound_shown = bound <= top * 1.1 and not whole
         if bound_shown:
-            ax.axvline(WEIGHT_BOUND_TOKENS, color="black", linestyle="--", linewidth=1,
-                       label=f"{WEIGHT_BOUND_TOKENS} tokens: below, weight-read bound\n({BOUND_GPU}, {BOUND_DTYPE})")
+            ax.axvline(bound, color="black", linestyle="--", linewidth=1,
+                       label=f"{bound} tokens: below, weight-read bound\n({bound_short})")
         if counts[nb] or bound_shown:
             ax.legend(frameon=False, loc="upper right")
         ax.set_xlim(0, (nb + 1) * width)
@@ -134,7 +168,7 @@ def build(ctx: ReportContext) -> Section | None:
                    "layer (experts that got nothing count at 0); not per forward pass, so no per-step bound applies.")
         else:
             cap = ("How many tokens an expert's GEMM saw per step, over every expert, step and layer (experts that "
-                   f"got nothing count at 0). Below about {WEIGHT_BOUND_TOKENS} tokens an expert GEMM on {BOUND_WHO} "
+                   f"got nothing count at 0). Below about {bound} tokens an expert GEMM on {bound_who} "
                    "would be bound by reading its weights"
                    + (" (dashed line)." if bound_shown else f"; every count here is below {top:.0f}."))
         figs.append(Figure(plots.save(fig, ctx.outdir / "experts_tokens_hist.png"), cap))

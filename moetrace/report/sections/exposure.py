@@ -168,7 +168,7 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
     inferred = bool(per["inferred"].any())
     ax.set_xlabel("layer" + (" (order of dispatch within the step: inferred)" if inferred else ""))
     ax.set_ylabel("all-to-all time, ms (all ranks, steps)")
-    ax.set_title("All-to-all time per layer: exposed vs hidden"
+    ax.set_title("All-to-all time per layer: " + layer_bars_what(bool(exp.any()), bool(hid.any()))
                  + ("\n(layers INFERRED from the order of all-to-alls in the step)" if inferred else ""))
     if exp.any() or hid.any():
         ax.legend(fontsize=8)
@@ -177,6 +177,15 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
     return Figure(path, f"{what[0].upper() + what[1:] if what else 'No'} all-to-all time per layer, summed over ranks, "
                         "steps, micro-batches and kinds"
                         + ("; layer numbers inferred from order, not annotated." if inferred else "."))
+
+
+def layer_bars_what(exposed: bool, hidden: bool) -> str:
+    """What the per-layer bars draw, as the title says it: only the series that have bars."""
+    if exposed and hidden:
+        return "exposed (red) vs hidden behind compute (grey)"
+    if exposed:
+        return "all exposed (none hidden behind compute)"
+    return "all hidden behind compute (none exposed)" if hidden else "none recorded"
 
 
 def rid_safe(rid: str) -> str:

@@ -61,9 +61,12 @@ def build(ctx: ReportContext) -> Section | None:
     if gap:   # an MoE trace whose expert GEMMs no rule found: unknown, not 0
         head += " " + gap.split(": ", 1)[1]
     kinds = tot["kind"].to_list()
+    # nulls filled in the kinds only: a null step (time outside any step) filled with 0 became a
+    # second step-0 row per rank
     wide = (kt.pivot(on="kind", index=["rank", "step"], values="kernel_ns", aggregate_function="sum")
-            .fill_null(0).join(busy, on=["rank", "step"], how="left").sort(["rank", "step"]))
-    show = wide.select("rank", "step", (pl.col("step_ns") / 1e6).round(3).alias("step_ms"),
+            .with_columns(pl.col(k).fill_null(0) for k in kinds)
+            .join(busy, on=["rank", "step"], how="left").sort(["rank", "step"]))
+    show = wide.filter(pl.col("step").is_not_null()).select("rank", "step", (pl.col("step_ns") / 1e6).round(3).alias("step_ms"),
                        ((pl.col("step_ns") - pl.col("busy_ns")) / 1e6).round(3).alias("idle_ms"),
                        *[(100 * pl.col(k) / pl.sum_horizontal(kinds)).round(1).alias(f"{k} %") for k in kinds])
     md = [head, "", "Share of kernel time by kind per rank and step (%; idle_ms: no kernel running in the step window):",

@@ -127,12 +127,7 @@ def build(ctx: ReportContext) -> Section | None:
     lines = [f"{show.height} stored replay(s), each judged against the recorded placement on the same steps with "
              "the same cost model; net = predicted time plus the cost of moving experts."]
     if deployable.height:
-        b = deployable.sort("net_ms").row(0, named=True)
-        tb = b["time_band"]
-        lines.append(f"Fastest net: **{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(b['net_ms'])} {tb} vs "
-                     f"{_ms(b['recorded_ms'])} {tb} recorded{_pct(b['net_ms'], b['recorded_ms'])}, gross "
-                     f"{_ms(b['predicted_ms'])} {tb}, {b['moved_experts']} expert moves; judged on {b['judged_on']}. "
-                     f"Verdict: **{b['verdict']}**" + (f" ({b['verdict_reason']})." if b["verdict_reason"] else "."))
+        lines.append(fastest_sentence(deployable))
     elif show.filter(pl.col("predicted_ms").is_null()).height:
         lines.append("The counts aggregate many passes of unknown number: imbalance answers only, no time per step.")
     if any(timed):
@@ -156,6 +151,42 @@ def build(ctx: ReportContext) -> Section | None:
                    terminal="\n".join(term), figures=figs, notes=notes)
 
 
+def fastest_net(deployable: pl.DataFrame) -> dict | None:
+    """The stored replay that gains most net against the recorded placement ON ITS OWN JUDGED
+    STEPS (lowest net_ms / recorded_ms; the recorded time of each row is predicted on the very
+    steps that row was judged on). Times of replays judged on different steps are never compared
+    with each other: within one ``judged_on`` the lowest ratio is the lowest net time."""
+    d = deployable.filter(pl.col("net_ms").is_not_null() & pl.col("recorded_ms").is_not_null()
+                          & (pl.col("recorded_ms") > 0))
+    if not d.height:
+        return None
+    d = d.with_columns((pl.col("net_ms") / pl.col("recorded_ms")).alias("ratio")).sort("ratio")
+    best = d.row(0, named=True)
+    best["same_steps"] = d.filter(pl.col("judged_on") == best["judged_on"]).height
+    best["step_sets"] = d["judged_on"].n_unique()
+    return best
+
+
+def fastest_sentence(deployable: pl.DataFrame) -> str:
+    """The section's headline: the best replay against the recorded placement on the same
+    steps, or that none beats it (:func:`fastest_net`)."""
+    b = fastest_net(deployable)
+    if b is None:
+        return "No stored replay has a net time to compare with the recorded placement."
+    tb = b["time_band"]
+    scope = (" (replays judged on different steps are compared by their change from the recorded placement on "
+             f"their own steps, never by their times: {b['step_sets']} sets of judged steps here)"
+             if b["step_sets"] > 1 else "")
+    what = (f"**{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(b['net_ms'])} {tb} vs {_ms(b['recorded_ms'])} {tb} "
+            f"recorded{_pct(b['net_ms'], b['recorded_ms'])}, gross {_ms(b['predicted_ms'])} {tb}, "
+            f"{b['moved_experts']} expert moves; judged on {b['judged_on']}")
+    verdict = f" Verdict: **{b['verdict']}**" + (f" ({b['verdict_reason']})." if b["verdict_reason"] else ".")
+    if b["ratio"] >= 1.0:
+        return ("No stored replay is faster net than the recorded placement on the same steps; the closest is "
+                + what + scope + "." + verdict)
+    return "Fastest net against the recorded placement on the same steps: " + what + scope + "." + verdict
+
+
 def _stored_band(summary_json: str | None) -> tuple[float | None, str]:
     """(relative error, source) the replay stored with its predicted times."""
     try:
@@ -174,21 +205,24 @@ def _drift_figure(ctx, stored) -> list[Figure]:
     per = ctx.sql("""SELECT replay_id, step, avg(imbalance) AS imbalance FROM replay_layer
                      WHERE run_id = ? AND replay_id IN (SELECT unnest(?)) GROUP BY ALL ORDER BY step""",
                   [ctx.run_id, ids])
-    curves, step = [], None
+    curves, step, nets = [], None, {}
     for rid in ids:
         d = per.filter(pl.col("replay_id") == rid)
         r = stored.filter(pl.col("replay_id") == rid).row(0, named=True)
         step = d["step"].to_numpy() if step is None else step
         curves.append((rid.rsplit("-", 1)[1], d["imbalance"].to_numpy(), r["mean_imbalance"], r["moved_experts"],
                        r["moved_bytes"]))
+        nets[rid.rsplit("-", 1)[1]] = r.get("net_step_ns")
     p = plots.drift(ctx.outdir / "replay_drift.png", step, curves,
                     title="Imbalance over time: static vs re-planned vs oracle")
-    return [Figure(p, drift_caption({c[0]: c[2] for c in curves}))]
+    return [Figure(p, drift_caption({c[0]: c[2] for c in curves}, nets))]
 
 
-def drift_caption(means: dict) -> str:
+def drift_caption(means: dict, nets: dict | None = None) -> str:
     """What the drift figure shows, from the mean imbalance of each plan (``static``,
-    ``replan``, ``oracle``; max/mean over the judged steps): only what these numbers say."""
+    ``replan``, ``oracle``; max/mean over the judged steps) and, when given, their net
+    predicted time per step in ns (``nets``, moves charged): only what these numbers say. A
+    re-plan that balances better but is slower net is said to be slower net."""
     names = {"static": "static plan", "replan": "re-planned", "oracle": "oracle"}
     got = {k: means[k] for k in names if means.get(k) is not None}
     out = ("Mean imbalance over the judged steps: "
@@ -196,15 +230,22 @@ def drift_caption(means: dict) -> str:
            + (" (the oracle is fitted on the very steps it is judged on: a lower bound)" if "oracle" in got else "")
            + ".")
     st, rp, orc = got.get("static"), got.get("replan"), got.get("oracle")
+    net_s, net_r = (nets or {}).get("static"), (nets or {}).get("replan")
+    slower = net_s is not None and net_r is not None and net_r > net_s
     if st is not None and rp is not None:
         if rp >= st:
             out += " Re-planning did not lower the imbalance below the static plan's."
         elif orc is not None and st > orc:
             share = (st - rp) / (st - orc)
-            out += (f" Re-planning from a trailing window closes {100 * share:.0f}% of the gap between the static "
-                    "plan and the oracle.")
+            out += (f" Re-planning from a trailing window closes {100 * share:.0f}% of the imbalance gap between the "
+                    "static plan and the oracle")
+            out += (f", but it is slower net: {_ms(net_r / 1e6)} vs {_ms(net_s / 1e6)} per step for the static plan, "
+                    "its expert moves costing more than the balance saves." if slower else ".")
         else:
-            out += f" Re-planning lowers it by {st - rp:.3f}×."
+            out += f" Re-planning lowers it by {st - rp:.3f}×"
+            out += (f" but is slower net ({_ms(net_r / 1e6)} vs {_ms(net_s / 1e6)} static)." if slower else ".")
+    if net_s is not None and net_r is not None and not slower:
+        out += f" Net of moves: re-planned {_ms(net_r / 1e6)} vs static {_ms(net_s / 1e6)} per step."
     return out + " The table above charges each re-plan its expert moves."
 
 
@@ -224,18 +265,29 @@ def _traffic_figures(ctx, stored) -> list[Figure]:
     R = int(max(t["src_rank"].max(), t["dst_rank"].max())) + 1
     R = max(R, int(pick["num_ranks"]))
     figs = []
-    for which, label in (("recorded", "recorded placement"), ("plan", pick["policy"])):
+    mats = {}
+    for which in ("recorded", "plan"):
         d = t.filter(pl.col("plan") == which)
-        if not d.height:
+        if d.height:
+            m = np.zeros((R, R))
+            m[d["src_rank"].to_numpy(), d["dst_rank"].to_numpy()] = d["bytes"].to_numpy() / max(int(d["steps"][0]), 1)
+            mats[which] = m
+    # one colour scale and one unit for both figures, so a colour means the same bytes in each
+    top = max((float(m.max()) for m in mats.values()), default=0.0)
+    uname, udiv = plots.byte_unit(top)
+    for which, label in (("recorded", "recorded placement"), ("plan", pick["policy"])):
+        if which not in mats:
             continue
-        m = np.zeros((R, R))
-        m[d["src_rank"].to_numpy(), d["dst_rank"].to_numpy()] = d["bytes"].to_numpy() / max(int(d["steps"][0]), 1)
-        p = plots.heatmap(ctx.outdir / f"replay_traffic_{which}.png", m / 2**20,
+        m = mats[which]
+        p = plots.heatmap(ctx.outdir / f"replay_traffic_{which}.png", m / udiv,
                           title=f"Dispatch traffic per step: {label}", xlabel="destination rank",
-                          ylabel="source rank", cbar_label="MiB per step")
+                          ylabel="source rank", cbar_label=f"{uname} per step (same scale in both figures)",
+                          vmax=max(top / udiv, 1e-12), integer_ticks=True)
+        tu, td = plots.byte_unit(m.sum())
         figs.append(Figure(p, f"Dispatch bytes from each source rank (rows) to each destination rank (columns) per "
                               f"judged step under the {label} (exact, from per-token routing; the combine sends the "
-                              f"same rows back). Total {m.sum() / 2**20:.2f} MiB per step."))
+                              f"same rows back). Total {m.sum() / td:.1f} {tu} per step; the colour scale is shared "
+                              "with the other traffic figure."))
     return figs
 
 

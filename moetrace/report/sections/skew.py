@@ -176,6 +176,11 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
                         [rid, layer])["step"].to_numpy()
         kw["y_ticks"] = (yt, [str(int(order[(t * n_steps) // bins])) for t in yt])
     groups, strag = _rank_groups(ctx, layer, E)
+    # the placement the rank lines stand for is part of what the figure says
+    src = ctx.sql("SELECT placement_source FROM layer_placement WHERE run_id = ? AND layer = ?", [rid, layer])
+    src = src["placement_source"][0] if src.height else None
+    title += ("\nplacement ASSUMED contiguous (none recorded)" if src == "contiguous" else
+              "\nplacement recorded (experts not grouped by rank)" if src else "\nplacement unknown")
     path = plots.heatmap(ctx.outdir / f"skew_heatmap_layer{layer}.png", m, title=title,
                          xlabel="logical expert id" + (" (cyan lines: rank boundaries, top axis: rank)"
                                                        if groups else ""),

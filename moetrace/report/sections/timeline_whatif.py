@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from ..base import ReportContext, Section, md_table
+from ..base import ReportContext, Section, fmt_ns, md_table
 
 ORDER = 62
 
@@ -56,7 +56,13 @@ def build(ctx: ReportContext) -> Section | None:
     if computed:
         lines.append("_Computed for this report (not stored): run `moetrace whatif` to store it and add the "
                      "domain-size sweep._")
-    md = "\n\n".join(lines) + "\n\n" + md_table(whole)
+    # times read in µs/ms with their unit in the cell (the raw ns with decimals read as noise)
+    is_ns = pl.col("unit") == "ns"
+    shown = whole.with_columns(
+        [pl.when(is_ns).then(pl.col(c).map_elements(fmt_ns, return_dtype=pl.Utf8))
+         .otherwise(pl.col(c).round(1).cast(pl.Utf8)).alias(c) for c in ("before", "after")]
+        + [pl.when(is_ns).then(pl.lit("time")).otherwise(pl.col("unit")).alias("unit")])
+    md = "\n\n".join(lines) + "\n\n" + md_table(shown)
     from ...output import render_table
     term = "\n".join(x.replace("**", "") for x in lines) + "\n" + render_table(whole, max_rows=30)
     for kind, text in df.select("kind", "assumptions").unique(maintain_order=True).iter_rows():
