@@ -7,6 +7,7 @@ slot per rank, DeepSeek-V3 on 320 GPUs), one hour at 20 steps per second = 72,00
 
     python benchmarks/bench_fleet.py --size full
     python benchmarks/bench_fleet.py --size full --fraction 0.1   # 7,200 steps, extrapolated
+    python benchmarks/bench_fleet.py --size medium   # the full shape, 2,400 steps (profiling, before/after)
 
 Stages, each in a fresh process so its peak RSS is its own:
 
@@ -54,6 +55,9 @@ from benchmarks.common import heavy_lock, peak_rss_mib, result  # noqa: E402
 SIZES = {
     "small": dict(ranks=32, ranks_per_node=8, layers=4, experts=256, redundant=32, steps=240, chunk_steps=80,
                   fit_steps=80, duck_memory="1GB", skew_batch_steps=100),
+    # the full shape over 2,400 steps (1/30 of the hour): a profile / before-after size
+    "medium": dict(ranks=320, ranks_per_node=8, layers=58, experts=256, redundant=64, steps=2400, chunk_steps=200,
+                   fit_steps=400, duck_memory="2GB", skew_batch_steps=400),
     "full": dict(ranks=320, ranks_per_node=8, layers=58, experts=256, redundant=64, steps=72_000, chunk_steps=200,
                  fit_steps=1000, duck_memory="4GB", skew_batch_steps=1000),
 }

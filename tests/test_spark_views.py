@@ -1,6 +1,7 @@
 """Every metric view gives the same rows on Spark (local mode) as on DuckDB, over one store
 holding the shipped samples (a DeepSeek-V3-shaped serving run, two real 4-rank CPU runs
-with profiler spans, the second with replicas) and a synthetic run with idle steps,
+with profiler spans, the second with replicas, DeepEP wait counters, NCCL Inspector
+collectives) and a synthetic run with idle steps,
 replicas of its hottest experts and per-token routing.
 
 The Spark text of each view is not written by hand: it is the DuckDB view transpiled by
@@ -89,6 +90,22 @@ def _replicated_run(store: Store) -> None:
     store.write_run(run, tables, run_id="rep")
 
 
+def _run_without_ranks(store: Store) -> None:
+    """A hand-made run whose number of ranks is unknown (steps_no_ranks), with one step
+    that routed no tokens (steps_undefined)."""
+    import pyarrow as pa
+
+    rows = [(s, li, e, 0 if s == 2 else (e + 1) * (s + 1)) for s in range(3) for li in range(2) for e in range(4)]
+    load = pa.table({"step": [r[0] for r in rows], "layer": [r[1] for r in rows],
+                     "expert": [r[2] for r in rows], "tokens": [r[3] for r in rows]})
+    for col in schema.get("expert_load").columns:
+        if col.name != "run_id" and col.name not in load.column_names:
+            load = load.append_column(col.name, pa.nulls(load.num_rows, col.arrow_type))
+    run = {"source": "hand-made run without ranks", "source_sha256": "1" * 64, "collector": "test",
+           "time_base": "none", "num_layers": 2, "num_experts": 4, "top_k": 1}
+    store.write_run(run, {"expert_load": load}, run_id="noranks")
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("spark") / "st"
@@ -96,11 +113,16 @@ def store(tmp_path_factory):
              "--ranks", "32", "--ranks-per-node", "8", "--top-k", "8", "--experts", "256", "--layers", "4"])
     for name in ("refrun", "refrun_eplb"):
         run_cli(["ingest", str(SAMPLES / name), "--store", str(root), "--run-id", name])
+    # DeepEP wait counters (4 ranks: paired with the 4-rank timeline runs in deepep_wait_compare)
+    # and NCCL Inspector records (collective spans with named process groups)
+    run_cli(["ingest", str(SAMPLES / "deepep"), "--store", str(root), "--run-id", "deepep", "--set", "clock_ghz=2.0"])
+    run_cli(["ingest", str(SAMPLES / "nccl_inspector"), "--store", str(root), "--run-id", "ni"])
     run_cli(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",
              "--ranks-per-node", "2", "--steps", "10", "--tokens-per-step", "64", "--per-token",
              "--dummy-share", "0.25", "--seed", "3", "--run-id", "syn"])
     st = Store(root)
     _replicated_run(st)
+    _run_without_ranks(st)
     return st
 
 
@@ -190,6 +212,9 @@ def test_the_store_exercises_the_views(store):
     assert store.sql("SELECT count(*) AS n FROM layer_skew WHERE imbalance IS NULL")["n"][0] > 0
     assert store.sql("SELECT count(*) AS n FROM routing")["n"][0] > 0
     assert store.sql("SELECT count(*) AS n FROM a2a_exposure")["n"][0] > 0
+    assert store.sql("SELECT count(*) AS n FROM deepep_wait_compare")["n"][0] > 0
+    assert store.sql("SELECT sum(steps_no_ranks) AS n FROM skew_summary")["n"][0] > 0
+    assert store.sql("SELECT count(*) AS n FROM coll_spans WHERE NOT group_inferred")["n"][0] > 0
 
 
 # Views that do not give DuckDB's rows on Spark, each with the reason: none since the list

@@ -405,8 +405,11 @@ def _spans(c: pl.DataFrame) -> dict:
         pl.lit(None, pl.Int32).alias("micro_batch"), pl.lit(False).alias("inferred"),
         pl.lit(None, pl.Int64).alias("correlation"), pl.col("op").alias("collective"),
         pl.col("grp").alias("process_group"),
+        # the kind follows the record's collective, not the kernel rules; no CPU ranges
+        pl.lit(None, pl.Utf8).alias("classified_by"), pl.lit(None, pl.Utf8).alias("moe_context"),
     ).rename({"started_ns": "start_ns", "completed_ns": "end_ns"}).sort("rank", "start_ns")
-    return {"spans": spans, "kernel_names": names.select("name_id", "name", "kind")}
+    return {"spans": spans, "kernel_names": names.select("name_id", "name", "kind",
+                                                         pl.lit(None, pl.Utf8).alias("classified_by"))}
 
 
 register(Collector("nccl_inspector", "NCCL Inspector JSON lines (plugins/profiler/inspector): one file per process, "

@@ -85,7 +85,17 @@ def _rank_copies(row: np.ndarray, E: int, R: int) -> np.ndarray:
 def overlap_matrix(old_row: np.ndarray, new_row: np.ndarray, E: int, R: int) -> np.ndarray:
     """``[a, b]``: expert copies old rank a and new rank b have in common (multiset)."""
     co, cn = _rank_copies(old_row, E, R), _rank_copies(new_row, E, R)
-    return np.minimum(co[:, :, None], cn[:, None, :]).sum(axis=0)
+    # sparse: only (old rank, new rank) pairs that hold a common expert add to the sum (a
+    # dense [E, R, R] minimum was 1.5 G operations per plan at 58 layers x 256 experts x 320 ranks)
+    eo, ao = np.nonzero(co)
+    en, bn = np.nonzero(cn)                     # row-major: sorted by expert
+    per_e = np.bincount(en, minlength=E)
+    first = np.cumsum(per_e) - per_e
+    reps = per_e[eo]                            # new entries paired with each old entry
+    i = np.repeat(np.arange(eo.size), reps)
+    j = first[eo[i]] + (np.arange(i.size) - np.repeat(np.cumsum(reps) - reps, reps))
+    w = np.minimum(co[eo[i], ao[i]], cn[en[j], bn[j]])
+    return np.bincount(ao[i] * R + bn[j], weights=w, minlength=R * R).reshape(R, R).astype(np.int64)
 
 
 def best_rank_map(ov: np.ndarray, ranks_per_node: int | None = None) -> np.ndarray:

@@ -79,38 +79,94 @@ def _per_layer_matmul(a: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
-def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per_token: int) -> tuple[np.ndarray, np.ndarray]:
+def _slot_gather(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """(index of every slot's (layer, expert) into ``load.reshape(T, L * E)`` [L * S],
+    copies of every slot's expert [L * S]): the sparse form of :meth:`Plan.copies`, one
+    entry per slot instead of a dense [L, E, R] matrix that is almost all zeros."""
+    L, S = plan.phy2log.shape
+    E = plan.num_experts
+    # each rank's slots in expert order: a rank's sum then does not depend on the order of
+    # its slots (a relabeled plan replays to the same float32 bytes, as the dense product did)
+    order = np.argsort(plan.slot_rank[None, :] * E + plan.phy2log, axis=1, kind="stable")
+    p2l = np.take_along_axis(plan.phy2log, order, axis=1)
+    flat = (np.arange(L, dtype=np.int64)[:, None] * E + p2l).ravel()
+    cnt = np.take_along_axis(plan.logcnt(), p2l, axis=1).ravel()
+    return flat, cnt
+
+
+def _rank_sum(per_slot: np.ndarray, T: int, L: int, R: int, spr: int, dtype=None) -> np.ndarray:
+    """[T, L * S] per-slot values summed over each rank's slots (slot order): [T, L, R]."""
+    v = per_slot.reshape(T, L, R, spr)
+    if spr == 1:
+        return v[..., 0] if dtype is None else v[..., 0].astype(dtype)
+    return v.sum(axis=3, dtype=dtype)
+
+
+def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per_token: int,
+                      gather: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Bytes each rank receives in the dispatch, without per-token data: a token reaches
     rank r unless it misses every copy there, each copy taking load/copies of the step's
     B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks (the
     token's own rank costs nothing, its node's other ranks are intra-node). Without
-    ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so)."""
+    ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so).
+    float32 throughout (a probability per rank; the bytes are an estimate)."""
     T, L, E = load.shape
     if not top_k:
         z = np.zeros((T, L, plan.num_ranks))
         return z, z
+    R, S, rpn = plan.num_ranks, plan.num_slots, plan.ranks_per_node
+    flat, cnt = gather if gather is not None else _slot_gather(plan)
     B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
     inv = np.float32(1.0) / (plan.logcnt().astype(np.float32)[None] * np.maximum(B, np.float32(1e-30)))
     x = np.multiply(load, inv, dtype=np.float32)
     np.clip(x, 0.0, 1.0 - 1e-7, out=x)
     np.negative(x, out=x)
     np.log1p(x, out=x)                 # log(1 - x), x = copy load / tokens per step
-    s = _per_layer_matmul(x, plan.copies().astype(np.float32))
-    recv = B * (1.0 - np.exp(s))
-    R, rpn = plan.num_ranks, plan.ranks_per_node
-    intra = recv * ((rpn - 1) / R) * bytes_per_token
-    inter = recv * ((R - rpn) / R) * bytes_per_token
-    return intra, inter
+    # sum of log(1 - x) over the rank's copies: one value per slot, summed per rank
+    s = _rank_sum(np.take(x.reshape(T, L * E), flat, axis=1), T, L, R, plan.slots_per_rank)
+    np.exp(s, out=s)
+    np.subtract(np.float32(1.0), s, out=s)
+    s *= B                             # tokens received
+    intra = s * ((rpn - 1) / R)
+    intra *= bytes_per_token
+    s *= (R - rpn) / R
+    s *= bytes_per_token
+    return intra, s
+
+
+#: elements of one [steps, L, R] block the kernels work on at a time (2 MiB of float64):
+#: the temporaries stay in cache, and big fresh arrays are not page-faulted in per operation
+#: (a 500-step chunk of the fleet shape in one piece ran 3-4x slower, measured)
+BLOCK_ELEMENTS = 1 << 18
+
+
+def _sub_blocks(T: int, per_step: int):
+    nb = max(1, BLOCK_ELEMENTS // max(per_step, 1))
+    return [(a, min(T, a + nb)) for a in range(0, T, nb)]
 
 
 def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np.ndarray | None = None,
                 top_k: int | None = None, bytes_per_token: int = 0) -> Block:
-    """Replay aggregated load [t, L, E] (or per-slot counts of this very plan) against ``plan``."""
-    with blas_single_thread():
-        return _replay_load(load, plan, split, slot_load, top_k, bytes_per_token)
+    """Replay aggregated load [t, L, E] (or per-slot counts of this very plan) against ``plan``,
+    a few steps at a time (:data:`BLOCK_ELEMENTS`); the answer does not depend on the split."""
+    T, L, E = load.shape
+    gather = _slot_gather(plan)
+    parts = _sub_blocks(T, L * max(plan.num_ranks, E))
+    if len(parts) == 1:
+        return _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, gather)
+    out = None
+    for a, b in parts:
+        blk = _replay_load(load[a:b], plan, split, None if slot_load is None else slot_load[a:b], top_k,
+                           bytes_per_token, gather)
+        if out is None:
+            out = Block(*(np.empty((T,) + x.shape[1:], x.dtype) for x in
+                          (blk.tokens, blk.touched, blk.bytes_intra, blk.bytes_inter)), exact_bytes=False)
+        out.tokens[a:b], out.touched[a:b] = blk.tokens, blk.touched
+        out.bytes_intra[a:b], out.bytes_inter[a:b] = blk.bytes_intra, blk.bytes_inter
+    return out
 
 
-def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token) -> Block:
+def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, gather) -> Block:
     T, L, E = load.shape
     R, spr = plan.num_ranks, plan.slots_per_rank
     if slot_load is not None:
@@ -118,7 +174,7 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token) -> Block:
             raise InputError(None, f"per-slot load has {slot_load.shape[2]} slots, plan has {plan.num_slots}")
         st = slot_load.reshape(T, L, R, spr)
         tokens = st.sum(axis=3, dtype=np.float64)
-        touched = (st > 0).sum(axis=3)
+        touched = (st > 0).sum(axis=3, dtype=np.int32)
     elif split == "hash":
         cnt = plan.logcnt()
         rep = _slot_replica_index(plan)
@@ -127,14 +183,21 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token) -> Block:
         st = np.floor(g / c) + (rep[None] < np.mod(g, c))
         st = st.reshape(T, L, R, spr)
         tokens = st.sum(axis=3, dtype=np.float64)
-        touched = (st > 0).sum(axis=3)
+        touched = (st > 0).sum(axis=3, dtype=np.int32)
     else:
-        # float64 counts (the store adapter's) split in float64, as the SQL views do: the recorded
-        # plan's replay then equals skew_summary exactly; float32 arrays stay float32 (speed)
+        # an equal share of the expert's tokens to every copy, summed over the rank's slots
+        # (a gather per slot, no dense [E, R] product). float64 counts (the store's) split in
+        # float64, as the SQL views do: the recorded plan's replay then equals skew_summary;
+        # float32 arrays stay float32 (speed)
+        flat, cnt = gather
         dt = np.float64 if load.dtype == np.float64 else np.float32
-        tokens = _per_layer_matmul(load.astype(dt, copy=False), plan.share().astype(dt))
-        touched = _per_layer_matmul((load > 0).astype(np.float32), plan.copies().astype(np.float32))
-    intra, inter = estimate_dispatch(load, plan, top_k, bytes_per_token)
+        share = (1.0 / cnt.astype(np.float64)).astype(dt)      # = Plan.share() at each slot
+        l2 = load.reshape(T, L * E)
+        g = np.take(l2 if l2.dtype == dt else l2.astype(dt), flat, axis=1)
+        g *= share
+        tokens = _rank_sum(g, T, L, R, spr)
+        touched = _rank_sum(np.take(l2 > 0, flat, axis=1), T, L, R, spr, dtype=np.int32)
+    intra, inter = estimate_dispatch(load, plan, top_k, bytes_per_token, gather)
     return Block(tokens, touched, intra, inter, exact_bytes=False)
 
 
@@ -239,12 +302,35 @@ def imbalance(tokens: np.ndarray) -> np.ndarray:
 
 
 def layer_metrics(block: Block, cost: CostModel) -> LayerMetrics:
+    """Per (step, layer) results of a replayed block, a few steps at a time (same answer)."""
     tok = block.tokens
-    imb = imbalance(tok)
-    disp, comp, comb = cost.rank_ns(tok, block.touched, block.bytes_intra, block.bytes_inter)
-    rank_ns = disp + comp + comb
+    T, L, R = tok.shape
+    parts = _sub_blocks(T, L * R)
+    if len(parts) == 1:
+        return _layer_metrics(tok, block.touched, block.bytes_intra, block.bytes_inter, cost)
+    out = None
+    for a, b in parts:
+        m = _layer_metrics(tok[a:b], block.touched[a:b], block.bytes_intra[a:b], block.bytes_inter[a:b], cost)
+        if out is None:
+            out = LayerMetrics(*(np.empty((T,) + x.shape[1:], x.dtype) for x in
+                                 (m.max_tokens, m.mean_tokens, m.imbalance, m.straggler, m.layer_ns, m.dispatch_ns,
+                                  m.compute_ns, m.rank_ns)))
+        for k in ("max_tokens", "mean_tokens", "imbalance", "straggler", "layer_ns", "dispatch_ns", "compute_ns",
+                  "rank_ns"):
+            getattr(out, k)[a:b] = getattr(m, k)
+    return out
+
+
+def _layer_metrics(tok, touched, intra, inter, cost: CostModel) -> LayerMetrics:
+    mx = tok.max(axis=2)
+    mean = tok.mean(axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):    # = imbalance(tok), its max and mean reused
+        imb = np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
+    disp, comp, comb = cost.rank_ns(tok, touched, intra, inter)
+    rank_ns = disp + comp
+    rank_ns += comb
     strag = np.where(np.isnan(imb), -1, np.argmax(rank_ns, axis=2))
-    return LayerMetrics(tok.max(axis=2), tok.mean(axis=2), imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns)
+    return LayerMetrics(mx, mean, imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from .strategies import Timing, judge, judge_stream
 from .cost_fit import _cost
 from .load import RunShape, iter_load, read_load, routing_block, routing_has_slots
 from .plan_store import recorded_plan
+from .spool import Spool
 from .results import (ReplayOptions, ReplayResult, _layer_table, _rank_table, _runs_row, _time_note, new_replay_id,
                       traffic_table)
 
@@ -111,7 +112,8 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
         n = store.sql("SELECT count(*) AS n FROM routing WHERE run_id = ?", [run_id])["n"][0]
         chunk = max(1, min(chunk, int(4_000_000 * shape.steps.size // max(int(n), 1))))
     sub = replace(shape, steps=judged.steps)
-    layer_tbls, rank_tbls, kept = [], [], []
+    # result rows go to disk as the replay streams (memory flat over any number of steps)
+    layer_tbls, rank_tbls, kept = Spool(), Spool(), []
     agg = {"nmax": [], "nmean": [], "traffic": None, "rtraffic": None}
     with_slots = mode == "counts"
 

@@ -139,51 +139,80 @@ class RunShape:
 
 
 # ----------------------------------------------------------------------------- reading
+#: steps x layers x experts of one piece the replay kernels take at a time (2 MiB of float64):
+#: the kernels' temporaries then stay in cache instead of page-faulting fresh arrays of the
+#: whole chunk (3-4x slower at fleet shape, measured: docs/scale.md)
+PIECE_ELEMENTS = 1 << 18
+
+
+def piece_steps(shape: RunShape, elements: int = PIECE_ELEMENTS) -> int:
+    """Steps per piece for ``shape``: ``elements`` / (layers x max(experts, ranks)), at least 1."""
+    width = max(shape.num_experts, shape.num_ranks or 0, shape.num_slots)
+    return max(1, elements // max(1, shape.layers.size * width))
+
+
 def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
-              with_slots: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-    """Yield (step ids [t], load [t, L, E] float64, slot_load [t, L, S] or None) by step chunks."""
-    steps, layers, E, S = shape.steps, shape.layers, shape.num_experts, shape.num_slots
-    want_slots = with_slots and shape.has_slot
-    cols = "step, layer, expert, tokens" + (", slot" if want_slots else "")
+              with_slots: bool = False, piece: int | None = None
+              ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Yield (step ids [t], load [t, L, E] float64, slot_load [t, L, S] or None): the store is
+    read ``chunk_steps`` steps at a time, each read yielded in pieces of ``piece`` steps
+    (default :func:`piece_steps`, the whole read for runs with per-token routing; 0: the whole
+    read). Memory: one read of int64 counts plus
+    one piece, whatever the run's length."""
+    steps = shape.steps
+    if piece is None:   # runs with per-token routing replay each read with one routing query: whole
+        piece = 0 if shape.has_routing else piece_steps(shape)
     for i in range(0, steps.size, chunk_steps):
         ids = steps[i:i + chunk_steps]
-        if not want_slots:      # counts per logical expert: the dense reader (no SQL for dense runs)
-            from ..storage.dense import read_counts
+        ids, load, slot_load = _read_chunk(store, run_id, shape, ids, with_slots)
+        n = ids.size
+        step = piece or n
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            yield (ids[a:b], np.asarray(load[a:b], np.float64), None if slot_load is None else slot_load[a:b])
 
-            got, got_layers, counts = read_counts(store, run_id, ids)
-            if counts.shape[2] > E:
-                raise InputError(None, f"run {run_id!r}: expert_load holds expert {counts.shape[2] - 1} but the run "
-                                       f"has {E} experts")
+
+def _read_chunk(store, run_id: str, shape: RunShape, ids: np.ndarray, with_slots: bool):
+    """(ids, counts [t, L, E] (int64 or float64), slot_load or None) of steps ``ids``."""
+    layers, E, S = shape.layers, shape.num_experts, shape.num_slots
+    want_slots = with_slots and shape.has_slot
+    cols = "step, layer, expert, tokens" + (", slot" if want_slots else "")
+    if not want_slots:      # counts per logical expert: the dense reader (no SQL for dense runs)
+        from ..storage.dense import read_counts
+
+        got, got_layers, counts = read_counts(store, run_id, ids)
+        if counts.shape[2] > E:
+            raise InputError(None, f"run {run_id!r}: expert_load holds expert {counts.shape[2] - 1} but the run "
+                                   f"has {E} experts")
+        if np.array_equal(got, ids) and np.array_equal(got_layers, layers) and counts.shape[2] == E:
+            load = counts           # the whole grid: converted to float64 piece by piece
+        else:
             load = np.zeros((ids.size, layers.size, E))
-            if np.array_equal(got, ids) and np.array_equal(got_layers, layers):
-                load[:, :, :counts.shape[2]] = counts
-            else:
-                load[np.ix_(np.searchsorted(ids, got), np.searchsorted(layers, got_layers),
-                            np.arange(counts.shape[2]))] = counts
-            yield ids, load, None
-            continue
-        tbl = store.arrow(f"SELECT {cols} FROM expert_load WHERE run_id = ? AND step BETWEEN ? AND ?",
-                          [run_id, int(ids[0]), int(ids[-1])])
-        ti = np.searchsorted(ids, tbl.column("step").to_numpy())
-        keep = (ti < ids.size) & (ids[np.minimum(ti, ids.size - 1)] == tbl.column("step").to_numpy())
-        li = np.searchsorted(layers, tbl.column("layer").to_numpy())
-        cell = (ti * layers.size + li)[keep]
-        tok = tbl.column("tokens").to_numpy().astype(np.float64)[keep]
-        n = ids.size * layers.size
-        ex = tbl.column("expert").to_numpy()[keep]
-        if ex.size and (ex.min() < 0 or ex.max() >= E):
-            raise InputError(None, f"run {run_id!r}: expert_load holds expert {int(ex.max())} but the run has {E} experts")
-        # bincount sums rows that repeat a (step, layer, expert): per slot, per source rank
-        load = np.bincount(cell * E + ex, weights=tok, minlength=n * E).reshape(ids.size, layers.size, E)
-        slot_load = None
-        if want_slots:
-            sl = tbl.column("slot").to_numpy(zero_copy_only=False).astype(np.float64)[keep]
-            ok = ~np.isnan(sl)
-            if ok.any() and (sl[ok].min() < 0 or sl[ok].max() >= S):
-                raise InputError(None, f"run {run_id!r}: expert_load holds slot {int(sl[ok].max())} but the run has {S} slots")
-            slot_load = np.bincount(cell[ok] * S + sl[ok].astype(np.int64), weights=tok[ok],
-                                    minlength=n * S).reshape(ids.size, layers.size, S)
-        yield ids, load, slot_load
+            load[np.ix_(np.searchsorted(ids, got), np.searchsorted(layers, got_layers),
+                        np.arange(counts.shape[2]))] = counts
+        return ids, load, None
+    tbl = store.arrow(f"SELECT {cols} FROM expert_load WHERE run_id = ? AND step BETWEEN ? AND ?",
+                      [run_id, int(ids[0]), int(ids[-1])])
+    ti = np.searchsorted(ids, tbl.column("step").to_numpy())
+    keep = (ti < ids.size) & (ids[np.minimum(ti, ids.size - 1)] == tbl.column("step").to_numpy())
+    li = np.searchsorted(layers, tbl.column("layer").to_numpy())
+    cell = (ti * layers.size + li)[keep]
+    tok = tbl.column("tokens").to_numpy().astype(np.float64)[keep]
+    n = ids.size * layers.size
+    ex = tbl.column("expert").to_numpy()[keep]
+    if ex.size and (ex.min() < 0 or ex.max() >= E):
+        raise InputError(None, f"run {run_id!r}: expert_load holds expert {int(ex.max())} but the run has {E} experts")
+    # bincount sums rows that repeat a (step, layer, expert): per slot, per source rank
+    load = np.bincount(cell * E + ex, weights=tok, minlength=n * E).reshape(ids.size, layers.size, E)
+    slot_load = None
+    if want_slots:
+        sl = tbl.column("slot").to_numpy(zero_copy_only=False).astype(np.float64)[keep]
+        ok = ~np.isnan(sl)
+        if ok.any() and (sl[ok].min() < 0 or sl[ok].max() >= S):
+            raise InputError(None, f"run {run_id!r}: expert_load holds slot {int(sl[ok].max())} but the run has {S} slots")
+        slot_load = np.bincount(cell[ok] * S + sl[ok].astype(np.int64), weights=tok[ok],
+                                minlength=n * S).reshape(ids.size, layers.size, S)
+    return ids, load, slot_load
 
 
 def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
@@ -196,7 +225,7 @@ def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] |
         steps = steps[:max_steps]
     if steps.size == 0:
         return steps, np.zeros((0, shape.layers.size, shape.num_experts)), None
-    parts = list(iter_load(store, run_id, replace(shape, steps=steps), with_slots=with_slots))
+    parts = list(iter_load(store, run_id, replace(shape, steps=steps), with_slots=with_slots, piece=0))
     sl = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), sl
 

@@ -1,0 +1,94 @@
+"""The replay kernels (per-slot gathers, step sub-blocks) against a plain numpy
+reimplementation with dense expert x rank matrices, on random loads with replicas."""
+import numpy as np
+import pytest
+
+from moetrace.placement.planners import Plan
+from moetrace.placement.relabel import _rank_copies, overlap_matrix
+from moetrace.replay import engine
+from moetrace.replay.cost import CostModel, preset
+
+
+def _plan(rng, L, E, R, S, rpn):
+    """Every expert once, the rest of the slots random experts (replicas, some on the same rank)."""
+    p2l = np.stack([rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, S - E)])) for _ in range(L)])
+    return Plan(p2l, E, R, rpn, np.arange(L), policy="random", plan_id="x")
+
+
+def _dense(plan):
+    L, E, R = plan.num_layers, plan.num_experts, plan.num_ranks
+    c = np.zeros((L, E, R))
+    for l in range(L):
+        for s, e in enumerate(plan.phy2log[l]):
+            c[l, e, s // plan.slots_per_rank] += 1
+    return c
+
+
+def _reference(load, plan, top_k, bpt, cost):
+    """Plain numpy: per-rank tokens = load @ (copies / copies per expert); slots touched =
+    (load > 0) @ copies; dispatch P = 1 - prod over copies (1 - x); rank time from the cost model."""
+    c = _dense(plan)
+    share = c / c.sum(axis=2, keepdims=True)
+    tokens = np.einsum("tle,ler->tlr", load, share)
+    touched = np.einsum("tle,ler->tlr", (load > 0).astype(np.float64), c)
+    B = load.sum(axis=2, keepdims=True) / top_k
+    x = np.clip(load / (c.sum(axis=2)[None] * np.maximum(B, 1e-30)), 0, 1 - 1e-7)
+    recv = B * (1 - np.exp(np.einsum("tle,ler->tlr", np.log1p(-x), c)))
+    R, rpn = plan.num_ranks, plan.ranks_per_node
+    intra, inter = recv * (rpn - 1) / R * bpt, recv * (R - rpn) / R * bpt
+    rank = (intra / cost.nvlink_Bps + inter / cost.internode_Bps) * 2e9 + cost.a_ns * tokens + cost.b_ns * touched
+    mean = tokens.mean(axis=2)
+    imb = np.where(mean > 0, tokens.max(axis=2) / np.where(mean > 0, mean, 1), np.nan)
+    return tokens, touched, intra, inter, rank, imb
+
+
+@pytest.mark.parametrize("R,S,rpn", [(4, 12, 2), (8, 8, 4), (6, 18, 3)])
+def test_kernel_equals_plain_numpy(R, S, rpn, monkeypatch):
+    rng = np.random.default_rng(R * 100 + S)
+    L, E, T = 3, 8, 37
+    plan = _plan(rng, L, E, R, S, rpn)
+    load = rng.poisson(20, size=(T, L, E)).astype(np.float64)
+    load[rng.random(load.shape) < 0.3] = 0
+    load[5, 1] = 0                                     # a (step, layer) with no tokens
+    cost = preset("H200", 7168)
+    tokens, touched, intra, inter, rank, imb = _reference(load, plan, 2, 14336, cost)
+    monkeypatch.setattr(engine, "BLOCK_ELEMENTS", L * max(R, E) * 5)   # several sub-blocks of 5 steps
+    for blocks in (True, False):
+        if not blocks:
+            monkeypatch.setattr(engine, "BLOCK_ELEMENTS", 1 << 30)
+        b = engine.replay_load(load, plan, "even", None, 2, 14336)
+        np.testing.assert_allclose(b.tokens, tokens, rtol=1e-12)
+        np.testing.assert_array_equal(b.touched, touched)
+        np.testing.assert_allclose(b.bytes_intra, intra, rtol=2e-5)
+        np.testing.assert_allclose(b.bytes_inter, inter, rtol=2e-5)
+        m = engine.layer_metrics(b, cost)
+        np.testing.assert_allclose(m.rank_ns, rank, rtol=2e-5)
+        np.testing.assert_allclose(m.layer_ns, rank.max(axis=2), rtol=2e-5)
+        np.testing.assert_array_equal(np.isnan(m.imbalance), np.isnan(imb))
+        np.testing.assert_allclose(m.imbalance[~np.isnan(imb)], imb[~np.isnan(imb)], rtol=1e-12)
+        assert (m.straggler[np.isnan(imb)] == -1).all()
+        ok = ~np.isnan(imb)
+        np.testing.assert_array_equal(m.straggler[ok], m.rank_ns.argmax(axis=2)[ok])
+
+
+def test_sub_blocks_do_not_change_the_answer(monkeypatch):
+    """Bit for bit: the same replay in one block and in sub-blocks of 4 steps."""
+    rng = np.random.default_rng(7)
+    plan = _plan(rng, 2, 6, 3, 9, 3)
+    load = rng.poisson(9, size=(23, 2, 6)).astype(np.float64)
+    cost = CostModel(1.5, 70.0, 4e11, 4e10, "test", fixed_ns=3.0, latency_ns=800.0, contention=0.1)
+    whole = engine.layer_metrics(engine.replay_load(load, plan, "even", None, 2, 100), cost)
+    monkeypatch.setattr(engine, "BLOCK_ELEMENTS", 2 * 6 * 4)
+    parts = engine.layer_metrics(engine.replay_load(load, plan, "even", None, 2, 100), cost)
+    for k in ("max_tokens", "imbalance", "straggler", "layer_ns", "rank_ns", "dispatch_ns", "compute_ns"):
+        np.testing.assert_array_equal(getattr(parts, k), getattr(whole, k), err_msg=k)
+
+
+def test_sparse_overlap_equals_dense_minimum():
+    rng = np.random.default_rng(3)
+    for E, R, S in ((8, 4, 12), (16, 4, 32), (5, 5, 5), (40, 10, 60)):
+        for _ in range(10):
+            a, b = rng.integers(0, E, S), rng.integers(0, E, S)
+            co, cn = _rank_copies(a, E, R), _rank_copies(b, E, R)
+            dense = np.minimum(co[:, :, None], cn[:, None, :]).sum(axis=0)
+            np.testing.assert_array_equal(overlap_matrix(a, b, E, R), dense)
