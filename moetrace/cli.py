@@ -19,6 +19,11 @@ import click
 
 from .version import __version__
 from .errors import MoetraceError
+from .output import OUT_PATH_CHECKS
+from .storage.paths import refuse_inside_store
+
+if refuse_inside_store not in OUT_PATH_CHECKS:  # -o/--out never inside a store (issue 27)
+    OUT_PATH_CHECKS.append(refuse_inside_store)
 
 COMMANDS_DIR = Path(__file__).resolve().parent / "commands"
 

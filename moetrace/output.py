@@ -37,6 +37,20 @@ def json_option(f=None, *, help="Print the summary as JSON."):
     return deco(f) if f is not None else deco
 
 
+#: checks every -o/--out path goes through before a command runs (each raises a
+#: MoetraceError: one line, exit 2); the commands layer adds the store check
+#: (``moetrace.storage.paths.refuse_inside_store``), which this ground module cannot import
+OUT_PATH_CHECKS: list = []
+
+
+def check_out_path(ctx, param, value):
+    """click callback of -o/--out options: run :data:`OUT_PATH_CHECKS` on the path."""
+    if value is not None:
+        for check in OUT_PATH_CHECKS:
+            check(value, param.opts[0] if param is not None else "-o")
+    return value
+
+
 def output_options(f):
     """Add --format, -o/--out (FILE) and --pretty to a command (its function gets ``fmt`` and
     ``output``)."""
@@ -44,7 +58,7 @@ def output_options(f):
     f = click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
                      help="How to print rows.")(f)
     f = click.option("-o", "--out", "--output", "output", type=click.Path(dir_okay=False), default=None,
-                     help="Write rows to FILE (.parquet or .csv) instead of printing them.")(f)
+                     callback=check_out_path, help="Write rows to FILE (.parquet or .csv) instead of printing them.")(f)
     return f
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import click
 
+from ..output import check_out_path
+
 
 class LazyChoice(click.Choice):
     """A click.Choice whose choices come from ``load()`` the first time they are needed."""
@@ -146,7 +148,7 @@ def out_dir_option(f=None, *, help="Folder to write into."):
     file everywhere; the old ``report -o/--out DIR`` still works, unlisted)."""
     def deco(g):
         return alias_option("--out-dir", "out", aliases=("-o", "--out"), metavar="DIR",
-                            type=click.Path(file_okay=False, dir_okay=True), default=None, help=help)(g)
+                            type=click.Path(file_okay=False, dir_okay=True), default=None, callback=check_out_path, help=help)(g)
     return deco(f) if f is not None else deco
 
 

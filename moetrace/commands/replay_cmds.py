@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import polars as pl
 
-from ..output import echo_json, emit, json_option, output_options
+from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..replay.results import load_answer, load_lines
 from ..run import Store
 from ._options import (alias_option, chrome_trace_option, fit_steps_option, hardware_option, ints_option,
@@ -115,7 +115,7 @@ def _print_replay(res):
 @click.option("--plan-id", default=None, help="Id to store the plan under (default: the policy name).")
 @click.option("--no-store", is_flag=True, help="Do not write the plan into the store.")
 @alias_option("--export", "out_file", aliases=("-o", "--out"), type=click.Path(dir_okay=False), default=None,
-              metavar="FILE", help="Export the plan to FILE in --export-format.")
+              callback=check_out_path, metavar="FILE", help="Export the plan to FILE in --export-format.")
 @alias_option("--export-format", "out_format", aliases=("--out-format",),
               type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
               show_default=True, help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON; "

@@ -52,3 +52,21 @@ def check_store_path(path: Path) -> None:
 def sanitize_run_id(text: str) -> str:
     rid = _RUN_ID_RE.sub("_", text).strip("._-")
     return rid[:RUN_ID_MAX].rstrip("._-") or "run"
+
+
+def refuse_inside_store(out: str | Path | None, option: str = "-o") -> None:
+    """An output file (or report folder) given with ``-o`` may not lie inside a moetrace
+    store (a folder holding :data:`STORE_MARKER`, or one below it): writing there would
+    overwrite or add files no transaction knows of. Raises UsageError (one line, exit 2)
+    before anything is written. Symlinks are resolved, so a link into a store counts."""
+    from ..errors import UsageError
+
+    if out is None or str(out) == "-":
+        return
+    p = Path(out).expanduser().absolute()
+    with_links = p.resolve() if p.exists() or p.parent.exists() else p
+    for cand in {p, with_links}:
+        for d in (cand, *cand.parents):
+            if (d / STORE_MARKER).is_file():
+                raise UsageError(f"{option} {out}: is inside the store {d}; moetrace never writes files into a "
+                                 f"store except through its transactions: write it elsewhere")

@@ -11,8 +11,11 @@ Layout::
 Writes are transactions: every table of a run is written to ``.staging`` first, a journal
 lists the final paths, files are renamed into place (``runs`` last), then the journal is
 removed. A crash leaves either a journal (rolled back, or forward when the ``runs`` row
-made it, on the next write) or nothing: never a half-written partition. Readers only see
-complete files because a rename is atomic. Validation happens before anything touches the
+made it, on the next write) or nothing: never a half-written partition. Appends (plans,
+replays, calibrations) are the same transaction, their header table (``plans``,
+``replay_runs``) renamed last. Readers read the files of committed transactions only
+(``Transactions.committed_files``), looked up again on every query, so they never see
+half of a write and see new files without reopening. Validation happens before anything touches the
 disk, so bad input leaves the store byte-for-byte as it was.
 
 Hostile stores (docs/hardening.md): readers never write and never recover; their views
@@ -96,6 +99,7 @@ class Store(Transactions):
     def __init__(self, path: str | os.PathLike, create: bool = False):
         self.path = Path(path)
         self._con: duckdb.DuckDBPyConnection | None = None
+        self._views_files: dict[str, tuple[str, ...]] | None = None
         check_store_path(self.path)
         marker = self.path / STORE_MARKER
         if not marker.exists():
@@ -176,10 +180,16 @@ class Store(Transactions):
         d = self.path / table
         return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
 
-    def _view_sql(self, table: str, relative: bool, present: set[str] | None = None) -> str:
+    def _view_sql(self, table: str, relative: bool, present: set[str] | None = None,
+                  files: dict[str, tuple[str, ...]] | None = None) -> str:
         """A table's view. Tables other than ``runs`` show only committed runs (whose
         ``runs`` row is in place: it is renamed last), so a reader never sees part of a run
         being written or left by a crash; readers never recover.
+
+        ``files``: the committed files of every table (:meth:`committed_files`): the view
+        reads exactly those (a list, not a glob), so a reader never sees part of an append
+        either; :attr:`con` defines the views again when that set changes. The catalog
+        (``relative``) reads globs (docs/hardening.md).
 
         ``present``: the columns the table's files hold, when some contract column is in
         none of them (a store written before that column existed): a nullable one reads
@@ -187,8 +197,13 @@ class Store(Transactions):
         a file lacks it (:meth:`_column_sql`)."""
         ts = schema.get(table)
         name = sql_identifier(table)
-        if self.has_files(table):
-            glob = sql_literal(self.table_glob(table, relative))
+        if files is not None and not relative:
+            listed = files.get(table, ())
+            src = "[" + ", ".join(sql_literal(self.path / f) for f in listed) + "]" if listed else None
+        else:
+            src = sql_literal(self.table_glob(table, relative)) if self.has_files(table) else None
+        if src is not None:
+            glob = src
             cols = ", ".join(self._column_sql(table, c, present) for c in ts.column_names)
             committed = "" if table == "runs" else " WHERE run_id IN (SELECT run_id FROM \"runs\")"
             return (f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} FROM read_parquet({glob}, "
@@ -249,29 +264,39 @@ class Store(Transactions):
             out.add(meta.get(schema.META_VERSION, b"none").decode(errors="replace"))
         return out
 
-    def _present_columns(self, con: duckdb.DuckDBPyConnection, table: str, relative: bool) -> set[str]:
-        glob = sql_literal(self.table_glob(table, relative))
+    def _present_columns(self, con: duckdb.DuckDBPyConnection, table: str, relative: bool,
+                         files: dict[str, tuple[str, ...]] | None = None) -> set[str]:
+        if files is not None and not relative:
+            glob = "[" + ", ".join(sql_literal(self.path / f) for f in files[table]) + "]"
+        else:
+            glob = sql_literal(self.table_glob(table, relative))
         rows = con.execute(f"DESCRIBE SELECT * FROM read_parquet({glob}, hive_partitioning=true, "
                            f"hive_types={{'run_id': VARCHAR}}, union_by_name=true)").fetchall()
         return {r[0] for r in rows}
 
-    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False, tables_only: bool = False) -> None:
+    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False, tables_only: bool = False,
+                      files: dict[str, tuple[str, ...]] | None = None) -> None:
         """Create every view on ``con`` (``tables_only``: the tables' views, not those of
-        ``sql/``). A store written before a contract column existed
+        ``sql/``): over ``files`` (default: the committed files now; the catalog,
+        ``relative``, over globs). A store written before a contract column existed
         (no file of the table holds it) fails to bind; then the views are made again with
         that column NULL (or derived): older stores are read as they are, never rewritten."""
         import duckdb
 
+        if files is None and not relative:
+            files = self.committed_files()
+        if not relative and (self._con is None or con is getattr(self._con, "raw", None)):
+            self._views_files = files
         try:
-            for stmt in self.view_statements(relative, tables_only=tables_only):
+            for stmt in self.view_statements(relative, tables_only=tables_only, files=files):
                 con.execute(stmt)
             return
         except duckdb.BinderException as e:
             first = e
         present = {}
         for t in schema.load_all():
-            if self.has_files(t):
-                cols = self._present_columns(con, t, relative)
+            if (files.get(t) if files is not None and not relative else self.has_files(t)):
+                cols = self._present_columns(con, t, relative, files)
                 if set(schema.get(t).column_names) - cols:
                     present[t] = cols
         if not present:
@@ -279,7 +304,7 @@ class Store(Transactions):
             raise StoreError(f"{self.path}: cannot define the store's views ({why}); the store may have been "
                              f"written by another moetrace version than {__version__}") from None
         try:
-            for stmt in self.view_statements(relative, present, tables_only=tables_only):
+            for stmt in self.view_statements(relative, present, tables_only=tables_only, files=files):
                 con.execute(stmt)
         except duckdb.Error as e:
             why = str(e).strip().splitlines()[0][:200]
@@ -287,7 +312,7 @@ class Store(Transactions):
                              f"moetrace version than {__version__}: re-ingest the sources into a new store") from None
 
     def view_statements(self, relative: bool = False, present: dict[str, set[str]] | None = None,
-                        tables_only: bool = False) -> list[str]:
+                        tables_only: bool = False, files: dict[str, tuple[str, ...]] | None = None) -> list[str]:
         """CREATE VIEW statements: one per contract table (``runs`` first: the others
         filter on it), then the analysis views. ``present``: {table: columns its files
         hold} for tables of an older store that lack a contract column."""
@@ -297,9 +322,9 @@ class Store(Transactions):
 
         present = present or {}
         tables = sorted(schema.load_all(), key=lambda t: t != "runs")
-        stmts = [self._view_sql(t, relative, present.get(t)) for t in tables]
+        stmts = [self._view_sql(t, relative, present.get(t), files) for t in tables]
         # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
-        stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load")))
+        stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load"), files))
         return stmts if tables_only else stmts + analysis_views()
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None,
@@ -336,16 +361,24 @@ class Store(Transactions):
     def con(self) -> duckdb.DuckDBPyConnection:
         """The store's connection. Its views of ``sql/`` are defined when a statement
         first names them (with the views they read): defining all of them costs more than
-        a small query (issue #26); :meth:`connect` and the catalog define every view."""
+        a small query (issue #26); :meth:`connect` and the catalog define every view.
+        The tables' views read the committed files as of the last access: each access
+        looks again (two folder scans and the journals, no file is opened) and defines the
+        views again when another writer committed since, so a reader sees new runs, plans
+        and tables without reopening the store."""
         if self._con is None:
             self._con = _LazyViews(self, self.connect(tables_only=True))
+        else:
+            self.refresh()
         return self._con
 
     def refresh(self) -> None:
-        """Re-create views (after a write added a table that was empty)."""
+        """Re-create the views when the committed files changed (a write landed)."""
         if self._con is not None:
-            self._define_views(self._con.raw, tables_only=True)
-            self._con.redefine()
+            files = self.committed_files()
+            if files != self._views_files:
+                self._define_views(self._con.raw, tables_only=True, files=files)
+                self._con.redefine()
 
     def sql(self, query: str, params=None) -> pl.DataFrame:
         """Run SQL over the store's views and return a polars DataFrame."""
@@ -442,7 +475,16 @@ class Store(Transactions):
         DuckDB resolves relative paths against ``file_search_path`` (or the working
         directory), so open it with ``cd STORE && duckdb catalog.duckdb`` or
         ``duckdb -cmd "SET file_search_path='STORE'" STORE/catalog.duckdb``.
+
+        A write like the others: under the write lock, to a temporary file renamed into
+        place (a crash leaves the old catalog and a temporary file that recovery removes).
         """
+        if (self.path / STORE_MARKER).exists() and os.access(self.path, os.W_OK):
+            with self._lock():
+                return self._write_catalog()
+        return self._write_catalog()
+
+    def _write_catalog(self) -> Path:
         import duckdb
 
         target = self.path / "catalog.duckdb"

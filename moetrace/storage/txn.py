@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -22,6 +23,16 @@ from ..version import __version__
 from . import schema
 from ..errors import SchemaError, StoreError
 from .paths import RUN_ID_MAX, _SAFE_ID_RE, _TXID_RE, sanitize_run_id
+
+
+_CATALOG_TMP_RE = re.compile(r"\.catalog-[0-9a-f]{8}\.duckdb(\.wal)?")
+
+
+def _txid_of(rel: str) -> str | None:
+    """The transaction id in a data file's name (``part-<txid>.parquet``), else None."""
+    name = rel.rsplit("/", 1)[-1]
+    x = name[5:17] if name.startswith("part-") else ""
+    return x if _TXID_RE.fullmatch(x) and name[17:] in (".parquet",) else None
 
 
 def _is_polars(obj) -> bool:
@@ -49,7 +60,8 @@ class Transactions:
         alone; a store we cannot write, or without any leftovers, is left as is."""
         if not os.access(self.path, os.W_OK):
             return
-        if not any((self.path / d).is_symlink() or (self.path / d).exists() for d in (".txn", ".staging")):
+        if not any((self.path / d).is_symlink() or (self.path / d).exists() for d in (".txn", ".staging")) \
+                and not any(self.path.glob(".catalog-*.duckdb*")):
             return
         self._check_no_symlinks()
         self.journals()
@@ -161,6 +173,10 @@ class Transactions:
                         and not t.is_symlink():
                     t.unlink()
                     done.append(f"dropped unfinished journal {t.name[:-9]}")
+        for t in self.path.glob(".catalog-*.duckdb*"):  # a catalog write cut short (it holds the lock too)
+            if _CATALOG_TMP_RE.fullmatch(t.name) and t.is_file() and not t.is_symlink():
+                t.unlink()
+                done.append(f"removed unfinished catalog {t.name}")
         staging = self.path / ".staging"
         if staging.is_dir():
             for d in staging.iterdir():
@@ -179,6 +195,74 @@ class Transactions:
             return False
         shutil.rmtree(d, ignore_errors=True)
         return True
+
+    # ------------------------------------------------------------------ what readers see
+    def _scan_files(self) -> dict[str, list[str]]:
+        """{table: [files]} of every contract table, paths relative to the store."""
+        out: dict[str, list[str]] = {}
+        for table in schema.load_all():
+            files: list[str] = []
+            with contextlib.suppress(OSError):
+                with os.scandir(self.path / table) as parts:
+                    for part in parts:
+                        if not part.name.startswith("run_id=") or not part.is_dir(follow_symlinks=False):
+                            continue
+                        with contextlib.suppress(OSError), os.scandir(part.path) as fs:
+                            files += [f"{table}/{part.name}/{f.name}" for f in fs if f.name.endswith(".parquet")]
+            if files:
+                out[table] = sorted(files)
+        return out
+
+    def _reader_journals(self) -> dict[str, tuple[list[str], str | None]]:
+        """Pending journals as a reader sees them: {txid: (files, commit_file)}. A reader
+        never refuses or removes: a journal it cannot parse counts as an uncommitted
+        transaction with no known files (its txid's files are hidden)."""
+        out: dict[str, tuple[list[str], str | None]] = {}
+        txn_dir = self.path / ".txn"
+        if txn_dir.is_symlink() or not txn_dir.is_dir():
+            return out
+        with contextlib.suppress(OSError), os.scandir(txn_dir) as it:
+            for j in it:
+                if not (j.name.endswith(".json") and _TXID_RE.fullmatch(j.name[:-5])):
+                    continue
+                txid, doc = j.name[:-5], None
+                with contextlib.suppress(OSError, ValueError, RecursionError):
+                    if j.is_file(follow_symlinks=False) and j.stat().st_size < (64 << 20):
+                        doc = json.loads(Path(j.path).read_bytes())
+                if self._journal_problem(doc, txid):
+                    out[txid] = ([], None)
+                else:
+                    out[txid] = (doc["files"], doc["commit_file"])
+        return out
+
+    def committed_files(self) -> dict[str, tuple[str, ...]]:
+        """{table: files} a reader may read now: every transaction's files or none of them.
+
+        A transaction puts its journal in place before its first rename and removes it
+        after its last, and renames its commit file last. So: scan the files (1), read
+        the journals (2), scan again (3). A transaction with a journal at (2) is visible
+        only if its commit file is in place (then all its files are: its journal lists
+        them); one without a journal at (2) that had a file at (1) had its journal before
+        (1) and none at (2), so every rename was done before (3): its files at (3) are
+        whole. A transaction first seen at (3) may be mid-rename: it waits for the next
+        query. Files whose name carries no transaction id are always visible."""
+        first = self._scan_files()
+        pending = self._reader_journals()
+        committed = {x: files for x, (files, commit) in pending.items()
+                     if commit and (self.path / commit).is_file()}
+        last = self._scan_files()
+        seen = {_txid_of(f) for files in first.values() for f in files}
+        out: dict[str, list[str]] = {}
+        for table, files in last.items():
+            for f in files:
+                x = _txid_of(f)
+                if x is None or (x in seen and x not in pending):
+                    out.setdefault(table, []).append(f)
+        for files in committed.values():
+            for f in files:
+                if (self.path / f).is_file():
+                    out.setdefault(f.split("/")[0], []).append(f)
+        return {t: tuple(sorted(set(fs))) for t, fs in sorted(out.items())}
 
     # ------------------------------------------------------------------ writing
     def unique_run_id(self, hint: str) -> str:
@@ -241,14 +325,23 @@ class Transactions:
         warning = self._refresh_catalog()
         return WriteResult(rid, rows=rows, message=warning or "")
 
+    #: tables an append renames last when present: the row that names what the other rows
+    #: belong to (a plan's ``plans`` row, a replay's ``replay_runs`` row)
+    HEADER_TABLES = ("plans", "replay_runs")
+
     def append(self, run_id: str, tables: dict[str, object]) -> dict[str, int]:
-        """Add rows to an existing run (plans, replay results) as one transaction."""
+        """Add rows to an existing run (plans, replay results, calibrations) as one
+        transaction, like :meth:`write_run`: staged, journaled, renamed with the header
+        table (:attr:`HEADER_TABLES`, else the last table given) last; that file is the
+        commit file (a crash after it rolls forward, before it back), and readers see
+        all of the append or none of it (:meth:`committed_files`)."""
         if run_id not in self.run_ids():
             raise StoreError(f"{self.path}: no run {run_id!r}")
         with self._lock():
             self._check_writable()
             self.recover()
-            rows = self._transaction(run_id, tables, commit_table=None)
+            header = next((t for t in self.HEADER_TABLES if t in tables), None)
+            rows = self._transaction(run_id, tables, commit_table=header or (list(tables)[-1] if tables else None))
         self.refresh()
         self._refresh_catalog()
         return rows
@@ -294,7 +387,9 @@ class Transactions:
                 moves.append((tmp_file, final))
             txn_dir = self.path / ".txn"
             txn_dir.mkdir(exist_ok=True)
-            commit_file = next((f for _, f in moves if commit_table and f.startswith(commit_table + "/")), None)
+            # the commit file is the last one renamed (the commit table's, or the last file
+            # written when that table got no rows): once it is in place, all of them are
+            commit_file = moves[-1][1] if moves else None
             journal = {"files": [f for _, f in moves], "commit_file": commit_file}
             jtmp = txn_dir / f"{txid}.json.tmp"
             jtmp.write_text(json.dumps(journal))
