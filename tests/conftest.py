@@ -61,6 +61,16 @@ def invoke(runner, cli, *args):
     return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
 
 
+def one_line_error(res, *needles: str) -> str:
+    """The refusal is exit 2 and one line starting ``moetrace: error:``, naming every needle."""
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moetrace: error:"), lines
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
 def _java_ok() -> bool:
     import shutil
     import subprocess

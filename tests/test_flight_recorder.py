@@ -15,7 +15,7 @@ from moetrace.errors import InputError
 from moetrace.safety_pickle import load_plain
 from moetrace.run import Store
 
-from .conftest import REPO, invoke, tree_hash
+from .conftest import REPO, invoke, tree_hash, one_line_error as _one_line_error
 
 SAMPLE = REPO / "sample_traces" / "flight_recorder"
 
@@ -32,13 +32,6 @@ def dumps():
     return _gen().flight_recorder_dumps()
 
 
-def _one_line_error(res, *needles):
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moetrace: error:"), lines
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

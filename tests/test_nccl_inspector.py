@@ -13,7 +13,7 @@ import pytest
 from moetrace.errors import InputError
 from moetrace.run import Store
 
-from .conftest import REPO, invoke, tree_hash
+from .conftest import REPO, invoke, tree_hash, one_line_error as _one_line_error
 
 SAMPLE = REPO / "sample_traces" / "nccl_inspector"
 
@@ -29,13 +29,6 @@ def _global_rank(recs):
     return next(r["header"]["rank"] for r in recs if r["header"]["n_ranks"] == 4)
 
 
-def _one_line_error(res, *needles):
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moetrace: error:"), lines
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,12 @@ from moetrace.storage.paths import GLOB_CHARS
 from moetrace.run import Store
 from moetrace.errors import StoreError
 
-from .conftest import invoke as _cli, tree_hash
+from .conftest import invoke as _cli, tree_hash, one_line_error as _one_line
 
 SYNTH = ["--layers", "2", "--experts", "8", "--top-k", "2", "--ranks", "2", "--ranks-per-node", "2", "--steps", "3",
          "--tokens-per-step", "64"]
 
 
-def _one_line(res, *needles: str) -> str:
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moetrace: error:"), lines
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def _synth(runner, cli, path, seed: int) -> None:
