@@ -53,9 +53,9 @@ def _same(a, b):
 
 def test_sql_on_spark_equals_duckdb(store):
     q = "SELECT layer, count(*) AS n, sum(tokens) AS tokens FROM expert_load WHERE run_id = 'syn' GROUP BY layer ORDER BY layer"
-    _same(_json(["sql", store, "--engine", "spark", q]), _json(["sql", store, q]))
+    _same(_json(["sql", store, "--engine", "spark", "--unsafe", q]), _json(["sql", store, q]))
     # every (step, layer) of a synthetic run sums to tokens_per_step x top_k = 64 x 4 (by hand)
-    rows = _json(["sql", store, "--engine", "spark",
+    rows = _json(["sql", store, "--engine", "spark", "--unsafe",
                   "SELECT DISTINCT assignments FROM layer_skew WHERE run_id = 'syn'"])
     assert rows == [{"assignments": 256}]
 
@@ -73,6 +73,6 @@ def test_exposure_on_spark_equals_duckdb(store, by):
 
 
 def test_bad_query_is_one_line_exit_2(store):
-    r = _cli(["sql", store, "--engine", "spark", "SELECT nope FROM layer_skew"], code=2)
+    r = _cli(["sql", store, "--engine", "spark", "--unsafe", "SELECT nope FROM layer_skew"], code=2)
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "Spark SQL error" in lines[0] and "nope" in lines[0]

@@ -173,3 +173,32 @@ def test_a_large_result_is_streamed_in_bounded_memory(store, tmp_path):
     assert "wrote 20000000 rows" in r.stderr, r.stderr
     assert int(r.stdout.split()[-1]) < 600 * 1024   # KiB; holding the rows would need > 320 MB of data alone
     assert duckdb.sql(f"SELECT count(*), sum(b) FROM '{out}'").fetchall()[0] == (20000000, 20000000 * 19999999)
+
+
+def test_spark_sql_needs_unsafe(store):
+    """Spark SQL has no sandbox (it reads any path the session can: parquet.`/etc/...`), so
+    the Spark engine is refused before any session starts unless --unsafe is given."""
+    before = tree_hash(store / "st")
+    r = _run("sql", "st", "--engine", "spark", "SELECT * FROM parquet.`/etc/passwd`", cwd=store)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--unsafe" in lines[0], r.stderr
+    assert tree_hash(store / "st") == before
+
+
+def test_report_keeps_matplotlib_cache_out_of_home(tmp_path):
+    """Importing the report's plotting module points matplotlib's config/cache at a temp
+    folder (a fake HOME stays empty); a user's own MPLCONFIGDIR is kept."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "MPLCONFIGDIR"}
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), XDG_CONFIG_HOME=str(home / ".config"),
+               PYTHONPATH=str(REPO))
+    code = "import moetrace.report.plots, matplotlib, os; print(matplotlib.get_configdir()); print(os.environ['MPLCONFIGDIR'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    cfg, env_dir = out.split()
+    assert cfg == env_dir and not cfg.startswith(str(home)), out
+    assert list(home.iterdir()) == []
+    own = tmp_path / "mine"
+    env["MPLCONFIGDIR"] = str(own)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == str(own)

@@ -210,7 +210,8 @@ def sql(store, query, engine, master, remote, fmt, output, timeout, memory_limit
 
     DuckDB runs sandboxed: one SELECT (or EXPLAIN) statement, reading only the store's files
     (and --allow-path ones); COPY, ATTACH, INSTALL, SET and reads of other files are refused
-    with one line, exit 2. --unsafe lifts the sandbox. Rows are streamed: -o files and
+    with one line, exit 2. --unsafe lifts the sandbox; --engine spark has no sandbox, so it
+    needs --unsafe. Rows are streamed: -o files and
     --format csv/json are written batch by batch (docs/hardening.md).
 
     Example:
@@ -219,8 +220,13 @@ def sql(store, query, engine, master, remote, fmt, output, timeout, memory_limit
         moetrace sql demo "SELECT step, layer, sum(tokens) FROM expert_load GROUP BY ALL LIMIT 5"
         moetrace sql demo "SELECT * FROM expert_load" -o load.parquet --timeout 600
         moetrace sql demo "SELECT * FROM runs JOIN 'ref/*.parquet' USING (run_id)" --allow-path ref
-        moetrace sql demo --engine spark "SELECT layer, avg(imbalance) FROM layer_skew GROUP BY layer"
+        moetrace sql demo --engine spark --unsafe "SELECT layer, avg(imbalance) FROM layer_skew GROUP BY layer"
     """
+    if engine == "spark" and not unsafe:
+        from ..errors import UsageError
+
+        raise UsageError("--engine spark runs Spark SQL outside the sandbox (it can read any file the "
+                         "cluster can); add --unsafe to run it")
     st = open_store(store)
     if engine == "spark":
         from ..storage.spark import SparkSQL

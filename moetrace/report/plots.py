@@ -5,9 +5,16 @@ path. Computing stays in SQL; these only draw.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
-import matplotlib
+# matplotlib writes its font cache under $HOME (~/.config/matplotlib, ~/.cache) unless told
+# otherwise: a report reads traces, it does not write into the user's home. A folder of the
+# user's own choosing (MPLCONFIGDIR set) is kept.
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), f"moetrace-mpl-{os.getuid()}"))
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
