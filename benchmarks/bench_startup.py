@@ -90,5 +90,32 @@ def main() -> None:
         print("    imports (cumulative ms): " + ", ".join(f"{k} {v / 1000:.0f}" for k, v in imps))
 
 
+def run(size: str) -> list[dict]:
+    """Best-of-N wall time of `moetrace runs` and `moetrace skew` on a tiny store beside a bare
+    `python -c pass` (the interpreter's own start), with the load average in the notes."""
+    from benchmarks.common import result
+
+    reps = 3 if size == "small" else REPS
+    tmp = Path(tempfile.mkdtemp(prefix="moetrace-startup-"))
+    try:
+        tiny = tmp / "tiny"
+        env = _env(REPO)
+        _run(["-m", "moetrace", "synth", str(tiny), "--layers", "2", "--steps", "3", "--tokens-per-step", "64",
+              "--experts", "16", "--top-k", "2", "--ranks", "4", "--ranks-per-node", "4"], env)
+        bare = min(_run(["-c", "pass"], env)[0] for _ in range(reps))
+        out = []
+        for name in ("runs", "skew"):
+            best = min(_run(["-m", "moetrace", name, str(tiny)], env)[0] for _ in range(reps))
+            load, cpus = os.getloadavg()[0], os.cpu_count()
+            quiet = load < QUIET_LOAD and cpus == QUIET_CPUS
+            verdict = ("MET" if best < GOAL_S else "MISSED") if quiet else "not judged"
+            out.append(result("startup", f"moetrace {name} on a tiny store (best of {reps})", best, "s",
+                              "python -c pass", bare, bare / best,
+                              f"goal < {GOAL_S} s: {verdict}; load {load:.2f}, {cpus} CPUs"))
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 if __name__ == "__main__":
     main()
