@@ -308,7 +308,7 @@ RANGES = {
     "--steps": count(1, BIG), "--tokens-per-step": count(1, BIG), "--batch-steps": count(1, BIG),
     "--seed": count(0, SEED), "--sigma": finite_float(0, 100), "--drift": finite_float(0, 1),
     "--dummy-share": finite_float(0, 1, max_open=True),
-    "--step-offset": count(-BIG, BIG), "--top": count(1, 10**6),
+    "--step-offset": count(-BIG, BIG), "--top": count(0, 10**6),
     "--max-moves": count(0, BIG), "--target-imbalance": finite_float(1, 10**6),
     "--replan-every": count(1, BIG), "--window": count(1, BIG), "--passes": count(1, BIG),
     "--stall-ms": finite_float(0, 10**9), "--move-overlap": finite_float(0, 1),

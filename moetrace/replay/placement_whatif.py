@@ -11,7 +11,7 @@ from ..placement.relabel import relabel
 from .strategies import Fixed, Judged, MoveCost, Timing, fastest, judge
 from .judge_plan import _in_memory, replay
 from .load import RunShape
-from .results import _time_note
+from .results import LoadAnswer, _time_note, load_answer
 
 
 # ----------------------------------------------------------------------------- report what-if
@@ -27,6 +27,11 @@ class PlacementWhatIf:
     def fastest(self) -> Judged | None:
         """The fastest net among the plans one could deploy (:func:`.strategies.fastest`)."""
         return fastest(self.results)
+
+    def load_answer(self, j: Judged) -> LoadAnswer | None:
+        """The exact half of ``j``'s answer (:func:`.results.load_answer`): straggler tokens
+        before and after, no time model."""
+        return load_answer(j)
 
     @property
     def error_band(self) -> costmod.ErrorBand:

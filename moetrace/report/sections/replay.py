@@ -14,7 +14,6 @@ import numpy as np
 import polars as pl
 
 from ..base import Figure, ReportContext, Section, md_table
-from ...replay.results import load_answer
 from .. import plots
 
 ORDER = 60
@@ -67,7 +66,7 @@ def _whatif_section(ctx, w) -> Section:
     unit = "pass" if w.timing.per_pass else "step"
     rows = []
     for j in w.results:
-        la = load_answer(j)
+        la = w.load_answer(j)
         rows.append({"plan": j.name, "slots": j.plan.num_slots, "groups": j.plan.num_groups,
                      # the exact half first: straggler tokens (mean over steps and layers), no band
                      "recorded_straggler_tokens": la.recorded_straggler_tokens if la else None,
@@ -94,7 +93,7 @@ def _whatif_section(ctx, w) -> Section:
         text = (f"The recorded placement runs at {_ms(rec.gross_step_ns / 1e6)} {b} per {unit}; no other plan could "
                 f"be made. {band_sentence([w.error_band])}")
     else:
-        la = load_answer(best)
+        la = w.load_answer(best)
         exact = (f"Exact (counted, no time model): with **{best.name}** {la.reason}. " if la else "")
         text = exact + (f"Recorded placement: max/mean **{rec.summary.mean_imbalance:.2f}×**, {_ms(rec.gross_step_ns / 1e6)} "
                 f"{b} of MoE time per {unit}. Fastest net: **{best.name}**, {_ms(best.net_step_ns / 1e6)} {b} vs "
