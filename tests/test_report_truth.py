@@ -132,7 +132,14 @@ def test_dsv3_figure_captions_state_the_data(dsv3):
         assert f"layer {layer}: {a:.2f}× in the first half, {b:.2f}× in the second" in batch
     assert "first steps only" not in batch          # every step is in some window at every size
     hist = [c for c in caps if "tokens an expert's GEMM saw per step" in c][0]
-    assert f"Below about {round(989 / 3.35)} tokens" in hist and "(989 dense TFLOP/s over 3.35 TB/s of HBM)" in hist
+    # the weight-read bound of the hardware the replay used (H200 preset): reading one FP8
+    # expert (3 x 7168 x 2048 bytes) at H200's 4.8 TB/s of HBM, against the time per token
+    m = re.search(r"Below about (\d+) tokens an expert GEMM on .*\(preset H200: ([\d.]+) µs to read an expert's "
+                  r"weights vs ([\d.]+) ns per token\)", hist)
+    assert m, hist
+    bound, read_us, per_tok_ns = int(m.group(1)), float(m.group(2)), float(m.group(3))
+    assert read_us * 1e3 == pytest.approx(3 * 7168 * 2048 / 4.8e12 * 1e9, rel=1e-3)
+    assert bound == round(read_us * 1e3 / per_tok_ns)
 
 
 def test_dsv3_experts_headline_and_weight_bound(dsv3):
