@@ -68,7 +68,7 @@ def exposure(store, run_id, by, engine, master, remote, fmt, output):
     run = st.run(run_id)
     with engine_sql(st, engine, master, remote) as sql:   # --engine spark: the views on Spark
         t = run.exposure(sql=sql)
-    gap = run.expert_gemm_gap(sql=sql)
+        gap = run.expert_gemm_gap(sql=sql)                 # (while the session is open)
     if not t.has_a2a:
         click.echo(t.no_a2a_message())
         if gap:
