@@ -337,6 +337,9 @@ class Store(Transactions):
         from ..safety import memory_limit as check_memory_limit
 
         con = duckdb.connect(":memory:")
+        # DuckDB draws a progress bar on stderr for queries past 2 s, even when stderr is a
+        # pipe; stderr carries moetrace's own one-line notes and errors only
+        con.execute("SET enable_progress_bar=false")
         if threads:
             con.execute(f"SET threads={int(threads)}")
         if memory_limit:
