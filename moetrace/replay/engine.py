@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
+from .accumulate import Summary, SummaryAccumulator
 from .cost import CostModel
 from ..placement.planners import Plan
 from ..domain.ranks import node_of
@@ -337,34 +338,14 @@ def _layer_metrics(tok, touched, intra, inter, cost: CostModel) -> LayerMetrics:
     return LayerMetrics(mx, mean, imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns, load_strag)
 
 
-@dataclass
-class Summary:
-    """Summary over (step, layer) cells. Undefined cells (no tokens) are counted, not
-    averaged in; ``predicted_step_ns`` is the mean over steps of the summed layer times."""
-    mean_imbalance: float | None
-    p99_imbalance: float | None
-    max_imbalance: float | None
-    undefined_cells: int
-    cells: int
-    predicted_step_ns: int | None
-    mean_efficiency: float | None
-
-
 def summarize(imbalance: np.ndarray, layer_ns: np.ndarray, rank_ns_mean: np.ndarray | None = None) -> Summary:
-    imb = np.asarray(imbalance, np.float64).ravel()
-    ok = imb[~np.isnan(imb)]
-    eff = None
-    if rank_ns_mean is not None and layer_ns.size:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            e = np.where(layer_ns > 0, rank_ns_mean / np.where(layer_ns > 0, layer_ns, 1), np.nan)
-        e = e[~np.isnan(imbalance) & ~np.isnan(e)]
-        eff = float(e.mean()) if e.size else None
-    return Summary(mean_imbalance=float(ok.mean()) if ok.size else None,
-                   p99_imbalance=float(np.percentile(ok, 99)) if ok.size else None,
-                   max_imbalance=float(ok.max()) if ok.size else None,
-                   undefined_cells=int(imb.size - ok.size), cells=int(imb.size),
-                   predicted_step_ns=int(round(float(layer_ns.sum(axis=1).mean()))) if layer_ns.size else None,
-                   mean_efficiency=eff)
+    """The :class:`Summary` of [steps, L] arrays (one block of
+    :class:`.accumulate.SummaryAccumulator`, which a streamed replay feeds block by block)."""
+    acc = SummaryAccumulator()
+    imb = np.asarray(imbalance, np.float64)
+    lns = np.asarray(layer_ns)
+    acc.add(imb.reshape(lns.shape) if lns.ndim == 2 and imb.size == lns.size else imb, lns, rank_ns_mean)
+    return acc.summary()
 
 
 def approximation_notes(block: Block, split: str, used_slots: bool, has_routing: bool,

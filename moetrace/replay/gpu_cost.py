@@ -64,16 +64,85 @@ def _mlp_ns(hardware: str, hidden: int, intermediate: int, dtype: str, experts: 
     return expert_mlp_terms(gpu(hardware), params, [m] * experts, hidden, intermediate, dtype)["time_s"] * 1e9
 
 
+#: integer tokens per expert up to this are looked up in a table (:class:`_MlpTable`);
+#: beyond it (aggregate counts of many passes) each distinct pair is timed as before
+TABLE_MAX_TOKENS = 1 << 20
+
+
+class _MlpTable:
+    """Expert-MLP ns of (slots touched g, integer tokens per expert m) for one GPU model,
+    filled as pairs are met: ``qcol[m]`` is the column of m's quantized count
+    (:func:`quantize_tokens`), ``vals[g, col]`` its time (NaN: not timed yet). The same
+    numbers as a call of :func:`_mlp_ns` per distinct pair, without sorting the pairs of
+    every block."""
+
+    def __init__(self, key):
+        self.key = key
+        self.qcol = np.zeros(0, np.int64)
+        self.qval = np.zeros(0, np.int64)        # quantized count of each column
+        self.vals = np.full((1, 0), np.nan)
+
+    def _grow_m(self, m_max: int) -> None:
+        n = max(m_max + 1, 2 * self.qcol.size, 1024)
+        q = quantize_tokens(np.arange(n, dtype=np.float64)).astype(np.int64)
+        qval = np.unique(np.concatenate([self.qval, q]))
+        remap = np.searchsorted(qval, self.qval)           # old columns keep their times
+        vals = np.full((self.vals.shape[0], qval.size), np.nan)
+        vals[:, remap] = self.vals
+        self.qcol, self.qval, self.vals = np.searchsorted(qval, q), qval, vals
+
+    def _grow_g(self, g_max: int) -> None:
+        vals = np.full((g_max + 1, self.vals.shape[1]), np.nan)
+        vals[:self.vals.shape[0]] = self.vals
+        self.vals = vals
+
+    def lookup(self, g: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """Times of integer arrays ``g`` (slots touched) and ``m`` (tokens per expert, 0 where g is 0)."""
+        m_max, g_max = int(m.max(initial=0)), int(g.max(initial=0))
+        if m_max >= self.qcol.size:
+            self._grow_m(m_max)
+        if g_max >= self.vals.shape[0]:
+            self._grow_g(g_max)
+        idx = np.take(self.qcol, m)
+        idx += g * self.vals.shape[1]
+        out = np.take(self.vals.reshape(-1), idx)
+        miss = np.isnan(out)
+        if miss.any():
+            hw, h, i, dt = self.key
+            flat = self.vals.reshape(-1)
+            C = self.vals.shape[1]
+            for k in np.unique(idx[miss]).tolist():
+                gg, col = divmod(k, C)
+                flat[k] = _mlp_ns(hw, h, i, dt, gg, int(self.qval[col]))
+            out = np.take(flat, idx)
+        return out
+
+
+_TABLES: dict[tuple, _MlpTable] = {}
+
+
 def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     """Expert-MLP time (ns) of every rank, broadcasting over any shape."""
     tok = np.asarray(tokens, np.float64)
-    g = np.rint(np.broadcast_to(np.asarray(touched, np.float64), tok.shape)).astype(np.int64)
+    t = np.asarray(touched)
+    if t.dtype.kind in "iu":
+        g = np.broadcast_to(t, tok.shape).astype(np.int64)
+    else:
+        g = np.rint(np.broadcast_to(t.astype(np.float64), tok.shape)).astype(np.int64)
+    hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
     with np.errstate(divide="ignore", invalid="ignore"):
-        m = np.where(g > 0, tok / np.maximum(g, 1), 0.0)
+        m = np.divide(tok, np.maximum(g, 1))
+    np.ceil(m, out=m)
+    m[g <= 0] = 0.0
+    if m.size and float(m.max()) < TABLE_MAX_TOKENS and float(m.min()) >= 0:
+        key = (hw, h, i, dt)
+        table = _TABLES.get(key)
+        if table is None:
+            table = _TABLES[key] = _MlpTable(key)
+        return table.lookup(np.maximum(g, 0), m.astype(np.int64))
     mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
     key = g * (1 << 32) + mq
     uniq, inv = np.unique(key.ravel(), return_inverse=True)
-    hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
     vals = np.array([_mlp_ns(hw, h, i, dt, int(k >> 32), int(k & 0xFFFFFFFF)) for k in uniq.tolist()], np.float64)
     return vals[inv].reshape(tok.shape)
 
@@ -85,11 +154,23 @@ def comm_ns(spec: dict, bytes_intra, bytes_inter) -> tuple[np.ndarray, np.ndarra
     intra = np.asarray(bytes_intra, np.float64)
     inter = np.asarray(bytes_inter, np.float64)
     token = float(spec["token_bytes"])
+    shape = np.broadcast_shapes(intra.shape, inter.shape)
+    idle = np.add(intra, inter) <= 0          # receives nothing: no all-to-all time
+    c_inter, c_intra = p["eff_rdma"] * hw.rdma_Bps, p["eff_nvl"] * hw.nvlink_Bps
+    lat = p["latency_us"] * 1e3
     out = []
     for dtype in (spec["dispatch_dtype"], spec["combine_dtype"]):
         scale = message_bytes(int(spec["hidden"]), dtype) / token
-        t = np.maximum(inter * scale / (p["eff_rdma"] * hw.rdma_Bps), intra * scale / (p["eff_nvl"] * hw.nvlink_Bps))
-        out.append(np.where(intra + inter > 0, p["latency_us"] * 1e3 + t * 1e9, 0.0))
+        # the same operations as max(inter * scale / c_inter, intra * scale / c_intra), in place
+        t = np.multiply(inter, scale, out=np.empty(shape))
+        t /= c_inter
+        u = np.multiply(intra, scale)
+        u /= c_intra
+        np.maximum(t, u, out=t)
+        t *= 1e9
+        np.add(lat, t, out=t)
+        t[idle] = 0.0
+        out.append(t)
     return out[0], out[1]
 
 
