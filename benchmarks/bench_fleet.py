@@ -316,14 +316,15 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
              f"redundant), {steps} steps")
     part = "" if f == 1 else f" (measured on {f:.3g} of the {cfg['steps']}-step run)"
 
-    hour = SIZES["full"]["steps"]
-    to_hour = hour / steps     # --fraction, and --size medium: linear in steps to the fleet-hour
+    # --fraction, and --size medium (the full shape): linear in steps to the fleet-hour
+    hour = SIZES["full"]["steps"] if size != "small" else cfg["steps"]
+    to_hour = hour / steps
 
     def extra(secs):
         if to_hour == 1:
             return ""
-        return (f"; extrapolated linearly to {hour:,} steps ({SIZES['full']['layers'] * SIZES['full']['experts'] * hour:,}"
-                f" rows): {secs * to_hour:,.0f} s")
+        return (f"; extrapolated linearly to {hour:,} steps ({cfg['layers'] * cfg['experts'] * hour:,} rows): "
+                f"{secs * to_hour:,.0f} s")
 
     def q4(stage):
         return " / ".join("-" if v != v else f"{v:,.0f}" for v in stage.get("rss_quartiles", []))
