@@ -364,8 +364,6 @@ class Transactions:
         analysis cache): a run's own rows are never dropped this way."""
         for t in tables:
             schema.get(t)   # unknown table: SchemaError before anything is touched
-        if not (self.path / ".lock").exists() and not os.access(self.path, os.W_OK):
-            raise StoreError(f"{self.path}: store is read-only; nothing was removed")
         with self._lock():
             self._check_writable()
             self.recover()
