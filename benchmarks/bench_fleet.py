@@ -25,12 +25,16 @@ Stages, each in a fresh process so its peak RSS is its own:
 3. **replay**: ``moetrace replay --policy eplb`` fitted on the first steps and replayed
    over every step (the engine reads the store in step chunks), ``--no-rank-rows``.
 4. **report**: ``moetrace report --quiet`` as a user runs it (its per-(step, layer) views
-   are computed in step batches by ``moetrace.analyze.materialize_layer_skew``); not
-   counted in "all stages".
+   are computed in step batches by ``moetrace.analyze.materialize_layer_skew``, then
+   stored in the store: ``moetrace.analyze.cache``); not counted in "all stages".
+5. **report (cache reused)**: the same command again: the stored per-(step, layer) results
+   are read instead of the expert_load rows. ``uptime``'s load averages are printed beside
+   both report stages (the machine is shared: the load says how far to trust the times).
 
 With ``--fraction f`` (or ``MOETRACE_FLEET_FRACTION``) only ``f × 72,000`` steps are
 generated; every time is then also given extrapolated linearly to the full run, and the
-result notes say so. All data lives in a temporary folder under /tmp, deleted at the end.
+result notes say so. ``--size medium`` (2,400 steps of the full shape) is extrapolated the
+same way, linearly to the fleet-hour's 72,000 steps. All data lives in a temporary folder under /tmp, deleted at the end.
 """
 from __future__ import annotations
 
@@ -235,21 +239,34 @@ def _stage_replay(store: str, cfg: dict, q) -> None:
            "rss_quartiles": sampler.quartiles()})
 
 
+def _uptime() -> str:
+    """The 1, 5 and 15-minute load averages, as ``uptime`` prints them."""
+    try:
+        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "load average unknown"
+
+
 def _stage_report(store: str, outdir: str, q) -> None:
     """`moetrace report --quiet`: the user-facing command, whose per-(step, layer) views are
-    computed in step batches (moetrace.analyze.materialize_layer_skew)."""
+    computed in step batches (moetrace.analyze.materialize_layer_skew) and stored, or read
+    from the store when a fresh copy is stored (moetrace.analyze.cache)."""
     from moetrace.cli import cli
 
     args = ["report", store, "--quiet", "--out", outdir]
+    load0 = _uptime()
     sampler = _RssSampler()
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         cli.main(args=args, standalone_mode=False)
     secs = time.perf_counter() - t0
     pngs = len(list(Path(outdir).glob("*.png")))
     failed = (Path(outdir) / "report.md").read_text().count("(section failed)")
     q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "pngs": pngs, "failed": failed,
-           "rss_quartiles": sampler.quartiles()})
+           "rss_quartiles": sampler.quartiles(), "load_before": load0, "load_after": _uptime(),
+           "stderr": err.getvalue().strip().splitlines()[-1:] or [""],
+           "md": (Path(outdir) / "report.md").read_text()})
 
 
 def _in_process(fn, *args):
@@ -278,7 +295,7 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
     steps = max(cfg["chunk_steps"], int(round(cfg["steps"] * fraction)))
     f = steps / cfg["steps"]
     full_rows = cfg["layers"] * cfg["experts"] * cfg["steps"]
-    with heavy_lock(size):
+    with heavy_lock("full" if size != "small" else size):   # medium is heavy too
         tmp = Path(tempfile.mkdtemp(prefix="moetrace-bench-fleet-", dir="/tmp"))
         try:
             store = str(tmp / "st")
@@ -289,6 +306,9 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
             rep = _in_process(_stage_replay, store, cfg)
             total = time.perf_counter() - t_all
             report = _in_process(_stage_report, store, str(tmp / "report"))
+            cache_bytes = sum(f.stat().st_size for d in Path(store).glob("cache_*") for f in d.rglob("*.parquet")) \
+                + sum(f.stat().st_size for f in (Path(store) / "analysis_cache").rglob("*.parquet"))
+            reused = _in_process(_stage_report, store, str(tmp / "report2"))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     rows = ing["rows"]
@@ -296,8 +316,15 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
              f"redundant), {steps} steps")
     part = "" if f == 1 else f" (measured on {f:.3g} of the {cfg['steps']}-step run)"
 
+    # --fraction, and --size medium (the full shape): linear in steps to the fleet-hour
+    hour = SIZES["full"]["steps"] if size != "small" else cfg["steps"]
+    to_hour = hour / steps
+
     def extra(secs):
-        return "" if f == 1 else f"; extrapolated to the full {full_rows:,} rows: {secs / f:,.0f} s"
+        if to_hour == 1:
+            return ""
+        return (f"; extrapolated linearly to {hour:,} steps ({cfg['layers'] * cfg['experts'] * hour:,} rows): "
+                f"{secs * to_hour:,.0f} s")
 
     def q4(stage):
         return " / ".join("-" if v != v else f"{v:,.0f}" for v in stage.get("rss_quartiles", []))
@@ -337,8 +364,18 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
                                                             f"stage {peak:,.0f} MiB{extra(total)}"),
         result(b, "report: wall time", report["seconds"], "s",
                notes=f"moetrace report --quiet (run after the replay: includes the stored-replay section); "
-                     f"{report['pngs']} PNGs, {report['failed']} sections failed{extra(report['seconds'])}"),
+                     f"{report['pngs']} PNGs, {report['failed']} sections failed{extra(report['seconds'])}; "
+                     f"{report['load_before']} before, {report['load_after']} after; stderr: {report['stderr'][0]!r}"),
         result(b, "report: peak RSS", report["peak_mib"], "MiB", notes=f"max RSS per quarter {q4(report)} MiB"),
+        result(b, "report (cache reused): wall time", reused["seconds"], "s",
+               notes=f"the same command again, reading the {cache_bytes / 2 ** 20:,.1f} MiB of stored per-(step, "
+                     f"layer) results; {reused['pngs']} PNGs, {reused['failed']} sections failed, report.md "
+                     f"{'identical' if reused['md'] == report['md'] else 'DIFFERS'}{extra(reused['seconds'])}; "
+                     f"{reused['load_before']} before, {reused['load_after']} after (first report: "
+                     f"{report['load_before']} before, {report['load_after']} after; {os.cpu_count()} CPUs); "
+                     f"stderr: {reused['stderr'][0]!r}"),
+        result(b, "report (cache reused): peak RSS", reused["peak_mib"], "MiB",
+               notes=f"max RSS per quarter {q4(reused)} MiB"),
     ]
     return out
 
@@ -356,7 +393,7 @@ def main() -> None:
         print(json.dumps(rows, indent=2))
         return
     for r in rows:
-        print(f"{r['metric']:<26} {r['value']:>16,.1f} {r['unit']:<7} {r['notes']}")
+        print(f"{r['metric']:<34} {r['value']:>16,.1f} {r['unit']:<7} {r['notes']}")
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ SECTIONS = (
     ("Ingest and the store", ("ingest", "runs", "tables", "catalog", "check")),
     ("Analysis", ("skew", "sql", "kernels", "exposure", "waits", "hang")),
     ("Replay and planning", ("replay", "sweep", "plan", "whatif", "calibrate", "cost")),
-    ("Reports", ("report",)),
+    ("Reports", ("report", "materialize")),
     ("Tools: make data", ("synth", "capture", "refrun")),
 )
 EXAMPLE = (

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
     import polars as pl
 
     from .analyze.exposure import Exposure
+    from .analyze.cache import CacheState
     from .analyze.waits import WaitResult
 
 #: the ways :meth:`Run.skew` groups the per-(step, layer) imbalance
@@ -147,6 +148,30 @@ class Run(NotebookView):
         if sql is not None:
             return skew_frame(sql, self.id, by)
         return skew(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit, progress=progress)
+
+    def materialize(self, *, force: bool = False, batch_steps: int | None = None, memory_limit: str | None = None,
+                    progress=None) -> "tuple[CacheState, CacheState]":
+        """Compute the run's per-(step, layer) analysis views once and store them in the store
+        (:mod:`moetrace.analyze.cache`), unless a fresh copy is stored (``force``: anyway);
+        the report, :meth:`skew` and :meth:`tokens_per_expert` then read the stored rows.
+        Returns the cache's state before and after."""
+        from .analyze.cache import store_run
+        from .analyze.materialize import configure
+
+        configure(self.store.con, memory_limit)
+        return store_run(self.store, self.id, batch_steps, force=force, progress=progress)
+
+    def cache_state(self) -> "CacheState":
+        """The run's stored analysis against its key now: fresh, stale (and why) or absent."""
+        from .analyze.cache import state
+
+        return state(self.store, self.id)
+
+    def clear_cache(self) -> dict[str, int]:
+        """Remove the run's stored analysis ({table: files removed})."""
+        from .analyze.cache import clear
+
+        return clear(self.store, self.id)
 
     def tokens_per_expert(self) -> "pl.DataFrame":
         """Per (step, layer): tokens, experts hit and the expected number ``E·(1−(1−k/E)^B)``,
@@ -405,6 +430,12 @@ class Store(_Store):
 
     def run(self, run_id: str | None = None) -> Run:
         return Run(self, self.resolve_run(run_id))
+
+    def clear_cache(self) -> dict[str, int]:
+        """Remove every run's stored analysis, and any a removed run left ({table: files})."""
+        from .analyze.cache import clear
+
+        return clear(self, None)
 
 
 def open_store(path, create: bool = False) -> Store:

@@ -24,14 +24,17 @@ _SKEW_SQL = {
 
 def skew(store, run_id: str, by: str = "layer", *, batch_steps: int | None = None, memory_limit: str | None = None,
          progress=None) -> pl.DataFrame:
-    """See :meth:`moetrace.run.Run.skew`. ``layer_skew`` of the run is materialized once
-    in step batches (bounded memory on fleet-size runs), read, and dropped."""
-    from .materialize import configure, drop_materialized, materialize_layer_skew
+    """See :meth:`moetrace.run.Run.skew`. ``layer_skew`` of the run is read from its stored
+    analysis when that is fresh (:mod:`moetrace.analyze.cache`), else materialized once in
+    step batches (bounded memory on fleet-size runs), read, and dropped."""
+    from . import cache
+    from .materialize import configure, drop_materialized
 
     if by not in _SKEW_SQL:
         raise InputError(None, f"skew by {by!r}: choose from {', '.join(_SKEW_SQL)}")
     configure(store.con, memory_limit)
-    m = materialize_layer_skew(store, run_id, batch_steps, views=("layer_skew",), progress=progress)
+    m = cache.use(store, run_id, batch_steps, views=("run_shape", "layer_placement", "layer_skew"),
+                  progress=progress, save_new=False)
     try:
         return store.sql(_SKEW_SQL[by], [run_id])
     finally:
@@ -47,8 +50,17 @@ def skew_frame(sql, run_id: str, by: str = "layer") -> pl.DataFrame:
 
 
 def tokens_per_expert(store, run_id: str) -> pl.DataFrame:
-    """See :meth:`moetrace.run.Run.tokens_per_expert`."""
-    return store.sql("SELECT * FROM tokens_per_expert WHERE run_id = ? ORDER BY step, layer", [run_id])
+    """See :meth:`moetrace.run.Run.tokens_per_expert`: the stored rows when the run's
+    stored analysis is fresh (:mod:`moetrace.analyze.cache`), else the view."""
+    from . import cache
+    from .materialize import drop_materialized
+
+    st = cache.state(store, run_id, ("tokens_per_expert",))
+    m = cache.load(store, st, ("tokens_per_expert",)) if st.fresh else None
+    try:
+        return store.sql("SELECT * FROM tokens_per_expert WHERE run_id = ? ORDER BY step, layer", [run_id])
+    finally:
+        drop_materialized(store.con, m)
 
 
 def dummy_steps(store, run_id: str, by: str = "rank") -> pl.DataFrame:

@@ -40,8 +40,15 @@ TARGET_BATCH_ROWS = 8_000_000
 
 SHAPE_VIEWS = ("run_shape", "layer_placement", "dense_rank_map")   # no step filter: once per run
 HEAVY_VIEWS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
+#: whole-run distributions the report draws (sql/22_expert_distribution.sql): with these the
+#: report reads no expert_load row outside this module
+DISTRIBUTION_VIEWS = ("rank_totals", "expert_token_hist", "expert_step_bins")
+#: every view :func:`materialize_layer_skew` can leave on the connection for a run (and that
+#: moetrace.analyze.cache stores): the report's inputs
+ALL_VIEWS = ("run_shape", "layer_placement") + HEAVY_VIEWS + DISTRIBUTION_VIEWS
 _CHUNK_VIEWS = ("expert_step_stats_long", "rank_tokens_long", "dense_step_stats")  # shadowed per batch
-_PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch", "_mt_rank_rows", "_mt_suffix")
+_PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch", "_mt_rank_rows", "_mt_suffix", "_mt_layer_steps",
+            "_mt_expert_rows", "_mt_hist", "_mt_bins")
 
 
 @dataclass
@@ -54,6 +61,7 @@ class Materialized:
     steps: int = 0
     rows: int = 0                                       # expert_load rows of the run
     seconds: float = 0.0
+    reused: str | None = None                           # cache_id when read from the stored cache
 
 
 def default_memory_limit() -> str:
@@ -104,8 +112,15 @@ def _pow2_at_least(n: int) -> int:
 
 
 def _drop(con, names) -> None:
+    """Drop the TEMP tables or TEMP views ``names`` (moetrace.analyze.cache shadows the
+    views with TEMP views over the stored rows)."""
+    import duckdb
+
     for n in names:
-        con.execute(f'DROP TABLE IF EXISTS temp."{n}"')
+        try:
+            con.execute(f'DROP TABLE IF EXISTS temp."{n}"')
+        except duckdb.CatalogException:    # a TEMP view of that name
+            con.execute(f'DROP VIEW IF EXISTS temp."{n}"')
 
 
 def _main(con) -> str:
@@ -126,10 +141,10 @@ def _empty_like(con, name: str, view: str) -> None:
 def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *,
                            views=HEAVY_VIEWS, con=None, progress: Callable[[str], None] | None = None,
                            target_rows: int = TARGET_BATCH_ROWS) -> Materialized:
-    """Compute ``views`` (a subset of :data:`HEAVY_VIEWS`; ``layer_skew`` is always
-    computed) for ``run_id`` in step batches into TEMP tables of the same names on ``con``
-    (default: the store's connection), with ``run_shape`` and ``layer_placement`` of the
-    run. Only rows of ``run_id`` are kept: while they exist, queries on ``con`` about other
+    """Compute ``views`` (a subset of :data:`HEAVY_VIEWS` and :data:`DISTRIBUTION_VIEWS`;
+    ``layer_skew`` is always computed) for ``run_id`` in step batches into TEMP tables of
+    the same names on ``con`` (default: the store's connection), with ``run_shape`` and
+    ``layer_placement`` of the run. Only rows of ``run_id`` are kept: while they exist, queries on ``con`` about other
     runs see no analysis rows. Undo with :func:`drop_materialized`.
 
     ``batch_steps``: steps per batch, rounded down to a power of two (so the batch-size
@@ -138,7 +153,9 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
     line of text now and then when the run takes more than one batch.
     """
     con = store.con if con is None else con
-    views = tuple(v for v in HEAVY_VIEWS if v in set(views) | {"layer_skew"})
+    views = tuple(v for v in HEAVY_VIEWS + DISTRIBUTION_VIEWS if v in set(views) | {"layer_skew"})
+    rank_totals = bool({"skew_by_batch", "skew_decomposition", "rank_totals"} & set(views))
+    expert_rows = bool({"expert_token_hist", "expert_step_bins"} & set(views))
     m = Materialized(run_id=run_id)
     t0 = time.perf_counter()
     made: list[str] = []
@@ -172,6 +189,14 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                 made.append(v)
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_rank_tot (chunk BIGINT, layer INTEGER, rank BIGINT, "
                     "tokens DOUBLE)")
+        if expert_rows:   # per (layer, step): its place among the layer's steps, for expert_step_bins
+            con.execute("CREATE OR REPLACE TEMP TABLE _mt_layer_steps AS SELECT layer, step, "
+                        "row_number() OVER (PARTITION BY layer ORDER BY step) - 1 AS ord, "
+                        "count(*) OVER (PARTITION BY layer) AS steps FROM step_layers WHERE run_id = ?", [run_id])
+            con.execute("CREATE OR REPLACE TEMP TABLE _mt_hist (layer INTEGER, tokens BIGINT, pairs BIGINT)")
+            con.execute("CREATE OR REPLACE TEMP TABLE _mt_bins (layer INTEGER, bin BIGINT, expert INTEGER, "
+                        "tokens BIGINT)")
+            made += ["_mt_layer_steps", "_mt_hist", "_mt_bins"]
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_per_batch (layer INTEGER, w BIGINT, batch BIGINT, "
                     "mx DOUBLE, total DOUBLE)")
         # per-(layer, rank) suffix buckets for the windows of the last w steps (see 25_skew_by_batch.sql)
@@ -196,7 +221,7 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
             for v in ("layer_skew", "tokens_per_expert"):
                 if v in views:
                     con.execute(f'INSERT INTO temp."{v}" SELECT * FROM {db}."{v}" WHERE run_id = ? AND {rng}', args)
-            if "skew_by_batch" in views or "skew_decomposition" in views:
+            if rank_totals:
                 # the batch's rank rows (the rank_load_sparse view reads the batch's rank lists)
                 con.execute(f"CREATE OR REPLACE TEMP TABLE _mt_rank_rows AS SELECT * FROM {db}.rank_load_sparse")
                 con.execute("INSERT INTO _mt_rank_tot SELECT ?, layer, rank, sum(tokens) FROM _mt_rank_rows "
@@ -217,6 +242,14 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                     )
                     SELECT layer, w, batch, max(tokens), sum(tokens) FROM merged
                     WHERE batch < {n} // w GROUP BY layer, w, batch""")
+            if expert_rows:   # the batch's (step, layer, expert) tokens, read once for both views
+                con.execute("CREATE OR REPLACE TEMP TABLE _mt_expert_rows AS SELECT layer, step, expert, tokens "
+                            f"FROM {db}.expert_tokens WHERE run_id = ? AND {rng}", args)
+                con.execute("INSERT INTO _mt_hist SELECT layer, tokens, count(*) FROM _mt_expert_rows GROUP BY ALL")
+                con.execute("INSERT INTO _mt_bins SELECT e.layer, CAST(o.ord * least(o.steps, 300) // o.steps AS BIGINT), "
+                            "e.expert, CAST(sum(e.tokens) AS BIGINT) FROM _mt_expert_rows e "
+                            "JOIN _mt_layer_steps o ON o.layer = e.layer AND o.step = e.step GROUP BY ALL")
+                _drop(con, ["_mt_expert_rows"])
             now = time.perf_counter()
             if progress is not None and m.batches > 1 and (now - last_report >= 5 or c + 1 == m.batches):
                 last_report = now
@@ -287,17 +320,28 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                     FROM _mt_steps s JOIN temp.layer_skew ls ON ls.step = s.step AND ls.layer = a.layer
                     WHERE s.ord < ({n} // a.w) * a.w
                 ) c ON true""", [run_id])
-        if "skew_decomposition" in views:
-            # the view's structural part sums rank_load_sparse over the run: give it the batch totals
-            con.execute("CREATE OR REPLACE TEMP TABLE rank_load_sparse AS "
-                        "SELECT CAST(? AS VARCHAR) AS run_id, chunk AS step, layer, rank, tokens FROM _mt_rank_tot",
-                        [run_id])
-            try:
-                con.execute("CREATE OR REPLACE TEMP TABLE skew_decomposition AS "
-                            f"SELECT * FROM {db}.skew_decomposition WHERE run_id = ?", [run_id])
-                made.append("skew_decomposition")
-            finally:
-                _drop(con, ["rank_load_sparse"])
+        if rank_totals:   # the batches' rank totals summed (the view sums rank_load_sparse over the run)
+            con.execute("CREATE OR REPLACE TEMP TABLE rank_totals AS SELECT CAST(? AS VARCHAR) AS run_id, layer, rank, "
+                        "sum(tokens) AS tokens FROM _mt_rank_tot GROUP BY layer, rank", [run_id])
+            made.append("rank_totals")
+        if "skew_decomposition" in views:   # its structural part reads rank_totals
+            con.execute("CREATE OR REPLACE TEMP TABLE skew_decomposition AS "
+                        f"SELECT * FROM {db}.skew_decomposition WHERE run_id = ?", [run_id])
+            made.append("skew_decomposition")
+        if rank_totals and "rank_totals" not in views:
+            _drop(con, ["rank_totals"])
+            made.remove("rank_totals")
+        if "expert_token_hist" in views:
+            con.execute("CREATE OR REPLACE TEMP TABLE expert_token_hist AS SELECT CAST(? AS VARCHAR) AS run_id, layer, "
+                        "tokens, CAST(sum(pairs) AS BIGINT) AS pairs FROM _mt_hist GROUP BY layer, tokens", [run_id])
+            made.append("expert_token_hist")
+        if "expert_step_bins" in views:
+            con.execute("CREATE OR REPLACE TEMP TABLE expert_step_bins AS SELECT CAST(? AS VARCHAR) AS run_id, b.layer, "
+                        "b.bin, b.expert, CAST(sum(b.tokens) AS BIGINT) AS tokens, CAST(least(n.steps, 300) AS BIGINT) "
+                        "AS bins, CAST(n.steps AS BIGINT) AS steps FROM _mt_bins b JOIN (SELECT layer, any_value(steps) "
+                        "AS steps FROM _mt_layer_steps GROUP BY layer) n USING (layer) GROUP BY b.layer, b.bin, b.expert, "
+                        "n.steps", [run_id])
+            made.append("expert_step_bins")
         _drop(con, _PRIVATE)
         made = [t for t in made if t not in _PRIVATE]
     except BaseException:

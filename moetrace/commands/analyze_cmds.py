@@ -1,5 +1,7 @@
-"""Analysis commands: report, skew."""
+"""Analysis commands: report, skew, materialize."""
 from __future__ import annotations
+
+import json
 
 import click
 
@@ -28,8 +30,10 @@ def _heavy_options(f):
 @run_option(help="Run to report on (needed when the store holds several).")
 @out_dir_option(help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
+@click.option("--recompute", is_flag=True,
+              help="Compute the per-(step, layer) views again even when the store holds them (and store the result).")
 @_heavy_options
-def report(store, run_id, out, quiet, batch_steps, memory_limit):
+def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
     """Summarize a run: per-layer skew, tokens per expert, imbalance vs batch size, dummy
     steps, and every other section installed (replay, all-to-all exposure). Prints the
     summary tables and writes a self-contained report.html, report.md and PNGs.
@@ -41,12 +45,15 @@ def report(store, run_id, out, quiet, batch_steps, memory_limit):
         moetrace report demo --out-dir demo-report
 
     Long runs are analyzed in step batches (progress on stderr), so memory stays bounded.
+    The per-(step, layer) results are stored in the store (tables cache_*, see
+    `moetrace materialize`): the next report of the same run reads them instead, until the
+    run, moetrace or the view SQL changes (then they are recomputed, said on stderr).
     """
     from ..report.build import build_report
 
     st = open_store(store)
     rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
-                       progress=_progress)
+                       progress=_progress, reuse=not recompute)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)
@@ -96,6 +103,60 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
             click.echo(f"note: {n}", err=True)
 
 
+@click.command()
+@click.argument("store", type=click.Path(file_okay=False, exists=True))
+@run_option(help="Only this run (default: every run).")
+@click.option("--force", is_flag=True, help="Compute and store again even when the stored results are fresh.")
+@click.option("--status", "status_only", is_flag=True, help="Only say, per run, whether its stored results are fresh.")
+@click.option("--clear", is_flag=True, help="Remove the stored results (of --run, else of every run).")
+@_heavy_options
+def materialize(store, run_id, force, status_only, clear, batch_steps, memory_limit):
+    """Compute each run's per-(step, layer) analysis views (layer_skew, tokens_per_expert,
+    skew_by_batch, skew_decomposition, run_shape, layer_placement and the report's
+    whole-run distributions) once and store them in the store, so that `moetrace report`,
+    `moetrace skew` and Run.skew() / Run.tokens_per_expert() read them instead of the
+    expert_load rows. `moetrace report` stores them too; this command does it ahead.
+
+    Example:
+
+    \b
+        moetrace synth demo --layers 4 --steps 50
+        moetrace materialize demo            # compute and store (a fresh run is skipped)
+        moetrace materialize demo --status   # fresh, stale (and why) or absent, per run
+        moetrace materialize demo --clear    # remove the stored results
+
+    They live in the store as tables analysis_cache (one row per stored computation: its
+    key) and cache_<view>, under each run's partition, written as one transaction. The key
+    is the moetrace and DuckDB versions, a hash of the views' SQL and a fingerprint of the
+    run's input files: when it no longer matches (the run re-ingested, moetrace upgraded,
+    a view changed) the results are recomputed.
+    """
+    st = open_store(store)
+    if clear:
+        removed = st.run(run_id).clear_cache() if run_id else st.clear_cache()
+        n = sum(removed.values())
+        click.echo(f"removed {n} stored-analysis file{'s' if n != 1 else ''}" + (f" of run {run_id}" if run_id else ""))
+        return
+    runs = [st.run(run_id)] if run_id else [st.run(r) for r in st.run_ids()]
+    if not runs:
+        click.echo("no runs")
+        return
+    for r in runs:
+        if status_only:
+            click.echo(r.cache_state().line())
+            continue
+        before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
+                                      progress=_progress)
+        if before.fresh and not force:
+            click.echo(f"{after.line()}: kept")
+        else:
+            rows = sum(json.loads(after.header["rows_json"]).values())
+            click.echo(f"run {r.id}: stored analysis {after.header['cache_id']} ({rows:,} rows, computed in "
+                       f"{after.header['compute_s']:.1f} s)" + (f"; replaced a stale one ({before.reason})"
+                                                                if before.status == "stale" else ""))
+
+
 def register(cli):
     cli.add_command(report)
     cli.add_command(skew)
+    cli.add_command(materialize)

@@ -23,7 +23,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..analyze import configure, drop_materialized, materialize_layer_skew
+from ..analyze import configure, drop_materialized
+from ..analyze import cache as analysis_cache
 from .base import ReportContext, Section
 
 
@@ -135,15 +136,18 @@ def _failed(mod, exc: BaseException) -> Section:
 
 def build_report(store, run_id: str | None = None, outdir: str | Path | None = None, *, html_out: bool = True,
                  md_out: bool = True, cache: bool = True, batch_steps: int | None = None,
-                 memory_limit: str | None = None, progress=None) -> Report:
+                 memory_limit: str | None = None, progress=None, reuse: bool = True, save: bool = True) -> Report:
     """Build every section for ``run_id`` (the store's only run when None) into ``outdir``.
 
     With ``cache`` the per-(step, layer) analysis views (layer_skew, tokens_per_expert,
-    skew_by_batch, skew_decomposition, and run_shape / layer_placement) are computed once
-    for the run, in step batches of ``batch_steps`` (default: from the run's size), into
-    TEMP tables on the store's connection that the sections read and that are dropped
-    afterwards: bounded memory on fleet-size runs, one pass instead of one per query.
-    DuckDB's memory is capped at ``memory_limit`` (default
+    skew_by_batch, skew_decomposition, run_shape / layer_placement and the whole-run
+    distributions: :data:`moetrace.analyze.cache.CACHED_VIEWS`) are read from the run's
+    stored analysis when its key matches (``reuse``), else computed once for the run, in
+    step batches of ``batch_steps`` (default: from the run's size), and stored for the
+    next report (``save``; a store that cannot take them is said in one line). Either way
+    they shadow the views on the store's connection while the sections run (TEMP views or
+    tables, dropped afterwards): bounded memory on fleet-size runs, one pass instead of one
+    per query, none when stored. DuckDB's memory is capped at ``memory_limit`` (default
     :func:`moetrace.analyze.default_memory_limit`). ``progress`` gets progress lines.
     """
     rid = store.resolve_run(run_id)
@@ -156,10 +160,12 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
 
         raise UsageError(f"{out}: cannot create the report folder ({e.strerror})") from None
     ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
-    report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run) + shape_caveats(store, rid, run))
     configure(store.con, memory_limit)
-    cached = materialize_layer_skew(store, rid, batch_steps, progress=progress) if cache else None
+    cached = analysis_cache.use(store, rid, batch_steps, progress=progress, reuse=reuse, save_new=save) \
+        if cache else None
     try:
+        # after the views are shadowed: the caveats read layer_placement, which scans expert_load
+        report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run) + shape_caveats(store, rid, run))
         for mod in discover_sections():
             try:
                 sec = mod.build(ctx)

@@ -326,28 +326,79 @@ class Transactions:
         return WriteResult(rid, rows=rows, message=warning or "")
 
     #: tables an append renames last when present: the row that names what the other rows
-    #: belong to (a plan's ``plans`` row, a replay's ``replay_runs`` row)
-    HEADER_TABLES = ("plans", "replay_runs")
+    #: belong to (a plan's ``plans`` row, a replay's ``replay_runs`` row, a stored analysis's
+    #: ``analysis_cache`` row)
+    HEADER_TABLES = ("plans", "replay_runs", "analysis_cache")
 
-    def append(self, run_id: str, tables: dict[str, object]) -> dict[str, int]:
+    def append(self, run_id: str, tables: dict[str, object], *, replace: bool = False) -> dict[str, int]:
         """Add rows to an existing run (plans, replay results, calibrations) as one
         transaction, like :meth:`write_run`: staged, journaled, renamed with the header
         table (:attr:`HEADER_TABLES`, else the last table given) last; that file is the
         commit file (a crash after it rolls forward, before it back), and readers see
-        all of the append or none of it (:meth:`committed_files`)."""
+        all of the append or none of it (:meth:`committed_files`).
+
+        ``replace``: once the append is committed, the run's older files of the same
+        tables are removed (under the same lock). A crash between the commit and the
+        removal leaves both generations in place: rows that must not be read together
+        carry an id of their write (the analysis cache's ``cache_id``), so the older
+        generation is ignored until the next replace or :meth:`drop_tables` removes it."""
         if run_id not in self.run_ids():
             raise StoreError(f"{self.path}: no run {run_id!r}")
         with self._lock():
             self._check_writable()
             self.recover()
             header = next((t for t in self.HEADER_TABLES if t in tables), None)
-            rows = self._transaction(run_id, tables, commit_table=header or (list(tables)[-1] if tables else None))
+            txid = uuid.uuid4().hex[:12]
+            rows = self._transaction(run_id, tables, commit_table=header or (list(tables)[-1] if tables else None),
+                                     txid=txid)
+            if replace:
+                self._remove_parts(run_id, list(tables), keep_txid=txid)
         self.refresh()
         self._refresh_catalog()
         return rows
 
-    def _transaction(self, run_id: str, tables: dict[str, object], commit_table: str | None) -> dict[str, int]:
-        txid = uuid.uuid4().hex[:12]
+    def drop_tables(self, run_id: str | None, tables: list[str]) -> dict[str, int]:
+        """Remove every file of ``tables`` (contract tables, in the order given: put the one
+        readers check first, e.g. a header) of ``run_id``, or of every run when None, under
+        the write lock; returns {table: files removed}. Used for derived tables only (the
+        analysis cache): a run's own rows are never dropped this way."""
+        for t in tables:
+            schema.get(t)   # unknown table: SchemaError before anything is touched
+        with self._lock():
+            self._check_writable()
+            self.recover()
+            runs = [run_id] if run_id is not None else sorted(
+                {p.name[7:] for t in tables for p in (self.path / t).glob("run_id=*")})
+            out = {t: 0 for t in tables}
+            for rid in runs:
+                for t, n in self._remove_parts(rid, tables).items():
+                    out[t] += n
+        self.refresh()
+        if any(out.values()):
+            self._refresh_catalog()
+        return out
+
+    def _remove_parts(self, run_id: str, tables: list[str], keep_txid: str | None = None) -> dict[str, int]:
+        """Unlink ``STORE/<table>/run_id=<run_id>/part-<txid>.parquet`` of each table (files
+        of another name are not ours: left alone), except ``keep_txid``'s. Hold the lock."""
+        if not _SAFE_ID_RE.fullmatch(run_id):
+            raise StoreError(f"{self.path}: {run_id[:80]!r} is not a run id; nothing was removed")
+        out: dict[str, int] = {}
+        for t in tables:
+            part = self.path / t / f"run_id={run_id}"
+            n = 0
+            if part.is_dir() and not part.is_symlink() and not (self.path / t).is_symlink():
+                for f in sorted(part.iterdir()):
+                    x = _txid_of(f"{t}/{part.name}/{f.name}")
+                    if x is not None and x != keep_txid:
+                        self._safe_unlink(f"{t}/{part.name}/{f.name}")
+                        n += 1
+            out[t] = n
+        return out
+
+    def _transaction(self, run_id: str, tables: dict[str, object], commit_table: str | None,
+                     txid: str | None = None) -> dict[str, int]:
+        txid = txid or uuid.uuid4().hex[:12]
         self._check_no_symlinks()
         staging = self.path / ".staging" / txid
         moves: list[tuple[Path, str]] = []

@@ -126,11 +126,11 @@ def build(ctx: ReportContext) -> Section | None:
 
     figs = []
     # distribution of tokens per (expert, step) over the whole run, binned in SQL
-    # one pass over expert_tokens: how many (expert, step, layer) rows have each token count; the
+    # view expert_token_hist: how many (expert, step, layer) rows have each token count; the
     # 99.9th percentile and the histogram come from these counts (an exact quantile_cont over a
     # billion rows would hold them all in memory)
-    vc = ctx.sql("SELECT tokens, count(*) AS n FROM expert_tokens WHERE run_id = ? GROUP BY tokens ORDER BY tokens",
-                 [rid])
+    vc = ctx.sql("SELECT tokens, sum(pairs) AS n FROM expert_token_hist WHERE run_id = ? GROUP BY tokens "
+                 "ORDER BY tokens", [rid])
     vals = vc["tokens"].to_numpy().astype(np.float64) if vc.height else np.zeros(0)
     ns = vc["n"].to_numpy().astype(np.int64) if vc.height else np.zeros(0, dtype=np.int64)
     mx = float(vals[-1]) if vals.size else None

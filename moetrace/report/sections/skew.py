@@ -1,7 +1,8 @@
 """Per-layer skew: how unbalanced each MoE layer was across ranks, and where.
 
-Reads the analysis views (run_skew_summary, skew_summary, layer_skew, rank_load_sparse,
-expert_tokens: one scan of expert_load per figure, never a whole-run sort or zero-filled grid);
+Reads the analysis views (run_skew_summary, skew_summary, layer_skew, rank_totals,
+expert_step_bins: never a whole-run sort or zero-filled grid, and no expert_load row when
+the report shadows them with the run's stored or batched results);
 draws per-layer imbalance bars, per-rank load bars for the worst layer and per-expert
 load heatmaps over steps for the most skewed layers.
 """
@@ -15,7 +16,7 @@ from .. import plots
 
 ORDER = 10
 HEATMAP_LAYERS = 2
-MAX_HEATMAP_ROWS = 300
+MAX_HEATMAP_ROWS = 300     # the bins of view expert_step_bins (storage/sql/22_expert_distribution.sql)
 
 
 def placement_notes(sources: set[str], run: dict) -> list[str]:
@@ -142,7 +143,7 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
         return None
     E = int(E)
     if n_steps == 1:   # one (pseudo-)step: a bar per expert says more than a one-row heatmap
-        df = ctx.sql("SELECT expert, sum(tokens) AS tokens FROM expert_tokens WHERE run_id = ? AND layer = ? "
+        df = ctx.sql("SELECT expert, sum(tokens) AS tokens FROM expert_step_bins WHERE run_id = ? AND layer = ? "
                      "GROUP BY expert", [rid, layer])
         x = np.zeros(E)
         x[df["expert"].to_numpy()] = df["tokens"].to_numpy()
@@ -152,13 +153,9 @@ def _heatmap(ctx: ReportContext, layer: int) -> Figure | None:
                           ref_label=f"mean expert {x.mean():.0f}", highlight="max", width=12)
         return Figure(path, f"Layer {layer}: tokens each logical expert received over the run's single "
                             "(pseudo-)step; the hottest expert in red, dashed: the mean expert.")
-    bins = min(int(n_steps), MAX_HEATMAP_ROWS)
-    df = ctx.sql(
-        "WITH o AS (SELECT step, row_number() OVER (ORDER BY step) - 1 AS ord FROM "
-        "(SELECT step FROM layer_skew WHERE run_id = ? AND layer = ?)) "
-        "SELECT (o.ord * ? // ?) AS bin, e.expert, sum(e.tokens) AS tokens "
-        "FROM expert_tokens e JOIN o USING (step) WHERE e.run_id = ? AND e.layer = ? GROUP BY ALL",
-        [rid, layer, bins, int(n_steps), rid, layer])
+    # the view's bins: least(steps, MAX_HEATMAP_ROWS) consecutive bins of the layer's steps
+    df = ctx.sql("SELECT bin, expert, tokens, bins FROM expert_step_bins WHERE run_id = ? AND layer = ?", [rid, layer])
+    bins = int(df["bins"][0]) if df.height else min(int(n_steps), MAX_HEATMAP_ROWS)
     m = np.zeros((bins, E))
     counts = np.bincount((np.arange(n_steps) * bins) // n_steps, minlength=bins).astype(float)
     m[df["bin"].to_numpy(), df["expert"].to_numpy()] = df["tokens"].to_numpy()
@@ -216,11 +213,10 @@ def _rank_groups(ctx: ReportContext, layer: int, E: int):
 
 def _mean_rank_tokens(ctx: ReportContext, layer: int) -> pl.DataFrame:
     """Mean tokens per step of every rank (0 .. num_ranks-1) in ``layer``: the rank_load
-    average, as the sparse rank totals over the layer's step count (no zero-filled grid of
-    steps x ranks, which is tens of millions of rows on a fleet run)."""
+    average, as the sparse rank totals (view rank_totals) over the layer's step count (no
+    zero-filled grid of steps x ranks, which is tens of millions of rows on a fleet run)."""
     return ctx.sql(
-        "WITH t AS (SELECT rank, sum(tokens) AS tokens FROM rank_load_sparse WHERE run_id = ? AND layer = ? "
-        "GROUP BY rank), n AS (SELECT count(*) AS steps FROM layer_skew WHERE run_id = ? AND layer = ?), "
+        "WITH t AS (SELECT rank, tokens FROM rank_totals WHERE run_id = ? AND layer = ?), n AS (SELECT count(*) AS steps FROM layer_skew WHERE run_id = ? AND layer = ?), "
         "r AS (SELECT unnest(range(num_ranks)) AS rank FROM run_shape WHERE run_id = ? AND num_ranks IS NOT NULL) "
         "SELECT r.rank, coalesce(t.tokens, 0.0) / n.steps AS mean_tokens FROM r CROSS JOIN n "
         "LEFT JOIN t USING (rank) WHERE n.steps > 0 ORDER BY r.rank", [ctx.run_id, layer, ctx.run_id, layer, ctx.run_id])

@@ -97,11 +97,9 @@ LEFT JOIN c ON c.run_id = a.run_id AND c.layer = a.layer AND c.w = a.steps_per_b
 -- under the placement) and the sampling part on top of it:
 --   imbalance_mean = 1 + structural_excess + sampling_excess
 CREATE OR REPLACE VIEW skew_decomposition AS
-WITH tot AS (
-    SELECT run_id, layer, rank, sum(tokens) AS tokens FROM rank_load_sparse GROUP BY run_id, layer, rank
-), structural AS (
+WITH structural AS (    -- the rank loads summed over the run: rank_totals
     SELECT t.run_id, t.layer, max(t.tokens) / (sum(t.tokens) / sh.num_ranks) AS structural_imbalance
-    FROM tot t JOIN run_shape sh USING (run_id)
+    FROM rank_totals t JOIN run_shape sh USING (run_id)
     GROUP BY t.run_id, t.layer, sh.num_ranks
     HAVING sum(t.tokens) > 0
 ), per_layer AS (
