@@ -87,7 +87,7 @@ def _print_replay(res):
     else:
         eff = f", efficiency {s.mean_efficiency:.3f}" if s.mean_efficiency is not None else ""
         click.echo(f"  {j.steps.size} steps x {j.plan.num_layers} layers: mean max/mean rank tokens "
-                   f"{s.mean_imbalance:.3f}{rec}, p99 {s.p99_imbalance:.3f}{eff}{und}")
+                   f"{s.mean_imbalance:.3f}{rec}, p99 {s.p99_text()}{eff}{und}")
     click.echo("  modelled time (cost model, with its band):")
     click.echo(f"  {res.headline()}")
     _print_changes(j)
@@ -285,7 +285,7 @@ def _print_drift(d, plot):
         s = j.summary
         t = (f"gross {j.gross_step_ns / 1e6:.3f} ms, net {j.net_step_ns / 1e6:.3f} ms ({j.vs_recorded()})"
              if j.gross_step_ns is not None else "no time per step")
-        click.echo(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_imbalance:.3f}  {t}  moved "
+        click.echo(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_text()}  {t}  moved "
                    f"{j.moved_experts} experts ({_gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
         la = load_answer(j)
         if la is not None:

@@ -74,6 +74,33 @@ class CostModel:
         return (np.asarray(bytes_intra, np.float64) * (1e9 / self.nvlink_Bps)
                 + np.asarray(bytes_inter, np.float64) * (1e9 / self.internode_Bps))
 
+    #: the all-to-all can be timed from received tokens (:meth:`comm_received_ns`)
+    fused_comm = True
+
+    def compute_ns(self, tokens, touched) -> np.ndarray:
+        """Per-rank expert compute ns (the compute term of :meth:`rank_ns`), a fresh array."""
+        if self.gpu is not None:
+            work = gpu_cost.expert_ns(self.gpu, tokens, touched)
+        else:
+            work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        compute = self.fixed_ns + work
+        if self.contention:
+            compute = compute + self.contention * overlap_ns(work)
+        return np.asarray(compute, np.float64)
+
+    def comm_received_ns(self, received, per_token: tuple[float, float]) -> np.ndarray:
+        """Dispatch + combine ns per rank when the bytes are ``received`` tokens times
+        ``per_token`` = (intra-node, inter-node) bytes per received token (the estimate's
+        form): the sum of :meth:`rank_ns`'s dispatch and combine, in one pass (equal up to
+        float rounding: both links scale with the received tokens)."""
+        a, b = per_token
+        if self.gpu is not None:
+            return gpu_cost.comm_received_ns(self.gpu, received, a, b)
+        k = 2 * (a * (1e9 / self.nvlink_Bps) + b * (1e9 / self.internode_Bps))
+        out = np.multiply(received, k, dtype=np.float64)
+        out += self.latency_ns
+        return out
+
     def rank_ns(self, tokens, touched, bytes_intra, bytes_inter):
         """Per-rank (dispatch, compute, combine) in ns, broadcasting over any shape (ranks on
         the last axis when ``contention`` > 0)."""

@@ -51,7 +51,7 @@ class DriftResult(NotebookView):
 
     def replan_by_age(self) -> dict:
         j = self.results["replan"]
-        ages = np.array([a or 0 for a in j.ages])
+        ages = j.age_array()
         rng = range(1, min(self.every, ages.size) + 1)
         return {"age": list(rng), "mean_imbalance": [float(np.nanmean(j.series[ages == a])) for a in rng]}
 

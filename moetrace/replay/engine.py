@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
+from .accumulate import Summary, SummaryAccumulator
 from .cost import CostModel
 from ..placement.planners import Plan
 from ..domain.ranks import node_of
@@ -56,6 +57,12 @@ class Block:
     #: dispatch bytes summed over the block, source rank x destination rank [R, R] (exact
     #: per-token replays only; the diagonal is 0: a token's own rank costs nothing)
     traffic: np.ndarray | None = None
+    #: estimated bytes (:func:`estimate_dispatch`): the tokens each rank receives [t, L, R]
+    #: and the bytes per received token inside / between nodes, so that
+    #: ``bytes_intra = received * per_token[0]`` and ``bytes_inter = received * per_token[1]``
+    #: (the cost model then times the all-to-all in one pass: :meth:`CostModel.comm_received_ns`)
+    received: np.ndarray | None = None
+    per_token: tuple[float, float] | None = None
 
 
 def _slot_replica_index(plan: Plan) -> np.ndarray:
@@ -110,10 +117,16 @@ def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per
     token's own rank costs nothing, its node's other ranks are intra-node). Without
     ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so).
     float32 throughout (a probability per rank; the bytes are an estimate)."""
+    intra, inter, _, _ = _estimate_dispatch(load, plan, top_k, bytes_per_token, gather)
+    return intra, inter
+
+
+def _estimate_dispatch(load, plan, top_k, bytes_per_token, gather=None):
+    """(intra bytes, inter bytes, tokens received or None, (intra, inter) bytes per received token)."""
     T, L, E = load.shape
     if not top_k:
         z = np.zeros((T, L, plan.num_ranks))
-        return z, z
+        return z, z, None, None
     R, S, rpn = plan.num_ranks, plan.num_slots, plan.ranks_per_node
     flat, cnt = gather if gather is not None else _slot_gather(plan)
     B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
@@ -129,9 +142,9 @@ def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per
     s *= B                             # tokens received
     intra = s * ((rpn - 1) / R)
     intra *= bytes_per_token
-    s *= (R - rpn) / R
-    s *= bytes_per_token
-    return intra, s
+    inter = s * ((R - rpn) / R)
+    inter *= bytes_per_token
+    return intra, inter, s, ((rpn - 1) / R * bytes_per_token, (R - rpn) / R * bytes_per_token)
 
 
 #: elements of one [steps, L, R] block the kernels work on at a time (2 MiB of float64):
@@ -160,9 +173,14 @@ def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np
                            bytes_per_token, gather)
         if out is None:
             out = Block(*(np.empty((T,) + x.shape[1:], x.dtype) for x in
-                          (blk.tokens, blk.touched, blk.bytes_intra, blk.bytes_inter)), exact_bytes=False)
+                          (blk.tokens, blk.touched, blk.bytes_intra, blk.bytes_inter)), exact_bytes=False,
+                        received=None if blk.received is None else np.empty((T,) + blk.received.shape[1:],
+                                                                             blk.received.dtype),
+                        per_token=blk.per_token)
         out.tokens[a:b], out.touched[a:b] = blk.tokens, blk.touched
         out.bytes_intra[a:b], out.bytes_inter[a:b] = blk.bytes_intra, blk.bytes_inter
+        if out.received is not None:
+            out.received[a:b] = blk.received
     return out
 
 
@@ -197,8 +215,8 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, gather) -
         g *= share
         tokens = _rank_sum(g, T, L, R, spr)
         touched = _rank_sum(np.take(l2 > 0, flat, axis=1), T, L, R, spr, dtype=np.int32)
-    intra, inter = estimate_dispatch(load, plan, top_k, bytes_per_token, gather)
-    return Block(tokens, touched, intra, inter, exact_bytes=False)
+    intra, inter, received, per_token = _estimate_dispatch(load, plan, top_k, bytes_per_token, gather)
+    return Block(tokens, touched, intra, inter, exact_bytes=False, received=received, per_token=per_token)
 
 
 def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: Plan, split: str,
@@ -293,6 +311,8 @@ class LayerMetrics:
     #: the rank holding the most tokens (the load straggler, no time model), -1 where no
     #: tokens were routed; ``straggler`` is the slowest rank under the cost model
     load_straggler: np.ndarray | None = None
+    # dispatch_ns / compute_ns are None when the all-to-all was timed in one pass from the
+    # received tokens (:func:`layer_metrics`); :func:`rank_parts` gives them
 
 
 def imbalance(tokens: np.ndarray) -> np.ndarray:
@@ -305,66 +325,69 @@ def imbalance(tokens: np.ndarray) -> np.ndarray:
 
 
 def layer_metrics(block: Block, cost: CostModel) -> LayerMetrics:
-    """Per (step, layer) results of a replayed block, a few steps at a time (same answer)."""
+    """Per (step, layer) results of a replayed block, a few steps at a time (same answer).
+    With estimated bytes and a GPU cost model the all-to-all is timed from the received
+    tokens in one pass (:meth:`CostModel.comm_received_ns`) and ``dispatch_ns`` /
+    ``compute_ns`` are not kept (None: :func:`rank_parts` gives them when asked)."""
     tok = block.tokens
     T, L, R = tok.shape
+    rec = block.received if block.per_token is not None and cost.fused_comm else None
     parts = _sub_blocks(T, L * R)
+
+    def one(a, b):
+        return _layer_metrics(tok[a:b], block.touched[a:b], block.bytes_intra[a:b], block.bytes_inter[a:b], cost,
+                              None if rec is None else rec[a:b], block.per_token)
+
     if len(parts) == 1:
-        return _layer_metrics(tok, block.touched, block.bytes_intra, block.bytes_inter, cost)
+        return one(0, T)
     out = None
+    keys = ("max_tokens", "mean_tokens", "imbalance", "straggler", "layer_ns", "dispatch_ns", "compute_ns",
+            "rank_ns", "load_straggler")
     for a, b in parts:
-        m = _layer_metrics(tok[a:b], block.touched[a:b], block.bytes_intra[a:b], block.bytes_inter[a:b], cost)
+        m = one(a, b)
         if out is None:
-            out = LayerMetrics(*(np.empty((T,) + x.shape[1:], x.dtype) for x in
-                                 (m.max_tokens, m.mean_tokens, m.imbalance, m.straggler, m.layer_ns, m.dispatch_ns,
-                                  m.compute_ns, m.rank_ns, m.load_straggler)))
-        for k in ("max_tokens", "mean_tokens", "imbalance", "straggler", "layer_ns", "dispatch_ns", "compute_ns",
-                  "rank_ns", "load_straggler"):
-            getattr(out, k)[a:b] = getattr(m, k)
+            out = LayerMetrics(*(None if getattr(m, k) is None else np.empty((T,) + getattr(m, k).shape[1:],
+                                                                             getattr(m, k).dtype) for k in keys))
+        for k in keys:
+            if getattr(m, k) is not None:
+                getattr(out, k)[a:b] = getattr(m, k)
     return out
 
 
-def _layer_metrics(tok, touched, intra, inter, cost: CostModel) -> LayerMetrics:
+def rank_parts(block: Block, cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dispatch, compute, combine) ns per rank [t, L, R] of a block (the trace's lanes)."""
+    return cost.rank_ns(block.tokens, block.touched, block.bytes_intra, block.bytes_inter)
+
+
+def _layer_metrics(tok, touched, intra, inter, cost: CostModel, received=None, per_token=None) -> LayerMetrics:
     mx = tok.max(axis=2)
     mean = tok.mean(axis=2)
     with np.errstate(divide="ignore", invalid="ignore"):    # = imbalance(tok), its max and mean reused
         imb = np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
-    disp, comp, comb = cost.rank_ns(tok, touched, intra, inter)
-    rank_ns = disp + comp
-    rank_ns += comb
-    strag = np.where(np.isnan(imb), -1, np.argmax(rank_ns, axis=2))
-    load_strag = np.where(np.isnan(imb), -1, np.argmax(tok, axis=2))
+    if received is not None:
+        rank_ns = cost.compute_ns(tok, touched)
+        rank_ns += cost.comm_received_ns(received, per_token)
+        disp = comp = None
+    else:
+        disp, comp, comb = cost.rank_ns(tok, touched, intra, inter)
+        rank_ns = disp + comp
+        rank_ns += comb
+    undefined = np.isnan(imb)
+    strag = np.argmax(rank_ns, axis=2)
+    strag[undefined] = -1
+    load_strag = np.argmax(tok, axis=2)
+    load_strag[undefined] = -1
     return LayerMetrics(mx, mean, imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns, load_strag)
 
 
-@dataclass
-class Summary:
-    """Summary over (step, layer) cells. Undefined cells (no tokens) are counted, not
-    averaged in; ``predicted_step_ns`` is the mean over steps of the summed layer times."""
-    mean_imbalance: float | None
-    p99_imbalance: float | None
-    max_imbalance: float | None
-    undefined_cells: int
-    cells: int
-    predicted_step_ns: int | None
-    mean_efficiency: float | None
-
-
 def summarize(imbalance: np.ndarray, layer_ns: np.ndarray, rank_ns_mean: np.ndarray | None = None) -> Summary:
-    imb = np.asarray(imbalance, np.float64).ravel()
-    ok = imb[~np.isnan(imb)]
-    eff = None
-    if rank_ns_mean is not None and layer_ns.size:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            e = np.where(layer_ns > 0, rank_ns_mean / np.where(layer_ns > 0, layer_ns, 1), np.nan)
-        e = e[~np.isnan(imbalance) & ~np.isnan(e)]
-        eff = float(e.mean()) if e.size else None
-    return Summary(mean_imbalance=float(ok.mean()) if ok.size else None,
-                   p99_imbalance=float(np.percentile(ok, 99)) if ok.size else None,
-                   max_imbalance=float(ok.max()) if ok.size else None,
-                   undefined_cells=int(imb.size - ok.size), cells=int(imb.size),
-                   predicted_step_ns=int(round(float(layer_ns.sum(axis=1).mean()))) if layer_ns.size else None,
-                   mean_efficiency=eff)
+    """The :class:`Summary` of [steps, L] arrays (one block of
+    :class:`.accumulate.SummaryAccumulator`, which a streamed replay feeds block by block)."""
+    acc = SummaryAccumulator()
+    imb = np.asarray(imbalance, np.float64)
+    lns = np.asarray(layer_ns)
+    acc.add(imb.reshape(lns.shape) if lns.ndim == 2 and imb.size == lns.size else imb, lns, rank_ns_mean)
+    return acc.summary()
 
 
 def approximation_notes(block: Block, split: str, used_slots: bool, has_routing: bool,

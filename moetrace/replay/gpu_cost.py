@@ -64,16 +64,89 @@ def _mlp_ns(hardware: str, hidden: int, intermediate: int, dtype: str, experts: 
     return expert_mlp_terms(gpu(hardware), params, [m] * experts, hidden, intermediate, dtype)["time_s"] * 1e9
 
 
+#: integer tokens per expert up to this are looked up in a table (:class:`_MlpTable`);
+#: beyond it (aggregate counts of many passes) each distinct pair is timed as before
+TABLE_MAX_TOKENS = 1 << 20
+
+
+class _MlpTable:
+    """Expert-MLP ns of (slots touched g, integer tokens per expert m) for one GPU model:
+    ``qcol[m]`` is the column of m's quantized count (:func:`quantize_tokens`; non-decreasing
+    in m), ``vals[g, col]`` its time, filled for columns ``< filled[g]`` (every column up to
+    the largest m seen). The same numbers as a call of :func:`_mlp_ns` per distinct pair,
+    without sorting the pairs of every block."""
+
+    def __init__(self, key):
+        self.key = key
+        self.qcol = np.zeros(0, np.int64)
+        self.qval = np.zeros(0, np.int64)        # quantized count of each column
+        self.vals = np.zeros((1, 0))
+        self.filled = np.zeros(1, np.int64)
+
+    def _grow_m(self, m_max: int) -> None:
+        n = max(m_max + 1, 2 * self.qcol.size, 1024)
+        q = quantize_tokens(np.arange(n, dtype=np.float64)).astype(np.int64)
+        qval = np.unique(q)                      # a prefix of the old columns: qcol is monotone
+        vals = np.zeros((self.vals.shape[0], qval.size))
+        vals[:, :self.vals.shape[1]] = self.vals
+        self.qcol, self.qval, self.vals = np.searchsorted(qval, q), qval, vals
+
+    def _fill(self, g_max: int, col_max: int) -> None:
+        if g_max >= self.vals.shape[0]:
+            vals = np.zeros((g_max + 1, self.vals.shape[1]))
+            vals[:self.vals.shape[0]] = self.vals
+            self.vals = vals
+            self.filled = np.concatenate([self.filled, np.zeros(g_max + 1 - self.filled.size, np.int64)])
+        hw, h, i, dt = self.key
+        for g in range(g_max + 1):
+            for col in range(int(self.filled[g]), col_max + 1):
+                self.vals[g, col] = _mlp_ns(hw, h, i, dt, g, int(self.qval[col]))
+            self.filled[g] = max(int(self.filled[g]), col_max + 1)
+
+    def lookup(self, g: np.ndarray, m: np.ndarray, g_max: int, m_max: int) -> np.ndarray:
+        """Times of integer arrays ``g`` (slots touched) and ``m`` (tokens per expert, >= 0;
+        0 where g is 0), whose maxima are ``g_max`` and ``m_max``."""
+        if m_max >= self.qcol.size:
+            self._grow_m(m_max)
+        col_max = int(self.qcol[m_max])
+        if g_max >= self.filled.size or (self.filled[:g_max + 1] <= col_max).any():
+            self._fill(g_max, col_max)
+        idx = np.take(self.qcol, m)
+        if g_max <= 1:      # m is 0 where g is 0, and every g's time of m = 0 is 0: row 1 serves both
+            return np.take(self.vals[min(g_max, 1)], idx)
+        idx += g * self.vals.shape[1]
+        return np.take(self.vals.reshape(-1), idx)
+
+
+_TABLES: dict[tuple, _MlpTable] = {}
+
+
 def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
-    """Expert-MLP time (ns) of every rank, broadcasting over any shape."""
+    """Expert-MLP time (ns) of every rank, broadcasting over any shape. Tokens are >= 0, and
+    0 on a rank that touches no slot (as every replay block has them)."""
     tok = np.asarray(tokens, np.float64)
-    g = np.rint(np.broadcast_to(np.asarray(touched, np.float64), tok.shape)).astype(np.int64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        m = np.where(g > 0, tok / np.maximum(g, 1), 0.0)
-    mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
-    key = g * (1 << 32) + mq
-    uniq, inv = np.unique(key.ravel(), return_inverse=True)
+    t = np.asarray(touched)
+    if t.dtype.kind not in "iu":
+        t = np.rint(t.astype(np.float64)).astype(np.int64)
+    g = np.broadcast_to(t, tok.shape)
     hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
+    g_max = int(g.max(initial=0))
+    if g_max <= 1:          # tokens / 1 (and 0 where nothing is touched)
+        m = np.ceil(tok)
+    else:
+        m = np.divide(tok, np.maximum(g, 1))
+        np.ceil(m, out=m)
+        m[g <= 0] = 0.0
+    m_max = float(m.max(initial=0.0))
+    if m_max < TABLE_MAX_TOKENS:
+        key = (hw, h, i, dt)
+        table = _TABLES.get(key)
+        if table is None:
+            table = _TABLES[key] = _MlpTable(key)
+        return table.lookup(g, m.astype(np.int64), g_max, int(m_max))
+    mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
+    key = g.astype(np.int64) * (1 << 32) + mq
+    uniq, inv = np.unique(key.ravel(), return_inverse=True)
     vals = np.array([_mlp_ns(hw, h, i, dt, int(k >> 32), int(k & 0xFFFFFFFF)) for k in uniq.tolist()], np.float64)
     return vals[inv].reshape(tok.shape)
 
@@ -85,12 +158,43 @@ def comm_ns(spec: dict, bytes_intra, bytes_inter) -> tuple[np.ndarray, np.ndarra
     intra = np.asarray(bytes_intra, np.float64)
     inter = np.asarray(bytes_inter, np.float64)
     token = float(spec["token_bytes"])
+    shape = np.broadcast_shapes(intra.shape, inter.shape)
+    idle = np.add(intra, inter) <= 0          # receives nothing: no all-to-all time
+    c_inter, c_intra = p["eff_rdma"] * hw.rdma_Bps, p["eff_nvl"] * hw.nvlink_Bps
+    lat = p["latency_us"] * 1e3
     out = []
     for dtype in (spec["dispatch_dtype"], spec["combine_dtype"]):
         scale = message_bytes(int(spec["hidden"]), dtype) / token
-        t = np.maximum(inter * scale / (p["eff_rdma"] * hw.rdma_Bps), intra * scale / (p["eff_nvl"] * hw.nvlink_Bps))
-        out.append(np.where(intra + inter > 0, p["latency_us"] * 1e3 + t * 1e9, 0.0))
+        # the same operations as max(inter * scale / c_inter, intra * scale / c_intra), in place
+        t = np.multiply(inter, scale, out=np.empty(shape))
+        t /= c_inter
+        u = np.multiply(intra, scale)
+        u /= c_intra
+        np.maximum(t, u, out=t)
+        t *= 1e9
+        np.add(lat, t, out=t)
+        t[idle] = 0.0
+        out.append(t)
     return out[0], out[1]
+
+
+def comm_received_ns(spec: dict, received, intra_per_token: float, inter_per_token: float) -> np.ndarray:
+    """Dispatch + combine ns of every rank that receives ``received`` tokens of
+    ``intra_per_token`` / ``inter_per_token`` BF16 bytes each: :func:`comm_ns`'s sum when the
+    bytes are those products (the bottleneck link is then the same for every rank and both
+    messages), in one pass. Equal to it up to float rounding."""
+    hw = gpu(spec["hardware"])
+    p = costmodel.fitted()["regimes"][REGIMES[spec["kernel"]]]["params"]
+    token = float(spec["token_bytes"])
+    scale = sum(message_bytes(int(spec["hidden"]), d) / token for d in (spec["dispatch_dtype"], spec["combine_dtype"]))
+    per = max(inter_per_token / (p["eff_rdma"] * hw.rdma_Bps), intra_per_token / (p["eff_nvl"] * hw.nvlink_Bps))
+    r = np.asarray(received)
+    if not intra_per_token + inter_per_token > 0:      # no bytes per token: nobody has all-to-all time
+        return np.zeros(r.shape)
+    out = np.multiply(r, scale * per * 1e9, dtype=np.float64)
+    out += 2 * p["latency_us"] * 1e3
+    out[r <= 0] = 0.0
+    return out
 
 
 def band(hardware: str, kernel: str = "normal", weight_dtype: str = "fp8") -> tuple[float, str]:

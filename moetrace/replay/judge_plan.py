@@ -11,7 +11,7 @@ import numpy as np
 from ..domain.windows import first_half
 from ..errors import InputError
 from . import cost as costmod
-from .engine import Block, approximation_notes, replay_load
+from .engine import Block, approximation_notes, rank_parts, replay_load
 from ..placement.relabel import relabel
 from ..placement.planners import Plan, PlanShape, contiguous, make_plan
 from .strategies import Timing, judge, judge_stream
@@ -130,8 +130,12 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
         if trace_steps is not None:
             sel = np.isin(ids, trace_steps)
             if sel.any():
-                kept.append((ids[sel], blk.tokens[sel], blk.touched[sel], m.dispatch_ns[sel], m.compute_ns[sel],
-                             m.layer_ns[sel], (m.rank_ns - m.dispatch_ns - m.compute_ns)[sel]))
+                if m.dispatch_ns is not None:
+                    d, c, cb = m.dispatch_ns[sel], m.compute_ns[sel], (m.rank_ns - m.dispatch_ns - m.compute_ns)[sel]
+                else:   # the all-to-all was timed in one pass: its lanes from the cost model
+                    d, c, cb = rank_parts(Block(blk.tokens[sel], blk.touched[sel], blk.bytes_intra[sel],
+                                                blk.bytes_inter[sel], blk.exact_bytes), cost)
+                kept.append((ids[sel], blk.tokens[sel], blk.touched[sel], d, c, m.layer_ns[sel], cb))
 
     def on_recorded(ids, blk):   # the recorded placement's traffic, on the same steps
         if blk.traffic is not None:

@@ -12,6 +12,7 @@ import pyarrow as pa
 from . import cost as costmod
 from .engine import Block, imbalance
 from ..placement.planners import Plan
+from .accumulate import LoadTotals, rel_error_text
 from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
 from .load import RunShape
 from ..domain.ranks import node_of
@@ -35,18 +36,20 @@ class LayerLoad:
     max_over_mean: float | None
 
 
-def _layer_loads(layers: np.ndarray, la) -> list[LayerLoad]:
+def _layer_loads(layers: np.ndarray, la: LoadTotals) -> list[LayerLoad]:
+    """Per layer from the streamed totals (:class:`.accumulate.LoadTotals`): the straggler
+    rank's mode (ties: the lowest rank), the means, and the p99 (``np.percentile``'s linear
+    definition, exact unless ``la.p99_rel_error`` says otherwise)."""
     out = []
     for li, layer in enumerate(np.asarray(layers).tolist()):
-        rk, mx, mn = la.straggler[:, li], la.max_tokens[:, li], la.mean_tokens[:, li]
-        ok = rk >= 0
-        if not ok.any():
+        n = int(la.n[li])
+        if not n:
             out.append(LayerLoad(int(layer), None, 0, None, None, None, None))
             continue
-        cnt = np.bincount(rk[ok].astype(np.int64))
+        cnt = la.rank_counts[li]
         top = int(np.argmax(cnt))
-        out.append(LayerLoad(int(layer), top, int(cnt[top]), float(mx[ok].mean()), float(np.percentile(mx[ok], 99)),
-                             float(mn[ok].mean()), float((mx[ok] / mn[ok]).mean())))
+        out.append(LayerLoad(int(layer), top, int(cnt[top]), float(la.sum_max[li] / n), float(la.p99_max[li]),
+                             float(la.sum_mean[li] / n), float(la.sum_ratio[li] / n)))
     return out
 
 
@@ -77,6 +80,9 @@ class LoadAnswer:
     moved_experts: int
     verdict: str
     reason: str
+    #: relative error of the straggler tokens' p99 (0.0: exact, the usual case: token counts
+    #: have few distinct values; else a bounded-memory sketch's, :mod:`.accumulate`)
+    p99_rel_error: float = 0.0
 
     @property
     def straggler_tokens(self) -> float | None:
@@ -110,6 +116,7 @@ class LoadAnswer:
                 "recorded_straggler_tokens_mean": self.recorded_straggler_tokens,
                 "straggler_tokens_p99": self.straggler_tokens_p99,
                 "recorded_straggler_tokens_p99": self.recorded_straggler_tokens_p99,
+                "straggler_tokens_p99_rel_error": self.p99_rel_error,
                 "moved_experts": self.moved_experts, "verdict": self.verdict, "reason": self.reason,
                 "layers": self.layers()}
 
@@ -125,7 +132,8 @@ def load_answer(j: Judged) -> LoadAnswer | None:
     layers = j.plan.layers
     plan, rec = _layer_loads(layers, j.load), _layer_loads(layers, j.recorded_load)
     st = steps_text(j.steps)
-    ans = LoadAnswer(st, int(j.steps.size), plan, rec, j.moved_experts, NOT_ENOUGH, "")
+    ans = LoadAnswer(st, int(j.steps.size), plan, rec, j.moved_experts, NOT_ENOUGH, "",
+                     max(j.load.p99_rel_error, j.recorded_load.p99_rel_error))
     a, b = ans.recorded_straggler_tokens, ans.straggler_tokens
     where = f"mean over {st} and {len(layers)} layer(s), exact"
     if j.kind == "recorded":
@@ -150,7 +158,8 @@ def load_lines(ans: LoadAnswer, indent: str = "  ", max_layers: int = 8) -> list
     out = [f"{indent}load (exact, no time model): {ans.verdict if ans.verdict != NOT_ENOUGH else 'n/a'}: {ans.reason}"]
     if ans.recorded_straggler_tokens_p99 is not None:
         out.append(f"{indent}  straggler tokens p99 {_tok(ans.recorded_straggler_tokens_p99)} recorded -> "
-                   f"{_tok(ans.straggler_tokens_p99)} plan (mean over layers); moves {ans.moved_experts} expert copies")
+                   f"{_tok(ans.straggler_tokens_p99)} plan (mean over layers){rel_error_text(ans.p99_rel_error)}; "
+                   f"moves {ans.moved_experts} expert copies")
     for r, p in list(zip(ans.recorded, ans.plan))[:max_layers]:
         if r.straggler_rank is None:
             out.append(f"{indent}  layer {r.layer}: no tokens routed")

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost import CostModel, error_band
-from .engine import Block, LayerMetrics, Summary, layer_metrics, summarize
+from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
+from .engine import Block, LayerMetrics, Summary, layer_metrics
 from ..placement.moves import move_copies, replan
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
@@ -77,17 +78,22 @@ class Change:
 
 
 @dataclass
-class LoadArrays:
-    """The exact load of a judged plan, [judged steps, L] each (no time model): the most
-    tokens on one rank, that rank (-1: no tokens routed), and the mean rank tokens."""
-    max_tokens: np.ndarray
-    straggler: np.ndarray
-    mean_tokens: np.ndarray
+class PlanRun:
+    """``steps`` consecutive judged steps served by plan ``plan_id``; ``aged``: a re-plan's
+    block, whose plan ages 1, 2, ... over it (else no age)."""
+    plan_id: str
+    steps: int
+    aged: bool = False
 
 
 @dataclass
 class Judged:
-    """A strategy judged against the recorded placement on the same steps."""
+    """A strategy judged against the recorded placement on the same steps.
+
+    Memory: the per-(step, layer) results are folded into fixed-size totals while the
+    steps stream (:mod:`.accumulate`); what grows with the judged steps is ``steps`` (the
+    judged step ids, 8 bytes a step) and ``series`` (one float64 a step), and
+    ``plan_runs`` grows with the number of re-plans (run-length: one entry per block)."""
     name: str
     kind: str                      # replay | static | replan | oracle | recorded
     plan: Plan                     # the first plan (the only one for fixed plans)
@@ -101,10 +107,25 @@ class Judged:
     verdict: str = NOT_ENOUGH
     verdict_reason: str = ""
     series: np.ndarray | None = None            # mean imbalance over layers per judged step
-    plan_ids: list[str] = field(default_factory=list)   # per judged step
-    ages: list[int | None] = field(default_factory=list)
-    load: LoadArrays | None = None              # the plan's exact per-(step, layer) load
-    recorded_load: LoadArrays | None = None     # the recorded placement's, same steps
+    plan_runs: list[PlanRun] = field(default_factory=list)   # which plan served which steps
+    load: LoadTotals | None = None              # the plan's exact load per layer
+    recorded_load: LoadTotals | None = None     # the recorded placement's, same steps
+
+    @property
+    def plan_ids(self) -> list[str]:
+        """The plan id of every judged step (expanded from :attr:`plan_runs`)."""
+        return [r.plan_id for r in self.plan_runs for _ in range(r.steps)]
+
+    @property
+    def ages(self) -> list[int | None]:
+        """Steps since the serving plan was made (1 on its first step), per judged step; None
+        for a fixed plan."""
+        return [a for r in self.plan_runs for a in (range(1, r.steps + 1) if r.aged else [None] * r.steps)]
+
+    def age_array(self) -> np.ndarray:
+        """:attr:`ages` as int64, 0 for None."""
+        return np.concatenate([np.arange(1, r.steps + 1) if r.aged else np.zeros(r.steps, np.int64)
+                               for r in self.plan_runs]) if self.plan_runs else np.zeros(0, np.int64)
 
     @property
     def moved_experts(self) -> int:
@@ -251,37 +272,52 @@ class Timing:
 
 
 class _Acc:
-    """Per-block arrays of the judged plan and the recorded one, concatenated at the end."""
+    """Streaming totals of the judged plan and the recorded one (:mod:`.accumulate`): memory
+    independent of the number of judged steps but for the step ids and the series (8 bytes
+    a step each) and one run-length entry per block."""
 
     def __init__(self):
-        self.parts = {k: [] for k in ("imb", "lns", "means", "rimb", "rlns", "rmeans",
-                                      "smax", "srank", "tmean", "rsmax", "rsrank", "rtmean")}
-        self.plan_ids: list[str] = []
-        self.ages: list[int | None] = []
+        self.sum, self.rsum = SummaryAccumulator(), SummaryAccumulator()
+        self.load, self.rload = LoadAccumulator(), LoadAccumulator()
+        self.runs: list[PlanRun] = []
         self.steps: list[np.ndarray] = []
+        self.series: list[np.ndarray] = []
+        self.n = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the fixed-size totals (the step ids and the series are not counted)."""
+        return self.sum.nbytes + self.rsum.nbytes + self.load.nbytes + self.rload.nbytes
 
     def add(self, ids, m: LayerMetrics, mr: LayerMetrics, plan_id: str, replan: bool):
-        for k, v in (("imb", m.imbalance), ("lns", m.layer_ns), ("means", m.rank_ns.mean(axis=2)),
-                     ("rimb", mr.imbalance), ("rlns", mr.layer_ns), ("rmeans", mr.rank_ns.mean(axis=2)),
-                     ("smax", m.max_tokens), ("srank", m.load_straggler), ("tmean", m.mean_tokens),
-                     ("rsmax", mr.max_tokens), ("rsrank", mr.load_straggler), ("rtmean", mr.mean_tokens)):
-            self.parts[k].append(v)
-        self.steps.append(ids)
-        self.plan_ids += [plan_id] * ids.size
-        self.ages += list(range(1, ids.size + 1)) if replan else [None] * ids.size
-
-    def cat(self, k):
-        return np.concatenate(self.parts[k])
+        R, rR = m.rank_ns.shape[2], mr.rank_ns.shape[2]
+        self.sum.add(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2), R)
+        self.load.add(m.max_tokens, m.load_straggler, m.mean_tokens, R)
+        if mr is m:
+            self.rsum.add(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2), R)
+            self.rload.add(m.max_tokens, m.load_straggler, m.mean_tokens, R)
+        else:
+            self.rsum.add(mr.imbalance, mr.layer_ns, mr.rank_ns.mean(axis=2), rR)
+            self.rload.add(mr.max_tokens, mr.load_straggler, mr.mean_tokens, rR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # steps where no layer routed a token
+            self.series.append(np.nanmean(np.asarray(m.imbalance, np.float64), axis=1))
+        self.steps.append(np.asarray(ids))
+        self.n += ids.size
+        last = self.runs[-1] if self.runs else None
+        if not replan and last is not None and not last.aged and last.plan_id == plan_id:
+            last.steps += ids.size
+        else:
+            self.runs.append(PlanRun(plan_id, int(ids.size), bool(replan)))
 
     def finish(self, name, strategy: Strategy, first_plan: Plan, changes: list[Change], cost: CostModel,
                timing: Timing) -> Judged:
         steps = np.concatenate(self.steps)
         n = steps.size
-        s = summarize(self.cat("imb"), self.cat("lns"), self.cat("means"))
-        r = summarize(self.cat("rimb"), self.cat("rlns"), self.cat("rmeans"))
+        s, r = self.sum.summary(), self.rsum.summary()
         timed = timing.timed or bool(timing.per_pass)
-        gross = float(self.cat("lns").sum(axis=1).mean()) if timed else None
-        rec = float(self.cat("rlns").sum(axis=1).mean()) if timed else None
+        gross = self.sum.sum_layer_ns / n if timed else None
+        rec = self.rsum.sum_layer_ns / n if timed else None
         charges = sum(c.charged_ns for c in changes)
         net = None if gross is None else gross + charges / (n * (timing.per_pass or 1))
         if not timed:   # aggregate counts of unknown passes: moves are counted, no time to weigh them against
@@ -295,13 +331,9 @@ class _Acc:
             v, why = NOT_ENOUGH, "the recorded placement is the baseline"
         else:
             v, why = verdict(net, rec, n, cost)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)   # steps where no layer routed a token
-            series = np.nanmean(self.cat("imb").astype(np.float64), axis=1)
         return Judged(name or strategy.kind, strategy.kind, first_plan, steps, s, r, gross, net, rec, changes, v, why,
-                      series=series, plan_ids=self.plan_ids, ages=self.ages,
-                      load=LoadArrays(self.cat("smax"), self.cat("srank"), self.cat("tmean")),
-                      recorded_load=LoadArrays(self.cat("rsmax"), self.cat("rsrank"), self.cat("rtmean")))
+                      series=np.concatenate(self.series), plan_runs=self.runs,
+                      load=self.load.totals(), recorded_load=self.rload.totals())
 
 
 def _charge(prev, plan, expert_bytes, cost, mc, step, gain, served) -> Change | None:
@@ -388,8 +420,8 @@ def judge_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray, "np.ndarray | No
         raise ValueError("no judged steps")
     changes = []
     if plan is not recorded:
-        gain = float((acc.cat("rlns").sum(axis=1) - acc.cat("lns").sum(axis=1)).mean())
-        ch = _charge(recorded, plan, expert_bytes, cost, mc, acc.steps[0][0], gain, int(sum(x.size for x in acc.steps)))
+        gain = (acc.rsum.sum_layer_ns - acc.sum.sum_layer_ns) / acc.n
+        ch = _charge(recorded, plan, expert_bytes, cost, mc, acc.steps[0][0], gain, acc.n)
         if ch:
             changes.append(ch)
     return acc.finish(name, strategy, plan, changes, cost, timing)

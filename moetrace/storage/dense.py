@@ -254,6 +254,14 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
         if vals.shape[0] == T * L and np.array_equal(s, np.repeat(step_ids, L)) \
                 and np.array_equal(layer, np.tile(layer_ids, T)):
             return step_ids, layer_ids, vals.reshape(T, L, E)     # the whole grid in order: no copy
+        if T and L and vals.shape[0] % L == 0:
+            # whole row groups around the steps asked for (a replay chunk rarely ends on a row
+            # group's edge): a slice of the grid, not a scatter of every row (3-4x the read)
+            ps = s[::L]
+            if np.array_equal(layer, np.tile(layer_ids, ps.size)) and np.array_equal(s, np.repeat(ps, L)):
+                a = int(np.searchsorted(ps, step_ids[0]))
+                if np.array_equal(ps[a:a + T], step_ids):
+                    return step_ids, layer_ids, vals[a * L:(a + T) * L].reshape(T, L, E)
     if long_rows is not None:
         E = max(E, int(long_rows.column("expert").to_numpy().max()) + 1)
         ne = store.sql("SELECT max(num_experts) AS e FROM runs WHERE run_id = ?", [run_id])["e"][0]
