@@ -380,8 +380,11 @@ class Store(Transactions):
         if self._con is not None:
             files = self.committed_files()
             if files != self._views_files:
-                self._define_views(self._con.raw, tables_only=True, files=files)
-                self._con.redefine()
+                if isinstance(self._con, _LazyViews):
+                    self._define_views(self._con.raw, tables_only=True, files=files)
+                    self._con.redefine()
+                else:   # a plain connection from connect() set by the caller: every view again
+                    self._define_views(self._con, files=files)
 
     def sql(self, query: str, params=None) -> pl.DataFrame:
         """Run SQL over the store's views and return a polars DataFrame."""
