@@ -26,6 +26,23 @@ def shared_data(*parts: str) -> Path:
     return p
 
 
+#: ``python -c SIGKILL_AT_REPLACE.format(repo=...) K moetrace-args...``: the CLI with a real
+#: SIGKILL at its K-th ``os.replace`` (a writer killed amid its renames)
+SIGKILL_AT_REPLACE = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from moetrace.cli import main
+k, real, n = int(sys.argv[1]), os.replace, [0]
+def replace(a, b):
+    n[0] += 1
+    if n[0] == k:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(a, b)
+os.replace = replace
+main(sys.argv[2:])
+"""
+
+
 def tree_hash(root: str | os.PathLike) -> str:
     """sha256 over every path (files, folders, hidden ones) and file bytes under root."""
     root = Path(root)

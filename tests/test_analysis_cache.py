@@ -25,7 +25,7 @@ from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 from moetrace.storage import schema
 
-from .conftest import invoke, tree_hash
+from .conftest import SIGKILL_AT_REPLACE, invoke, tree_hash
 from .test_analysis_materialize import _assert_same, _write_recorded_run
 
 KEYS = {"run_shape": ["run_id"], "layer_placement": ["layer"], "layer_skew": ["step", "layer"],
@@ -348,21 +348,6 @@ def test_a_write_cut_short_between_renames_is_rolled_back(tmp_path, monkeypatch)
     st.close()
 
 
-KILLER = """
-import os, signal, sys
-sys.path.insert(0, {repo!r})
-from moetrace.cli import main
-k, real, n = int(sys.argv[1]), os.replace, [0]
-def replace(a, b):
-    n[0] += 1
-    if n[0] == k:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(a, b)
-os.replace = replace
-main(sys.argv[2:])
-"""
-
-
 @pytest.mark.slow
 def test_a_sigkilled_store_write_leaves_no_cache(tmp_path):
     """A real SIGKILL at the journal's rename (1), amid the data files' (6) and at the
@@ -380,7 +365,7 @@ def test_a_sigkilled_store_write_leaves_no_cache(tmp_path):
     for k in (1, 6, 1 + len(cache.cache_tables())):
         path = tmp_path / f"s{k}"
         shutil.copytree(template, path)
-        res = subprocess.run([sys.executable, "-c", KILLER.format(repo=str(REPO)), str(k), "materialize", str(path)],
+        res = subprocess.run([sys.executable, "-c", SIGKILL_AT_REPLACE.format(repo=str(REPO)), str(k), "materialize", str(path)],
                              capture_output=True, text=True, timeout=300, cwd=str(REPO))
         assert res.returncode == -signal.SIGKILL, res.stderr
         st = Store(path)

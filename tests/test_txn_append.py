@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pyarrow as pa
 import pytest
@@ -25,7 +24,7 @@ from moetrace.cli import cli
 from moetrace.storage import schema
 from moetrace.storage.store import Store
 
-from .conftest import REPO, tree_hash
+from .conftest import REPO, SIGKILL_AT_REPLACE, tree_hash
 from .test_replay import slot_store  # noqa: F401  (fixture: 2 layers x 12 slots, 6 steps)
 
 L, S = 2, 12  # the slot_store's shape: a plan is L * S placement rows
@@ -243,21 +242,6 @@ def test_out_inside_a_store_is_refused(slot_store, tmp_path):  # noqa: F811
 
 
 # ------------------------------------------------------------------ a real SIGKILL
-KILLER = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {repo!r})
-    from moetrace.cli import main
-    k, real, n = int(sys.argv[1]), os.replace, [0]
-    def replace(a, b):
-        n[0] += 1
-        if n[0] == k:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(a, b)
-    os.replace = replace
-    main(sys.argv[2:])
-""")
-
-
 @pytest.mark.slow
 def test_sigkilled_plan_leaves_before_or_after(slot_store, tmp_path):  # noqa: F811
     template, _ = slot_store
@@ -265,7 +249,7 @@ def test_sigkilled_plan_leaves_before_or_after(slot_store, tmp_path):  # noqa: F
     for k in (1, 2, 3):  # journal, placement, plans
         store = tmp_path / f"s{k}"
         shutil.copytree(template, store)
-        res = subprocess.run([sys.executable, "-c", KILLER.format(repo=str(REPO)), str(k), "plan", str(store),
+        res = subprocess.run([sys.executable, "-c", SIGKILL_AT_REPLACE.format(repo=str(REPO)), str(k), "plan", str(store),
                               "--policy", "greedy", "--replicas", "4", "--plan-id", "p1"],
                              capture_output=True, text=True, timeout=120, cwd=str(REPO))
         assert res.returncode == -signal.SIGKILL, res.stderr
