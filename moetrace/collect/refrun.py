@@ -97,6 +97,8 @@ def _collect_folder(folder: Path, files: list[Path], options: dict) -> RunData:
     approx: list[str] = []
     meta: dict = {"format": "refrun", "config": cfg, "replica_choice": man.get("replica_choice"),
                   "wall_s": man.get("wall_s"), "torch": man.get("torch"), "hardware": man.get("hardware")}
+    if man.get("injected_delay"):   # what the injected delay really held (the OS wakes a sleeper late)
+        meta["injected_delay"] = man["injected_delay"]
     timing_files = [folder / f"timing_rank{r}.parquet" for r in range(R)]
     if all(p.is_file() for p in timing_files):
 

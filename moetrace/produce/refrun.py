@@ -302,7 +302,7 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                     continue
                 with torch.profiler.record_function(f"attention layer {layer}"):
                     x = x + torch.tanh(x @ w_attn[layer]) * 0.5
-                    refrun_timeline.delay(tl.delay_at(step))
+                    tl.hold(step, layer)
                 with torch.profiler.record_function(f"router layer {layer}"):
                     logits = x @ w_router[layer].T + prior
                     probs = F.softmax(logits, dim=-1)
@@ -378,8 +378,10 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
                 prof = profile(activities=[ProfilerActivity.CPU])
                 with _quiet_fds():     # Kineto prints 'USDT: profiler_start' on the raw descriptors
                     prof.__enter__()
+            tl.recording = record
             for step in range(cfg.steps):
                 one_step(step, record, p if timed else -1)
+            tl.recording = False
             if profiled:
                 dist.barrier()
                 with _quiet_fds():
@@ -407,6 +409,9 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             "num_tokens": np.array([s[1] for s in steps], np.int64),
             "start_ns": np.array([s[2] for s in steps], np.int64),
             "end_ns": np.array([s[3] for s in steps], np.int64)}), os.path.join(outdir, f"steps_rank{rank}.parquet"))
+        if tl.held:   # read, folded into the manifest and removed by run()
+            with open(os.path.join(outdir, f".delay_rank{rank}.json"), "w", encoding="utf-8") as f:
+                json.dump(tl.held, f)
         tm = np.array(timing, np.int64).reshape(-1, 9)
         pq.write_table(pa.table({
             "pass": tm[:, 0].astype(np.int32), "step": tm[:, 1], "layer": tm[:, 2].astype(np.int32),
@@ -415,6 +420,19 @@ def worker(rank: int, cfg_dict: dict, phy2log_list: list, outdir: str, port: int
             "expert_cpu_ns": pa.array(tm[:, 7], mask=tm[:, 7] < 0), "moe_cpu_ns": pa.array(tm[:, 8], mask=tm[:, 8] < 0)}), os.path.join(outdir, f"timing_rank{rank}.parquet"))
     finally:
         dist.destroy_process_group()
+
+
+def _injected_delay(out: Path, cfg: RefRunConfig) -> dict:
+    """What the injected delay really held in the recorded pass (``{}`` without one): the
+    requested µs, and the mean / max µs held over the delayed (step, layer)s — on a loaded
+    machine the OS wakes the sleeping rank late, so the held delay exceeds the request."""
+    f = out / f".delay_rank{cfg.delay_rank}.json"
+    if cfg.delay_rank < 0 or not f.exists():
+        return {}
+    held = np.array([h[2] for h in json.loads(f.read_text())], np.float64) / 1000.0
+    f.unlink()
+    return {"injected_delay": {"rank": cfg.delay_rank, "requested_us": cfg.delay_us, "n": int(len(held)),
+                               "held_mean_us": round(float(held.mean()), 3), "held_max_us": round(float(held.max()), 3)}}
 
 
 class _quiet_fds:
@@ -522,6 +540,7 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
                   "loadavg_1m_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None})
     manifest = {
         "moetrace_refrun": 1,
+        **_injected_delay(out, cfg),
         # a placement file is named, not located: the manifest travels with the traces
         "config": {**cfg_dict, "placement": os.path.basename(cfg_dict["placement"])
                    if os.path.isfile(cfg_dict["placement"]) else cfg_dict["placement"]},

@@ -20,22 +20,25 @@ micro-batch (two smaller GEMMs instead of one): that cost is part of what is mea
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
-def delay(us: float) -> None:
+def delay(us: float) -> int:
     """Hold this thread for ``us`` microseconds: sleep most of it, spin the last 300 µs
-    (sleep alone overshoots by tens of µs)."""
+    (sleep alone overshoots by tens of µs). Returns the nanoseconds actually held, which on
+    a loaded machine exceed ``us`` by however late the OS woke the thread (0 for no delay)."""
     if us <= 0:
-        return
-    end = time.perf_counter_ns() + int(us * 1000)
+        return 0
+    t0 = time.perf_counter_ns()
+    end = t0 + int(us * 1000)
     rest = us * 1e-6 - 300e-6
     if rest > 0:
         time.sleep(rest)
     while time.perf_counter_ns() < end:
         pass
+    return time.perf_counter_ns() - t0
 
 
 @dataclass
@@ -65,6 +68,16 @@ class LayerEnv:
         ``delay_every``-th step (from step 0), else 0 — with 2, the undelayed steps are a
         control run interleaved with the delayed ones, under the same machine load."""
         return self.delay_us if self.delay_us > 0 and step % self.delay_every == 0 else 0.0
+
+    held: list = field(default_factory=list)  # (step, layer, ns actually held) of the recorded pass
+    recording: bool = False                   # set by the worker during the recorded (= profiled) pass
+
+    def hold(self, step: int, layer: int) -> None:
+        """Inject this step's delay and, in the recorded pass, keep how long it really held
+        (the manifest's ``injected_delay``: the ground truth the wait shift is judged against)."""
+        ns = delay(self.delay_at(step))
+        if ns and self.recording:
+            self.held.append((step, layer, ns))
 
 
 def experts(env: LayerEnv, layer: int, rx, rs: np.ndarray):
@@ -106,7 +119,7 @@ def two_micro_batch_layer(env: LayerEnv, layer: int, x, tok_ids: np.ndarray, cho
         with rec(f"attention layer {layer} micro_batch {m}"):
             xm = xm + torch.tanh(xm @ env.w_attn[layer]) * 0.5
             if m == 0:
-                delay(env.delay_at(step))
+                env.hold(step, layer)
         with rec(f"router layer {layer} micro_batch {m}"):
             probs = F.softmax(xm @ env.w_router[layer].T + env.prior, dim=-1)
             gate, chosen = torch.topk(probs, K, dim=-1)
