@@ -113,7 +113,10 @@ def spark_session():
     require_spark()
     from moetrace.storage import spark as ms
 
-    sp = ms.session("local[2]")
+    # the tests' stores are tiny: compiling each stage's Java code (whole-stage codegen)
+    # and re-planning at run time (AQE) cost more than the queries; the results are the
+    # same (both are execution strategies, not semantics)
+    sp = ms.session("local[2]", conf={"spark.sql.codegen.wholeStage": "false", "spark.sql.adaptive.enabled": "false"})
     ms.keep_session(sp)
     yield sp
     ms.keep_session(None)

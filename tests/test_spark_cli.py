@@ -1,7 +1,8 @@
 """``--engine spark`` on the commands: ``sql``, ``skew`` and ``exposure`` give on Spark
 local mode what they give on DuckDB (the same views, transpiled), and a query Spark refuses
-is one line with exit code 2. Marked spark+slow (a SparkContext per command): ``-m "not spark"``
-skips it; ``.ci/run`` installs Java and pyspark."""
+is one line with exit code 2. Every command runs on the suite's one kept Spark session
+(conftest ``spark_session``: a JVM start per command cost ~55 s each, 507 s for the file);
+``-m "not spark"`` skips it; ``.ci/run`` installs Java and pyspark."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from click.testing import CliRunner
 
 from moetrace.cli import cli
 
-from .conftest import REPO, require_spark
+from .conftest import REPO
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -26,8 +27,7 @@ def _cli(args, code=0):
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    require_spark()
+def store(tmp_path_factory, spark_session):
     root = tmp_path_factory.mktemp("sparkcli") / "st"
     _cli(["ingest", str(root), str(SAMPLES / "refrun"), "--run-id", "refrun"])
     _cli(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",
@@ -76,3 +76,22 @@ def test_bad_query_is_one_line_exit_2(store):
     r = _cli(["sql", store, "--engine", "spark", "--unsafe", "SELECT nope FROM layer_skew"], code=2)
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "Spark SQL error" in lines[0] and "nope" in lines[0]
+
+
+def test_an_unchanged_store_is_registered_once_on_the_kept_session(store, spark_session, monkeypatch):
+    """The kept session re-registers a store only when its files changed: the second
+    registration of an unchanged store runs no Spark statement; after a write it runs them
+    all again and the new run is in the views."""
+    from moetrace.storage import spark as ms
+
+    ms.forget_registration()
+    names = ms.register_store(spark_session, store)
+    calls = []
+    real = spark_session.sql
+    monkeypatch.setattr(spark_session, "sql", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert ms.register_store(spark_session, store) == names and calls == []
+    _cli(["synth", store, "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",
+          "--ranks-per-node", "2", "--steps", "3", "--tokens-per-step", "32", "--seed", "6", "--run-id", "syn2"])
+    assert ms.register_store(spark_session, store) == names and len(calls) >= len(ms.spark_view_statements())
+    n = real("SELECT count(*) AS n FROM layer_skew WHERE run_id = 'syn2'").collect()[0]["n"]
+    assert n == 3 * 2          # 3 steps x 2 layers of the new run

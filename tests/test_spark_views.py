@@ -142,9 +142,11 @@ def spark_views(spark):
     views under it again (layer_skew sits under a dozen). Each view's own SQL still runs
     on Spark, over inputs Spark computed; the nested plans as the commands run them are
     tests/test_spark_cli.py's. Returns ``rows(view) -> Arrow table``."""
+    from moetrace.storage import spark as ms
     from moetrace.storage.spark import to_arrow
 
     order = ["expert_load", *_view_names()]       # the store's own view under them all first
+    ms.forget_registration()                      # its views are replaced by their rows below
     done: dict = {}
 
     def rows(view):

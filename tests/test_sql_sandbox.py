@@ -41,6 +41,7 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("sb")
     r = _run("synth", "st", "--steps", "4", "--layers", "2", "--experts", "16", "--ranks", "4", "--ranks-per-node", "4", cwd=root)
     assert r.returncode == 0, r.stderr
+    (root / "lnk").symlink_to("st")   # the store by a symlink (tests of reading and of -o through it)
     return root
 
 
@@ -86,13 +87,10 @@ def test_sandbox_refuses(store, name, runner, cli, monkeypatch):
     assert r.exception is None or isinstance(r.exception, SystemExit)
     assert r.stdout == ""
     assert tree_hash(store / "st") == before_store and tree_hash(home) == before_home
-    assert sorted(p.name for p in store.iterdir()) == ["home", "st"]
+    assert sorted(p.name for p in store.iterdir()) == ["home", "lnk", "st"]
 
 
 def test_sandbox_still_reads_the_store_relative_absolute_and_symlinked(store):
-    link = store / "lnk"
-    if not link.exists():
-        link.symlink_to("st")
     want = 4 * 2 * 16   # synth: 4 steps x 2 layers x 16 experts of expert_load rows
     for path in ("st", store / "st", "lnk", "./st"):
         r = _run("sql", path, "SELECT count(*) AS n FROM expert_load", "--format", "csv", cwd=store)

@@ -57,6 +57,9 @@ def test_spark_reads_the_store_as_is_and_agrees_with_layer_skew(tmp_path, spark_
     st = _store(tmp_path / "store", np.random.default_rng(7))
     spark = spark_session           # the run's one session (conftest); plain reads, no moetrace code
     store = tmp_path / "store"
+    from moetrace.storage.spark import forget_registration
+
+    forget_registration()           # the views below replace a registered store's
     for t in ("expert_load", "placement", "runs"):
         spark.read.parquet(str(store / t)).createOrReplaceTempView(t)
     rows = spark.sql(PORTABLE_IMBALANCE).orderBy("run_id", "step", "layer").collect()

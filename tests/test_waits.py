@@ -334,9 +334,11 @@ def test_injected_delay_is_attributed_to_its_rank_and_recovered(tmp_path):
     dispatch right after the delay), and equal the delay rank 1 really held (the manifest's
     ``injected_delay.held_mean_us``, measured around the sleep: on a loaded machine the OS
     wakes the sleeper late, so it exceeds the requested DELAY) within 3 of its standard
-    errors (the noise measured in the run), with a floor of 10% of it (how late the waiting
-    rank itself is woken: assumed); the per-layer shift must name rank 1 too and hold the
-    same tolerance."""
+    errors (the noise measured in the run), with a floor of 20% of it: once awake, rank 1
+    still has to get a core to reach its collective, and with every core busy that adds
+    a scheduler slice or so (1.28 ms seen on a 10 ms hold with two suites sharing 2 cores;
+    the hold itself was 0.2 µs late). The per-layer shift must name rank 1 too and hold
+    the same tolerance."""
     pytest.importorskip("torch", reason="the reference run needs PyTorch")
     from moetrace.analyze.waits import wait_shift
     from moetrace.collect import ingest as ingest_paths
@@ -357,8 +359,8 @@ def test_injected_delay_is_attributed_to_its_rank_and_recovered(tmp_path):
     assert (top["rank"], top["coll_key"], top["pos"], top["kind"]) == (1, "all_to_all", 0, "dispatch")
     assert top["n_a"] == top["n_b"] == 8                  # 4 steps x 2 layers on each side
     d = held["held_mean_us"] * 1000
-    assert abs(top["shift_ns"] - d) <= max(3 * top["se_ns"], 0.1 * d), top
+    assert abs(top["shift_ns"] - d) <= max(3 * top["se_ns"], 0.2 * d), top
     lay = wait_shift(st, rid, delayed)
     assert lay.straggler == 1
     r1 = lay.top()
-    assert abs(r1["shift_ns"] - d) <= max(3 * r1["se_ns"], 0.1 * d), r1
+    assert abs(r1["shift_ns"] - d) <= max(3 * r1["se_ns"], 0.2 * d), r1

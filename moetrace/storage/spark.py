@@ -359,14 +359,49 @@ def _table_frame(spark, root: Path, table: str, committed):
     return spark.createDataFrame([], st)
 
 
+#: (session, store fingerprint, names) of the last registration on the kept session
+_registered: tuple | None = None
+
+
+def _store_fingerprint(root: Path, strict: bool) -> tuple:
+    """What the views registered from ``root`` depend on: every file of the store (path,
+    size, mtime), the view statements and ``strict``. Equal fingerprints mean the same
+    registration would be made again."""
+    files = []
+    for dirpath, _dirs, fnames in os.walk(root):
+        for f in fnames:
+            try:
+                st = os.stat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            files.append((os.path.relpath(os.path.join(dirpath, f), root), st.st_size, st.st_mtime_ns))
+    return (str(root.resolve()), strict, hash(spark_view_statements()), tuple(sorted(files)))
+
+
+def forget_registration() -> None:
+    """Make the next :func:`register_store` on the kept session register again: call it
+    after replacing one of its temp views by hand."""
+    global _registered
+    _registered = None
+
+
 def register_store(spark, store_path: str | os.PathLike, strict: bool = True) -> list[str]:
     """Every contract table of the store as a temp view (empty with the contract's types
     when the store has no files for it), then every metric view. Returns the view names.
     A metric view Spark cannot take raises :class:`StoreError` naming it; with
-    ``strict=False`` it is left out (and the views built on it), so the rest still run."""
+    ``strict=False`` it is left out (and the views built on it), so the rest still run.
+
+    On the kept session (:func:`keep_session`) a store registered last, unchanged since
+    (the same files, sizes and mtimes), is not registered again: Spark analyses each of the
+    ~50 view statements (~10 s on local[2]), and the views it made are still there."""
+    global _registered
     from .dense import expert_load_views
 
     root = Path(store_path)
+    key = _store_fingerprint(root, strict) if spark is _kept and spark is not None else None
+    if key is not None and _registered is not None and _registered[0] is spark and _registered[1] == key:
+        return list(_registered[2])
+    _registered = None
     runs = _table_frame(spark, root, "runs", None)
     committed = runs.select("run_id")
     names = []
@@ -391,6 +426,8 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True) ->
             first = " ".join(str(e).strip().split("\n")[:2])[:400]
             raise StoreError(f"metric view {name!r} does not run on Spark: {first}") from None
         names.append(name)
+    if key is not None:
+        _registered = (spark, key, tuple(names))
     return names
 
 
