@@ -282,8 +282,9 @@ def keep_session(spark) -> None:
     """Hand ``spark`` to every later :func:`session` call (and keep :class:`SparkSQL` and
     :func:`sql` from stopping it) until ``keep_session(None)``: one JVM and one
     SparkContext for a whole process that runs many Spark commands (the test suite)."""
-    global _kept
+    global _kept, _registered
     _kept = spark
+    _registered = None     # a registration belongs to the session it was made on
 
 
 def session(master: str | None = None, remote: str | None = None, app_name: str = "moetrace",
@@ -359,7 +360,7 @@ def _table_frame(spark, root: Path, table: str, committed):
     return spark.createDataFrame([], st)
 
 
-#: (session, store fingerprint, names) of the last registration on the kept session
+#: (store fingerprint, names) of the last registration on the kept session
 _registered: tuple | None = None
 
 
@@ -398,9 +399,9 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True) ->
     from .dense import expert_load_views
 
     root = Path(store_path)
-    key = _store_fingerprint(root, strict) if spark is _kept and spark is not None else None
-    if key is not None and _registered is not None and _registered[0] is spark and _registered[1] == key:
-        return list(_registered[2])
+    key = _store_fingerprint(root, strict) if spark is not None and spark is _kept else None
+    if key is not None and _registered is not None and _registered[0] == key:
+        return list(_registered[1])
     _registered = None
     runs = _table_frame(spark, root, "runs", None)
     committed = runs.select("run_id")
@@ -427,7 +428,7 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True) ->
             raise StoreError(f"metric view {name!r} does not run on Spark: {first}") from None
         names.append(name)
     if key is not None:
-        _registered = (spark, key, tuple(names))
+        _registered = (key, tuple(names))
     return names
 
 
