@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
     from .analyze.exposure import Exposure
     from .analyze.cache import CacheState
     from .analyze.waits import WaitResult
+    from .output import Rows
 
 #: the ways :meth:`Run.skew` groups the per-(step, layer) imbalance
 SKEW_BY = ("layer", "run", "step")
@@ -148,6 +149,15 @@ class Run(NotebookView):
         if sql is not None:
             return skew_frame(sql, self.id, by)
         return skew(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit, progress=progress)
+
+    def skew_rows(self, by: str = "layer", *, batch_steps: int | None = None, memory_limit: str | None = None,
+                  progress=None) -> "Rows":
+        """:meth:`skew` as :class:`moetrace.output.Rows`: the same rows as DuckDB returns
+        them, without polars or Arrow (what ``moetrace skew`` prints; start-up, issue #26)."""
+        from .analyze.frames import skew_rows
+
+        return skew_rows(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit,
+                         progress=progress)
 
     def materialize(self, *, force: bool = False, batch_steps: int | None = None, memory_limit: str | None = None,
                     progress=None) -> "tuple[CacheState, CacheState]":

@@ -158,16 +158,14 @@ def views_sha256(views=CACHED_VIEWS) -> str:
 def inputs_sha256(store, run_id: str, views=CACHED_VIEWS) -> str:
     """The fingerprint of the run's input rows (see the module docstring): its committed
     files (name, size) of every input table, and the rows of :data:`CONTENT_KEYED` tables."""
-    from ..storage.store import query_arrow
-
     files = store.committed_files()
     part = f"run_id={run_id}"
     h = hashlib.sha256()
     for t in input_tables(views):
         if t in CONTENT_KEYED:
-            tbl = query_arrow(store.con, CONTENT_KEYED[t], [run_id])
-            h.update(f"{t}:{tbl.num_rows}:".encode())
-            h.update(json.dumps(tbl.to_pylist(), sort_keys=True, default=str).encode())
+            got = store.rows(CONTENT_KEYED[t], [run_id])   # as Arrow's to_pylist: a dict per row
+            h.update(f"{t}:{got.height}:".encode())
+            h.update(json.dumps(got.dicts(), sort_keys=True, default=str).encode())
             continue
         for f in files.get(t, ()):
             if f.split("/")[1] == part:
@@ -189,11 +187,11 @@ def current_key(store, run_id: str) -> CacheKey:
 def state(store, run_id: str, views=CACHED_VIEWS) -> CacheState:
     """The run's stored analysis against the key now (:class:`CacheState`)."""
     key = current_key(store, run_id)
-    df = store.sql(f"SELECT * FROM {HEADER} WHERE run_id = ? ORDER BY created_at_ns DESC, cache_id LIMIT 1",
-                   [run_id])
-    if df.height == 0:
+    got = store.rows(f"SELECT * FROM {HEADER} WHERE run_id = ? ORDER BY created_at_ns DESC, cache_id LIMIT 1",
+                     [run_id])
+    if got.height == 0:
         return CacheState(run_id, "absent", key)
-    h = df.row(0, named=True)
+    h = got.dicts()[0]
     for f in _KEY_FIELDS:
         if h[f] != getattr(key, f):
             why = _WHY[f]
@@ -205,8 +203,8 @@ def state(store, run_id: str, views=CACHED_VIEWS) -> CacheState:
         return CacheState(run_id, "stale", key, f"it lacks {', '.join(sorted(set(views) - stored))}", h)
     want = json.loads(h["rows_json"])
     for v in views:
-        n = int(store.sql(f"SELECT count(*) AS n FROM {table_of(v)} WHERE run_id = ? AND cache_id = ?",
-                          [run_id, h["cache_id"]])["n"][0])
+        n = int(store.rows(f"SELECT count(*) AS n FROM {table_of(v)} WHERE run_id = ? AND cache_id = ?",
+                           [run_id, h["cache_id"]]).rows[0][0])
         if n != int(want.get(v, -1)):
             return CacheState(run_id, "stale", key, f"{table_of(v)} holds {n} of its {want.get(v)} rows", h)
     return CacheState(run_id, "fresh", key, None, h)

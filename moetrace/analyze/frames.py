@@ -5,9 +5,14 @@ from a view of ``sql/``; no metric is computed here.
 """
 from __future__ import annotations
 
-import polars as pl
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
+
+if TYPE_CHECKING:   # polars is imported by the frame readers: skew_rows needs none (issue #26)
+    import polars as pl
+
+    from ..output import Rows
 
 _SKEW_SQL = {
     "run": ("SELECT run_id, layers, steps, imbalance_mean, imbalance_p50, imbalance_p99, balancedness, "
@@ -27,6 +32,19 @@ def skew(store, run_id: str, by: str = "layer", *, batch_steps: int | None = Non
     """See :meth:`moetrace.run.Run.skew`. ``layer_skew`` of the run is read from its stored
     analysis when that is fresh (:mod:`moetrace.analyze.cache`), else materialized once in
     step batches (bounded memory on fleet-size runs), read, and dropped."""
+    return _skew(store, run_id, by, store.sql, batch_steps=batch_steps, memory_limit=memory_limit,
+                 progress=progress)
+
+
+def skew_rows(store, run_id: str, by: str = "layer", *, batch_steps: int | None = None,
+              memory_limit: str | None = None, progress=None) -> Rows:
+    """:func:`skew` as :class:`moetrace.output.Rows` (DuckDB's rows: no polars, no Arrow)."""
+    return _skew(store, run_id, by, store.rows, batch_steps=batch_steps, memory_limit=memory_limit,
+                 progress=progress)
+
+
+def _skew(store, run_id: str, by: str, read, *, batch_steps, memory_limit, progress):
+    """The skew rows of ``run_id`` through ``read(query, params)`` (Store.sql or Store.rows)."""
     from . import cache
     from .materialize import configure, drop_materialized
 
@@ -36,7 +54,7 @@ def skew(store, run_id: str, by: str = "layer", *, batch_steps: int | None = Non
     m = cache.use(store, run_id, batch_steps, views=("run_shape", "layer_placement", "layer_skew"),
                   progress=progress, save_new=False)
     try:
-        return store.sql(_SKEW_SQL[by], [run_id])
+        return read(_SKEW_SQL[by], [run_id])
     finally:
         drop_materialized(store.con, m)
 

@@ -6,7 +6,7 @@ import json
 import click
 
 from .. import open_store
-from ..output import emit, output_options
+from ..output import Rows, emit, emit_rows, output_options
 from ..run import SKEW_BY
 from ._options import engine_options, engine_sql, out_dir_option, run_option
 
@@ -84,18 +84,21 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
     Each run's layer_skew is computed once, in step batches (progress on stderr for long
     runs), so memory stays bounded on fleet-size runs.
     """
-    import polars as pl
-
     st = open_store(store)
     runs = [st.run(run_id)] if run_id else [st.run(r) for r in st.run_ids()]
     if not runs:
         click.echo("no runs")
         return
-    with engine_sql(st, engine, master, remote) as sql:   # --engine spark: the views on Spark
-        frames = [r.skew(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress, sql=sql)
-                  for r in runs]
-    df = pl.concat([f for f in frames if f.height] or frames[:1], how="vertical_relaxed")
-    emit(df, fmt, output)
+    if engine == "spark":   # --engine spark: the views on Spark, as polars frames
+        import polars as pl
+
+        with engine_sql(st, engine, master, remote) as sql:
+            frames = [r.skew(by, sql=sql) for r in runs]
+        emit(pl.concat([f for f in frames if f.height] or frames[:1], how="vertical_relaxed"), fmt, output)
+    else:   # DuckDB's rows, printed without polars (start-up, issue #26)
+        parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
+                 for r in runs]
+        emit_rows(Rows.concat([p for p in parts if p.height] or parts[:1]), fmt, output)
     from ..shape_gaps import gap_notes
 
     for r in runs:   # a null column always has its reason next to it

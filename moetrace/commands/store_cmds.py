@@ -149,45 +149,28 @@ def runs(store, fmt, output):
     \b
         moetrace runs demo
     """
+    from ..output import Rows, emit_rows
+
     st = open_store(store)
-    df = st.runs()
-    if df.height == 0:
+    runs = st.runs_rows()   # DuckDB rows: no polars, no Arrow (start-up, issue #26)
+    if runs.height == 0:
         click.echo("no runs")
         return
-    counts = _with_dense_rows(st, st.row_counts())
-    wide = counts.pivot(on="table", index="run_id", values="rows") if counts.height else None
-    show = df.select("run_id", "collector", "source", "num_layers", "num_experts", "top_k", "num_ranks",
-                     "ranks_per_node", "num_slots", "inconsistent")
-    if wide is not None:
-        keep = [c for c in ("expert_load", "routing", "steps", "spans", "placement") if c in wide.columns]
-        show = show.join(wide.select(["run_id", *keep]), on="run_id", how="left")
-    emit(show, fmt, output)
+    counts = {(run, t): n for run, t, n in st.partition_rows(dense_as_expert_load=True)}
+    held = {t for _, t in counts}
+    keep = [c for c in ("expert_load", "routing", "steps", "spans", "placement") if c in held]
+    cols = ["run_id", "collector", "source", "num_layers", "num_experts", "top_k", "num_ranks", "ranks_per_node",
+            "num_slots", "inconsistent"]
+    at = [runs.columns.index(c) for c in cols]
+    rid = runs.columns.index("run_id")
+    emit_rows(Rows(cols + keep, [runs.types[i] for i in at] + ["BIGINT"] * len(keep),
+                   [tuple(r[i] for i in at) + tuple(counts.get((r[rid], t)) for t in keep) for r in runs.rows]),
+              fmt, output)
     from ..shape_gaps import gap_notes
 
-    for row in df.iter_rows(named=True):   # every null shape value with its reason
+    for row in runs.dicts():   # every null shape value with its reason
         for n in gap_notes(row):
             click.echo(f"note: {n}", err=True)
-
-
-def _with_dense_rows(st, counts):
-    """Row counts where expert_load counts the rows its view shows: the long rows plus one
-    per list element of the dense expert_counts rows (from Parquet footers, no scan)."""
-    import polars as pl
-    import pyarrow.parquet as pq
-
-    extra = []
-    for part in sorted((st.path / "expert_counts").glob("run_id=*")):
-        n = 0
-        for f in part.glob("*.parquet"):
-            md = pq.ParquetFile(f).metadata
-            col = next(j for j in range(md.num_columns) if md.row_group(0).column(j).path_in_schema.startswith("tokens")) \
-                if md.num_row_groups else None
-            n += sum(md.row_group(i).column(col).num_values for i in range(md.num_row_groups)) if col is not None else 0
-        extra.append({"run_id": part.name.split("=", 1)[1], "table": "expert_load", "rows": n})
-    if not extra:
-        return counts
-    both = pl.concat([counts, pl.DataFrame(extra, schema=counts.schema)])
-    return both.group_by("run_id", "table", maintain_order=True).agg(pl.col("rows").sum())
 
 
 @click.command()

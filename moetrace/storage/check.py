@@ -52,10 +52,78 @@ def _schema_problem(table: str, names: list[str], types: list, contract) -> str 
     return None
 
 
-def _check_file(table: str, f: Path, contract, deep: bool) -> str | None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+#: DuckDB types of a file column that the contract's type surely accepts (what
+#: :func:`moetrace.storage.schema._compatible` accepts of the Arrow type pyarrow reads;
+#: anything else is looked at by pyarrow, which has the last word)
+_INTS = frozenset({"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT"})
+_DUCK_OK = {"string": frozenset({"VARCHAR"}), "bool": frozenset({"BOOLEAN"}),
+            **{t: _INTS | {"BOOLEAN"} for t in ("int8", "int16", "int32", "int64")},
+            **{t: _INTS | {"FLOAT", "DOUBLE"} for t in ("float32", "float64")},
+            "int64[]": frozenset(f"{t}[]" for t in _INTS | {"BOOLEAN"})}
 
+
+def footer_columns(con, files) -> dict[str, list[tuple[str, str]]]:
+    """{file name: [(top-level column, DuckDB type)]} of Parquet ``files`` from their
+    footers, in one DuckDB query on ``con`` (raises what DuckDB raises on a bad footer)."""
+    from ..safety import sql_literal
+
+    if not files:
+        return {}
+    rows = con.execute("SELECT file_name, name, num_children, duckdb_type FROM parquet_schema(["
+                       + ", ".join(sql_literal(f) for f in files) + "]) ORDER BY file_name, column_id").fetchall()
+    by_file: dict[str, list[tuple]] = {}
+    for r in rows:
+        by_file.setdefault(r[0], []).append(r[1:])
+    out = {}
+    for f, elems in by_file.items():
+        top, i = [], 1          # the root's children, each with its subtree skipped
+        for _ in range(elems[0][1] or 0):
+            if i >= len(elems):
+                break
+            top.append((elems[i][0], elems[i][2]))
+            todo = elems[i][1] or 0
+            i += 1
+            while todo and i < len(elems):
+                todo += (elems[i][1] or 0) - 1
+                i += 1
+        else:
+            if i == len(elems):
+                out[f] = top
+    return out
+
+
+def _quick_footers(root: Path, tables) -> set[Path]:
+    """The store's data files whose footers DuckDB reads and finds plainly right for their
+    table (one query over every footer, no pyarrow: a reader's start-up, issue #26). A file
+    left out is not wrong: :func:`_check_file` reads it with pyarrow, which decides (and
+    names the problem); a footer DuckDB cannot read leaves every file to pyarrow."""
+    files = {f: t for t in tables for f in (root / t).glob("run_id=*/*.parquet")}
+    if not files:
+        return set()
+    try:
+        import duckdb
+
+        con = duckdb.connect(":memory:")
+        try:
+            cols = footer_columns(con, list(files))
+        finally:
+            con.close()
+    except Exception:   # noqa: BLE001 - any failure: pyarrow looks at every file, as before
+        return set()
+    ok = set()
+    for f, table in files.items():
+        top = cols.get(str(f))
+        if not top:
+            continue
+        want = {c.name: c.type for c in tables[table].columns}
+        names = [n for n, _ in top]
+        if ("run_id" not in names and any(n in want for n in names)
+                and all(n not in want or typ in _DUCK_OK[want[n]] for n, typ in top)):
+            ok.add(f)
+    return ok
+
+
+def _check_file(table: str, f: Path, contract, deep: bool, trusted: set[Path] = frozenset()) -> str | None:
     if f.is_symlink():
         return "is a symlink; a store holds its own files only"
     if not f.is_file():
@@ -63,6 +131,15 @@ def _check_file(table: str, f: Path, contract, deep: bool) -> str | None:
     try:
         if f.stat().st_size < 12:
             return f"is {f.stat().st_size} bytes, too short for a Parquet file (truncated)"
+    except OSError as e:
+        msg = " ".join(str(e).split())[:160] or type(e).__name__
+        return f"not a readable Parquet file (truncated or corrupt): {msg}"
+    if f in trusted and not deep:
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         pf = pq.ParquetFile(f)
         sch = pf.schema_arrow
         why = _schema_problem(table, sch.names, sch.types, contract)
@@ -77,13 +154,15 @@ def _check_file(table: str, f: Path, contract, deep: bool) -> str | None:
     return None
 
 
-def scan(store: str | os.PathLike, deep: bool = False) -> list[Problem]:
-    """Every file of the store that a reader cannot read, in path order."""
+def scan(store: str | os.PathLike, deep: bool = False, quick: bool = False) -> list[Problem]:
+    """Every file of the store that a reader cannot read, in path order. ``quick``: the
+    footers DuckDB finds plainly right are not read again by pyarrow (:func:`_quick_footers`)."""
     from . import schema
 
     root = Path(store)
     out: list[Problem] = []
     tables = schema.load_all()
+    trusted = _quick_footers(root, tables) if quick and not deep else set()
     committed = set()
     runs_dir = root / "runs"
     for table in sorted(tables, key=lambda t: t != "runs"):
@@ -112,7 +191,7 @@ def scan(store: str | os.PathLike, deep: bool = False) -> list[Problem]:
             for f in sorted(part.iterdir()):
                 if not f.name.endswith(".parquet"):
                     continue
-                why = _check_file(table, f, tables[table], deep)
+                why = _check_file(table, f, tables[table], deep, trusted)
                 if why:
                     out.append(Problem(str(f), why))
     out += _journal_problems(root)
@@ -159,7 +238,7 @@ def first_problem(store: str | os.PathLike) -> Problem | None:
     """The first problem :func:`scan` finds with footers only (what readers check), or None.
     Uncommitted partitions are not problems for a reader (the views hide them)."""
     root = Path(store)
-    for p in scan(store, deep=False):
+    for p in scan(store, deep=False, quick=True):
         if "has no runs row" in p.what or Path(p.file).parent.name in (".txn", ".staging") \
                 or Path(p.file) in (root / ".txn", root / ".staging"):
             continue   # journals are the writers' business (Store.journals refuses a bad one)

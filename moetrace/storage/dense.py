@@ -20,9 +20,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import pyarrow as pa
+if TYPE_CHECKING:   # imported by the functions that use them: the views need neither (issue #26)
+    import numpy as np
+    import pyarrow as pa
 
 EXPERT_LOAD_COLUMNS = ("run_id", "step", "layer", "expert", "slot", "src_rank", "tokens")
 
@@ -48,6 +50,9 @@ def _np(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A null-free integer Arrow column as numpy, from its buffers (zero-copy for one chunk).
     ``to_numpy`` would do the same, but pyarrow imports pandas the first time it is called
     (a third of a second of every ``moetrace ingest``)."""
+    import numpy as np
+    import pyarrow as pa
+
     chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
     parts = []
     for a in chunks:
@@ -62,6 +67,9 @@ def _np(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- writing
 def _list_array(values: np.ndarray, width: int) -> pa.ListArray:
+    import numpy as np
+    import pyarrow as pa
+
     n = values.size // width if width else 0
     offsets = pa.array(np.arange(0, n * width + 1, width, dtype=np.int32))
     return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(values, dtype=np.int64)))
@@ -70,6 +78,9 @@ def _list_array(values: np.ndarray, width: int) -> pa.ListArray:
 def dense_table(steps: np.ndarray, layers: np.ndarray, counts: np.ndarray) -> pa.Table:
     """expert_counts rows from ``counts [n, E]`` of (steps[i], layers[i]) (no run_id), with
     each row's counts also sorted descending (``tokens_desc``)."""
+    import numpy as np
+    import pyarrow as pa
+
     counts = np.asarray(counts, np.int64)
     E = counts.shape[1] if counts.ndim == 2 else 0
     desc = np.sort(counts, axis=1)[:, ::-1] if counts.size else counts
@@ -79,6 +90,8 @@ def dense_table(steps: np.ndarray, layers: np.ndarray, counts: np.ndarray) -> pa
 
 def grid_table(step_ids: np.ndarray, layer_ids: np.ndarray, counts: np.ndarray) -> pa.Table:
     """expert_counts rows of a full grid ``counts [T, L, E]`` (steps x layers, step-major)."""
+    import numpy as np
+
     T, L, E = counts.shape
     return dense_table(np.repeat(np.asarray(step_ids, np.int64), L), np.tile(np.asarray(layer_ids, np.int32), T),
                        counts.reshape(T * L, E))
@@ -103,6 +116,9 @@ class Densifier:
         self._last_key: int | None = None
 
     def feed(self, c: pa.Table) -> pa.Table | None:
+        import numpy as np
+        import pyarrow as pa
+
         E = self.E
         if not self.check:
             c = c.select(["step", "layer", "tokens"])
@@ -184,6 +200,7 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
     rows (``expert_load_long``) are added by one SQL scan. E is ``runs.num_experts`` or the
     highest expert seen + 1.
     """
+    import numpy as np
     import pyarrow.parquet as pq
 
     want = None

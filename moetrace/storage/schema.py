@@ -10,22 +10,35 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-import pyarrow as pa
+from typing import TYPE_CHECKING
 
 from ..errors import SchemaError
 
-_TYPES: dict[str, pa.DataType] = {
-    "string": pa.string(),
-    "bool": pa.bool_(),
-    "int8": pa.int8(),
-    "int16": pa.int16(),
-    "int32": pa.int32(),
-    "int64": pa.int64(),
-    "float32": pa.float32(),
-    "float64": pa.float64(),
-    "int64[]": pa.list_(pa.int64()),   # a list of counts (expert_counts.tokens, index = expert id)
-}
+if TYPE_CHECKING:   # pyarrow is imported where a path needs it: readers need only names (issue #26)
+    import pyarrow as pa
+
+#: the contract's type names (their Arrow types: :func:`arrow_types`)
+TYPE_NAMES = ("string", "bool", "int8", "int16", "int32", "int64", "float32", "float64", "int64[]")
+
+
+
+@lru_cache(maxsize=None)
+def arrow_types() -> dict[str, pa.DataType]:
+    """{contract type name: its Arrow type}."""
+    import pyarrow as pa
+
+    return {
+        "string": pa.string(),
+        "bool": pa.bool_(),
+        "int8": pa.int8(),
+        "int16": pa.int16(),
+        "int32": pa.int32(),
+        "int64": pa.int64(),
+        "float32": pa.float32(),
+        "float64": pa.float64(),
+        "int64[]": pa.list_(pa.int64()),   # a list of counts (expert_counts.tokens, index = expert id)
+    }
+
 
 META_VERSION = b"moetrace.schema_version"
 META_TABLE = b"moetrace.table"
@@ -50,7 +63,7 @@ class Column:
 
     @property
     def arrow_type(self) -> pa.DataType:
-        return _TYPES[self.type]
+        return arrow_types()[self.type]
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,8 @@ class TableSchema:
         raise KeyError(name)
 
     def arrow(self, with_metadata: bool = True) -> pa.Schema:
+        import pyarrow as pa
+
         fields = [pa.field(c.name, c.arrow_type, nullable=c.nullable) for c in self.columns]
         meta = {META_VERSION: self.version.encode(), META_TABLE: self.name.encode()} if with_metadata else None
         return pa.schema(fields, metadata=meta)
@@ -84,7 +99,7 @@ def load_all() -> dict[str, TableSchema]:
         doc = json.loads(path.read_text())
         cols = []
         for c in doc["columns"]:
-            if c["type"] not in _TYPES:
+            if c["type"] not in TYPE_NAMES:
                 raise ValueError(f"{path}: column {c['name']}: unknown type {c['type']!r}")
             cols.append(Column(c["name"], c["type"], bool(c["nullable"]), c.get("unit"), c.get("description", "")))
         out[doc["table"]] = TableSchema(doc["table"], doc["schema_version"], doc.get("description", ""),
@@ -104,6 +119,8 @@ def arrow_schema(table: str) -> pa.Schema:
 
 
 def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
+    import pyarrow as pa
+
     if src == dst or pa.types.is_null(src):
         return True
     if pa.types.is_integer(dst):
@@ -129,6 +146,8 @@ def conform(table: str, data, file: str | None = None) -> pa.Table:
     that cannot represent the contract type, nulls in a non-nullable column, or an integer
     value that does not fit.
     """
+    import pyarrow as pa
+
     ts = get(table)
     if isinstance(data, dict):
         data = pa.table(data)

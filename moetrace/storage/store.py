@@ -39,9 +39,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from ..version import __version__
 from . import schema
 from ..errors import StoreError
@@ -49,9 +46,12 @@ from ..safety import sql_identifier, sql_literal
 from .txn import Transactions
 from .paths import GLOB_CHARS, STORE_FORMAT, STORE_MARKER, check_store_path
 
-if TYPE_CHECKING:   # duckdb and polars are imported where a path needs them (start-up: issue #26)
+if TYPE_CHECKING:   # duckdb, pyarrow and polars are imported where a path needs them (start-up: issue #26)
     import duckdb
     import polars as pl
+    import pyarrow as pa
+
+    from ..output import Rows
 
 
 _DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
@@ -65,6 +65,8 @@ DERIVED_WHEN_MISSING = {("expert_counts", "tokens_desc"): "list_reverse_sort(tok
 def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.Table | None:
     """Run ``query`` and return its rows as Arrow (None for statements without rows),
     across DuckDB versions (fetch_arrow_table became to_arrow_table in 2.0)."""
+    import pyarrow as pa
+
     rel = con.sql(query, params=params) if params is not None else con.sql(query)
     if rel is None:
         return None
@@ -232,15 +234,32 @@ class Store(Transactions):
         """(files of ``table`` whose footer lacks ``column``, files of ``table``); a file
         whose footer cannot be read counts as lacking it (the view then coalesces, which
         is right either way)."""
-        lacking = total = 0
-        for f in (self.path / table).glob("*/*.parquet"):  # what the view reads (table_glob)
-            total += 1
-            try:
-                names = pq.read_schema(f).names
-            except (OSError, pa.ArrowException):
-                names = ()
-            lacking += column not in names
-        return lacking, total
+        files = list((self.path / table).glob("*/*.parquet"))  # what the view reads (table_glob)
+        if not files:
+            return 0, 0
+        import duckdb
+
+        from .check import footer_columns
+
+        con = duckdb.connect(":memory:")
+        try:   # every footer in one DuckDB query (no pyarrow: start-up, issue #26)
+            held = footer_columns(con, files)
+        except duckdb.Error:
+            held = None
+        finally:
+            con.close()
+        if held is None or len(held) != len(files):   # a footer DuckDB cannot read: file by file
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            held = {}
+            for f in files:
+                try:
+                    held[str(f)] = [(n, None) for n in pq.read_schema(f).names]
+                except (OSError, pa.ArrowException):
+                    pass
+        lacking = sum(column not in {n for n, _ in held.get(str(f), ())} for f in files)
+        return lacking, len(files)
 
     def _missing_column(self, table: str, column: str) -> str:
         """The SQL that stands for ``column`` in a store whose ``table`` files predate it."""
@@ -255,6 +274,9 @@ class Store(Transactions):
 
     def file_versions(self, table: str) -> set[str]:
         """The schema versions recorded in the footers of ``table``'s files."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         out = set()
         for f in (self.path / table).glob("run_id=*/*.parquet"):
             try:
@@ -399,6 +421,21 @@ class Store(Transactions):
             return pl.DataFrame()
         return _narrow_hugeints(pl.from_arrow(tbl))
 
+    def rows(self, query: str, params=None) -> Rows:
+        """Run SQL over the store's views and return its rows as DuckDB gives them
+        (:class:`moetrace.output.Rows`: no polars, no Arrow; what ``moetrace runs`` and
+        ``moetrace skew`` print, issue #26)."""
+        import duckdb
+
+        from ..output import Rows
+
+        try:
+            cur = self.con.execute(query, params) if params is not None else self.con.execute(query)
+            desc = cur.description or []
+            return Rows([d[0] for d in desc], [str(d[1]) for d in desc], cur.fetchall() if desc else [])
+        except duckdb.Error as e:
+            raise StoreError(f"SQL error: {e}") from None
+
     def arrow(self, query: str, params=None) -> pa.Table:
         return query_arrow(self.con, query, params)
 
@@ -422,6 +459,84 @@ class Store(Transactions):
         df = pl.concat([empty, *frames], how="diagonal_relaxed") if frames else empty
         return df.select(empty.columns).sort("ingested_at_ns", "run_id")
 
+    def runs_rows(self) -> Rows:
+        """:meth:`runs` as :class:`moetrace.output.Rows`, read by DuckDB from the runs
+        partitions (no view is built, no polars, no Arrow: ``moetrace runs``, issue #26)."""
+        import duckdb
+
+        from ..output import Rows
+        from .check import footer_columns
+
+        cols = schema.get("runs").columns
+        files = [f for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
+        self.check_readable()
+        if not files:
+            return Rows([c.name for c in cols], [_DUCK_TYPES[c.type] for c in cols], [])
+        con = duckdb.connect(":memory:")
+        try:
+            held = footer_columns(con, files)
+            present = set()
+            for f in files:  # a required column older files lack is refused, as the views do
+                names = {n for n, _ in held.get(str(f), ())}
+                present |= names
+                for c in cols:
+                    if not c.nullable and c.name != "run_id" and c.name not in names:
+                        self._missing_column("runs", c.name)
+            exprs = ", ".join(sql_identifier(c.name) if c.name in present or c.name == "run_id"
+                              else f"CAST(NULL AS {_DUCK_TYPES[c.type]}) AS {sql_identifier(c.name)}" for c in cols)
+            src = "[" + ", ".join(sql_literal(f) for f in files) + "]"
+            cur = con.execute(f"SELECT {exprs} FROM read_parquet({src}, hive_partitioning=true, "
+                              "hive_types={'run_id': VARCHAR}, union_by_name=true) "
+                              "ORDER BY ingested_at_ns NULLS FIRST, run_id NULLS FIRST")
+            return Rows([d[0] for d in cur.description], [str(d[1]) for d in cur.description], cur.fetchall())
+        except duckdb.Error as e:
+            raise StoreError(f"{self.path}: cannot read the runs table ({' '.join(str(e).split())[:200]})") from None
+        finally:
+            con.close()
+
+    def partition_rows(self, dense_as_expert_load: bool = False) -> list[tuple[str, str, int]]:
+        """(run_id, table, rows) of every partition, read from Parquet footers by DuckDB (no
+        data scan). ``dense_as_expert_load``: expert_load also counts the rows its view
+        shows of the dense expert_counts rows (one per list element, from the footers)."""
+        import duckdb
+
+        parts = []
+        for t in schema.load_all():
+            d = self.path / t
+            if d.is_dir():
+                parts += [(p.name.split("=", 1)[1], t, list(p.glob("*.parquet"))) for p in d.glob("run_id=*")]
+        files = [str(f) for _, _, fs in parts for f in fs]
+        dense = [str(f) for _, t, fs in parts if t == "expert_counts" for f in fs] if dense_as_expert_load else []
+        nrows: dict[str, int] = {}
+        values: dict[str, int] = {}
+        if files:
+            con = duckdb.connect(":memory:")
+            try:
+                src = "[" + ", ".join(sql_literal(f) for f in files) + "]"
+                nrows = dict(con.execute(f"SELECT file_name, num_rows FROM parquet_file_metadata({src})").fetchall())
+                if dense:   # the first column named tokens* (tokens, before tokens_desc): its values
+                    src = "[" + ", ".join(sql_literal(f) for f in dense) + "]"
+                    values = dict(con.execute(
+                        "WITH m AS (SELECT file_name, column_id, num_values, path_in_schema FROM "
+                        f"parquet_metadata({src})), c AS (SELECT file_name, min(column_id) AS col FROM m "
+                        "WHERE starts_with(path_in_schema, 'tokens') GROUP BY file_name) "
+                        "SELECT m.file_name, sum(m.num_values) FROM m JOIN c ON c.file_name = m.file_name "
+                        "AND c.col = m.column_id GROUP BY m.file_name").fetchall())
+            except duckdb.Error as e:
+                raise StoreError(f"{self.path}: cannot read a footer ({' '.join(str(e).split())[:200]})") from None
+            finally:
+                con.close()
+        out = [(run, t, sum(int(nrows[str(f)]) for f in fs)) for run, t, fs in parts]
+        if dense_as_expert_load:
+            extra = {run: sum(int(values.get(str(f), 0)) for f in fs) for run, t, fs in parts if t == "expert_counts"}
+            seen = set()
+            for i, (run, t, n) in enumerate(out):
+                if t == "expert_load" and run in extra:
+                    out[i] = (run, t, n + extra[run])
+                    seen.add(run)
+            out += [(run, "expert_load", n) for run, n in sorted(extra.items()) if run not in seen]
+        return out
+
     def run_ids(self) -> list[str]:
         d = self.path / "runs"
         if not d.is_dir():
@@ -430,10 +545,10 @@ class Store(Transactions):
 
     def run_row(self, run_id: str) -> dict:
         """The ``runs`` row of ``run_id`` as a dict."""
-        df = self.sql("SELECT * FROM runs WHERE run_id = ?", [run_id])
-        if df.height == 0:
+        got = self.rows("SELECT * FROM runs WHERE run_id = ?", [run_id])
+        if got.height == 0:
             raise StoreError(f"{self.path}: no run {run_id!r} (runs: {', '.join(self.run_ids()) or 'none'})")
-        return df.row(0, named=True)
+        return got.dicts()[0]
 
     def resolve_run(self, run_id: str | None) -> str:
         """The given run, or the only run of the store."""
@@ -463,15 +578,8 @@ class Store(Transactions):
         """Rows per (run, table), read from Parquet footers (no data scan)."""
         import polars as pl
 
-        rows = []
-        for t in schema.load_all():
-            d = self.path / t
-            if not d.is_dir():
-                continue
-            for part in d.glob("run_id=*"):
-                n = sum(pq.ParquetFile(f).metadata.num_rows for f in part.glob("*.parquet"))
-                rows.append({"run_id": part.name.split("=", 1)[1], "table": t, "rows": n})
-        return pl.DataFrame(rows, schema={"run_id": pl.Utf8, "table": pl.Utf8, "rows": pl.Int64})
+        return pl.DataFrame(self.partition_rows(), schema={"run_id": pl.Utf8, "table": pl.Utf8, "rows": pl.Int64},
+                            orient="row")
 
 
     # ------------------------------------------------------------------ catalog

@@ -16,9 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from ..version import __version__
 from . import schema
 from ..errors import SchemaError, StoreError
@@ -280,6 +277,8 @@ class Transactions:
 
     @staticmethod
     def _chunks(data) -> Iterator:
+        import pyarrow as pa
+
         if isinstance(data, (pa.Table, dict)) or _is_polars(data):
             yield data
         else:
@@ -295,6 +294,8 @@ class Transactions:
         iterables of those (streamed chunk by chunk). Returns the run id, or the id of the
         run already holding the same ``ingest_key`` (else ``source_sha256``) (``skipped=True``).
         """
+        import pyarrow as pa   # writers only: a reader never imports Arrow (issue #26)
+
         run = dict(run)
         sha = run.get("ingest_key") or run.get("source_sha256")
         if dedupe and sha:
@@ -398,6 +399,9 @@ class Transactions:
 
     def _transaction(self, run_id: str, tables: dict[str, object], commit_table: str | None,
                      txid: str | None = None) -> dict[str, int]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         txid = txid or uuid.uuid4().hex[:12]
         self._check_no_symlinks()
         staging = self.path / ".staging" / txid
