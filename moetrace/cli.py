@@ -147,7 +147,37 @@ class MoetraceGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(set(self.commands) | set(self.index))
 
+    def _guess_module(self, name: str) -> str | None:
+        """The command module that most likely defines ``name``, found in the files' text
+        without parsing them (the index parses every file: start-up, issue #26): one that
+        names it in ``@click.command("name")`` or defines ``def name(`` under such a
+        decorator. Only a guess: :meth:`get_command` checks that the import registered it."""
+        import re
+
+        named = re.compile(r"@click\.(?:command|group)\(\s*(?:name\s*=\s*)?[\"']" + re.escape(name) + r"[\"']")
+        funcs = {name.replace("-", "_") + sfx for sfx in ("", "_command", "_cmd", "_group", "_grp")}
+        for path in sorted(COMMANDS_DIR.glob("*.py")):
+            if path.name.startswith("_"):
+                continue
+            decorated = False   # inside the decorators of a @click.command / @click.group
+            for line in path.read_text().splitlines():
+                if line.startswith(("@click.command(", "@click.group(")):
+                    if named.match(line):
+                        return path.stem
+                    decorated = True
+                elif line.startswith("def "):
+                    if decorated and line[4:].split("(", 1)[0].strip() in funcs:
+                        return path.stem
+                    decorated = False
+                elif line and not line[0].isspace() and not line.startswith(("@", ")")):
+                    decorated = False
+        return None
+
     def get_command(self, ctx, name):
+        if name not in self.commands and self._index is None:
+            guess = self._guess_module(name)
+            if guess is not None:
+                self._load_module(guess)
         if name not in self.commands:
             hit = self.index.get(name)
             if hit is not None:

@@ -48,7 +48,7 @@ from ..safety import sql_literal
 from ..storage import schema
 from ..storage.views import view_graph
 from ..version import __version__
-from .materialize import ALL_VIEWS, Materialized, _drop, _main, materialize_layer_skew
+from .materialize import ALL_VIEWS, Materialized, _drop, _main, materialize_layer_skew, materialize_one_pass
 
 #: layout of the stored rows; a cache of another format is never read (bump on a change of
 #: how the rows are stored or computed that the view SQL does not show)
@@ -274,12 +274,18 @@ def _stderr(line: str) -> None:
 
 def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEWS, con=None,
         progress: Callable[[str], None] | None = None, reuse: bool = True, save_new: bool = True,
-        target_rows: int | None = None) -> Materialized:
+        target_rows: int | None = None, direct_below: int = 0) -> Materialized | None:
     """The run's ``views`` on the connection, from the stored cache when its key matches,
     else computed (:func:`materialize_layer_skew`) and, with ``save_new`` and every cached
     view asked for, stored for the next caller. A key that no longer matches is said in
     one line (``progress``, else stderr); so is a store that cannot take the cache (the
-    results are used all the same). ``reuse=False`` recomputes whatever is stored."""
+    results are used all the same). ``reuse=False`` recomputes whatever is stored.
+
+    ``direct_below``: when nothing is to be stored, no batch size is asked for and the
+    run's expert_load view holds fewer rows than this (Parquet footers), the views are
+    computed in one pass (:func:`~moetrace.analyze.materialize.materialize_one_pass`): a
+    run that small is one batch anyway, and the batching's two dozen statements cost more
+    than they save (start-up, issue #26)."""
     from .materialize import TARGET_BATCH_ROWS
 
     con = store.con if con is None else con
@@ -294,6 +300,9 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
     if st.status == "stale":
         say(f"moetrace: {st.line()}: recomputing" + ("" if full and save_new else
                                                      f" (`moetrace materialize {store.path} --run {run_id}` stores it)"))
+    if direct_below and batch_steps is None and not (full and save_new) \
+            and expert_load_rows(store, run_id) < direct_below:
+        return materialize_one_pass(store, run_id, views, con=con)
     m = materialize_layer_skew(store, run_id, batch_steps, views=views, con=con, progress=progress,
                                target_rows=target_rows or TARGET_BATCH_ROWS)
     if full and save_new:
@@ -307,6 +316,14 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
                 say(f"moetrace: stored the per-(step, layer) results of run {run_id} in the store "
                     f"({m.seconds:.0f} s to compute): the next report reuses them")
     return m
+
+
+def expert_load_rows(store, run_id: str) -> int:
+    """Rows of the run's expert_load view (long rows and the dense rows' list elements),
+    from the Parquet footers: no data is read."""
+    return sum(n for _, t, n in store.partition_rows(dense_as_expert_load=True, run_id=run_id,
+                                                      tables=("expert_load", "expert_counts"))
+               if t == "expert_load")
 
 
 def store_run(store, run_id: str, batch_steps: int | None = None, *, force: bool = False,

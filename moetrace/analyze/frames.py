@@ -14,6 +14,10 @@ if TYPE_CHECKING:   # polars is imported by the frame readers: skew_rows needs n
 
     from ..output import Rows
 
+#: a run with fewer expert_load rows than this is read straight from the views (one pass),
+#: not materialized in step batches first (analyze.cache.use, ``direct_below``)
+DIRECT_ROWS = 1 << 20
+
 _SKEW_SQL = {
     "run": ("SELECT run_id, layers, steps, imbalance_mean, imbalance_p50, imbalance_p99, balancedness, "
             "worst_layer, worst_layer_imbalance, placement_source FROM run_skew_summary WHERE run_id = ? "
@@ -52,7 +56,7 @@ def _skew(store, run_id: str, by: str, read, *, batch_steps, memory_limit, progr
         raise InputError(None, f"skew by {by!r}: choose from {', '.join(_SKEW_SQL)}")
     configure(store.con, memory_limit)
     m = cache.use(store, run_id, batch_steps, views=("run_shape", "layer_placement", "layer_skew"),
-                  progress=progress, save_new=False)
+                  progress=progress, save_new=False, direct_below=DIRECT_ROWS)
     try:
         return read(_SKEW_SQL[by], [run_id])
     finally:

@@ -354,6 +354,27 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
     return m
 
 
+def materialize_one_pass(store, run_id: str, views=("layer_skew",), *, con=None) -> Materialized:
+    """``views`` of ``run_id`` (of :data:`HEAVY_VIEWS`, :data:`DISTRIBUTION_VIEWS`,
+    :data:`SHAPE_VIEWS`) as TEMP tables on ``con`` straight from the views, one statement
+    each, no batching: for a run small enough to be a single batch, where
+    :func:`materialize_layer_skew`'s statements cost more than the run's rows (the same
+    rows: that function's batches equal the views). Undo with :func:`drop_materialized`."""
+    con = store.con if con is None else con
+    t0 = time.perf_counter()
+    db = _main(con)
+    m = Materialized(run_id=run_id, batches=1)
+    try:
+        for v in views:
+            con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
+            m.tables.append(v)
+    except BaseException:
+        _drop(con, m.tables)
+        raise
+    m.seconds = time.perf_counter() - t0
+    return m
+
+
 def drop_materialized(con, m: Materialized | list[str] | None) -> None:
     """Drop the TEMP tables of :func:`materialize_layer_skew`: the views show through again."""
     if m is None:

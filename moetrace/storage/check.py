@@ -92,7 +92,7 @@ def footer_columns(con, files) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def _quick_footers(root: Path, tables) -> set[Path]:
+def _quick_footers(root: Path, tables, con=None) -> set[Path]:
     """The store's data files whose footers DuckDB reads and finds plainly right for their
     table (one query over every footer, no pyarrow: a reader's start-up, issue #26). A file
     left out is not wrong: :func:`_check_file` reads it with pyarrow, which decides (and
@@ -101,13 +101,16 @@ def _quick_footers(root: Path, tables) -> set[Path]:
     if not files:
         return set()
     try:
-        import duckdb
-
-        con = duckdb.connect(":memory:")
-        try:
+        if con is not None:
             cols = footer_columns(con, list(files))
-        finally:
-            con.close()
+        else:
+            import duckdb
+
+            con = duckdb.connect(":memory:")
+            try:
+                cols = footer_columns(con, list(files))
+            finally:
+                con.close()
     except Exception:   # noqa: BLE001 - any failure: pyarrow looks at every file, as before
         return set()
     ok = set()
@@ -154,15 +157,16 @@ def _check_file(table: str, f: Path, contract, deep: bool, trusted: set[Path] = 
     return None
 
 
-def scan(store: str | os.PathLike, deep: bool = False, quick: bool = False) -> list[Problem]:
+def scan(store: str | os.PathLike, deep: bool = False, quick: bool = False, con=None) -> list[Problem]:
     """Every file of the store that a reader cannot read, in path order. ``quick``: the
-    footers DuckDB finds plainly right are not read again by pyarrow (:func:`_quick_footers`)."""
+    footers DuckDB finds plainly right are not read again by pyarrow (:func:`_quick_footers`,
+    on the DuckDB connection ``con`` when given)."""
     from . import schema
 
     root = Path(store)
     out: list[Problem] = []
     tables = schema.load_all()
-    trusted = _quick_footers(root, tables) if quick and not deep else set()
+    trusted = _quick_footers(root, tables, con) if quick and not deep else set()
     committed = set()
     runs_dir = root / "runs"
     for table in sorted(tables, key=lambda t: t != "runs"):
@@ -234,11 +238,11 @@ def _journal_problems(root: Path) -> list[Problem]:
     return out
 
 
-def first_problem(store: str | os.PathLike) -> Problem | None:
+def first_problem(store: str | os.PathLike, con=None) -> Problem | None:
     """The first problem :func:`scan` finds with footers only (what readers check), or None.
     Uncommitted partitions are not problems for a reader (the views hide them)."""
     root = Path(store)
-    for p in scan(store, deep=False, quick=True):
+    for p in scan(store, deep=False, quick=True, con=con):
         if "has no runs row" in p.what or Path(p.file).parent.name in (".txn", ".staging") \
                 or Path(p.file) in (root / ".txn", root / ".staging"):
             continue   # journals are the writers' business (Store.journals refuses a bad one)
@@ -246,10 +250,11 @@ def first_problem(store: str | os.PathLike) -> Problem | None:
     return None
 
 
-def check_readable(store: str | os.PathLike) -> None:
-    """Raise StoreError (one line naming the file) when a reader would trip on a file."""
+def check_readable(store: str | os.PathLike, con=None) -> None:
+    """Raise StoreError (one line naming the file) when a reader would trip on a file
+    (``con``: a DuckDB connection to read the footers on, else one made for it)."""
     from ..errors import StoreError
 
-    p = first_problem(store)
+    p = first_problem(store, con)
     if p is not None:
         raise StoreError(f"{p}; `moetrace check {store}` lists every such file")

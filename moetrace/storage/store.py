@@ -101,6 +101,7 @@ class Store(Transactions):
     def __init__(self, path: str | os.PathLike, create: bool = False):
         self.path = Path(path)
         self._con: duckdb.DuckDBPyConnection | None = None
+        self._scratch_con: duckdb.DuckDBPyConnection | None = None
         self._views_files: dict[str, tuple[str, ...]] | None = None
         check_store_path(self.path)
         marker = self.path / STORE_MARKER
@@ -241,13 +242,10 @@ class Store(Transactions):
 
         from .check import footer_columns
 
-        con = duckdb.connect(":memory:")
         try:   # every footer in one DuckDB query (no pyarrow: start-up, issue #26)
-            held = footer_columns(con, files)
+            held = footer_columns(self._scratch(), files)
         except duckdb.Error:
             held = None
-        finally:
-            con.close()
         if held is None or len(held) != len(files):   # a footer DuckDB cannot read: file by file
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -350,7 +348,7 @@ class Store(Transactions):
         return stmts if tables_only else stmts + analysis_views()
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None,
-                tables_only: bool = False) -> duckdb.DuckDBPyConnection:
+                tables_only: bool = False, _base=None) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory DuckDB connection with every view defined. Never writes:
         no recovery (the views hide uncommitted runs), spills go to the store's
         ``.duckdb_tmp`` only when DuckDB needs to spill."""
@@ -358,7 +356,7 @@ class Store(Transactions):
 
         from ..safety import memory_limit as check_memory_limit
 
-        con = duckdb.connect(":memory:")
+        con = duckdb.connect(":memory:") if _base is None else _base
         # DuckDB draws a progress bar on stderr for queries past 2 s, even when stderr is a
         # pipe; stderr carries moetrace's own one-line notes and errors only
         con.execute("SET enable_progress_bar=false")
@@ -366,21 +364,35 @@ class Store(Transactions):
             con.execute(f"SET threads={int(threads)}")
         if memory_limit:
             con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit))}")
-        self.check_readable()
+        self.check_readable(con)
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
             con.execute(f"SET temp_directory={sql_literal(tmp)}")
         self._define_views(con, tables_only=tables_only)
         return con
 
-    def check_readable(self) -> None:
+    def check_readable(self, con=None) -> None:
         """A file readers would trip on (truncated, garbage, wrong schema or partition) is
-        one line naming it (moetrace/storage/check.py); checked once per Store."""
+        one line naming it (moetrace/storage/check.py); checked once per Store (the footers
+        read on ``con``, else on :meth:`_scratch`)."""
         if not getattr(self, "_readable", False):
             from .check import check_readable
 
-            check_readable(self.path)
+            check_readable(self.path, con if con is not None else self._scratch())
             self._readable = True
+
+    def _scratch(self) -> duckdb.DuckDBPyConnection:
+        """A DuckDB connection for reads that need no view (footers, the runs files): the
+        store's own connection once it has one, else one that :attr:`con` later takes as
+        its own, so a command opens one DuckDB database, not several (each costs tens of
+        milliseconds: start-up, issue #26)."""
+        if self._con is not None:
+            return self._con.raw if isinstance(self._con, _LazyViews) else self._con
+        if self._scratch_con is None:
+            import duckdb
+
+            self._scratch_con = duckdb.connect(":memory:")
+        return self._scratch_con
 
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
@@ -391,8 +403,10 @@ class Store(Transactions):
         looks again (two folder scans and the journals, no file is opened) and defines the
         views again when another writer committed since, so a reader sees new runs, plans
         and tables without reopening the store."""
-        if self._con is None:
-            self._con = _LazyViews(self, self.connect(tables_only=True))
+        if self._con is None:   # the scratch connection becomes the store's (footer reads while
+            base = self._scratch()   # the views are defined go to it too)
+            self._con = _LazyViews(self, self.connect(tables_only=True, _base=base))
+            self._scratch_con = None
         else:
             self.refresh()
         return self._con
@@ -472,7 +486,7 @@ class Store(Transactions):
         self.check_readable()
         if not files:
             return Rows([c.name for c in cols], [_DUCK_TYPES[c.type] for c in cols], [])
-        con = duckdb.connect(":memory:")
+        con = self._scratch()
         try:
             held = footer_columns(con, files)
             present = set()
@@ -491,26 +505,27 @@ class Store(Transactions):
             return Rows([d[0] for d in cur.description], [str(d[1]) for d in cur.description], cur.fetchall())
         except duckdb.Error as e:
             raise StoreError(f"{self.path}: cannot read the runs table ({' '.join(str(e).split())[:200]})") from None
-        finally:
-            con.close()
 
-    def partition_rows(self, dense_as_expert_load: bool = False) -> list[tuple[str, str, int]]:
-        """(run_id, table, rows) of every partition, read from Parquet footers by DuckDB (no
-        data scan). ``dense_as_expert_load``: expert_load also counts the rows its view
-        shows of the dense expert_counts rows (one per list element, from the footers)."""
+    def partition_rows(self, dense_as_expert_load: bool = False, run_id: str | None = None,
+                       tables=None) -> list[tuple[str, str, int]]:
+        """(run_id, table, rows) of every partition (of ``run_id`` and ``tables`` when
+        given), read from Parquet footers by DuckDB (no data scan). ``dense_as_expert_load``:
+        expert_load also counts the rows its view shows of the dense expert_counts rows (one
+        per list element, from the footers)."""
         import duckdb
 
         parts = []
-        for t in schema.load_all():
+        for t in (schema.load_all() if tables is None else tables):
             d = self.path / t
             if d.is_dir():
-                parts += [(p.name.split("=", 1)[1], t, list(p.glob("*.parquet"))) for p in d.glob("run_id=*")]
+                found = d.glob("run_id=*") if run_id is None else [p for p in [d / f"run_id={run_id}"] if p.is_dir()]
+                parts += [(p.name.split("=", 1)[1], t, list(p.glob("*.parquet"))) for p in found]
         files = [str(f) for _, _, fs in parts for f in fs]
         dense = [str(f) for _, t, fs in parts if t == "expert_counts" for f in fs] if dense_as_expert_load else []
         nrows: dict[str, int] = {}
         values: dict[str, int] = {}
         if files:
-            con = duckdb.connect(":memory:")
+            con = self._scratch()
             try:
                 src = "[" + ", ".join(sql_literal(f) for f in files) + "]"
                 nrows = dict(con.execute(f"SELECT file_name, num_rows FROM parquet_file_metadata({src})").fetchall())
@@ -524,8 +539,6 @@ class Store(Transactions):
                         "AND c.col = m.column_id GROUP BY m.file_name").fetchall())
             except duckdb.Error as e:
                 raise StoreError(f"{self.path}: cannot read a footer ({' '.join(str(e).split())[:200]})") from None
-            finally:
-                con.close()
         out = [(run, t, sum(int(nrows[str(f)]) for f in fs)) for run, t, fs in parts]
         if dense_as_expert_load:
             extra = {run: sum(int(values.get(str(f), 0)) for f in fs) for run, t, fs in parts if t == "expert_counts"}
@@ -674,6 +687,9 @@ class Store(Transactions):
         if self._con is not None:
             self._con.close()
             self._con = None
+        if self._scratch_con is not None:
+            self._scratch_con.close()
+            self._scratch_con = None
 
 
 class _LazyViews:
