@@ -56,3 +56,80 @@ def test_lazy_connection_matches_every_view(tmp_path):
         >= set(views.view_graph())
     eager.close()
     st.close()
+
+
+#: run the CLI in a fresh interpreter and print which heavy modules it imported
+_CLI_IMPORTS = """
+import io, json, sys
+from contextlib import redirect_stdout
+sys.path.insert(0, {repo!r})
+from moetrace.cli import main
+out = io.StringIO()
+with redirect_stdout(out):
+    try:
+        main({args!r})
+    except SystemExit as e:
+        code = e.code
+print(json.dumps({{"code": code, "out": out.getvalue(),
+                   "heavy": sorted(m for m in ("polars", "pyarrow", "numpy", "pandas") if m in sys.modules)}}))
+"""
+
+
+def _cli_in_fresh_python(*args: str) -> dict:
+    import json
+    from pathlib import Path
+
+    code = _CLI_IMPORTS.format(repo=str(Path(__file__).resolve().parent.parent), args=list(args))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_runs_and_skew_import_neither_polars_nor_arrow_nor_numpy(tmp_path, runner, cli):
+    """`moetrace runs` and `moetrace skew` print DuckDB's rows: polars, pyarrow (and its
+    pandas) and numpy are not imported on their path (issue #26: start-up under 0.3 s).
+    Not a timing test: it fails when one of them comes back on the path."""
+    st = tmp_path / "tiny"
+    res = runner.invoke(cli, ["synth", str(st), "--layers", "2", "--steps", "3", "--tokens-per-step", "64",
+                              "--experts", "16", "--top-k", "2", "--ranks", "4", "--ranks-per-node", "4"])
+    assert res.exit_code == 0, res.output
+    for args in (["runs", str(st)], ["runs", str(st), "--format", "json"], ["skew", str(st)],
+                 ["skew", str(st), "--by", "step"], ["skew", str(st), "--by", "run", "--format", "json"]):
+        got = _cli_in_fresh_python(*args)
+        assert got["code"] in (0, None), (args, got)
+        assert got["out"].strip() and "no runs" not in got["out"], (args, got)
+        assert got["heavy"] == [], f"moetrace {' '.join(args[:1] + args[2:])} imported {got['heavy']}"
+    # the same table as the polars frame of the same rows prints (what `emit` printed before)
+    from moetrace import open_store
+    from moetrace.output import render_table
+
+    s = open_store(st)
+    frame = s.run(s.resolve_run(None)).skew("step")
+    assert _cli_in_fresh_python("skew", str(st), "--by", "step")["out"] == render_table(frame) + "\n"
+
+
+def test_rows_print_as_polars_prints_their_frame():
+    """emit_rows' table (no polars) is render_table of the same rows' polars frame, text for
+    text; where it is not sure (wide tables, large floats, odd strings) it lets polars print."""
+    from moetrace.output import Rows, render_rows, render_table
+
+    cases = [
+        Rows(["a", "bb", "s", "b"], ["BIGINT", "DOUBLE", "VARCHAR", "BOOLEAN"],
+             [(1, 1.5, "x", True), (None, None, None, None), (3, float("nan"), "abc d", False),
+              (-4, -0.0, "", None), (5, float("-inf"), "a|b", True), (6, 1e20, "long " * 13, False)]),
+        # a FLOAT's value as DuckDB returns it: the float32 widened to a double
+        Rows(["f", "h", "d"], ["FLOAT", "HUGEINT", "DOUBLE"],
+             [(0.10000000149011612, 2 ** 62, 99999.99995), (2.5, -3, 1e9), (100000.0, 0, -1e-9)]),
+        Rows(["a"], ["BIGINT"], []),
+        Rows(["s"], ["VARCHAR"], [("é",), ("two\nlines",)]),
+        *(Rows(["i", "x"], ["INTEGER", "DOUBLE"], [(i, i / 7) for i in range(n)]) for n in (49, 50, 51, 60)),
+        # around polars' 250-character table width
+        *(Rows([f"c{i}" for i in range(10)], ["VARCHAR"] * 10,
+               [tuple("x" * ((w - 31) // 10 + (i < (w - 31) % 10)) for i in range(10))]) for w in range(240, 262)),
+    ]
+    fast = 0
+    for r in cases:
+        text = render_rows(r)
+        if text is not None:
+            fast += 1
+            assert text == render_table(r.to_polars()), r
+    assert fast >= 15   # the plain cases do not need polars
