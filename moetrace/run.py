@@ -159,6 +159,15 @@ class Run(NotebookView):
         return skew_rows(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit,
                          progress=progress)
 
+    def skew_to_parquet(self, by: str, path, *, batch_steps: int | None = None, memory_limit: str | None = None,
+                        progress=None) -> int:
+        """:meth:`skew`'s rows written to the Parquet file ``path`` by DuckDB itself (no polars,
+        no Arrow: ``moetrace skew -o x.parquet``); returns the rows written."""
+        from .analyze.frames import skew_to_parquet
+
+        return skew_to_parquet(self.store, self.id, by, path, batch_steps=batch_steps, memory_limit=memory_limit,
+                               progress=progress)
+
     def materialize(self, *, force: bool = False, batch_steps: int | None = None, memory_limit: str | None = None,
                     progress=None) -> "tuple[CacheState, CacheState]":
         """Compute the run's per-(step, layer) analysis views once and store them in the store

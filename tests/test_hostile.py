@@ -363,7 +363,7 @@ def test_internal_error_is_one_line_exit_1_and_debug_shows_it(runner, cli, store
     def boom(self, *a, **k):
         raise ValueError("unexpected\nmulti-line")
 
-    monkeypatch.setattr(Store, "runs", boom)
+    monkeypatch.setattr(Store, "runs_rows", boom)   # what `moetrace runs` reads the runs with
     res = runner.invoke(cli, ["runs", str(store)])
     assert res.exit_code == 1
     lines = [ln for ln in res.output.splitlines() if ln.strip()]

@@ -98,6 +98,15 @@ def test_runs_and_skew_import_neither_polars_nor_arrow_nor_numpy(tmp_path, runne
         assert got["code"] in (0, None), (args, got)
         assert got["out"].strip() and "no runs" not in got["out"], (args, got)
         assert got["heavy"] == [], f"moetrace {' '.join(args[:1] + args[2:])} imported {got['heavy']}"
+    # -o x.parquet: written by DuckDB's COPY, the rows of the frame
+    got = _cli_in_fresh_python("skew", str(st), "--by", "step", "-o", str(tmp_path / "s.parquet"))
+    assert got["code"] in (0, None) and got["heavy"] == [], got
+    import polars as pl
+
+    from moetrace import open_store as _open
+
+    s0 = _open(st)
+    assert pl.read_parquet(tmp_path / "s.parquet").equals(s0.run(s0.resolve_run(None)).skew("step"))
     # the same table as the polars frame of the same rows prints (what `emit` printed before)
     from moetrace import open_store
     from moetrace.output import render_table

@@ -47,8 +47,16 @@ def skew_rows(store, run_id: str, by: str = "layer", *, batch_steps: int | None 
                  progress=progress)
 
 
+def skew_to_parquet(store, run_id: str, by: str, path, *, batch_steps: int | None = None,
+                    memory_limit: str | None = None, progress=None) -> int:
+    """:func:`skew`'s rows written to the Parquet file ``path`` by DuckDB (COPY); the rows written."""
+    return _skew(store, run_id, by, lambda q, p: store.copy_parquet(q, p, path), batch_steps=batch_steps,
+                 memory_limit=memory_limit, progress=progress)
+
+
 def _skew(store, run_id: str, by: str, read, *, batch_steps, memory_limit, progress):
-    """The skew rows of ``run_id`` through ``read(query, params)`` (Store.sql or Store.rows)."""
+    """The skew rows of ``run_id`` through ``read(query, params)`` (Store.sql, Store.rows or a
+    Store.copy_parquet)."""
     from . import cache
     from .materialize import configure, drop_materialized
 

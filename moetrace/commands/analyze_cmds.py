@@ -95,6 +95,12 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
         with engine_sql(st, engine, master, remote) as sql:
             frames = [r.skew(by, sql=sql) for r in runs]
         emit(pl.concat([f for f in frames if f.height] or frames[:1], how="vertical_relaxed"), fmt, output)
+    elif output and output.endswith(".parquet") and len(runs) == 1:   # written by DuckDB's COPY
+        from pathlib import Path
+
+        n = runs[0].skew_to_parquet(by, output, batch_steps=batch_steps, memory_limit=memory_limit,
+                                    progress=_progress)
+        click.echo(f"wrote {n} rows to {Path(output)}", err=True)
     else:   # DuckDB's rows, printed without polars (start-up, issue #26)
         parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
                  for r in runs]

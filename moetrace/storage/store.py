@@ -295,7 +295,7 @@ class Store(Transactions):
         return {r[0] for r in rows}
 
     def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False, tables_only: bool = False,
-                      files: dict[str, tuple[str, ...]] | None = None) -> None:
+                      files: dict[str, tuple[str, ...]] | None = None, tables=None) -> None:
         """Create every view on ``con`` (``tables_only``: the tables' views, not those of
         ``sql/``): over ``files`` (default: the committed files now; the catalog,
         ``relative``, over globs). A store written before a contract column existed
@@ -308,13 +308,13 @@ class Store(Transactions):
         if not relative and (self._con is None or con is getattr(self._con, "raw", None)):
             self._views_files = files
         try:
-            for stmt in self.view_statements(relative, tables_only=tables_only, files=files):
+            for stmt in self.view_statements(relative, tables_only=tables_only, files=files, tables=tables):
                 con.execute(stmt)
             return
         except duckdb.BinderException as e:
             first = e
         present = {}
-        for t in schema.load_all():
+        for t in (schema.load_all() if tables is None else tables):
             if (files.get(t) if files is not None and not relative else self.has_files(t)):
                 cols = self._present_columns(con, t, relative, files)
                 if set(schema.get(t).column_names) - cols:
@@ -324,7 +324,7 @@ class Store(Transactions):
             raise StoreError(f"{self.path}: cannot define the store's views ({why}); the store may have been "
                              f"written by another moetrace version than {__version__}") from None
         try:
-            for stmt in self.view_statements(relative, present, tables_only=tables_only, files=files):
+            for stmt in self.view_statements(relative, present, tables_only=tables_only, files=files, tables=tables):
                 con.execute(stmt)
         except duckdb.Error as e:
             why = str(e).strip().splitlines()[0][:200]
@@ -332,23 +332,26 @@ class Store(Transactions):
                              f"moetrace version than {__version__}: re-ingest the sources into a new store") from None
 
     def view_statements(self, relative: bool = False, present: dict[str, set[str]] | None = None,
-                        tables_only: bool = False, files: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+                        tables_only: bool = False, files: dict[str, tuple[str, ...]] | None = None,
+                        tables=None) -> list[str]:
         """CREATE VIEW statements: one per contract table (``runs`` first: the others
         filter on it), then the analysis views. ``present``: {table: columns its files
-        hold} for tables of an older store that lack a contract column."""
+        hold} for tables of an older store that lack a contract column. ``tables``: only
+        these tables' views (with ``tables_only``; :func:`tables_read` closes a set)."""
         from .views import view_statements as analysis_views
 
         from .dense import expert_load_views
 
         present = present or {}
-        tables = sorted(schema.load_all(), key=lambda t: t != "runs")
+        tables = sorted(schema.load_all() if tables is None else tables, key=lambda t: t != "runs")
         stmts = [self._view_sql(t, relative, present.get(t), files) for t in tables]
         # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
-        stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load"), files))
+        if "expert_load" in tables:
+            stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load"), files))
         return stmts if tables_only else stmts + analysis_views()
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None,
-                tables_only: bool = False, _base=None) -> duckdb.DuckDBPyConnection:
+                tables_only: bool = False, _base=None, _no_views: bool = False) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory DuckDB connection with every view defined. Never writes:
         no recovery (the views hide uncommitted runs), spills go to the store's
         ``.duckdb_tmp`` only when DuckDB needs to spill."""
@@ -368,7 +371,10 @@ class Store(Transactions):
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
             con.execute(f"SET temp_directory={sql_literal(tmp)}")
-        self._define_views(con, tables_only=tables_only)
+        if _no_views:   # Store.con: _LazyViews defines each view when a statement first names it
+            self._views_files = self.committed_files()
+        else:
+            self._define_views(con, tables_only=tables_only)
         return con
 
     def check_readable(self, con=None) -> None:
@@ -405,7 +411,7 @@ class Store(Transactions):
         and tables without reopening the store."""
         if self._con is None:   # the scratch connection becomes the store's (footer reads while
             base = self._scratch()   # the views are defined go to it too)
-            self._con = _LazyViews(self, self.connect(tables_only=True, _base=base))
+            self._con = _LazyViews(self, self.connect(tables_only=True, _base=base, _no_views=True))
             self._scratch_con = None
         else:
             self.refresh()
@@ -417,7 +423,7 @@ class Store(Transactions):
             files = self.committed_files()
             if files != self._views_files:
                 if isinstance(self._con, _LazyViews):
-                    self._define_views(self._con.raw, tables_only=True, files=files)
+                    self._define_views(self._con.raw, tables_only=True, files=files, tables=self._con.tables)
                     self._con.redefine()
                 else:   # a plain connection from connect() set by the caller: every view again
                     self._define_views(self._con, files=files)
@@ -447,6 +453,18 @@ class Store(Transactions):
             cur = self.con.execute(query, params) if params is not None else self.con.execute(query)
             desc = cur.description or []
             return Rows([d[0] for d in desc], [str(d[1]) for d in desc], cur.fetchall() if desc else [])
+        except duckdb.Error as e:
+            raise StoreError(f"SQL error: {e}") from None
+
+    def copy_parquet(self, query: str, params, path) -> int:
+        """Write the rows of ``query`` to the Parquet file ``path`` with DuckDB's COPY (no
+        polars, no Arrow: ``moetrace skew -o x.parquet``); returns the rows written."""
+        import duckdb
+
+        from ..safety import sql_literal as lit
+
+        try:
+            return int(self.con.execute(f"COPY ({query}) TO {lit(path)} (FORMAT parquet)", params).fetchall()[0][0])
         except duckdb.Error as e:
             raise StoreError(f"SQL error: {e}") from None
 
@@ -692,20 +710,44 @@ class Store(Transactions):
             self._scratch_con = None
 
 
+def tables_read(words) -> set[str]:
+    """The contract tables whose views a statement naming ``words`` needs: those it names,
+    ``expert_load`` and ``expert_counts`` for ``expert_load``/``expert_load_long`` (one view
+    of both, storage/dense.py), and ``runs`` (every other table's view filters on it)."""
+    known = schema.load_all()
+    need = {w for w in words if w in known}
+    if "expert_load" in need or "expert_load_long" in words:
+        need |= {"expert_load", "expert_counts"}
+    need.discard("expert_load_long")
+    return need | {"runs"} if need else need
+
+
 class _LazyViews:
-    """A DuckDB connection of a store whose views of ``sql/`` are created when a statement
-    run through it (``execute``, ``sql``) first names them; anything else is the
-    connection's own."""
+    """A DuckDB connection of a store whose views (of the tables and of ``sql/``) are
+    created when a statement run through it (``execute``, ``sql``) first names them, with
+    the views they read: defining all of them costs more than a small query (issue #26);
+    anything else is the connection's own."""
 
     def __init__(self, store: Store, con):
         self.raw, self._store, self._defined = con, store, set()
+        self.tables: set[str] = set()       # tables whose views are defined
 
     def _ensure(self, query) -> None:
+        import re
+
         from .views import views_needed
 
         if not isinstance(query, str):
             return
-        for stmt in views_needed(query, self._defined):
+        stmts = views_needed(query, self._defined)
+        words = set(re.findall(r"\w+", query))
+        for stmt in stmts:
+            words |= set(re.findall(r"\w+", stmt))
+        need = tables_read(words) - self.tables
+        if need:
+            self._store._define_views(self.raw, tables_only=True, files=self._store._views_files, tables=need)
+            self.tables |= need
+        for stmt in stmts:
             self._create(stmt)
 
     def _create(self, stmt: str) -> None:
