@@ -90,7 +90,7 @@ class CacheState:
     read instead of the views), ``stale`` (``reason`` says what changed) or ``absent``."""
     run_id: str
     status: str
-    key: CacheKey
+    key: CacheKey | None           # None: not computed (state(need_key=False) of a run with nothing stored)
     reason: str | None = None
     header: dict | None = None
 
@@ -184,8 +184,12 @@ def current_key(store, run_id: str) -> CacheKey:
 
 
 # ----------------------------------------------------------------------------- reading
-def state(store, run_id: str, views=CACHED_VIEWS) -> CacheState:
-    """The run's stored analysis against the key now (:class:`CacheState`)."""
+def state(store, run_id: str, views=CACHED_VIEWS, *, need_key: bool = True) -> CacheState:
+    """The run's stored analysis against the key now (:class:`CacheState`). With
+    ``need_key=False`` a run without any stored analysis is ``absent`` with ``key`` None:
+    the key (the run's files, its recorded placement hashed) is not computed for nothing."""
+    if not need_key and not any(f.split("/")[1] == f"run_id={run_id}" for f in store.committed_files().get(HEADER, ())):
+        return CacheState(run_id, "absent", None)
     key = current_key(store, run_id)
     got = store.rows(f"SELECT * FROM {HEADER} WHERE run_id = ? ORDER BY created_at_ns DESC, cache_id LIMIT 1",
                      [run_id])
@@ -290,13 +294,13 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
 
     con = store.con if con is None else con
     say = progress or _stderr
-    st = state(store, run_id, views)
+    full = set(CACHED_VIEWS) <= set(views)
+    st = state(store, run_id, views, need_key=full and save_new)
     if st.fresh and reuse:
         m = load(store, st, views, con=con)
         if st.header.get("steps") and st.header.get("batch_steps") and st.header["steps"] > st.header["batch_steps"]:
             say(f"moetrace: {st.line()}: reused")       # a long run: say why this was quick
         return m
-    full = set(CACHED_VIEWS) <= set(views)
     if st.status == "stale":
         say(f"moetrace: {st.line()}: recomputing" + ("" if full and save_new else
                                                      f" (`moetrace materialize {store.path} --run {run_id}` stores it)"))
