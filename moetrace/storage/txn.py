@@ -319,7 +319,7 @@ class Transactions:
             run.setdefault("collector_version", __version__)
             for col in schema.get("runs").columns:
                 run.setdefault(col.name, False if col.type == "bool" and not col.nullable else None)
-            runs_tbl = schema.conform("runs", pa.Table.from_pylist([run]))
+            runs_tbl = schema.conform("runs", schema.one_row(run))
             rows = self._transaction(rid, {**tables, "runs": runs_tbl}, commit_table="runs")
         self.refresh()
         warning = self._refresh_catalog()
@@ -412,7 +412,7 @@ class Transactions:
                 tmp_file = staging / table / f"part-{txid}.parquet"
                 for chunk in self._chunks(tables[table]):
                     if isinstance(chunk, pa.Table) and "run_id" not in chunk.column_names:
-                        chunk = chunk.append_column("run_id", pa.array([run_id] * chunk.num_rows, pa.string()))
+                        chunk = chunk.append_column("run_id", schema.repeated_string(run_id, chunk.num_rows))
                     elif _is_polars(chunk) and "run_id" not in chunk.columns:
                         import polars as pl
 
