@@ -608,8 +608,6 @@ def _run_row(path: Path, options: dict, kind: str, L_seen: int, E: int, top_k_se
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
-    import polars as pl
-
     out = []
     from ._jsonl_meta import keep_meta
 
@@ -619,6 +617,8 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
             if rd is not None:
                 out.append(rd)
                 continue
+        import polars as pl
+
         meta: list = []
         frames = _frames(path, meta)
         first = next(frames, None)

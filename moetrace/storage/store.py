@@ -627,10 +627,12 @@ def open_store(path: str | os.PathLike, create: bool = False) -> Store:
 
 def failed_write_leaves_no_trace(path: str | os.PathLike) -> bool:
     """True when a write into the store at ``path`` that fails and is rolled back leaves
-    every file and folder of the store as it was: the store exists and was written before
-    (its lock file is there; staging folders are removed by the rollback)."""
+    every file and folder of the store as it was: the store exists, was written before (its
+    lock file is there) and holds no leftovers of another write (opening it for writing
+    would clear those; the rollback removes its own staging folders)."""
     p = Path(path)
-    return (p / STORE_MARKER).is_file() and (p / ".lock").is_file() and not p.is_symlink()
+    return ((p / STORE_MARKER).is_file() and (p / ".lock").is_file() and not p.is_symlink()
+            and not (p / ".staging").exists() and not (p / ".txn").exists())
 
 
 def remove_empty_store(path: str | os.PathLike, top: str | os.PathLike) -> None:
