@@ -249,9 +249,12 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
 def ingest(store, paths: Sequence[str | Path], format: str | None = None, options: dict | None = None,
            run_id: str | None = None, *, on_skip=None, on_write=None, on_warn=None) -> list:
     """Collect ``paths`` and write each run to ``store`` (a Store, or a folder opened
-    with ``create=True`` only once every input collected and validated: bad input leaves
-    no trace). Nothing is written unless every input collected and validated.
-    ``on_skip(paths)`` as in :func:`collect`; ``on_write(run_data, write_result)`` is
+    with ``create=True`` once every input collected and validated: bad input leaves no
+    trace). Nothing is written unless every input collected and validated. A single run
+    whose rows are checked while they are written (:attr:`RunData.two_pass`: a dense
+    Parquet file, read once) is refused from inside its write, which is undone, and a
+    store created for it is removed again; several runs are each checked before the first
+    write. ``on_skip(paths)`` as in :func:`collect`; ``on_write(run_data, write_result)`` is
     called after each run is written (or skipped as already ingested). Returns the
     store's WriteResults."""
     from ..storage.store import Store, failed_write_leaves_no_trace, remove_empty_store
