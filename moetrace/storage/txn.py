@@ -49,6 +49,18 @@ class WriteResult:
     message: str = ""
 
 
+def _encodings(sch: pa.Schema) -> dict:
+    """Parquet writer options of a table: lists of integers (``expert_counts``' counts)
+    delta-encoded instead of dictionary-encoded. Measured on the 10M-row benchmark's dense
+    rows (docs/scale.md, one pass): the writer's CPU 0.60-0.71 -> 0.39-0.54 s, reading
+    them back a little faster too (pyarrow, DuckDB), the file 6% larger (22.0 vs 20.8 MB)."""
+    delta = [f.name for f in sch if pa.types.is_list(f.type) and pa.types.is_integer(f.type.value_type)]
+    if not delta:
+        return {}
+    return {"use_dictionary": [f.name for f in sch if f.name not in delta],
+            "column_encoding": {f"{c}.list.element": "DELTA_BINARY_PACKED" for c in delta}}
+
+
 class Transactions:
     """The write half of :class:`~moetrace.storage.store.Store` (it needs the store's
     ``path``, ``_lock``, ``_check_writable`` and ``refresh``)."""
@@ -426,7 +438,7 @@ class Transactions:
                     body = tbl.drop_columns(["run_id"])
                     if writer is None:
                         tmp_file.parent.mkdir(parents=True, exist_ok=True)
-                        writer = pq.ParquetWriter(tmp_file, body.schema, compression="zstd")
+                        writer = pq.ParquetWriter(tmp_file, body.schema, compression="zstd", **_encodings(body.schema))
                     writer.write_table(body, row_group_size=1 << 20)
                     n_written += tbl.num_rows
                 if writer is None:  # no chunks at all: keep the table empty, write nothing
