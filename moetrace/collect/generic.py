@@ -426,7 +426,7 @@ def _one_pass(path: Path, options: dict) -> RunData | None:
                 if a.null_count:             # the footer said none
                     i = next(j for j, v in enumerate(a.is_valid().to_pylist()) if not v)
                     raise InputError(path, f"column {c!r} is empty", _row(path, off + i + 1))
-                arrays[c] = dense._np(a).astype(np.int64, copy=False)
+                arrays[c] = dense.numpy_ints(a).astype(np.int64, copy=False)
             for c in _RANGE_ORDER:
                 v = arrays.get(c)
                 if v is None:

@@ -44,7 +44,7 @@ def expert_load_views(long_view_sql: str) -> list[str]:
     return [long_sql, union]
 
 
-def _np(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def numpy_ints(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A null-free integer Arrow column as numpy, from its buffers (zero-copy for one chunk).
     ``to_numpy`` would do the same, but pyarrow imports pandas the first time it is called
     (a third of a second of every ``moetrace ingest``)."""
@@ -58,6 +58,9 @@ def _np(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+_np = numpy_ints
 
 
 # ----------------------------------------------------------------------------- writing
