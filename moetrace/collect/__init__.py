@@ -26,6 +26,18 @@ class RunData:
     tables: dict[str, object]
     run_id_hint: str = "run"
     files: list[str] = field(default_factory=list)
+    #: set when the tables are streams checked while the store writes them (one pass over
+    #: the input: a bad row raises InputError from inside the write, whose transaction
+    #: leaves the store as it was): the same run read the safe way, every row checked
+    #: before anything is written. :func:`ingest` uses it when a run must be checked before
+    #: any write (several runs at once) or when the one pass raises :class:`OnePassFailed`.
+    two_pass: Callable[[], "RunData"] | None = None
+
+
+class OnePassFailed(Exception):
+    """Raised from a one-pass stream (:attr:`RunData.two_pass`) when the input is not what
+    its first, cheap look promised (rows out of the dense order, a footer whose statistics
+    disagree with the rows): :func:`ingest` writes that run again the two-pass way."""
 
 
 @dataclass
@@ -198,63 +210,111 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
         # options given on the command line win over the config; the config over the collectors' guesses
         options = {**{k: v for k, v in model.items() if k in OPTIONS}, **options}
     out: list[RunData] = []
+
+    def finish(rd: RunData, name: str, fs: list[Path], warn: bool = True) -> RunData:
+        for k, v in model.items():
+            if rd.run.get(k) is None:
+                rd.run[k] = v
+        if model_said:
+            meta = json.loads(rd.run.get("meta_json") or "{}")
+            meta["model_config"] = model_said
+            rd.run["meta_json"] = json.dumps(meta)
+        rd.run.setdefault("collector", name)
+        if not rd.files:
+            rd.files = [str(f) for f in fs]
+        if skipped:
+            approx = json.loads(rd.run.get("approximations") or "[]")
+            approx.append(f"{len(skipped)} file(s) in the input folder(s) were not recognized and were skipped: "
+                          + ", ".join(f.name for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+            rd.run["approximations"] = json.dumps(approx)
+        note = uneven_blocks_note(rd.run)
+        if note:
+            approx = json.loads(rd.run.get("approximations") or "[]")
+            if note not in approx:
+                approx.append(note)
+            rd.run["approximations"] = json.dumps(approx)
+            if on_warn is not None and warn:
+                on_warn(note)
+        return validate_run(rd, options)
+
     for name, fs in groups.items():
         for rd in registry()[name].collect(fs, options):
-            for k, v in model.items():
-                if rd.run.get(k) is None:
-                    rd.run[k] = v
-            if model_said:
-                meta = json.loads(rd.run.get("meta_json") or "{}")
-                meta["model_config"] = model_said
-                rd.run["meta_json"] = json.dumps(meta)
-            rd.run.setdefault("collector", name)
-            if not rd.files:
-                rd.files = [str(f) for f in fs]
-            if skipped:
-                approx = json.loads(rd.run.get("approximations") or "[]")
-                approx.append(f"{len(skipped)} file(s) in the input folder(s) were not recognized and were skipped: "
-                              + ", ".join(f.name for f in skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
-                rd.run["approximations"] = json.dumps(approx)
-            note = uneven_blocks_note(rd.run)
-            if note:
-                approx = json.loads(rd.run.get("approximations") or "[]")
-                if note not in approx:
-                    approx.append(note)
-                rd.run["approximations"] = json.dumps(approx)
-                if on_warn is not None:
-                    on_warn(note)
-            out.append(validate_run(rd, options))
+            rd = finish(rd, name, fs)
+            if rd.two_pass is not None:
+                rd.two_pass = (lambda slow=rd.two_pass, name=name, fs=fs: finish(slow(), name, fs, warn=False))
+            out.append(rd)
     return out
 
 
 def ingest(store, paths: Sequence[str | Path], format: str | None = None, options: dict | None = None,
            run_id: str | None = None, *, on_skip=None, on_write=None, on_warn=None) -> list:
     """Collect ``paths`` and write each run to ``store`` (a Store, or a folder opened
-    with ``create=True`` only once every input collected and validated: bad input leaves
-    no trace). Nothing is written unless every input collected and validated.
-    ``on_skip(paths)`` as in :func:`collect`; ``on_write(run_data, write_result)`` is
+    with ``create=True`` once every input collected and validated: bad input leaves no
+    trace). Nothing is written unless every input collected and validated. A single run
+    whose rows are checked while they are written (:attr:`RunData.two_pass`: a dense
+    Parquet file, read once) is refused from inside its write, which is undone, and a
+    store created for it is removed again; several runs are each checked before the first
+    write. ``on_skip(paths)`` as in :func:`collect`; ``on_write(run_data, write_result)`` is
     called after each run is written (or skipped as already ingested). Returns the
     store's WriteResults."""
+    from ..storage.store import Store, failed_write_leaves_no_trace, remove_empty_store
+
     runs = collect(paths, format=format, options=options, on_skip=on_skip, on_warn=on_warn)
     if run_id and len(runs) > 1:
         raise InputError(None, f"--run-id given but the inputs make {len(runs)} runs")
+    # a run checked while it is written (one pass) is refused from inside its write, which
+    # the transaction undoes; that leaves the store as it was only when it is the one run
+    # and the store is new (removed again) or was written before (its lock file is there)
+    fresh = None
     if not hasattr(store, "write_run"):
-        from ..storage.store import Store
-
+        fresh = _first_missing(Path(store))
+    one_pass = len(runs) == 1 and (fresh is not None or failed_write_leaves_no_trace(
+        store.path if hasattr(store, "write_run") else Path(store)))
+    if not one_pass:
+        runs = [rd.two_pass() if rd.two_pass is not None else rd for rd in runs]
+    if not hasattr(store, "write_run"):
         store = Store(store, create=True)
-    for rd in runs:   # every refusal before the first write: the store stays as it was
-        rd.run["ingest_key"] = ingest_key(rd.run.get("source_sha256"), options, run_id)
-        if run_id is None:
-            refuse_silent_reingest(store, rd)
-    results = []
-    for rd in runs:
-        hint = run_id or rd.run.get("run_id") or rd.run_id_hint
-        rd.run.pop("run_id", None)
-        res = store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint)
-        if on_write is not None:
-            on_write(rd, res)
-        results.append(res)
+    try:
+        for rd in runs:   # every refusal before the first write: the store stays as it was
+            _key(rd, store, options, run_id)
+        results = []
+        for rd in runs:
+            try:
+                res = _write(store, rd, run_id)
+            except OnePassFailed:      # not what its footer promised: checked first, then written
+                rd = rd.two_pass()
+                _key(rd, store, options, run_id)
+                res = _write(store, rd, run_id)
+            if on_write is not None:
+                on_write(rd, res)
+            results.append(res)
+    except InputError:
+        if fresh is not None:      # refused while written into a store this ingest created
+            remove_empty_store(store.path, fresh)
+        raise
     return results
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` (itself included) that does not exist, or None."""
+    path = path.absolute()
+    if path.exists() or path.is_symlink():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _key(rd: RunData, store, options, run_id) -> None:
+    rd.run["ingest_key"] = ingest_key(rd.run.get("source_sha256"), options, run_id)
+    if run_id is None:
+        refuse_silent_reingest(store, rd)
+
+
+def _write(store, rd: RunData, run_id):
+    hint = run_id or rd.run.get("run_id") or rd.run_id_hint
+    rd.run.pop("run_id", None)
+    return store.write_run(rd.run, rd.tables, run_id=run_id, run_id_hint=hint)
 
 
 def refuse_silent_reingest(store, rd) -> None:

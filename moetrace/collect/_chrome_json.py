@@ -21,8 +21,8 @@ from typing import Annotated
 
 import msgspec
 import numpy as np
-import polars as pl
 
+from ._polars import pl
 from ..errors import InputError
 from ..safety import INT64, SHAPE_MAX, bounded_gunzip, check_regular_file, checked_int, limit, max_inflated
 from ._launch_context import CONTEXT_CAT, keep_cpu_op

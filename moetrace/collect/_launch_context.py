@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-import polars as pl
 
+from ._polars import pl
 from ..domain.kernels import MOE_RANGE_RE, builtin_rules
 
 #: category a collector gives a CPU op it kept only as launch context (not a collective, not

@@ -25,8 +25,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import polars as pl
 
+from ._polars import Dtypes, pl
 from ..domain.kernels import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
 from . import _launch_context as lctx
 
@@ -39,11 +39,11 @@ MB_RE = re.compile(r"(?i)(?:^|[^a-z])(?:micro_?batch|ubatch|mb|chunk)[._\s#:\-\[
 DUALPIPE_RE = re.compile(r"\(([FBW])\)\s*$")
 DUALPIPE_MB = {"F": 0, "B": 1, "W": 2}
 
-GPU_SCHEMA = {"name": pl.Utf8, "cat": pl.Utf8, "device": pl.Int32, "stream": pl.Int32, "start_ns": pl.Int64,
-              "end_ns": pl.Int64, "correlation": pl.Int64, "coll_arg": pl.Utf8}
-LAUNCH_SCHEMA = {"correlation": pl.Int64, "pid": pl.Int64, "tid": pl.Int64, "ts_ns": pl.Int64}
-CPU_SCHEMA = {"name": pl.Utf8, "cat": pl.Utf8, "pid": pl.Int64, "tid": pl.Int64, "start_ns": pl.Int64,
-              "end_ns": pl.Int64}
+GPU_SCHEMA = Dtypes(name="Utf8", cat="Utf8", device="Int32", stream="Int32", start_ns="Int64",
+                    end_ns="Int64", correlation="Int64", coll_arg="Utf8")
+LAUNCH_SCHEMA = Dtypes(correlation="Int64", pid="Int64", tid="Int64", ts_ns="Int64")
+CPU_SCHEMA = Dtypes(name="Utf8", cat="Utf8", pid="Int64", tid="Int64", start_ns="Int64",
+                    end_ns="Int64")
 
 
 @dataclass

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
-import polars as pl
 
+from ._polars import Dtypes, pl
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, json_loads, limit, limit_error
 from ..safety_pickle import is_pickle, load_plain
@@ -233,16 +233,16 @@ def _parse(path: Path, rank: int, notes: list[str]) -> tuple[list[dict], list[di
     return rows, groups, info
 
 
-_COLL_SCHEMA = {"rank": pl.Int32, "source": pl.Utf8, "entry": pl.Int64, "grp": pl.Utf8, "group_desc": pl.Utf8,
-                "group_rank": pl.Int32, "group_size": pl.Int32, "op": pl.Utf8, "op_name": pl.Utf8,
-                "is_p2p": pl.Boolean, "seq": pl.Int64, "p2p_seq": pl.Int64, "record_id": pl.Int64,
-                "peer": pl.Int32, "msg_bytes": pl.Int64, "input_sizes": pl.Utf8, "output_sizes": pl.Utf8,
-                "input_dtypes": pl.Utf8, "output_dtypes": pl.Utf8, "state": pl.Utf8, "created_ns": pl.Int64,
-                "started_ns": pl.Int64, "completed_ns": pl.Int64, "duration_ns": pl.Int64,
-                "timing_source": pl.Utf8, "algo_bw_gbps": pl.Float64, "bus_bw_gbps": pl.Float64}
-_GROUP_SCHEMA = {"rank": pl.Int32, "source": pl.Utf8, "grp": pl.Utf8, "group_desc": pl.Utf8, "group_rank": pl.Int32,
-                 "group_size": pl.Int32, "members": pl.Utf8, "last_enqueued_seq": pl.Int64,
-                 "last_started_seq": pl.Int64, "last_completed_seq": pl.Int64}
+_COLL_SCHEMA = Dtypes(rank="Int32", source="Utf8", entry="Int64", grp="Utf8", group_desc="Utf8",
+                      group_rank="Int32", group_size="Int32", op="Utf8", op_name="Utf8",
+                      is_p2p="Boolean", seq="Int64", p2p_seq="Int64", record_id="Int64",
+                      peer="Int32", msg_bytes="Int64", input_sizes="Utf8", output_sizes="Utf8",
+                      input_dtypes="Utf8", output_dtypes="Utf8", state="Utf8", created_ns="Int64",
+                      started_ns="Int64", completed_ns="Int64", duration_ns="Int64",
+                      timing_source="Utf8", algo_bw_gbps="Float64", bus_bw_gbps="Float64")
+_GROUP_SCHEMA = Dtypes(rank="Int32", source="Utf8", grp="Utf8", group_desc="Utf8", group_rank="Int32",
+                       group_size="Int32", members="Utf8", last_enqueued_seq="Int64",
+                       last_started_seq="Int64", last_completed_seq="Int64")
 
 
 def _ranks(paths: list[Path], approx: list[str]) -> list[int]:

@@ -24,13 +24,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import polars as pl
 import pyarrow as pa
 
 from ..errors import InputError
 from .checks import MAX_COUNT
 from ..domain.hashing import sha256_files
-from ..streams import Rereadable
+from ..streams import Rereadable, prefetched
 from . import Collector, RunData, head, register
 
 LOAD_REQ = ["step", "layer", "expert", "tokens"]
@@ -96,6 +95,8 @@ def _jsonl_batches(path: Path, batch_rows: int | None = None, meta: list | None 
 
 
 def _json_frame(path: Path, rows: list[dict]) -> pl.DataFrame:
+    import polars as pl
+
     try:
         return pl.DataFrame(rows, infer_schema_length=None)
     except Exception as e:
@@ -104,6 +105,8 @@ def _json_frame(path: Path, rows: list[dict]) -> pl.DataFrame:
 
 def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
     """Integer columns as Int64 (``offset``: rows before this batch, for positions)."""
+    import polars as pl
+
     for c in df.columns:
         if c not in _INT_COLS:
             continue
@@ -134,6 +137,8 @@ def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
 def _first_uncastable(s: pl.Series) -> int | None:
     """Index of the first non-null value of ``s`` that is no 64-bit integer (None: not found,
     or a type such as a list that has no per-value cast)."""
+    import polars as pl
+
     try:
         bad = s.cast(pl.Int64, strict=False).is_null() & s.is_not_null()
     except Exception:
@@ -186,6 +191,8 @@ def _frames(path: Path, meta: list | None = None) -> Iterator[pl.DataFrame]:
     """The file's rows in batches: Parquet by row batches of :data:`BATCH_ROWS`, JSONL by
     as many lines, CSV by 8 MiB blocks (pyarrow's streaming reader; column types from the
     first block)."""
+    import polars as pl
+
     if path.name.lower().endswith(".parquet"):
         for b in _parquet_batches(path):
             yield pl.from_arrow(b)
@@ -217,6 +224,8 @@ def _frames(path: Path, meta: list | None = None) -> Iterator[pl.DataFrame]:
 def _columns(df: pl.DataFrame, path: Path, req: list[str], opt: list[str], offset: int = 0) -> pl.DataFrame:
     """The ``req`` and ``opt`` columns of ``df``: integers as Int64, required ones without
     nulls, absent optional ones added as nulls (``offset``: rows before this batch)."""
+    import polars as pl
+
     cols = set(df.columns)
     df = _ints(df.select([c for c in req + opt if c in cols]), path, offset)
     for c in req:
@@ -229,31 +238,50 @@ def _columns(df: pl.DataFrame, path: Path, req: list[str], opt: list[str], offse
     return df
 
 
+#: the order the range checks of a batch run in (the first bad value of the first column
+#: in this order is the one reported)
+_RANGE_ORDER = ("layer", "expert", "slot", "step", "src_rank", "tokens")
+
+
+def _upper(c: str, shape: dict) -> int | None:
+    """The bound an expert_load column's values must stay below: the run's shape given
+    (``shape``: layer, expert, slot, src_rank), the contract's int32, the largest count."""
+    upper = shape.get(c)
+    if c == "tokens":  # counts bounded so sums stay exact (checks.MAX_COUNT)
+        upper = MAX_COUNT + 1
+    if c in ("layer", "expert", "slot", "src_rank"):   # int32 in the contract (schemas/expert_load.json)
+        upper = min(upper, 2 ** 31) if upper is not None else 2 ** 31
+    return upper
+
+
+def _negative(path: Path, c: str, value, row: int) -> InputError:
+    return InputError(path, f"expert_load.{c} = {value} is negative", _row(path, row))
+
+
+def _too_large(path: Path, c: str, value, upper: int, row: int) -> InputError:
+    what = "does not fit the contract's int32" if upper == 2 ** 31 else f"is outside the run's shape (0..{upper - 1})"
+    if c == "tokens":
+        what = f"is beyond the largest count moetrace accepts (2^40 = {MAX_COUNT}; sums must stay exact)"
+    return InputError(path, f"expert_load.{c} = {value} {what}", _row(path, row))
+
+
 def _check_load_batch(df: pl.DataFrame, path: Path, offset: int, cols: set, shape: dict) -> pl.DataFrame:
     """One batch of expert_load rows: the contract's columns as Int64 (absent optional ones
     null), required ones non-null, counts and ids non-negative and inside ``shape``."""
     if set(df.columns) != cols:
         raise InputError(path, f"columns change within the file: {', '.join(df.columns)}", _row(path, offset + 1))
     df = _columns(df, path, LOAD_REQ, LOAD_OPT, offset)
-    for c in ("layer", "expert", "slot", "step", "src_rank", "tokens"):
+    for c in _RANGE_ORDER:
         col = df[c]
         mn = col.min()
         if mn is not None and mn < 0:
             i = int((col < 0).fill_null(False).arg_max())
-            raise InputError(path, f"expert_load.{c} = {col[i]} is negative", _row(path, offset + i + 1))
-        upper = shape.get(c)
-        if c == "tokens":  # counts bounded so sums stay exact (checks.MAX_COUNT)
-            upper = MAX_COUNT + 1
-        if c in ("layer", "expert", "slot", "src_rank"):   # int32 in the contract (schemas/expert_load.json)
-            upper = min(upper, 2 ** 31) if upper is not None else 2 ** 31
+            raise _negative(path, c, col[i], offset + i + 1)
+        upper = _upper(c, shape)
         mx = col.max()
         if upper is not None and mx is not None and mx >= upper:
             i = int((col >= upper).fill_null(False).arg_max())
-            what = "does not fit the contract's int32" if upper == 2 ** 31 else \
-                f"is outside the run's shape (0..{upper - 1})"
-            if c == "tokens":
-                what = f"is beyond the largest count moetrace accepts (2^40 = {MAX_COUNT}; sums must stay exact)"
-            raise InputError(path, f"expert_load.{c} = {col[i]} {what}", _row(path, offset + i + 1))
+            raise _too_large(path, c, col[i], upper, offset + i + 1)
     return df.select(["step", "layer", "expert", "slot", "src_rank", "tokens"])
 
 
@@ -288,6 +316,8 @@ class _Progress:
 def _first_duplicate(path: Path, cols: set, shape: dict) -> dict | None:
     """The first (step, layer, expert, slot, src_rank) key that repeats, found by DuckDB
     over the key columns of every batch (its aggregation spills to disk)."""
+    import polars as pl
+
     import duckdb
 
     schema = pa.schema([(c, pa.int64()) for c in ("step", "layer", "expert", "slot", "src_rank", "rn")])
@@ -309,6 +339,131 @@ def _first_duplicate(path: Path, cols: set, shape: dict) -> dict | None:
     con.close()
     return None if row is None else {"step": row[0], "layer": row[1], "expert": row[2], "len": row[3],
                                      "first": row[4], "last": row[5]}
+
+
+# ----------------------------------------------------------------------------- one pass (dense Parquet)
+#: Parquet column types the one pass reads as they are (every value fits int64)
+_ONE_PASS_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+
+
+def _footer_ranges(path: Path) -> tuple[object, dict, dict] | None:
+    """(metadata, min, max) of the four expert_load columns of a Parquet file from its
+    footer's row-group statistics, or None when the file is not one the one pass reads
+    (no footer, optional or odd columns, integer types other than :data:`_ONE_PASS_TYPES`,
+    a row group without statistics, nulls)."""
+    import pyarrow.parquet as pq
+
+    from ..safety import arrow_path
+
+    try:
+        pf = pq.ParquetFile(arrow_path(path))
+        md, arrow = pf.metadata, pf.schema_arrow
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        return None                          # the two passes say what is wrong with it
+    names = arrow.names
+    if len(set(names)) != len(names) or not set(LOAD_REQ) <= set(names) or set(LOAD_OPT) & set(names):
+        return None
+    if any(str(arrow.field(c).type) not in _ONE_PASS_TYPES for c in LOAD_REQ) or md.num_rows == 0:
+        return None
+    where = {md.schema.column(i).path: i for i in range(md.num_columns)}
+    lo: dict = {}
+    hi: dict = {}
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        if rg.num_rows == 0:
+            continue
+        for c in LOAD_REQ:
+            st = rg.column(where[c]).statistics if c in where else None
+            if st is None or not st.has_min_max or not st.has_null_count or st.null_count:
+                return None
+            lo[c] = min(lo.get(c, st.min), st.min)
+            hi[c] = max(hi.get(c, st.max), st.max)
+    return (md, lo, hi) if len(hi) == len(LOAD_REQ) else None
+
+
+def _one_pass(path: Path, options: dict) -> RunData | None:
+    """A Parquet expert_load file read once: every batch checked (the same checks and
+    messages as :func:`_check_load_batch`) and turned into dense rows as it is read, the
+    store writing each while the next is read (a second thread). Taken when the footer's
+    statistics promise a file the dense layout holds (no slot or source rank, no nulls,
+    values inside the shape); None otherwise (the two passes of :func:`_collect_load`).
+
+    The rows are checked while the store writes them: a bad value raises InputError from
+    inside the write, whose transaction leaves the store as it was. A file that breaks the
+    footer's promise (rows not in dense order, statistics that disagree with them) raises
+    :class:`~moetrace.collect.OnePassFailed` there, and the ingest writes the run again
+    through ``RunData.two_pass`` (this file's :func:`_collect_load`)."""
+    from . import OnePassFailed
+
+    found = _footer_ranges(path)
+    if found is None:
+        return None
+    md, lo, hi = found
+    cols = set(md.schema.to_arrow_schema().names)
+    L, E = options.get("num_layers"), options.get("num_experts")
+    shape = {"layer": L, "expert": E, "slot": options.get("num_slots") or E, "src_rank": options.get("num_ranks")}
+    if any(v < 0 for v in lo.values()) or any(hi[c] >= u for c in LOAD_REQ if (u := _upper(c, shape)) is not None):
+        return None                          # a bad value: the two passes find and name its row
+    E_run = E or hi["expert"] + 1
+    if hi["expert"] + 1 != E_run or md.num_rows % E_run:
+        return None                          # not the dense layout
+    L_seen = hi["layer"] + 1
+    big = bool(options.get("progress")) or md.num_rows > PROGRESS_ROWS
+
+    def dense_rows() -> Iterator[pa.Table]:
+        import numpy as np
+
+        dense = _dense()
+        d = dense.Densifier(E_run)
+        p = _Progress(path, "written", big)
+        off, top = 0, -1
+        for b in _parquet_batches(path, LOAD_REQ):
+            arrays = {}
+            for c in LOAD_REQ:
+                a = b.column(c)
+                if a.null_count:             # the footer said none
+                    i = next(j for j, v in enumerate(a.is_valid().to_pylist()) if not v)
+                    raise InputError(path, f"column {c!r} is empty", _row(path, off + i + 1))
+                arrays[c] = dense.numpy_ints(a).astype(np.int64, copy=False)
+            for c in _RANGE_ORDER:
+                v = arrays.get(c)
+                if v is None:
+                    continue
+                if v.min() < 0:
+                    i = int(np.argmax(v < 0))
+                    raise _negative(path, c, v[i], off + i + 1)
+                upper = _upper(c, shape)
+                if upper is not None and v.max() >= upper:
+                    i = int(np.argmax(v >= upper))
+                    raise _too_large(path, c, v[i], upper, off + i + 1)
+            top = max(top, int(arrays["layer"].max()))
+            try:
+                out = d.feed(pa.table({c: dense.arrow_ints(arrays[c]) for c in LOAD_REQ}))
+            except dense.NotDense as e:
+                raise OnePassFailed(f"{path}: {e}") from None
+            off += b.num_rows
+            if out is not None and out.num_rows:
+                yield out
+            p(off)
+        try:
+            d.finish()
+        except dense.NotDense as e:
+            raise OnePassFailed(f"{path}: {e}") from None
+        if off != md.num_rows or (not L and top + 1 != L_seen):
+            raise OnePassFailed(f"{path}: the footer's statistics disagree with the rows")
+        p(off, force=big)
+
+    approx = []
+    if not L:
+        approx.append("num_layers inferred from the highest layer id")
+    if not E:
+        approx.append("num_experts inferred from the highest expert id")
+    run = _run_row(path, options, "expert_load", L_seen, E_run, None, approx)
+    return RunData(run=run, tables={"expert_counts": Rereadable(lambda: prefetched(dense_rows))},
+                   run_id_hint=path.name.split(".")[0], files=[str(path)],
+                   two_pass=lambda: _collect_load(path, cols, options))
 
 
 def _collect_load(path: Path, cols: set, options: dict) -> RunData:
@@ -457,6 +612,13 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     from ._jsonl_meta import keep_meta
 
     for path in paths:
+        if path.name.lower().endswith(".parquet") and options.get("layout") != "long":
+            rd = _one_pass(path, options)
+            if rd is not None:
+                out.append(rd)
+                continue
+        import polars as pl
+
         meta: list = []
         frames = _frames(path, meta)
         first = next(frames, None)

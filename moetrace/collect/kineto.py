@@ -19,8 +19,8 @@ import sys
 import zlib
 from pathlib import Path
 
-import polars as pl
 
+from ._polars import pl
 from ..errors import InputError
 from ..safety import limit_error, limit
 from . import Collector, RunData, register

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-import polars as pl
 
+from ._polars import pl
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, limit, limit_error
 from . import Collector, RunData, register

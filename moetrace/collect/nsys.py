@@ -21,8 +21,8 @@ import tempfile
 import zlib
 from pathlib import Path
 
-import polars as pl
 
+from ._polars import pl
 from ..errors import InputError
 from ..safety import (INT64, bounded_gunzip, check_regular_file, checked_int, limit, limit_error, sql_identifier,
                       sqlite_ro_uri)

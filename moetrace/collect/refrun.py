@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 
+from ._polars import pl
 from ..errors import InputError
 from ..domain.hashing import sha256_files
 from ..formats.refrun import MANIFEST, summarize_timing

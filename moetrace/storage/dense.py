@@ -46,7 +46,7 @@ def expert_load_views(long_view_sql: str) -> list[str]:
     return [long_sql, union]
 
 
-def _np(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def numpy_ints(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A null-free integer Arrow column as numpy, from its buffers (zero-copy for one chunk).
     ``to_numpy`` would do the same, but pyarrow imports pandas the first time it is called
     (a third of a second of every ``moetrace ingest``)."""
@@ -65,14 +65,25 @@ def _np(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+_np = numpy_ints
+
+
 # ----------------------------------------------------------------------------- writing
+def arrow_ints(values: np.ndarray, dtype=np.int64) -> pa.Array:
+    """A null-free numpy integer array as an Arrow array over the same buffer (``pa.array``
+    would do the same, but pyarrow imports pandas the first time it is called: a third of
+    a second of every ``moetrace ingest``, issue #26)."""
+    a = np.ascontiguousarray(values, dtype=dtype)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, pa.py_buffer(a)])
+
+
 def _list_array(values: np.ndarray, width: int) -> pa.ListArray:
     import numpy as np
     import pyarrow as pa
 
     n = values.size // width if width else 0
-    offsets = pa.array(np.arange(0, n * width + 1, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(values, dtype=np.int64)))
+    offsets = arrow_ints(np.arange(0, n * width + 1, width, dtype=np.int32), np.int32)
+    return pa.ListArray.from_arrays(offsets, arrow_ints(values))
 
 
 def dense_table(steps: np.ndarray, layers: np.ndarray, counts: np.ndarray) -> pa.Table:
@@ -84,7 +95,7 @@ def dense_table(steps: np.ndarray, layers: np.ndarray, counts: np.ndarray) -> pa
     counts = np.asarray(counts, np.int64)
     E = counts.shape[1] if counts.ndim == 2 else 0
     desc = np.sort(counts, axis=1)[:, ::-1] if counts.size else counts
-    return pa.table({"step": pa.array(np.asarray(steps, np.int64)), "layer": pa.array(np.asarray(layers, np.int32)),
+    return pa.table({"step": arrow_ints(steps), "layer": arrow_ints(layers, np.int32),
                      "tokens": _list_array(counts.reshape(-1), E), "tokens_desc": _list_array(desc.reshape(-1), E)})
 
 

@@ -183,6 +183,47 @@ def conform(table: str, data, file: str | None = None) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=ts.arrow())
 
 
+def one_row(row: dict) -> pa.Table:
+    """A one-row table of Python values (str, int, bool, float, None; other values as
+    ``pa.array`` makes them), column types as ``pa.Table.from_pylist([row])`` infers them.
+    Built from buffers: pyarrow imports pandas the first time ``pa.array`` is called, a
+    third of a second of every ``moetrace ingest`` (issue #26)."""
+    import struct
+
+    cols = {}
+    for k, v in row.items():
+        if v is None:
+            cols[k] = pa.nulls(1)
+        elif isinstance(v, bool):
+            cols[k] = pa.Array.from_buffers(pa.bool_(), 1, [None, pa.py_buffer(bytes([int(v)]))])
+        elif isinstance(v, int) and -2**63 <= v < 2**63:
+            cols[k] = pa.Array.from_buffers(pa.int64(), 1, [None, pa.py_buffer(struct.pack("<q", v))])
+        elif isinstance(v, float):
+            cols[k] = pa.Array.from_buffers(pa.float64(), 1, [None, pa.py_buffer(struct.pack("<d", v))])
+        elif isinstance(v, str):
+            cols[k] = _one_string(v)
+        else:
+            cols[k] = pa.array([v])
+    return pa.table(cols)
+
+
+def repeated_string(value: str, n: int) -> pa.Array:
+    """``n`` copies of ``value`` as a string array: one dictionary entry, ``n`` zero
+    indices (built from buffers, see :func:`one_row`)."""
+    indices = pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(bytes(4 * n))])
+    return pa.DictionaryArray.from_arrays(indices, _one_string(value))
+
+
+def _one_string(v: str) -> pa.Array:
+    import struct
+
+    try:
+        b = v.encode("utf-8")
+    except UnicodeEncodeError:    # a lone surrogate (an undecodable file name): as pyarrow says it
+        return pa.array([v], pa.string())
+    return pa.Array.from_buffers(pa.string(), 1, [None, pa.py_buffer(struct.pack("<ii", 0, len(b))), pa.py_buffer(b)])
+
+
 def empty(table: str) -> pa.Table:
     return ts_empty(get(table))
 

@@ -789,3 +789,36 @@ class _LazyViews:
 def open_store(path: str | os.PathLike, create: bool = False) -> Store:
     """Open the store at ``path``. ``.sql(query)`` returns a polars DataFrame."""
     return Store(path, create=create)
+
+
+def failed_write_leaves_no_trace(path: str | os.PathLike) -> bool:
+    """True when a write into the store at ``path`` that fails and is rolled back leaves
+    every file and folder of the store as it was: the store exists, was written before (its
+    lock file is there) and holds no leftovers of another write (opening it for writing
+    would clear those; the rollback removes its own staging folders)."""
+    p = Path(path)
+    return ((p / STORE_MARKER).is_file() and (p / ".lock").is_file() and not p.is_symlink()
+            and not (p / ".staging").exists() and not (p / ".txn").exists())
+
+
+def remove_empty_store(path: str | os.PathLike, top: str | os.PathLike) -> None:
+    """Remove the store at ``path`` when it holds no run (its marker and lock file only, a
+    write having been rolled back), and the empty folders above it up to ``top``: an
+    ingest refused while writing into a store it created leaves nothing behind."""
+    p, top = Path(path).absolute(), Path(top).absolute()
+    if not p.is_dir() or p.is_symlink():
+        return
+    left = {c.name for c in p.iterdir()}
+    if not left <= {STORE_MARKER, ".lock"}:
+        return
+    for name in left:
+        with contextlib.suppress(FileNotFoundError):
+            (p / name).unlink()
+    while True:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == top or top not in p.parents:
+            return
+        p = p.parent

@@ -46,6 +46,18 @@ class WriteResult:
     message: str = ""
 
 
+def _encodings(sch: pa.Schema) -> dict:
+    """Parquet writer options of a table: lists of integers (``expert_counts``' counts)
+    delta-encoded instead of dictionary-encoded. Measured on the 10M-row benchmark's dense
+    rows (docs/scale.md, one pass): the writer's CPU 0.60-0.71 -> 0.39-0.54 s, reading
+    them back a little faster too (pyarrow, DuckDB), the file 6% larger (22.0 vs 20.8 MB)."""
+    delta = [f.name for f in sch if pa.types.is_list(f.type) and pa.types.is_integer(f.type.value_type)]
+    if not delta:
+        return {}
+    return {"use_dictionary": [f.name for f in sch if f.name not in delta],
+            "column_encoding": {f"{c}.list.element": "DELTA_BINARY_PACKED" for c in delta}}
+
+
 class Transactions:
     """The write half of :class:`~moetrace.storage.store.Store` (it needs the store's
     ``path``, ``_lock``, ``_check_writable`` and ``refresh``)."""
@@ -320,7 +332,7 @@ class Transactions:
             run.setdefault("collector_version", __version__)
             for col in schema.get("runs").columns:
                 run.setdefault(col.name, False if col.type == "bool" and not col.nullable else None)
-            runs_tbl = schema.conform("runs", pa.Table.from_pylist([run]))
+            runs_tbl = schema.conform("runs", schema.one_row(run))
             rows = self._transaction(rid, {**tables, "runs": runs_tbl}, commit_table="runs")
         self.refresh()
         warning = self._refresh_catalog()
@@ -416,7 +428,7 @@ class Transactions:
                 tmp_file = staging / table / f"part-{txid}.parquet"
                 for chunk in self._chunks(tables[table]):
                     if isinstance(chunk, pa.Table) and "run_id" not in chunk.column_names:
-                        chunk = chunk.append_column("run_id", pa.array([run_id] * chunk.num_rows, pa.string()))
+                        chunk = chunk.append_column("run_id", schema.repeated_string(run_id, chunk.num_rows))
                     elif _is_polars(chunk) and "run_id" not in chunk.columns:
                         import polars as pl
 
@@ -430,7 +442,7 @@ class Transactions:
                     body = tbl.drop_columns(["run_id"])
                     if writer is None:
                         tmp_file.parent.mkdir(parents=True, exist_ok=True)
-                        writer = pq.ParquetWriter(tmp_file, body.schema, compression="zstd")
+                        writer = pq.ParquetWriter(tmp_file, body.schema, compression="zstd", **_encodings(body.schema))
                     writer.write_table(body, row_group_size=1 << 20)
                     n_written += tbl.num_rows
                 if writer is None:  # no chunks at all: keep the table empty, write nothing
