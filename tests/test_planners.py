@@ -199,6 +199,58 @@ def test_linear_assignment_is_optimal_against_brute_force():
             assert c[np.arange(n), col].sum() == pytest.approx(best)
 
 
+def _textbook_assignment(c):
+    """The shortest-augmenting-path method with potentials as usually written (1-based,
+    every potential and distance updated at every step of a path): the oracle for the
+    lazily updated form in ``linear_assignment``, which must give the same assignment."""
+    n = c.shape[0]
+    u, v = np.zeros(n + 1), np.zeros(n + 1)
+    p, way = [0] * (n + 1), [0] * (n + 1)
+    for i in range(1, n + 1):
+        p[0], j0 = i, 0
+        minv, used = [np.inf] * (n + 1), [False] * (n + 1)
+        while True:
+            used[j0] = True
+            i0, delta, j1 = p[j0], np.inf, 0
+            for j in range(1, n + 1):
+                if not used[j]:
+                    cur = c[i0 - 1, j - 1] - u[i0] - v[j]
+                    if cur < minv[j]:
+                        minv[j], way[j] = cur, j0
+                    if minv[j] < delta:
+                        delta, j1 = minv[j], j
+            for j in range(n + 1):
+                if used[j]:
+                    u[p[j]] += delta
+                    v[j] -= delta
+                else:
+                    minv[j] -= delta
+            j0 = j1
+            if p[j0] == 0:
+                break
+        while j0:
+            j1 = way[j0]
+            p[j0] = p[j1]
+            j0 = j1
+    col = np.empty(n, np.int64)
+    for j in range(1, n + 1):
+        col[p[j] - 1] = j - 1
+    return col
+
+
+def test_linear_assignment_follows_the_textbook_path():
+    """Same assignment as the per-step textbook form, ties included: integer costs, dense
+    and sparse (mostly zero, like the negated overlaps relabeling gives it)."""
+    rng = np.random.default_rng(7)
+    for k in range(150):
+        n = int(rng.integers(1, 25))
+        if k % 2:
+            c = rng.integers(-3, 4, (n, n)).astype(float)
+        else:
+            c = -(rng.random((n, n)) < 2 / n).astype(float) * rng.integers(1, 3, (n, n))
+        assert linear_assignment(c).tolist() == _textbook_assignment(c).tolist()
+
+
 def test_relabel_hand_case():
     # 3 ranks x 2 slots, one node. new = prev with ranks rotated and one expert swapped for a replica
     prev = Plan(np.array([[0, 1, 2, 3, 4, 5]]), 6, 3, 3)

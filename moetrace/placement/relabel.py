@@ -31,48 +31,60 @@ from .planners import Plan
 def linear_assignment(cost) -> np.ndarray:
     """Minimum-cost perfect assignment of a square matrix: ``col[i]`` for every row ``i``.
 
-    Shortest augmenting paths with row/column potentials (O(n^3)); the inner scan over
-    columns is vectorized."""
+    Shortest augmenting paths with row/column potentials (O(n^3)), rows added in order,
+    the nearest column taken first on ties (the lowest index). The potentials of the
+    columns already reached and the distances of the others all move by the same amount
+    at every step of a path, so they are updated once per added row, not once per step:
+    each step is a few vector operations over the columns. For integer costs every value
+    is an exact integer, and the assignment is the one the textbook per-step update gives
+    (``tests/test_planners.py`` checks it against that form, ties included)."""
     c = np.asarray(cost, dtype=np.float64)
     if c.ndim != 2 or c.shape[0] != c.shape[1]:
         raise ValueError(f"cost must be a square matrix, got {c.shape}")
     n = c.shape[0]
     if n == 0:
         return np.zeros(0, np.int64)
-    u = np.zeros(n + 1)
-    v = np.zeros(n + 1)
-    p = np.zeros(n + 1, np.int64)     # p[j]: row (1-based) matched to column j; p[0] the row being added
-    way = np.zeros(n + 1, np.int64)
-    for i in range(1, n + 1):
-        p[0] = i
-        j0 = 0
-        minv = np.full(n + 1, np.inf)
-        used = np.zeros(n + 1, bool)
+    u = np.zeros(n)                         # row potentials
+    v = np.zeros(n)                         # column potentials
+    row_of = np.full(n, -1, np.int64)       # row matched to column j (-1: none yet)
+    way = np.zeros(n, np.int64)             # column before j on the shortest path (-1: the new row)
+    dist = np.empty(n)                      # distance to column j plus the path's length so far (inf: reached)
+    vv = np.empty(n)                        # v, -inf on reached columns (their distances never change again)
+    t = np.empty(n)
+    upd = np.empty(n, bool)
+    reached_at = np.empty(n)                # the path length when column j was reached
+    for i in range(n):
+        dist.fill(np.inf)
+        np.copyto(vv, v)
+        d = 0.0
+        i0, j0 = i, -1
+        reached = []
         while True:
-            used[j0] = True
-            i0 = p[j0]
-            free = ~used[1:]
-            cur = c[i0 - 1] - u[i0] - v[1:]
-            upd = free & (cur < minv[1:])
-            mv = minv[1:]
-            mv[upd] = cur[upd]
-            wy = way[1:]
-            wy[upd] = j0
-            cand = np.where(free, mv, np.inf)
-            j1 = int(np.argmin(cand)) + 1
-            delta = cand[j1 - 1]
-            u[p[used]] += delta
-            v[used] -= delta
-            mv[free] -= delta
-            j0 = j1
-            if p[j0] == 0:
+            np.subtract(c[i0], vv, out=t)
+            t += d - u[i0]
+            np.less(t, dist, out=upd)
+            np.copyto(dist, t, where=upd)
+            np.copyto(way, j0, where=upd)
+            j0 = int(dist.argmin())
+            d = dist[j0]
+            reached.append(j0)
+            reached_at[j0] = d
+            dist[j0] = np.inf
+            vv[j0] = -np.inf
+            i0 = row_of[j0]
+            if i0 < 0:
                 break
-        while j0:
+        js = np.array(reached)
+        moved = d - reached_at[js]          # how far the potentials moved after j was reached
+        u[row_of[js[:-1]]] += moved[:-1]
+        u[i] += d
+        v[js] -= moved
+        while j0 >= 0:                      # augment along the path
             j1 = way[j0]
-            p[j0] = p[j1]
+            row_of[j0] = row_of[j1] if j1 >= 0 else i
             j0 = j1
     col = np.empty(n, np.int64)
-    col[p[1:] - 1] = np.arange(n)
+    col[row_of] = np.arange(n)
     return col
 
 
