@@ -92,3 +92,21 @@ def test_sparse_overlap_equals_dense_minimum():
             co, cn = _rank_copies(a, E, R), _rank_copies(b, E, R)
             dense = np.minimum(co[:, :, None], cn[:, None, :]).sum(axis=0)
             np.testing.assert_array_equal(overlap_matrix(a, b, E, R), dense)
+
+
+def test_reuse_freed_memory_nests_and_changes_no_number():
+    """The malloc thresholds are a process setting: the same replay inside and outside,
+    nested uses keep them until the outermost ends."""
+    rng = np.random.default_rng(9)
+    plan = _plan(rng, 2, 6, 3, 9, 3)
+    load = rng.poisson(9, size=(11, 2, 6)).astype(np.float64)
+    cost = CostModel(1.5, 70.0, 4e11, 4e10, "test")
+    out = engine.layer_metrics(engine.replay_load(load, plan, "even", None, 2, 100), cost)
+    with engine.reuse_freed_memory():
+        with engine.reuse_freed_memory():
+            assert engine._MALLOC["depth"] == 2
+            inside = engine.layer_metrics(engine.replay_load(load, plan, "even", None, 2, 100), cost)
+        assert engine._MALLOC["depth"] == 1
+    assert engine._MALLOC["depth"] == 0
+    for k in ("imbalance", "straggler", "layer_ns", "rank_ns"):
+        np.testing.assert_array_equal(getattr(inside, k), getattr(out, k), err_msg=k)

@@ -42,6 +42,43 @@ def blas_single_thread():
     return threadpool_limits(1, user_api="blas")
 _HASH = np.uint64(2654435761)
 
+#: glibc's malloc gives a freed block back to the system once more than 128 KiB sit free at
+#: the top of the heap (or unmaps it, above its mmap threshold), so every [steps, layers,
+#: ranks] temporary of a replay piece (2 MiB) was page-faulted in afresh: at fleet shape
+#: 126,000 page faults per 700 steps, a third of the kernels' CPU (measured, docs/scale.md)
+_MALLOC = {"depth": 0, "lib": None}
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+@contextlib.contextmanager
+def reuse_freed_memory(mmap_above: int = 32 << 20, keep: int = 128 << 20):
+    """Inside: blocks up to ``mmap_above`` bytes come from the heap and up to ``keep``
+    freed bytes stay there for the next piece's temporaries; on leaving the outermost one,
+    glibc's default thresholds are set back and the free memory is given back
+    (``malloc_trim``). Peak memory is unchanged: the freed blocks are the next ones used.
+    A no-op where the C library has no ``mallopt`` (not glibc)."""
+    if _MALLOC["lib"] is None:
+        try:
+            import ctypes
+
+            lib = ctypes.CDLL(None)
+            _MALLOC["lib"] = lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else False
+        except OSError:
+            _MALLOC["lib"] = False
+    lib = _MALLOC["lib"]
+    if lib and _MALLOC["depth"] == 0:
+        lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_above))
+        lib.mallopt(_M_TRIM_THRESHOLD, int(keep))
+    _MALLOC["depth"] += 1
+    try:
+        yield
+    finally:
+        _MALLOC["depth"] -= 1
+        if lib and _MALLOC["depth"] == 0:
+            lib.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+            lib.mallopt(_M_TRIM_THRESHOLD, 128 << 10)
+            lib.malloc_trim(0)
+
 
 # ----------------------------------------------------------------------------- replay core
 @dataclass
