@@ -110,3 +110,26 @@ def test_reuse_freed_memory_nests_and_changes_no_number():
     assert engine._MALLOC["depth"] == 0
     for k in ("imbalance", "straggler", "layer_ns", "rank_ns"):
         np.testing.assert_array_equal(getattr(inside, k), getattr(out, k), err_msg=k)
+
+
+@pytest.mark.parametrize("max_touched", [1, 4])
+def test_expert_ns_table_equals_one_call_per_rank(max_touched):
+    """The expert-MLP time table (one gather per block) against the cost model called for
+    every rank by itself: ceil(tokens / slots touched) per expert, quantized, timed."""
+    from moetrace.replay import cost as costmod, gpu_cost
+
+    rng = np.random.default_rng(max_touched)
+    c = costmod.preset("H200", 7168, 44040192)
+    touched = rng.integers(0, max_touched + 1, (5, 3, 16)).astype(np.int32)
+    tokens = np.where(touched > 0, rng.integers(0, 3000, touched.shape) + rng.random(touched.shape) * 0.9, 0.0)
+    tokens[0, 0, :4] = [0.0, 1.0, 128.0, 129.5]
+    spec = c.gpu
+    hand = np.zeros(tokens.shape)
+    for idx in np.ndindex(tokens.shape):
+        g = int(touched[idx])
+        if g:
+            m = int(gpu_cost.quantize_tokens(np.ceil(np.array([tokens[idx] / g])))[0])
+            hand[idx] = gpu_cost._mlp_ns(spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]),
+                                         spec["weight_dtype"], g, m)
+    np.testing.assert_array_equal(gpu_cost.expert_ns(spec, tokens, touched), hand)
+    np.testing.assert_array_equal(c.compute_ns(tokens, touched), c.fixed_ns + hand)
