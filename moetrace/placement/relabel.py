@@ -176,6 +176,9 @@ def relabel(prev: Plan, new: Plan, keep_nodes: bool | None = None) -> tuple[Plan
     for li in range(new.num_layers):
         ov = overlap_matrix(prev.phy2log[li], new.phy2log[li], E, R)
         to_old = best_rank_map(ov, new.ranks_per_node if keep_nodes and new.num_nodes > 1 else None)
+        if spr_n == 1:      # one slot per rank: nothing to order inside it (what _order_like gives)
+            out[li, to_old] = new.phy2log[li]
+            continue
         for b in range(R):
             a = to_old[b]
             out[li, a * spr_n:(a + 1) * spr_n] = _order_like(prev.phy2log[li, a * spr_p:(a + 1) * spr_p],
