@@ -282,9 +282,9 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays: _
         share = arrays.share if dt == np.float64 else arrays.share.astype(dt)    # = Plan.share() at each slot
         l2 = load.reshape(T, L * E)
         g = np.take(l2 if l2.dtype == dt else l2.astype(dt), flat, axis=1)
+        touched = _rank_sum(g > 0, T, L, R, spr, dtype=np.int32)     # the slot's expert routed tokens
         g *= share
         tokens = _rank_sum(g, T, L, R, spr)
-        touched = _rank_sum(np.take(l2 > 0, flat, axis=1), T, L, R, spr, dtype=np.int32)
     intra, inter, received, per_token = _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays)
     return Block(tokens, touched, intra, inter, exact_bytes=False, received=received, per_token=per_token)
 
@@ -444,10 +444,11 @@ def _layer_metrics(tok, touched, intra, inter, cost: CostModel, received=None, p
         rank_ns += comb
     undefined = np.isnan(imb)
     strag = np.argmax(rank_ns, axis=2)
+    layer_ns = np.take_along_axis(rank_ns, strag[..., None], axis=2)[..., 0]     # = rank_ns.max(axis=2)
     strag[undefined] = -1
     load_strag = np.argmax(tok, axis=2)
     load_strag[undefined] = -1
-    return LayerMetrics(mx, mean, imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns, load_strag)
+    return LayerMetrics(mx, mean, imb, strag, layer_ns, disp, comp, rank_ns, load_strag)
 
 
 def summarize(imbalance: np.ndarray, layer_ns: np.ndarray, rank_ns_mean: np.ndarray | None = None) -> Summary:
