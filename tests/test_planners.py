@@ -276,16 +276,28 @@ def _textbook_assignment(c):
 
 
 def test_linear_assignment_follows_the_textbook_path():
-    """Same assignment as the per-step textbook form, ties included: integer costs, dense
-    and sparse (mostly zero, like the negated overlaps relabeling gives it)."""
+    """Same assignment as the per-step textbook form, ties included, for both forms:
+    integer costs of both signs (dense form), and costs <= 0 that are mostly zero (like
+    the negated overlaps relabeling gives it), a third nonzero, or all nonzero (both)."""
+    from moetrace.placement.relabel import _assignment_dense, _assignment_sparse
+
     rng = np.random.default_rng(7)
-    for k in range(150):
+    for k in range(300):
         n = int(rng.integers(1, 25))
-        if k % 2:
+        kind = k % 4
+        if kind == 0:
             c = rng.integers(-3, 4, (n, n)).astype(float)
-        else:
+        elif kind == 1:
             c = -(rng.random((n, n)) < 2 / n).astype(float) * rng.integers(1, 3, (n, n))
-        assert linear_assignment(c).tolist() == _textbook_assignment(c).tolist()
+        elif kind == 2:
+            c = -(rng.random((n, n)) < 0.3).astype(float)
+        else:
+            c = -rng.integers(0, 4, (n, n)).astype(float)
+        want = _textbook_assignment(c).tolist()
+        assert linear_assignment(c).tolist() == want
+        assert _assignment_dense(c).tolist() == want
+        if kind:
+            assert _assignment_sparse(c).tolist() == want
 
 
 def test_relabel_hand_case():
