@@ -133,3 +133,21 @@ def test_expert_ns_table_equals_one_call_per_rank(max_touched):
                                          spec["weight_dtype"], g, m)
     np.testing.assert_array_equal(gpu_cost.expert_ns(spec, tokens, touched), hand)
     np.testing.assert_array_equal(c.compute_ns(tokens, touched), c.fixed_ns + hand)
+
+
+def test_plan_arrays_follow_a_plan_edited_in_place():
+    """The per-plan arrays are reused while the plan is unchanged: a plan whose slots are
+    edited in place replays like a fresh plan with those slots."""
+    rng = np.random.default_rng(10)
+    plan = _plan(rng, 2, 6, 3, 9, 3)
+    load = rng.poisson(9, size=(5, 2, 6)).astype(np.float64)
+    engine.replay_load(load, plan, "even", None, 2, 100)
+    plan.phy2log[0, [0, 4]] = plan.phy2log[0, [4, 0]]
+    plan.phy2log[1, 2] = plan.phy2log[1, 7]             # one expert more, one less on layer 1
+    if np.unique(plan.phy2log[1]).size < 6:
+        plan.phy2log[1, 7] = np.setdiff1d(np.arange(6), plan.phy2log[1])[0]
+    fresh = Plan(plan.phy2log.copy(), 6, 3, 3)
+    a = engine.replay_load(load, plan, "even", None, 2, 100)
+    b = engine.replay_load(load, fresh, "even", None, 2, 100)
+    for k in ("tokens", "touched", "bytes_intra", "bytes_inter"):
+        np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)

@@ -18,6 +18,7 @@ bytes). Splits of an expert's tokens over its replicas:
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,7 @@ _HASH = np.uint64(2654435761)
 #: the top of the heap (or unmaps it, above its mmap threshold), so every [steps, layers,
 #: ranks] temporary of a replay piece (2 MiB) was page-faulted in afresh: at fleet shape
 #: 126,000 page faults per 700 steps, a third of the kernels' CPU (measured, docs/scale.md)
-_MALLOC = {"depth": 0, "lib": None}
+_MALLOC = {"depth": 0, "lib": None, "lock": threading.Lock()}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
@@ -66,18 +67,20 @@ def reuse_freed_memory(mmap_above: int = 32 << 20, keep: int = 128 << 20):
         except OSError:
             _MALLOC["lib"] = False
     lib = _MALLOC["lib"]
-    if lib and _MALLOC["depth"] == 0:
-        lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_above))
-        lib.mallopt(_M_TRIM_THRESHOLD, int(keep))
-    _MALLOC["depth"] += 1
+    with _MALLOC["lock"]:       # replays may run in threads (a Dask worker's): one count for all
+        if lib and _MALLOC["depth"] == 0:
+            lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_above))
+            lib.mallopt(_M_TRIM_THRESHOLD, int(keep))
+        _MALLOC["depth"] += 1
     try:
         yield
     finally:
-        _MALLOC["depth"] -= 1
-        if lib and _MALLOC["depth"] == 0:
-            lib.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
-            lib.mallopt(_M_TRIM_THRESHOLD, 128 << 10)
-            lib.malloc_trim(0)
+        with _MALLOC["lock"]:
+            _MALLOC["depth"] -= 1
+            if lib and _MALLOC["depth"] == 0:
+                lib.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+                lib.mallopt(_M_TRIM_THRESHOLD, 128 << 10)
+                lib.malloc_trim(0)
 
 
 # ----------------------------------------------------------------------------- replay core
@@ -160,7 +163,7 @@ def _plan_arrays(plan: Plan) -> _PlanArrays:
     slots, experts and ranks are compared at every call, so a plan edited in place is
     computed afresh)."""
     key = (plan.num_experts, plan.num_ranks)
-    for p, k, p2l, arrays in _PLAN_CACHE:
+    for p, k, p2l, arrays in list(_PLAN_CACHE):
         if p is plan and k == key and np.array_equal(p2l, plan.phy2log):
             return arrays
     flat, cnt = _slot_gather(plan)
