@@ -97,6 +97,43 @@ def test_bad_shapes_are_input_errors():
         Plan(np.array([[0, 0, 1, 1]]), 3, 2, 1)   # expert 2 has no slot
 
 
+def _dense_moves(old, new):
+    """moves_between and move_copies written with the dense [L, E, R] copies matrices: the
+    reference for the sparse (layer, rank, expert) keys the module uses."""
+    cn, co = new.copies(), old.copies()
+    R = cn.shape[2]
+    co = np.concatenate([co, np.zeros(co.shape[:2] + (max(0, R - co.shape[2]),))], axis=2)[:, :, :R]
+    need = np.maximum(cn - co, 0)
+    old_node = np.arange(old.num_ranks) // old.ranks_per_node
+    new_node = np.arange(R) // new.ranks_per_node
+    held = np.zeros(co.shape[:2] + (int(max(old_node.max(), new_node.max())) + 1,))
+    np.add.at(held, (slice(None), slice(None), old_node), old.copies())
+    near = held[:, :, new_node] > 0
+    return (need.sum(axis=(1, 2)).astype(np.int64), (need * near).sum(axis=(0, 1)).astype(np.int64),
+            (need * ~near).sum(axis=(0, 1)).astype(np.int64))
+
+
+def test_moves_equal_the_dense_count():
+    from moetrace.placement.moves import move_copies
+
+    rng = np.random.default_rng(4)
+    E, L = 12, 3
+    for R_old, R_new, rpn_old, rpn_new, spr_old, spr_new in ((4, 4, 2, 2, 4, 4), (4, 6, 2, 3, 3, 2), (6, 3, 3, 1, 2, 6),
+                                                             (8, 8, 4, 2, 2, 2), (1, 4, 1, 4, 12, 3)):
+        for _ in range(5):
+            def plan(R, rpn, spr):
+                rows = [rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, R * spr - E)]))
+                        for _ in range(L)]
+                return Plan(np.array(rows), E, R, rpn)
+            old, new = plan(R_old, rpn_old, spr_old), plan(R_new, rpn_new, spr_new)
+            per_layer, intra, inter = _dense_moves(old, new)
+            assert moves_between(old, new).tolist() == per_layer.tolist()
+            got = move_copies(old, new)
+            assert got[0].tolist() == intra.tolist() and got[1].tolist() == inter.tolist()
+            assert got[0].sum() + got[1].sum() == per_layer.sum()
+    assert moves_between(old, old).sum() == 0
+
+
 def test_moves_between_hand():
     a = Plan(np.array([[0, 1, 2, 3]]), 4, 2, 1)
     b = Plan(np.array([[1, 0, 2, 3]]), 4, 2, 1)    # same rank, other slots: free
@@ -199,6 +236,70 @@ def test_linear_assignment_is_optimal_against_brute_force():
             assert c[np.arange(n), col].sum() == pytest.approx(best)
 
 
+def _textbook_assignment(c):
+    """The shortest-augmenting-path method with potentials as usually written (1-based,
+    every potential and distance updated at every step of a path): the oracle for the
+    lazily updated form in ``linear_assignment``, which must give the same assignment."""
+    n = c.shape[0]
+    u, v = np.zeros(n + 1), np.zeros(n + 1)
+    p, way = [0] * (n + 1), [0] * (n + 1)
+    for i in range(1, n + 1):
+        p[0], j0 = i, 0
+        minv, used = [np.inf] * (n + 1), [False] * (n + 1)
+        while True:
+            used[j0] = True
+            i0, delta, j1 = p[j0], np.inf, 0
+            for j in range(1, n + 1):
+                if not used[j]:
+                    cur = c[i0 - 1, j - 1] - u[i0] - v[j]
+                    if cur < minv[j]:
+                        minv[j], way[j] = cur, j0
+                    if minv[j] < delta:
+                        delta, j1 = minv[j], j
+            for j in range(n + 1):
+                if used[j]:
+                    u[p[j]] += delta
+                    v[j] -= delta
+                else:
+                    minv[j] -= delta
+            j0 = j1
+            if p[j0] == 0:
+                break
+        while j0:
+            j1 = way[j0]
+            p[j0] = p[j1]
+            j0 = j1
+    col = np.empty(n, np.int64)
+    for j in range(1, n + 1):
+        col[p[j] - 1] = j - 1
+    return col
+
+
+def test_linear_assignment_follows_the_textbook_path():
+    """Same assignment as the per-step textbook form, ties included, for both forms:
+    integer costs of both signs (dense form), and costs <= 0 that are mostly zero (like
+    the negated overlaps relabeling gives it), a third nonzero, or all nonzero (both)."""
+    from moetrace.placement.relabel import _assignment_dense, _assignment_sparse
+
+    rng = np.random.default_rng(7)
+    for k in range(300):
+        n = int(rng.integers(1, 25))
+        kind = k % 4
+        if kind == 0:
+            c = rng.integers(-3, 4, (n, n)).astype(float)
+        elif kind == 1:
+            c = -(rng.random((n, n)) < 2 / n).astype(float) * rng.integers(1, 3, (n, n))
+        elif kind == 2:
+            c = -(rng.random((n, n)) < 0.3).astype(float)
+        else:
+            c = -rng.integers(0, 4, (n, n)).astype(float)
+        want = _textbook_assignment(c).tolist()
+        assert linear_assignment(c).tolist() == want
+        assert _assignment_dense(c).tolist() == want
+        if kind:
+            assert _assignment_sparse(c).tolist() == want
+
+
 def test_relabel_hand_case():
     # 3 ranks x 2 slots, one node. new = prev with ranks rotated and one expert swapped for a replica
     prev = Plan(np.array([[0, 1, 2, 3, 4, 5]]), 6, 3, 3)
@@ -271,6 +372,28 @@ def test_relabel_keeps_the_placement_and_the_replay(seed_load, policy, groups):
     c = costmod.preset("H200", 7168, 44040192)
     np.testing.assert_allclose(layer_metrics(a, c).imbalance, layer_metrics(b, c).imbalance)
     np.testing.assert_allclose(layer_metrics(a, c).layer_ns, layer_metrics(b, c).layer_ns, rtol=1e-9)
+
+
+def test_relabel_one_slot_per_rank_equals_the_slot_ordering():
+    """One slot per rank takes a shortcut (the new rank's only expert goes where the rank
+    map sends it): the same rows as ordering every rank's slots like the previous plan."""
+    from moetrace.placement.relabel import _order_like, best_rank_map, overlap_matrix
+
+    rng = np.random.default_rng(12)
+    E, R = 6, 8
+    for keep in (False, True):
+        for _ in range(20):
+            rows = [np.stack([rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, R - E)]))
+                              for _ in range(3)]) for _ in range(2)]
+            prev, new = Plan(rows[0], E, R, 4), Plan(rows[1], E, R, 4, params={"hierarchical": keep})
+            got, _ = relabel(prev, new)
+            for li in range(3):
+                to_old = best_rank_map(overlap_matrix(prev.phy2log[li], new.phy2log[li], E, R), 4 if keep else None)
+                want = np.empty(R, np.int64)
+                for b in range(R):
+                    want[to_old[b]] = _order_like(prev.phy2log[li, to_old[b]:to_old[b] + 1],
+                                                  new.phy2log[li, b:b + 1])[0]
+                assert got.phy2log[li].tolist() == want.tolist()
 
 
 def test_relabel_leaves_plans_of_another_shape_alone(seed_load):

@@ -92,3 +92,62 @@ def test_sparse_overlap_equals_dense_minimum():
             co, cn = _rank_copies(a, E, R), _rank_copies(b, E, R)
             dense = np.minimum(co[:, :, None], cn[:, None, :]).sum(axis=0)
             np.testing.assert_array_equal(overlap_matrix(a, b, E, R), dense)
+
+
+def test_reuse_freed_memory_nests_and_changes_no_number():
+    """The malloc thresholds are a process setting: the same replay inside and outside,
+    nested uses keep them until the outermost ends."""
+    rng = np.random.default_rng(9)
+    plan = _plan(rng, 2, 6, 3, 9, 3)
+    load = rng.poisson(9, size=(11, 2, 6)).astype(np.float64)
+    cost = CostModel(1.5, 70.0, 4e11, 4e10, "test")
+    out = engine.layer_metrics(engine.replay_load(load, plan, "even", None, 2, 100), cost)
+    with engine.reuse_freed_memory():
+        with engine.reuse_freed_memory():
+            assert engine._MALLOC["depth"] == 2
+            inside = engine.layer_metrics(engine.replay_load(load, plan, "even", None, 2, 100), cost)
+        assert engine._MALLOC["depth"] == 1
+    assert engine._MALLOC["depth"] == 0
+    for k in ("imbalance", "straggler", "layer_ns", "rank_ns"):
+        np.testing.assert_array_equal(getattr(inside, k), getattr(out, k), err_msg=k)
+
+
+@pytest.mark.parametrize("max_touched", [1, 4])
+def test_expert_ns_table_equals_one_call_per_rank(max_touched):
+    """The expert-MLP time table (one gather per block) against the cost model called for
+    every rank by itself: ceil(tokens / slots touched) per expert, quantized, timed."""
+    from moetrace.replay import cost as costmod, gpu_cost
+
+    rng = np.random.default_rng(max_touched)
+    c = costmod.preset("H200", 7168, 44040192)
+    touched = rng.integers(0, max_touched + 1, (5, 3, 16)).astype(np.int32)
+    tokens = np.where(touched > 0, rng.integers(0, 3000, touched.shape) + rng.random(touched.shape) * 0.9, 0.0)
+    tokens[0, 0, :4] = [0.0, 1.0, 128.0, 129.5]
+    spec = c.gpu
+    hand = np.zeros(tokens.shape)
+    for idx in np.ndindex(tokens.shape):
+        g = int(touched[idx])
+        if g:
+            m = int(gpu_cost.quantize_tokens(np.ceil(np.array([tokens[idx] / g])))[0])
+            hand[idx] = gpu_cost._mlp_ns(spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]),
+                                         spec["weight_dtype"], g, m)
+    np.testing.assert_array_equal(gpu_cost.expert_ns(spec, tokens, touched), hand)
+    np.testing.assert_array_equal(c.compute_ns(tokens, touched), c.fixed_ns + hand)
+
+
+def test_plan_arrays_follow_a_plan_edited_in_place():
+    """The per-plan arrays are reused while the plan is unchanged: a plan whose slots are
+    edited in place replays like a fresh plan with those slots."""
+    rng = np.random.default_rng(10)
+    plan = _plan(rng, 2, 6, 3, 9, 3)
+    load = rng.poisson(9, size=(5, 2, 6)).astype(np.float64)
+    engine.replay_load(load, plan, "even", None, 2, 100)
+    plan.phy2log[0, [0, 4]] = plan.phy2log[0, [4, 0]]
+    plan.phy2log[1, 2] = plan.phy2log[1, 7]             # one expert more, one less on layer 1
+    if np.unique(plan.phy2log[1]).size < 6:
+        plan.phy2log[1, 7] = np.setdiff1d(np.arange(6), plan.phy2log[1])[0]
+    fresh = Plan(plan.phy2log.copy(), 6, 3, 3)
+    a = engine.replay_load(load, plan, "even", None, 2, 100)
+    b = engine.replay_load(load, fresh, "even", None, 2, 100)
+    for k in ("tokens", "touched", "bytes_intra", "bytes_inter"):
+        np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=k)

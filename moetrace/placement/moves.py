@@ -24,16 +24,35 @@ import numpy as np
 from .planners import Plan
 
 
+def _copy_keys(plan: Plan, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct (layer, rank, expert) keys ``(layer * ranks + rank) * E + expert``,
+    copies of each) of ``plan``'s ranks below ``ranks``: the nonzero entries of
+    :meth:`Plan.copies`, without its dense [L, E, R] array (38 MB at fleet shape)."""
+    L, E = plan.num_layers, plan.num_experts
+    r = np.broadcast_to(plan.slot_rank[None, :], plan.phy2log.shape)
+    keep = r < ranks
+    key = ((np.arange(L, dtype=np.int64)[:, None] * ranks + r) * E + plan.phy2log)[keep]
+    return np.unique(key, return_counts=True)
+
+
+def _needed(old: Plan, new: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """(keys of ``new``'s (layer, rank, expert) as in :func:`_copy_keys`, copies each needs
+    that the same rank of ``old`` does not hold)."""
+    R = new.num_ranks
+    kn, cn = _copy_keys(new, R)
+    ko, co = _copy_keys(old, R)
+    i = np.minimum(np.searchsorted(ko, kn), max(ko.size - 1, 0))
+    held = np.where((ko.size > 0) & (ko[i] == kn), co[i] if ko.size else 0, 0)
+    return kn, np.maximum(cn - held, 0)
+
+
 def moves_between(old: Plan, new: Plan) -> np.ndarray:
     """Expert copies each layer of ``new`` needs that its rank did not hold in ``old``. [L]"""
     if old.num_layers != new.num_layers or old.num_experts != new.num_experts:
         raise ValueError("plans cover different layers or experts")
-    cn = new.copies()
-    co = old.copies()
-    if co.shape[2] < cn.shape[2]:
-        co = np.concatenate([co, np.zeros(co.shape[:2] + (cn.shape[2] - co.shape[2],))], axis=2)
-    co = co[:, :, :cn.shape[2]]
-    return np.maximum(cn - co, 0).sum(axis=(1, 2)).astype(np.int64)
+    kn, need = _needed(old, new)
+    layer = kn // (new.num_ranks * new.num_experts)
+    return np.bincount(layer, weights=need, minlength=new.num_layers).astype(np.int64)
 
 
 def _rank_loads(row: np.ndarray, w: np.ndarray, slot_rank: np.ndarray, R: int):
@@ -149,17 +168,17 @@ def move_copies(old: Plan, new: Plan) -> tuple[np.ndarray, np.ndarray]:
     travels over NVLink), inter when only another node did (over the NIC). The total is
     ``moves_between(old, new).sum()``."""
     moves_between(old, new)   # same layers and experts, else ValueError
-    cn = new.copies()
-    R = cn.shape[2]
-    co = old.copies()
-    co = np.concatenate([co, np.zeros(co.shape[:2] + (max(0, R - co.shape[2]),))], axis=2)[:, :, :R]
-    need = np.maximum(cn - co, 0)
-    old_rank_node = np.arange(old.num_ranks) // old.ranks_per_node
-    new_rank_node = np.arange(R) // new.ranks_per_node
-    n_nodes = int(max(old_rank_node.max(), new_rank_node.max())) + 1
-    held = np.zeros(old.copies().shape[:2] + (n_nodes,))
-    np.add.at(held, (slice(None), slice(None), old_rank_node), old.copies())
-    near = held[:, :, new_rank_node] > 0          # [L, E, R]: the node of new rank r held e
-    intra = (need * near).sum(axis=(0, 1))
-    inter = (need * ~near).sum(axis=(0, 1))
+    L, E, R = new.num_layers, new.num_experts, new.num_ranks
+    kn, need = _needed(old, new)
+    layer, rank, expert = kn // (R * E), kn // E % R, kn % E
+    # (layer, node, expert) the old plan holds, nodes numbered by each plan's ranks per node
+    old_node = old.slot_rank // old.ranks_per_node
+    n_nodes = int(max(old_node.max(initial=0), (R - 1) // new.ranks_per_node)) + 1
+    held = np.unique(((np.arange(L, dtype=np.int64)[:, None] * n_nodes + old_node[None, :]) * E
+                      + old.phy2log).ravel())
+    want = (layer * n_nodes + rank // new.ranks_per_node) * E + expert
+    i = np.minimum(np.searchsorted(held, want), held.size - 1)
+    near = held[i] == want
+    intra = np.bincount(rank, weights=need * near, minlength=R)
+    inter = np.bincount(rank, weights=need * ~near, minlength=R)
     return intra.astype(np.int64), inter.astype(np.int64)

@@ -83,9 +83,14 @@ class CostModel:
             work = gpu_cost.expert_ns(self.gpu, tokens, touched)
         else:
             work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
-        compute = self.fixed_ns + work
         if self.contention:
+            compute = self.fixed_ns + work
             compute = compute + self.contention * overlap_ns(work)
+        elif isinstance(work, np.ndarray) and work.dtype == np.float64 and work.ndim:
+            compute = work      # a fresh array: fixed_ns + work in place (the same sums)
+            compute += self.fixed_ns
+        else:
+            compute = self.fixed_ns + work
         return np.asarray(compute, np.float64)
 
     def comm_received_ns(self, received, per_token: tuple[float, float]) -> np.ndarray:

@@ -18,6 +18,7 @@ bytes). Splits of an expert's tokens over its replicas:
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,45 @@ def blas_single_thread():
         return contextlib.nullcontext()
     return threadpool_limits(1, user_api="blas")
 _HASH = np.uint64(2654435761)
+
+#: glibc's malloc gives a freed block back to the system once more than 128 KiB sit free at
+#: the top of the heap (or unmaps it, above its mmap threshold), so every [steps, layers,
+#: ranks] temporary of a replay piece (2 MiB) was page-faulted in afresh: at fleet shape
+#: 126,000 page faults per 700 steps, a third of the kernels' CPU (measured, docs/scale.md)
+_MALLOC = {"depth": 0, "lib": None, "lock": threading.Lock()}
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+@contextlib.contextmanager
+def reuse_freed_memory(mmap_above: int = 32 << 20, keep: int = 128 << 20):
+    """Inside: blocks up to ``mmap_above`` bytes come from the heap and up to ``keep``
+    freed bytes stay there for the next piece's temporaries; on leaving the outermost one,
+    glibc's default thresholds are set back and the free memory is given back
+    (``malloc_trim``). Peak memory is unchanged: the freed blocks are the next ones used.
+    A no-op where the C library has no ``mallopt`` (not glibc)."""
+    if _MALLOC["lib"] is None:
+        try:
+            import ctypes
+
+            lib = ctypes.CDLL(None)
+            _MALLOC["lib"] = lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else False
+        except OSError:
+            _MALLOC["lib"] = False
+    lib = _MALLOC["lib"]
+    with _MALLOC["lock"]:       # replays may run in threads (a Dask worker's): one count for all
+        if lib and _MALLOC["depth"] == 0:
+            lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_above))
+            lib.mallopt(_M_TRIM_THRESHOLD, int(keep))
+        _MALLOC["depth"] += 1
+    try:
+        yield
+    finally:
+        with _MALLOC["lock"]:
+            _MALLOC["depth"] -= 1
+            if lib and _MALLOC["depth"] == 0:
+                lib.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+                lib.mallopt(_M_TRIM_THRESHOLD, 128 << 10)
+                lib.malloc_trim(0)
 
 
 # ----------------------------------------------------------------------------- replay core
@@ -101,6 +141,38 @@ def _slot_gather(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     return flat, cnt
 
 
+@dataclass
+class _PlanArrays:
+    """What the kernels take from a plan at every piece: :func:`_slot_gather`'s (index,
+    copies) per slot, each slot's share of its expert's tokens (1 / copies, float64) and the
+    copies of each expert [L, E] in float32."""
+    flat: np.ndarray
+    cnt: np.ndarray
+    share: np.ndarray
+    logcnt32: np.ndarray
+
+
+#: the last few plans' arrays: a replay asks for the same two plans (the candidate and the
+#: recorded one) at every piece, and the argsort behind them took 6% of the kernels' time
+_PLAN_CACHE: list = []
+_PLAN_CACHE_SIZE = 4
+
+
+def _plan_arrays(plan: Plan) -> _PlanArrays:
+    """:class:`_PlanArrays` of ``plan``, computed once while the plan is unchanged (its
+    slots, experts and ranks are compared at every call, so a plan edited in place is
+    computed afresh)."""
+    key = (plan.num_experts, plan.num_ranks)
+    for p, k, p2l, arrays in list(_PLAN_CACHE):
+        if p is plan and k == key and np.array_equal(p2l, plan.phy2log):
+            return arrays
+    flat, cnt = _slot_gather(plan)
+    arrays = _PlanArrays(flat, cnt, 1.0 / cnt.astype(np.float64), plan.logcnt().astype(np.float32))
+    _PLAN_CACHE.append((plan, key, plan.phy2log.copy(), arrays))
+    del _PLAN_CACHE[:-_PLAN_CACHE_SIZE]
+    return arrays
+
+
 def _rank_sum(per_slot: np.ndarray, T: int, L: int, R: int, spr: int, dtype=None) -> np.ndarray:
     """[T, L * S] per-slot values summed over each rank's slots (slot order): [T, L, R]."""
     v = per_slot.reshape(T, L, R, spr)
@@ -109,28 +181,29 @@ def _rank_sum(per_slot: np.ndarray, T: int, L: int, R: int, spr: int, dtype=None
     return v.sum(axis=3, dtype=dtype)
 
 
-def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per_token: int,
-                      gather: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per_token: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """Bytes each rank receives in the dispatch, without per-token data: a token reaches
     rank r unless it misses every copy there, each copy taking load/copies of the step's
     B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks (the
     token's own rank costs nothing, its node's other ranks are intra-node). Without
     ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so).
     float32 throughout (a probability per rank; the bytes are an estimate)."""
-    intra, inter, _, _ = _estimate_dispatch(load, plan, top_k, bytes_per_token, gather)
+    intra, inter, _, _ = _estimate_dispatch(load, plan, top_k, bytes_per_token)
     return intra, inter
 
 
-def _estimate_dispatch(load, plan, top_k, bytes_per_token, gather=None):
+def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays | None = None):
     """(intra bytes, inter bytes, tokens received or None, (intra, inter) bytes per received token)."""
     T, L, E = load.shape
     if not top_k:
         z = np.zeros((T, L, plan.num_ranks))
         return z, z, None, None
     R, S, rpn = plan.num_ranks, plan.num_slots, plan.ranks_per_node
-    flat, cnt = gather if gather is not None else _slot_gather(plan)
+    arrays = arrays or _plan_arrays(plan)
+    flat = arrays.flat
     B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
-    inv = np.float32(1.0) / (plan.logcnt().astype(np.float32)[None] * np.maximum(B, np.float32(1e-30)))
+    inv = np.float32(1.0) / (arrays.logcnt32[None] * np.maximum(B, np.float32(1e-30)))
     x = np.multiply(load, inv, dtype=np.float32)
     np.clip(x, 0.0, 1.0 - 1e-7, out=x)
     np.negative(x, out=x)
@@ -163,14 +236,14 @@ def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np
     """Replay aggregated load [t, L, E] (or per-slot counts of this very plan) against ``plan``,
     a few steps at a time (:data:`BLOCK_ELEMENTS`); the answer does not depend on the split."""
     T, L, E = load.shape
-    gather = _slot_gather(plan)
+    arrays = _plan_arrays(plan)
     parts = _sub_blocks(T, L * max(plan.num_ranks, E))
     if len(parts) == 1:
-        return _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, gather)
+        return _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays)
     out = None
     for a, b in parts:
         blk = _replay_load(load[a:b], plan, split, None if slot_load is None else slot_load[a:b], top_k,
-                           bytes_per_token, gather)
+                           bytes_per_token, arrays)
         if out is None:
             out = Block(*(np.empty((T,) + x.shape[1:], x.dtype) for x in
                           (blk.tokens, blk.touched, blk.bytes_intra, blk.bytes_inter)), exact_bytes=False,
@@ -184,7 +257,7 @@ def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np
     return out
 
 
-def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, gather) -> Block:
+def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays: _PlanArrays) -> Block:
     T, L, E = load.shape
     R, spr = plan.num_ranks, plan.slots_per_rank
     if slot_load is not None:
@@ -207,15 +280,15 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, gather) -
         # (a gather per slot, no dense [E, R] product). float64 counts (the store's) split in
         # float64, as the SQL views do: the recorded plan's replay then equals skew_summary;
         # float32 arrays stay float32 (speed)
-        flat, cnt = gather
+        flat = arrays.flat
         dt = np.float64 if load.dtype == np.float64 else np.float32
-        share = (1.0 / cnt.astype(np.float64)).astype(dt)      # = Plan.share() at each slot
+        share = arrays.share if dt == np.float64 else arrays.share.astype(dt)    # = Plan.share() at each slot
         l2 = load.reshape(T, L * E)
         g = np.take(l2 if l2.dtype == dt else l2.astype(dt), flat, axis=1)
+        touched = _rank_sum(g > 0, T, L, R, spr, dtype=np.int32)     # the slot's expert routed tokens
         g *= share
         tokens = _rank_sum(g, T, L, R, spr)
-        touched = _rank_sum(np.take(l2 > 0, flat, axis=1), T, L, R, spr, dtype=np.int32)
-    intra, inter, received, per_token = _estimate_dispatch(load, plan, top_k, bytes_per_token, gather)
+    intra, inter, received, per_token = _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays)
     return Block(tokens, touched, intra, inter, exact_bytes=False, received=received, per_token=per_token)
 
 
@@ -374,10 +447,11 @@ def _layer_metrics(tok, touched, intra, inter, cost: CostModel, received=None, p
         rank_ns += comb
     undefined = np.isnan(imb)
     strag = np.argmax(rank_ns, axis=2)
+    layer_ns = np.take_along_axis(rank_ns, strag[..., None], axis=2)[..., 0]     # = rank_ns.max(axis=2)
     strag[undefined] = -1
     load_strag = np.argmax(tok, axis=2)
     load_strag[undefined] = -1
-    return LayerMetrics(mx, mean, imb, strag, rank_ns.max(axis=2), disp, comp, rank_ns, load_strag)
+    return LayerMetrics(mx, mean, imb, strag, layer_ns, disp, comp, rank_ns, load_strag)
 
 
 def summarize(imbalance: np.ndarray, layer_ns: np.ndarray, rank_ns_mean: np.ndarray | None = None) -> Summary:

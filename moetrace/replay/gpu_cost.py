@@ -111,9 +111,10 @@ class _MlpTable:
         col_max = int(self.qcol[m_max])
         if g_max >= self.filled.size or (self.filled[:g_max + 1] <= col_max).any():
             self._fill(g_max, col_max)
-        idx = np.take(self.qcol, m)
         if g_max <= 1:      # m is 0 where g is 0, and every g's time of m = 0 is 0: row 1 serves both
-            return np.take(self.vals[min(g_max, 1)], idx)
+            # one gather: the row's time of every count up to m_max (qcol composed with the row)
+            return np.take(np.take(self.vals[min(g_max, 1)], self.qcol[:m_max + 1]), m)
+        idx = np.take(self.qcol, m)
         idx += g * self.vals.shape[1]
         return np.take(self.vals.reshape(-1), idx)
 
@@ -133,11 +134,12 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     g_max = int(g.max(initial=0))
     if g_max <= 1:          # tokens / 1 (and 0 where nothing is touched)
         m = np.ceil(tok)
+        m_max = float(np.ceil(tok.max(initial=0.0)))     # = m.max(): ceil is monotone
     else:
         m = np.divide(tok, np.maximum(g, 1))
         np.ceil(m, out=m)
         m[g <= 0] = 0.0
-    m_max = float(m.max(initial=0.0))
+        m_max = float(m.max(initial=0.0))
     if m_max < TABLE_MAX_TOKENS:
         key = (hw, h, i, dt)
         table = _TABLES.get(key)

@@ -16,7 +16,7 @@ from ..placement.relabel import relabel
 from ..placement.planners import Plan, PlanShape, contiguous, make_plan
 from .strategies import Timing, judge, judge_stream
 from .cost_fit import _cost
-from .load import RunShape, iter_load, read_load, routing_block, routing_has_slots
+from .load import RunShape, iter_load, read_load, read_load_total, routing_block, routing_has_slots
 from .plan_store import recorded_plan
 from .spool import Spool
 from .results import (ReplayOptions, ReplayResult, _layer_table, _rank_table, _runs_row, _time_note, new_replay_id,
@@ -196,10 +196,10 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape,
     """Plan ``policy`` fitted on the steps of ``fit_window`` (default the first half), and
     the steps that judge it (after the window; all with ``in_sample``)."""
     fw, notes = default_fit_window(shape, fit_window, in_sample)
-    ids, load, _ = read_load(store, run_id, shape, fw)
+    ids, total = read_load_total(store, run_id, shape, fw)
     if ids.size == 0:
         raise InputError(None, f"--fit-steps {fw[0]}:{fw[1]} holds no recorded steps")
-    plan = make_plan(policy, load.sum(axis=0), plan_shape, layers=shape.layers, plan_id=plan_id)
+    plan = make_plan(policy, total, plan_shape, layers=shape.layers, plan_id=plan_id)
     # moves are counted after relabeling in every command (plan, replay, drift, sweep): a
     # planner's rank numbering is arbitrary, so the plan is renamed to keep experts where
     # the recorded placement has them

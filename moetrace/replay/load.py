@@ -230,6 +230,24 @@ def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] |
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), sl
 
 
+def read_load_total(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
+                    chunk_steps: int = 500) -> tuple[np.ndarray, np.ndarray]:
+    """(step ids, load summed over those steps [L, E] float64): what a planner is fitted on,
+    without holding the steps' loads (a 1,000-step window of the fleet shape is 119 MB in
+    float64). The counts are integers, summed exactly (int64, or float64 below 2^53), so the
+    total equals ``read_load(...)[1].sum(axis=0)``."""
+    steps = shape.steps
+    if step_range:
+        steps = steps[(steps >= step_range[0]) & (steps < step_range[1])]
+    total = np.zeros((shape.layers.size, shape.num_experts))
+    got = []
+    for i in range(0, steps.size, chunk_steps):
+        ids, load, _ = _read_chunk(store, run_id, shape, steps[i:i + chunk_steps], False)
+        total += load.sum(axis=0)
+        got.append(ids)
+    return (np.concatenate(got) if got else steps), total
+
+
 def routing_has_slots(store, run_id) -> bool:
     """True when every per-token routing row records its physical slot."""
     r = store.sql("SELECT count(*) AS n, count(slot) AS s FROM routing WHERE run_id = ?", [run_id]).row(0)

@@ -11,7 +11,7 @@ from .engine import imbalance
 from ..placement.moves import moves_between, replan
 from ..placement.planners import Plan, make_plan
 from ..placement.relabel import relabel
-from .load import RunShape, read_load
+from .load import RunShape, read_load_total
 from .plan_store import load_plan
 
 
@@ -83,11 +83,10 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
                                "or --plan ID with --max-moves")
     if policy and import_file:
         raise InputError(None, "give --policy or --import, not both")
-    ids, load, _ = read_load(store, run_id, shape, fit_window)
+    ids, total = read_load_total(store, run_id, shape, fit_window)
     if ids.size == 0 and (policy or moves_mode):
         what = f"--fit-steps {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
         raise InputError(None, f"{what} holds no recorded steps")
-    total = load.sum(axis=0)
     base = load_plan(store, run_id, "recorded", shape) if shape.num_ranks else None
     info, relabel_info = {}, None
     if policy:

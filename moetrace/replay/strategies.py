@@ -32,7 +32,7 @@ import numpy as np
 
 from .cost import CostModel, error_band
 from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
-from .engine import Block, LayerMetrics, Summary, layer_metrics
+from .engine import Block, LayerMetrics, Summary, layer_metrics, reuse_freed_memory
 from ..placement.moves import move_copies, replan
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
@@ -371,27 +371,28 @@ def judge(ids: np.ndarray, load: np.ndarray, slot_load: np.ndarray | None, first
     bounds = strategy.boundaries(n) + [n]
     prev, first_plan, acc, changes = recorded, None, _Acc(), []
     pp = _per_pass(timing)
-    for j0, j1 in zip(bounds[:-1], bounds[1:]):
-        a, b = first + j0, first + j1
-        bid, bl = ids[a:b], load[a:b]
-        bsl = None if slot_load is None else slot_load[a:b]
-        plan, _ = strategy.plan_at(prev, j0, j1, history)
-        if plan.plan_id is None:
-            plan.plan_id = f"{strategy.kind}@{int(ids[a])}"
-        first_plan = first_plan or plan
-        is_rec = plan is recorded
-        blk, m = _metrics(replay_fn, bid, bl, bsl, plan, is_rec, cost, pp)
-        mr = m if is_rec else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)[1]
-        if on_block is not None:
-            on_block(bid, plan, blk, m)
-        acc.add(bid, m, mr, plan.plan_id, strategy.kind == "replan")
-        if strategy.charged and plan is not prev and not is_rec:
-            pm = mr if prev is recorded else _metrics(replay_fn, bid, bl, bsl, prev, False, cost, pp)[1]
-            gain = float((pm.layer_ns.sum(axis=1) - m.layer_ns.sum(axis=1)).mean())
-            ch = _charge(prev, plan, expert_bytes, cost, mc, ids[a], gain, b - a)
-            if ch:
-                changes.append(ch)
-        prev = plan
+    with reuse_freed_memory():
+        for j0, j1 in zip(bounds[:-1], bounds[1:]):
+            a, b = first + j0, first + j1
+            bid, bl = ids[a:b], load[a:b]
+            bsl = None if slot_load is None else slot_load[a:b]
+            plan, _ = strategy.plan_at(prev, j0, j1, history)
+            if plan.plan_id is None:
+                plan.plan_id = f"{strategy.kind}@{int(ids[a])}"
+            first_plan = first_plan or plan
+            is_rec = plan is recorded
+            blk, m = _metrics(replay_fn, bid, bl, bsl, plan, is_rec, cost, pp)
+            mr = m if is_rec else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)[1]
+            if on_block is not None:
+                on_block(bid, plan, blk, m)
+            acc.add(bid, m, mr, plan.plan_id, strategy.kind == "replan")
+            if strategy.charged and plan is not prev and not is_rec:
+                pm = mr if prev is recorded else _metrics(replay_fn, bid, bl, bsl, prev, False, cost, pp)[1]
+                gain = float((pm.layer_ns.sum(axis=1) - m.layer_ns.sum(axis=1)).mean())
+                ch = _charge(prev, plan, expert_bytes, cost, mc, ids[a], gain, b - a)
+                if ch:
+                    changes.append(ch)
+            prev = plan
     return acc.finish(name, strategy, first_plan, changes, cost, timing)
 
 
@@ -406,16 +407,17 @@ def judge_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray, "np.ndarray | No
     mc, timing = mc or MoveCost(), timing or Timing()
     strategy = Fixed(plan, kind="recorded" if plan is recorded else kind)
     acc, pp = _Acc(), _per_pass(timing)
-    for bid, bl, bsl in chunks:
-        if not bid.size:
-            continue
-        blk, m = _metrics(replay_fn, bid, bl, bsl, plan, plan is recorded, cost, pp)
-        rblk, mr = (blk, m) if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)
-        if on_block is not None:
-            on_block(bid, plan, blk, m)
-        if on_recorded is not None:
-            on_recorded(bid, rblk)
-        acc.add(bid, m, mr, plan.plan_id or kind, False)
+    with reuse_freed_memory():
+        for bid, bl, bsl in chunks:
+            if not bid.size:
+                continue
+            blk, m = _metrics(replay_fn, bid, bl, bsl, plan, plan is recorded, cost, pp)
+            rblk, mr = (blk, m) if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)
+            if on_block is not None:
+                on_block(bid, plan, blk, m)
+            if on_recorded is not None:
+                on_recorded(bid, rblk)
+            acc.add(bid, m, mr, plan.plan_id or kind, False)
     if not acc.steps:
         raise ValueError("no judged steps")
     changes = []
