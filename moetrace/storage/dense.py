@@ -69,11 +69,14 @@ _np = numpy_ints
 
 
 # ----------------------------------------------------------------------------- writing
-def arrow_ints(values: np.ndarray, dtype=np.int64) -> pa.Array:
+def arrow_ints(values: np.ndarray, dtype=None) -> pa.Array:
     """A null-free numpy integer array as an Arrow array over the same buffer (``pa.array``
     would do the same, but pyarrow imports pandas the first time it is called: a third of
-    a second of every ``moetrace ingest``, issue #26)."""
-    a = np.ascontiguousarray(values, dtype=dtype)
+    a second of every ``moetrace ingest``, issue #26). ``dtype`` defaults to int64."""
+    import numpy as np
+    import pyarrow as pa
+
+    a = np.ascontiguousarray(values, dtype=np.int64 if dtype is None else dtype)
     return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, pa.py_buffer(a)])
 
 

@@ -188,6 +188,8 @@ def one_row(row: dict) -> pa.Table:
     ``pa.array`` makes them), column types as ``pa.Table.from_pylist([row])`` infers them.
     Built from buffers: pyarrow imports pandas the first time ``pa.array`` is called, a
     third of a second of every ``moetrace ingest`` (issue #26)."""
+    import pyarrow as pa
+
     import struct
 
     cols = {}
@@ -210,11 +212,15 @@ def one_row(row: dict) -> pa.Table:
 def repeated_string(value: str, n: int) -> pa.Array:
     """``n`` copies of ``value`` as a string array: one dictionary entry, ``n`` zero
     indices (built from buffers, see :func:`one_row`)."""
+    import pyarrow as pa
+
     indices = pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(bytes(4 * n))])
     return pa.DictionaryArray.from_arrays(indices, _one_string(value))
 
 
 def _one_string(v: str) -> pa.Array:
+    import pyarrow as pa
+
     import struct
 
     try:

@@ -51,6 +51,8 @@ def _encodings(sch: pa.Schema) -> dict:
     delta-encoded instead of dictionary-encoded. Measured on the 10M-row benchmark's dense
     rows (docs/scale.md, one pass): the writer's CPU 0.60-0.71 -> 0.39-0.54 s, reading
     them back a little faster too (pyarrow, DuckDB), the file 6% larger (22.0 vs 20.8 MB)."""
+    import pyarrow as pa
+
     delta = [f.name for f in sch if pa.types.is_list(f.type) and pa.types.is_integer(f.type.value_type)]
     if not delta:
         return {}
