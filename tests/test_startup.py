@@ -71,7 +71,8 @@ with redirect_stdout(out):
     except SystemExit as e:
         code = e.code
 print(json.dumps({{"code": code, "out": out.getvalue(),
-                   "heavy": sorted(m for m in ("polars", "pyarrow", "numpy", "pandas") if m in sys.modules)}}))
+                   "heavy": sorted(m for m in ("polars", "pyarrow", "numpy", "pandas", "duckdb")
+                                   if m in sys.modules)}}))
 """
 
 
@@ -86,7 +87,8 @@ def _cli_in_fresh_python(*args: str) -> dict:
 
 def test_runs_and_skew_import_neither_polars_nor_arrow_nor_numpy(tmp_path, runner, cli):
     """`moetrace runs` and `moetrace skew` print DuckDB's rows: polars, pyarrow (and its
-    pandas) and numpy are not imported on their path (issue #26: start-up under 0.3 s).
+    pandas), numpy and the duckdb package's Python layer (moetrace.storage.engine: only its
+    C extension) are not imported on their path (issue #26: start-up under 0.3 s).
     Not a timing test: it fails when one of them comes back on the path."""
     st = tmp_path / "tiny"
     res = runner.invoke(cli, ["synth", str(st), "--layers", "2", "--steps", "3", "--tokens-per-step", "64",
@@ -142,3 +144,53 @@ def test_rows_print_as_polars_prints_their_frame():
             fast += 1
             assert text == render_table(r.to_polars()), r
     assert fast >= 15   # the plain cases do not need polars
+
+
+def test_engine_is_the_packages_extension():
+    """moetrace.storage.engine hands out the C extension the duckdb package re-exports: the
+    same connect, connection class and exceptions (a DuckDB release that changes this fails
+    here); a connection made through it gains the package's methods once the package is
+    imported, and the package is imported as soon as a data-frame library is loaded."""
+    code = """
+import sys
+from moetrace.storage import engine
+assert "duckdb" not in sys.modules
+con = engine.duckdb.connect(":memory:")
+assert con.execute("SELECT 6 * 7 AS x").fetchall() == [(42,)]
+try:
+    con.execute("SELECT * FROM no_such_table")
+except engine.Error as e:
+    caught = type(e).__name__
+import pyarrow as pa
+engine.needs_full()
+assert "duckdb" in sys.modules
+import duckdb
+assert engine.duckdb.connect is duckdb.connect and engine.Error is duckdb.Error
+assert engine.duckdb.CatalogException is duckdb.CatalogException
+assert engine.duckdb.BinderException is duckdb.BinderException
+assert type(con) is duckdb.DuckDBPyConnection
+t = pa.table({"a": [1, 2, 3]})
+assert con.sql("SELECT sum(a) FROM t").fetchall() == [(6,)]      # the package's method, Arrow scan
+print(caught)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "CatalogException"
+
+
+def test_lazy_views_bring_the_package_for_its_methods(tmp_path):
+    """A store opened in a process without the duckdb package: ``Store.rows`` runs on the
+    extension alone; ``con.sql`` (a method of the package's Python layer) still works."""
+    code = f"""
+import sys
+from moetrace.storage.store import Store
+st = Store({str(tmp_path / "s")!r}, create=True)
+assert st.rows("SELECT 1 AS one").rows == [(1,)]
+assert "duckdb" not in sys.modules
+assert st.con.sql("SELECT 2").fetchall() == [(2,)]
+assert "duckdb" in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -114,7 +114,7 @@ def _pow2_at_least(n: int) -> int:
 def _drop(con, names) -> None:
     """Drop the TEMP tables or TEMP views ``names`` (moetrace.analyze.cache shadows the
     views with TEMP views over the stored rows)."""
-    import duckdb
+    from ..storage.engine import duckdb
 
     for n in names:
         try:

@@ -104,7 +104,7 @@ def _quick_footers(root: Path, tables, con=None) -> set[Path]:
         if con is not None:
             cols = footer_columns(con, list(files))
         else:
-            import duckdb
+            from .engine import duckdb
 
             con = duckdb.connect(":memory:")
             try:

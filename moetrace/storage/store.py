@@ -238,7 +238,7 @@ class Store(Transactions):
         files = list((self.path / table).glob("*/*.parquet"))  # what the view reads (table_glob)
         if not files:
             return 0, 0
-        import duckdb
+        from .engine import duckdb
 
         from .check import footer_columns
 
@@ -301,7 +301,7 @@ class Store(Transactions):
         ``relative``, over globs). A store written before a contract column existed
         (no file of the table holds it) fails to bind; then the views are made again with
         that column NULL (or derived): older stores are read as they are, never rewritten."""
-        import duckdb
+        from .engine import duckdb
 
         if files is None and not relative:
             files = self.committed_files()
@@ -355,11 +355,14 @@ class Store(Transactions):
         """A fresh in-memory DuckDB connection with every view defined. Never writes:
         no recovery (the views hide uncommitted runs), spills go to the store's
         ``.duckdb_tmp`` only when DuckDB needs to spill."""
-        import duckdb
-
         from ..safety import memory_limit as check_memory_limit
 
-        con = duckdb.connect(":memory:") if _base is None else _base
+        if _base is None:   # a connection for any use: the package's every method (engine.full)
+            from .engine import full
+
+            con = full().connect(":memory:")
+        else:
+            con = _base
         # DuckDB draws a progress bar on stderr for queries past 2 s, even when stderr is a
         # pipe; stderr carries moetrace's own one-line notes and errors only
         con.execute("SET enable_progress_bar=false")
@@ -395,8 +398,9 @@ class Store(Transactions):
         if self._con is not None:
             return self._con.raw if isinstance(self._con, _LazyViews) else self._con
         if self._scratch_con is None:
-            import duckdb
+            from .engine import duckdb, needs_full
 
+            needs_full()
             self._scratch_con = duckdb.connect(":memory:")
         return self._scratch_con
 
@@ -445,7 +449,7 @@ class Store(Transactions):
         """Run SQL over the store's views and return its rows as DuckDB gives them
         (:class:`moetrace.output.Rows`: no polars, no Arrow; what ``moetrace runs`` and
         ``moetrace skew`` print, issue #26)."""
-        import duckdb
+        from .engine import duckdb
 
         from ..output import Rows
 
@@ -459,7 +463,7 @@ class Store(Transactions):
     def copy_parquet(self, query: str, params, path) -> int:
         """Write the rows of ``query`` to the Parquet file ``path`` with DuckDB's COPY (no
         polars, no Arrow: ``moetrace skew -o x.parquet``); returns the rows written."""
-        import duckdb
+        from .engine import duckdb
 
         from ..safety import sql_literal as lit
 
@@ -494,7 +498,7 @@ class Store(Transactions):
     def runs_rows(self) -> Rows:
         """:meth:`runs` as :class:`moetrace.output.Rows`, read by DuckDB from the runs
         partitions (no view is built, no polars, no Arrow: ``moetrace runs``, issue #26)."""
-        import duckdb
+        from .engine import duckdb
 
         from ..output import Rows
         from .check import footer_columns
@@ -530,7 +534,7 @@ class Store(Transactions):
         given), read from Parquet footers by DuckDB (no data scan). ``dense_as_expert_load``:
         expert_load also counts the rows its view shows of the dense expert_counts rows (one
         per list element, from the footers)."""
-        import duckdb
+        from .engine import duckdb
 
         parts = []
         for t in (schema.load_all() if tables is None else tables):
@@ -751,7 +755,7 @@ class _LazyViews:
             self._create(stmt)
 
     def _create(self, stmt: str) -> None:
-        import duckdb
+        from .engine import duckdb
 
         from .views import _VIEW_RE
 
@@ -772,10 +776,16 @@ class _LazyViews:
             self._create(graph[v][1])
 
     def execute(self, query, *args, **kwargs):
+        from .engine import needs_full
+
+        needs_full()
         self._ensure(query)
         return self.raw.execute(query, *args, **kwargs)
 
     def sql(self, query, *args, **kwargs):
+        from .engine import full
+
+        full()
         self._ensure(query)
         return self.raw.sql(query, *args, **kwargs)
 
@@ -783,7 +793,13 @@ class _LazyViews:
         self.raw.close()
 
     def __getattr__(self, name):
-        return getattr(self.raw, name)
+        try:
+            return getattr(self.raw, name)
+        except AttributeError:   # a method of the duckdb package's Python layer (engine.full)
+            from .engine import full
+
+            full()
+            return getattr(self.raw, name)
 
 
 def open_store(path: str | os.PathLike, create: bool = False) -> Store:
