@@ -479,21 +479,16 @@ class Store(Transactions):
         """The runs rows (contract columns; nullable ones an older file lacks are NULL, a
         required one is refused: :meth:`_missing_column`), oldest first.
         Read from the runs partitions directly (no SQL view is built: ``moetrace runs``); a
-        runs file is renamed into place last, so every row here is a committed run. Never writes."""
+        runs file is renamed into place last, so every row here is a committed run. Never
+        writes. The rows of :meth:`runs_rows` (the one reader), typed by the contract."""
         import polars as pl
 
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
                     "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64, "int64[]": pl.List(pl.Int64)}
-        empty = pl.DataFrame(schema={c.name: pl_types[c.type] for c in schema.get("runs").columns})
-        self.check_readable()
-        frames = [pl.read_parquet(f).with_columns(pl.lit(part.name.split("=", 1)[1]).alias("run_id"))
-                  for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
-        for f in frames:  # a required column older files lack is refused, as the views do
-            for c in schema.get("runs").columns:
-                if not c.nullable and c.name not in f.columns:
-                    self._missing_column("runs", c.name)
-        df = pl.concat([empty, *frames], how="diagonal_relaxed") if frames else empty
-        return df.select(empty.columns).sort("ingested_at_ns", "run_id")
+        want = {c.name: pl_types[c.type] for c in schema.get("runs").columns}
+        rows = self.runs_rows()
+        assert list(rows.columns) == list(want)
+        return pl.DataFrame(rows.rows, schema=want, orient="row")
 
     def runs_rows(self) -> Rows:
         """:meth:`runs` as :class:`moetrace.output.Rows`, read by DuckDB from the runs
