@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -31,6 +32,9 @@ from .checks import MAX_COUNT
 from ..domain.hashing import sha256_files
 from ..streams import Rereadable, prefetched
 from . import Collector, RunData, head, register
+
+if TYPE_CHECKING:   # polars is imported where a path needs it (start-up: issue #26)
+    import polars as pl
 
 LOAD_REQ = ["step", "layer", "expert", "tokens"]
 LOAD_OPT = ["slot", "src_rank"]
