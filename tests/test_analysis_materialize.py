@@ -83,11 +83,19 @@ def _assert_same(got: pl.DataFrame, want: pl.DataFrame, what: str):
             assert g.to_list() == w.to_list(), f"{what}.{c}"
 
 
+@pytest.fixture(scope="module")
+def plain_views(store):
+    """Each run's views computed from the plain (unmaterialized) views once, for every
+    batch size below to be compared against (the store does not change between them)."""
+    st, rids = store
+    return {rid: {v: _plain(st, v, rid) for v in KEYS} for rid in rids}
+
+
 @pytest.mark.parametrize("batch_steps", [1, 4, 16, None])
-def test_batched_views_equal_the_plain_views(store, batch_steps):
+def test_batched_views_equal_the_plain_views(store, plain_views, batch_steps):
     st, rids = store
     for rid in rids:
-        want = {v: _plain(st, v, rid) for v in KEYS}
+        want = plain_views[rid]
         m = materialize_layer_skew(st, rid, batch_steps)
         try:
             if batch_steps:

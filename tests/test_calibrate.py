@@ -12,6 +12,7 @@ import pytest
 from moetrace.replay import calibrate as cal, calibrate_fit as calfit
 from moetrace.run import Store
 from tests.conftest import tree_hash
+from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2
 SPR = E // R
@@ -317,7 +318,7 @@ REPLICATED = [0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def refrun_pair(tmp_path_factory):
+def refrun_pair(tmp_path_factory, forked_ranks):
     pytest.importorskip("torch", reason="the reference run needs PyTorch (pip install 'moetrace[torch]')")
     from moetrace.collect import ingest
     from moetrace.produce.refrun import RefRunConfig, run
@@ -560,7 +561,7 @@ def test_gpu_gemm_bench_on_cpu_tiny_shape():
 
 
 @pytest.mark.slow
-def test_fidelity_matrix_small_runs_for_real(tmp_path):
+def test_fidelity_matrix_small_runs_for_real(tmp_path, forked_ranks):
     """The matrix at its CI size: real re-runs, every pair's replay of A's routing under B's
     plan gives B's measured per-rank tokens exactly (asserted inside), one row per pair and
     model variant, and the printed table names every target."""

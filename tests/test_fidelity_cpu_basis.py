@@ -8,6 +8,7 @@ import polars as pl
 import pytest
 
 from moetrace.formats.refrun import summarize_timing
+from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 
 def _timing(cpu: bool = True) -> pl.DataFrame:
@@ -66,7 +67,7 @@ def test_cpu_basis_in_the_cell_times_contract():
 
 
 @pytest.mark.slow
-def test_refrun_cpu_time_is_within_the_wall_time(tmp_path):
+def test_refrun_cpu_time_is_within_the_wall_time(tmp_path, forked_ranks):
     """A real tiny run: a thread's CPU time over an interval cannot exceed the interval's wall
     time, and cell_times' CPU columns are the medians of the per-pass values."""
     pytest.importorskip("torch")

@@ -15,6 +15,7 @@ from moetrace.collect import ingest, registry  # noqa: E402
 from moetrace.errors import InputError  # noqa: E402
 from moetrace.produce.refrun import RefRunConfig, parse_placement, run  # noqa: E402
 from moetrace.run import Store  # noqa: E402
+from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 R, E, K, L, STEPS, TOK = 2, 8, 2, 2, 4, 24
 IDLE = (2, 1)
@@ -30,7 +31,7 @@ def _cfg(**kw):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, forked_ranks):
     root = tmp_path_factory.mktemp("refrun")
     plan_file = root / "plan.json"
     plan_file.write_text(json.dumps({"phy2log": [REPLICATED] * L}))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,8 +104,10 @@ def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path):
     n_replaces = int(res.stdout.split("REPLACES")[1])
     assert n_replaces >= 4  # journal, placement, expert_load, runs (+ catalog)
     outcomes = []
+    seed = _seeded(tmp_path / "seed")   # each kill point starts from a byte-for-byte copy of one seeded store
     for k in range(1, n_replaces + 1):
-        store = _seeded(tmp_path / f"s{k}")
+        store = tmp_path / f"s{k}"
+        shutil.copytree(seed, store)
         before = tree_hash(store)
         res = _writer(store, k, -1)
         assert res.returncode == -signal.SIGKILL, (k, res.returncode, res.stderr)

@@ -14,6 +14,7 @@ from moetrace.analyze.waits import wait_result
 from moetrace.run import Store
 
 from .conftest import shared_data
+from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 from .test_kineto import ev_x, kernel, launch, write_trace
 
 DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
@@ -326,7 +327,7 @@ DELAY_US = 10_000.0
 
 
 @pytest.mark.slow
-def test_injected_delay_is_attributed_to_its_rank_and_recovered(tmp_path):
+def test_injected_delay_is_attributed_to_its_rank_and_recovered(tmp_path, forked_ranks):
     """refrun with rank 1 held DELAY µs before the first dispatch of every layer in the
     even steps (``delay_every=2``); the odd steps are the control, interleaved with the
     delayed ones under the same machine load and the same traffic. The per-position wait

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moetrace.replay.timeline_whatif import disaggregation, domain_sweep, overlap_two_micro_batches
+from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 
 def test_overlap_hand_worked():
@@ -150,7 +151,7 @@ def test_report_section_shows_the_whatif_table(tmp_path, runner, cli):
 
 
 @pytest.mark.slow
-def test_two_micro_batch_refrun_routes_like_one(tmp_path):
+def test_two_micro_batch_refrun_routes_like_one(tmp_path, forked_ranks):
     """refrun --micro-batches 2 runs the same tokens through the same router: every
     (step, layer, token, choice) picks the same expert and slot, the received load is the
     same, and the trace labels micro-batches 0 and 1."""
