@@ -20,6 +20,19 @@ from ..domain.ranks import ranks_per_node_or_all
 
 
 # ----------------------------------------------------------------------------- shape
+def query_numpy(store, query: str, params=None) -> dict[str, np.ndarray]:
+    """The columns of ``query`` over the store's views as numpy arrays (DuckDB's
+    ``fetchnumpy``: no polars, no Arrow, no pandas on the replay's path; issue #26)."""
+    import duckdb
+
+    from ..errors import StoreError
+
+    try:
+        return store.con.execute(query, params).fetchnumpy()
+    except duckdb.Error as e:
+        raise StoreError(f"SQL error: {e}") from None
+
+
 @dataclass
 class RunShape:
     """A run's shape as the metrics see it. ``None`` = the run does not record it."""
@@ -83,16 +96,19 @@ class RunShape:
     def from_store(cls, store, run_id: str) -> "RunShape":
         run = store.run_row(run_id)
         notes = []
-        sh = store.sql("SELECT * FROM run_shape WHERE run_id = ?", [run_id])
+        # DuckDB's rows and Arrow columns, not polars frames (start-up: issue #26)
+        sh = store.rows("SELECT * FROM run_shape WHERE run_id = ?", [run_id]).dicts()
         # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
-        st = store.sql("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
-                                 (SELECT count(slot) FROM expert_load_long WHERE run_id = ?) ns""",
-                       [run_id, run_id]).row(0, named=True)
-        if not sh.height or st["lo"] is None:
+        st = store.rows("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
+                                  (SELECT count(slot) FROM expert_load_long WHERE run_id = ?) ns""",
+                        [run_id, run_id]).dicts()[0]
+        if not sh or st["lo"] is None:
             raise InputError(None, f"run {run_id!r} has no expert_load rows to replay")
-        sh = sh.row(0, named=True)
-        steps = store.sql("SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step", [run_id])["step"].to_numpy()
-        layers = store.sql("SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer", [run_id])["layer"].to_numpy()
+        sh = sh[0]
+        steps = query_numpy(store, "SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step",
+                            [run_id])["step"]
+        layers = query_numpy(store, "SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer",
+                             [run_id])["layer"]
         E, R, S = int(sh["num_experts"]), sh["num_ranks"], int(sh["num_slots"])
         if sh["experts_from"] != "runs":
             notes.append(f"runs.num_experts unknown: {E} ({sh['experts_from']})")
@@ -102,8 +118,8 @@ class RunShape:
         elif not rpn:
             nodes = None
             if store.has_files("placement"):
-                nodes = store.sql("SELECT max(node) + 1 AS n FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
-                                  [run_id])["n"][0]
+                nodes = store.rows("SELECT max(node) + 1 AS n FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
+                                   [run_id]).rows[0][0]
             if nodes and R % int(nodes) == 0:
                 rpn = R // int(nodes)
             else:
@@ -122,8 +138,8 @@ class RunShape:
         eb = run.get("expert_bytes") or default_expert_bytes(hidden)
         if not run.get("expert_bytes"):
             notes.append(f"runs.expert_bytes unknown: 3 x hidden x {DEFAULT_MOE_INTERMEDIATE} = {eb} bytes per expert assumed")
-        has_routing = store.has_files("routing") and store.sql(
-            "SELECT count(*) n FROM (SELECT 1 FROM routing WHERE run_id = ? LIMIT 1)", [run_id])["n"][0] > 0
+        has_routing = store.has_files("routing") and store.rows(
+            "SELECT count(*) n FROM (SELECT 1 FROM routing WHERE run_id = ? LIMIT 1)", [run_id]).rows[0][0] > 0
         approx = json.loads(run.get("approximations") or "[]")
         aggregate = any("pseudo-step" in a for a in approx)
         passes = None
@@ -151,25 +167,44 @@ def piece_steps(shape: RunShape, elements: int = PIECE_ELEMENTS) -> int:
     return max(1, elements // max(1, shape.layers.size * width))
 
 
+def _reads(store, run_id: str, shape: RunShape, chunk_steps: int, with_slots: bool, ahead: bool):
+    """:func:`_read_chunk` of every ``chunk_steps`` steps in order; with ``ahead`` the next
+    chunk is read on a thread while the caller works on this one (Parquet decoding
+    releases the GIL): two chunks in memory instead of one."""
+    steps = shape.steps
+    spans = [steps[i:i + chunk_steps] for i in range(0, steps.size, chunk_steps)]
+    if not ahead or len(spans) < 2:
+        for ids in spans:
+            yield _read_chunk(store, run_id, shape, ids, with_slots)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="moetrace-read") as pool:
+        fut = pool.submit(_read_chunk, store, run_id, shape, spans[0], with_slots)
+        for nxt in spans[1:] + [None]:
+            got = fut.result()
+            fut = None if nxt is None else pool.submit(_read_chunk, store, run_id, shape, nxt, with_slots)
+            yield got
+            del got         # this chunk is done with before the one after next is read
+
+
 def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
-              with_slots: bool = False, piece: int | None = None
+              with_slots: bool = False, piece: int | None = None, read_ahead: bool = False
               ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
     """Yield (step ids [t], load [t, L, E] float64, slot_load [t, L, S] or None): the store is
     read ``chunk_steps`` steps at a time, each read yielded in pieces of ``piece`` steps
     (default :func:`piece_steps`, the whole read for runs with per-token routing; 0: the whole
-    read). Memory: one read of int64 counts plus
-    one piece, whatever the run's length."""
-    steps = shape.steps
+    read). Memory: one read of int64 counts plus one piece, whatever the run's length (two
+    reads with ``read_ahead``: the next one is read on a thread meanwhile)."""
     if piece is None:   # runs with per-token routing replay each read with one routing query: whole
         piece = 0 if shape.has_routing else piece_steps(shape)
-    for i in range(0, steps.size, chunk_steps):
-        ids = steps[i:i + chunk_steps]
-        ids, load, slot_load = _read_chunk(store, run_id, shape, ids, with_slots)
+    for ids, load, slot_load in _reads(store, run_id, shape, chunk_steps, with_slots, read_ahead):
         n = ids.size
         step = piece or n
         for a in range(0, n, step):
             b = min(n, a + step)
             yield (ids[a:b], np.asarray(load[a:b], np.float64), None if slot_load is None else slot_load[a:b])
+        del load, slot_load     # (with read_ahead: two chunks in memory, not three)
 
 
 def _read_chunk(store, run_id: str, shape: RunShape, ids: np.ndarray, with_slots: bool):

@@ -32,7 +32,7 @@ import numpy as np
 
 from .cost import CostModel, error_band
 from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
-from .engine import Block, LayerMetrics, Summary, layer_metrics, reuse_freed_memory
+from .engine import Block, LayerMetrics, Summary, layer_metrics, ordered_map, reuse_freed_memory
 from ..placement.moves import move_copies, replan
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
@@ -271,6 +271,10 @@ class Timing:
     per_pass: int | None = None
 
 
+def _rank_mean(m: LayerMetrics) -> np.ndarray:
+    return m.rank_ns_mean if m.rank_ns_mean is not None else m.rank_ns.mean(axis=2)
+
+
 class _Acc:
     """Streaming totals of the judged plan and the recorded one (:mod:`.accumulate`): memory
     independent of the number of judged steps but for the step ids and the series (8 bytes
@@ -291,13 +295,13 @@ class _Acc:
 
     def add(self, ids, m: LayerMetrics, mr: LayerMetrics, plan_id: str, replan: bool):
         R, rR = m.rank_ns.shape[2], mr.rank_ns.shape[2]
-        self.sum.add(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2), R)
+        self.sum.add(m.imbalance, m.layer_ns, _rank_mean(m), R)
         self.load.add(m.max_tokens, m.load_straggler, m.mean_tokens, R)
         if mr is m:
-            self.rsum.add(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2), R)
+            self.rsum.add(m.imbalance, m.layer_ns, _rank_mean(m), R)
             self.rload.add(m.max_tokens, m.load_straggler, m.mean_tokens, R)
         else:
-            self.rsum.add(mr.imbalance, mr.layer_ns, mr.rank_ns.mean(axis=2), rR)
+            self.rsum.add(mr.imbalance, mr.layer_ns, _rank_mean(mr), rR)
             self.rload.add(mr.max_tokens, mr.load_straggler, mr.mean_tokens, rR)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # steps where no layer routed a token
@@ -407,12 +411,23 @@ def judge_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray, "np.ndarray | No
     mc, timing = mc or MoveCost(), timing or Timing()
     strategy = Fixed(plan, kind="recorded" if plan is recorded else kind)
     acc, pp = _Acc(), _per_pass(timing)
+    # both placements in one pass where the replayer can (replay_fn.pair: engine.replay_pair),
+    # pieces side by side on the replay threads; else one plan after the other, piece by piece
+    pair = getattr(replay_fn, "pair", None)
+    kernel = pair(plan, recorded, cost) if pair is not None and pp is None and plan is not recorded else None
+
+    def one(c):
+        bid, bl, bsl = c
+        if kernel is not None:
+            (blk, m), (rblk, mr) = kernel(bid, bl, bsl)
+            return bid, blk, m, rblk, mr
+        blk, m = _metrics(replay_fn, bid, bl, bsl, plan, plan is recorded, cost, pp)
+        rblk, mr = (blk, m) if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)
+        return bid, blk, m, rblk, mr
+
     with reuse_freed_memory():
-        for bid, bl, bsl in chunks:
-            if not bid.size:
-                continue
-            blk, m = _metrics(replay_fn, bid, bl, bsl, plan, plan is recorded, cost, pp)
-            rblk, mr = (blk, m) if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)
+        for bid, blk, m, rblk, mr in ordered_map(one, (c for c in chunks if c[0].size),
+                                                 threads=None if kernel is not None else 1):
             if on_block is not None:
                 on_block(bid, plan, blk, m)
             if on_recorded is not None:
