@@ -173,3 +173,34 @@ def test_replay_is_the_same_with_the_pair_kernel_threads_and_read_ahead(tmp_path
         assert d == d0
         for name in t0:
             assert t[name].equals(t0[name]), name
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_pieces_cut_from_row_groups_equal_the_chunk_reads(tmp_path, monkeypatch, read_ahead):
+    """iter_load on a dense file (row groups of 20 steps here) gives the same pieces, step
+    ids and counts as the chunk by chunk reads, for chunks and pieces that straddle the
+    groups, windows starting inside a group, and steps missing from the run."""
+    from dataclasses import replace
+
+    from moetrace.replay import load
+    from moetrace.run import Store
+
+    _store(tmp_path / "st")
+    st = Store(tmp_path / "st")
+    shape = st.run("r")._replay_shape
+    assert load._dense_groups(st, "r") == [(0, 19), (20, 39), (40, 59), (60, 69)]
+    for steps, chunk, piece in ((shape.steps, 25, 7), (shape.steps[13:61], 30, 4), (shape.steps[5:9], 500, 14),
+                                (np.delete(shape.steps, [21, 22, 50]), 17, 5)):
+        sub = replace(shape, steps=steps)
+        new = list(load.iter_load(st, "r", sub, chunk, piece=piece, read_ahead=read_ahead))
+        with monkeypatch.context() as mp:
+            mp.setattr(load, "_dense_groups", lambda *a: None)
+            old = list(load.iter_load(st, "r", sub, chunk, piece=piece))
+        assert len(new) == len(old) and sum(p[0].size for p in new) == steps.size
+        for (i1, l1, s1), (i2, l2, s2) in zip(old, new):
+            assert np.array_equal(i1, i2) and l1.dtype == l2.dtype == np.float64 and np.array_equal(l1, l2)
+            assert s1 is None and s2 is None
+    total = load.read_load_total(st, "r", shape, (3, 47), chunk_steps=10)[1]
+    with monkeypatch.context() as mp:
+        mp.setattr(load, "_dense_groups", lambda *a: None)
+        assert np.array_equal(total, load.read_load_total(st, "r", shape, (3, 47), chunk_steps=10)[1])

@@ -15,6 +15,7 @@ from ..placement.planners import Plan
 from .accumulate import LoadTotals, rel_error_text
 from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
 from .load import RunShape
+from .budget import STREAMED_STEPS
 from ..domain.ranks import node_of
 from ..notebook import NotebookView
 
@@ -181,7 +182,7 @@ class ReplayOptions:
     hardware: str = "H200"
     fit_cost: bool = True
     rank_rows: bool = True
-    chunk_steps: int = 1000
+    chunk_steps: int = STREAMED_STEPS
     move: MoveCost = field(default_factory=MoveCost)
     #: passes per pseudo-step of an aggregate run (times per pass then); None: the run's
     passes: int | None = None
