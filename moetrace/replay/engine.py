@@ -328,11 +328,11 @@ class _GatheredBlock(Block):
                            lambda self, v: self._cache.__setitem__("bytes_inter", v))
 
 
-#: the union columns of the last few plan pairs (:func:`_pair_columns`)
+#: the union columns of the last few plan pairs (:func:`pair_columns`)
 _PAIR_CACHE: list = []
 
 
-def _pair_columns(plans: tuple[Plan, ...]):
+def pair_columns(plans: tuple[Plan, ...]):
     """(layer * E + expert [U], 1 / copies (float64) [U], copies (float32) [U], columns per
     layer [L], per plan the column of each of its slots [L * R]): the distinct (layer,
     expert, copies) of the plans' slots, in that order. With one slot
@@ -364,17 +364,18 @@ def pair_applies(plans, split: str, top_k, cost: CostModel) -> bool:
                     for p in plans))
 
 
-def replay_pair(load: np.ndarray, plans: tuple[Plan, ...], top_k: int, bytes_per_token: int, cost: CostModel
-                ) -> list[tuple[Block, LayerMetrics]]:
+def replay_pair(load: np.ndarray, plans: tuple[Plan, ...], top_k: int, bytes_per_token: int, cost: CostModel,
+                columns=None) -> list[tuple[Block, LayerMetrics]]:
     """(block, metrics) of each of ``plans`` on ``load [t, L, E]`` (float64), equal bit for
     bit to ``layer_metrics(replay_load(load, plan, "even", None, top_k, bytes_per_token),
     cost)`` plan by plan (:func:`pair_applies` says when it applies). With one slot per rank
     a rank's tokens, slots touched, received tokens and time are a function of its slot's
     (layer, expert, copies): those are computed once over the distinct columns of all the
     plans (the candidate and the recorded placement share all but a few percent), and each
-    plan gathers its ranks' values and takes its maxima."""
+    plan gathers its ranks' values and takes its maxima. ``columns``: ``pair_columns(plans)``
+    when the caller holds it (a replay's plans do not change from piece to piece)."""
     T, L, E = load.shape
-    flatU, shareU, cnt32, per_layer, pos = _pair_columns(plans)
+    flatU, shareU, cnt32, per_layer, pos = columns if columns is not None else pair_columns(plans)
     lu = np.take(load.reshape(T, L * E), flatU, axis=1)                 # [t, U] float64
     touchedU = np.greater(lu, 0).astype(np.int32)
     tokU = lu * shareU                                                  # = the per-slot share
@@ -443,8 +444,10 @@ def ordered_map(fn, items, threads: int | None = None, ahead: int | None = None)
 
 
 def _metrics_from(tok, rank_ns) -> LayerMetrics:
-    """:func:`_layer_metrics`'s results from a block's tokens and rank times."""
-    mx = tok.max(axis=2)
+    """:func:`_layer_metrics`'s results from a block's tokens and rank times (the maxima
+    read at the argmax: the same element, one pass less)."""
+    load_strag = np.argmax(tok, axis=2)
+    mx = np.take_along_axis(tok, load_strag[..., None], axis=2)[..., 0]     # = tok.max(axis=2)
     mean = tok.mean(axis=2)
     with np.errstate(divide="ignore", invalid="ignore"):
         imb = np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
@@ -452,7 +455,6 @@ def _metrics_from(tok, rank_ns) -> LayerMetrics:
     strag = np.argmax(rank_ns, axis=2)
     layer_ns = np.take_along_axis(rank_ns, strag[..., None], axis=2)[..., 0]
     strag[undefined] = -1
-    load_strag = np.argmax(tok, axis=2)
     load_strag[undefined] = -1
     return LayerMetrics(mx, mean, imb, strag, layer_ns, None, None, rank_ns, load_strag, rank_ns.mean(axis=2))
 

@@ -11,7 +11,8 @@ import numpy as np
 from ..domain.windows import first_half
 from ..errors import InputError
 from . import cost as costmod
-from .engine import Block, approximation_notes, layer_metrics, pair_applies, rank_parts, replay_load, replay_pair
+from .engine import (Block, approximation_notes, layer_metrics, pair_applies, pair_columns, rank_parts,
+                     replay_load, replay_pair)
 from ..placement.relabel import relabel
 from ..placement.planners import Plan, PlanShape, contiguous, make_plan
 from .strategies import Timing, judge, judge_stream
@@ -84,11 +85,13 @@ def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
         if use_routing or recorded_slots == "counts" or not pair_applies(plans, split, shape.top_k, cost):
             return None
 
+        columns = pair_columns(plans)       # once: the plans do not change during the replay
+
         def kernel(ids, load, slot_load):
             if load.dtype != np.float64:
                 return [(b, layer_metrics(b, cost)) for b in (fn(ids, load, slot_load, plan, False),
                                                              fn(ids, load, slot_load, recorded, True))]
-            return replay_pair(load, plans, shape.top_k, shape.bytes_per_token, cost)
+            return replay_pair(load, plans, shape.top_k, shape.bytes_per_token, cost, columns)
 
         return kernel
 

@@ -287,16 +287,34 @@ def _nan_none(a: np.ndarray) -> pa.Array:
     return pa.array(a, pa.float64(), mask=np.isnan(a))
 
 
+#: the constant columns of the last few replay_layer tables: (replay_id, plan_id, rows) -> arrays
+_CONST_COLUMNS: dict = {}
+
+
+def _const_columns(replay_id, plan_id, n: int):
+    """(replay_id, plan_id, plan_age_steps null) columns of ``n`` rows: a replay's pieces
+    all have the same, built once (immutable Arrow arrays, shared by the tables)."""
+    key = (replay_id, plan_id, n)
+    got = _CONST_COLUMNS.get(key)
+    if got is None:
+        if len(_CONST_COLUMNS) > 8:
+            _CONST_COLUMNS.clear()
+        got = _CONST_COLUMNS[key] = (pa.array([replay_id] * n, pa.string()), pa.array([plan_id] * n, pa.string()),
+                                     pa.nulls(n, pa.int64()))
+    return got
+
+
 def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
     T, L = m.imbalance.shape
     n = T * L
     strag = m.straggler.ravel()
     lstrag = (m.load_straggler if m.load_straggler is not None else m.straggler).ravel()
+    rid, pid, no_age = _const_columns(replay_id, plan_id, n)
     return pa.table({
-        "replay_id": pa.array([replay_id] * n, pa.string()),
+        "replay_id": rid,
         "step": np.repeat(ids, L).astype(np.int64), "layer": np.tile(layers, T).astype(np.int32),
-        "plan_id": pa.array([plan_id] * n, pa.string()),
-        "plan_age_steps": pa.array(np.repeat(ages, L) if ages is not None else [None] * n, pa.int64()),
+        "plan_id": pid,
+        "plan_age_steps": pa.array(np.repeat(ages, L), pa.int64()) if ages is not None else no_age,
         "max_rank_tokens": m.max_tokens.ravel(), "mean_rank_tokens": m.mean_tokens.ravel(),
         "imbalance": _nan_none(m.imbalance), "straggler_rank": pa.array(strag.astype(np.int32), mask=strag < 0),
         # the most loaded rank (exact, as layer_skew.straggler_rank); straggler_rank above is the slowest modelled
