@@ -215,16 +215,54 @@ def _dense_groups(store, run_id: str) -> list[tuple[int, int]] | None:
     return out
 
 
+def _read_group(pf, g: int, layers: np.ndarray, E: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(step ids [t], counts [t, L, E] int64, a view of the decoded column) of row group ``g``
+    of a dense file when it holds whole (step, layer) grids of ``layers`` in order, lists of
+    ``E`` counts without nulls (what :func:`moetrace.storage.dense.read_counts` gives for
+    those steps, without its copy); None otherwise. Decoded on the calling thread (Arrow's
+    pool is not asked: the replay's own threads fill the cores)."""
+    from ..storage.dense import numpy_ints
+
+    t = pf.read_row_group(g, columns=["step", "layer", "tokens"], use_threads=False)
+    col = t.column("tokens")
+    L, n = layers.size, t.num_rows
+    if col.num_chunks != 1 or not n or n % L:
+        return None
+    a = col.chunk(0)
+    try:
+        off = numpy_ints(a.offsets)
+        vals = numpy_ints(a.values)
+        step, layer = numpy_ints(t.column("step")), numpy_ints(t.column("layer"))
+    except TypeError:           # nulls, or not integers
+        return None
+    if a.null_count or off.size != n + 1 or not (np.diff(off) == E).all():
+        return None
+    s = step[::L]
+    if not ((np.diff(s) > 0).all() and np.array_equal(step, np.repeat(s, L))
+            and np.array_equal(layer, np.tile(layers, s.size))):
+        return None
+    return s.astype(np.int64), vals[off[0]:off[-1]].reshape(s.size, L, E)
+
+
 def _group_pieces(store, run_id: str, shape: RunShape, groups, spans, ahead: bool):
     """The pieces ``spans`` (step id arrays, in order) cut from the run's row groups read one
     at a time (the next one on a thread with ``ahead``): no read decodes a group twice or
     holds more than the groups a piece spans. A piece the groups do not give exactly (steps
     or layers missing, other experts) is read by :func:`_read_chunk`, as before."""
-    from ..storage.dense import read_counts
+    from ..storage.dense import _run_files, read_counts
 
     L, E = shape.layers.size, shape.num_experts
+    path = _run_files(store, "expert_counts", run_id)[0]
+    pf = []                                                  # the file, opened by the first read
 
     def read(g):
+        if not pf:
+            import pyarrow.parquet as pq
+
+            pf.append(pq.ParquetFile(path))
+        got = _read_group(pf[0], g, shape.layers, E)
+        if got is not None:
+            return got
         lo, hi = groups[g]
         got, got_layers, counts = read_counts(store, run_id, (lo, hi + 1))
         if np.array_equal(got_layers, shape.layers) and counts.ndim == 3 and counts.shape[1:] == (L, E):
