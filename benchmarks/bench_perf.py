@@ -262,10 +262,11 @@ def fleet_rows(b: str, runs: list[dict], size: str, quiet: bool) -> list[dict]:
             notes += (f"; through these two measured points: fixed {fixed:.2f} s + {per * 1e3:.3f} ms per step "
                       f"({1 / per if per > 0 else float('inf'):,.0f} steps/s without the fixed part: derived, not judged)")
     q = big["quartiles"]
-    flat = bool(q) and q[-1] <= GOALS["flat"] * q[0]
+    flat = bool(q) and q[-1] <= GOALS["flat"] * q[0]      # (NaN, a quarter without a sample: not flat)
     return [result(b, "replay: steps/s (fleet, whole command)", sps, "1/s", "goal", GOALS["replay_steps_s"],
                    sps / GOALS["replay_steps_s"], notes),
-            result(b, "replay: RSS by quarter (fleet)", q[-1] if q else big["peak_mib"], "MiB", None, None, None,
+            result(b, "replay: RSS by quarter (fleet)", q[-1] if q and q[-1] == q[-1] else big["peak_mib"], "MiB",
+                   None, None, None,
                    f"memory flat (last quarter within 10% of the first): {_judge(size == 'full', flat)}; the "
                    f"{big['steps']:,}-step replay's quarters " + " / ".join(f"{v:,.0f}" for v in q)
                    + f" MiB; peak {big['peak_mib']:.0f} MiB (process tree, sampled every 20 ms)")]
