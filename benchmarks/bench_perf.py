@@ -260,7 +260,8 @@ def fleet_rows(b: str, runs: list[dict], size: str, quiet: bool) -> list[dict]:
             per = (big["seconds"] - r["seconds"]) / (big["steps"] - r["steps"])
             fixed = r["seconds"] - per * r["steps"]
             notes += (f"; through these two measured points: fixed {fixed:.2f} s + {per * 1e3:.3f} ms per step "
-                      f"({1 / per if per > 0 else float('inf'):,.0f} steps/s without the fixed part: derived, not judged)")
+                      f"({1 / per:,.0f} steps/s without the fixed part: derived, not judged)" if per > 0 else
+                      "; the two measured points give no cost per step (the larger share was not slower: noise)")
     q = big["quartiles"]
     flat = bool(q) and q[-1] <= GOALS["flat"] * q[0]      # (NaN, a quarter without a sample: not flat)
     return [result(b, "replay: steps/s (fleet, whole command)", sps, "1/s", "goal", GOALS["replay_steps_s"],
