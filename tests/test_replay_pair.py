@@ -64,6 +64,25 @@ def test_pair_equals_one_plan_after_the_other(cost, R, rpn):
             np.testing.assert_allclose(m.imbalance, imb, rtol=1e-12)
 
 
+def test_pair_of_plans_on_other_rank_counts():
+    """A candidate on fewer ranks than the recorded placement (one slot per rank each): its
+    own rank count, bytes per received token and rank times."""
+    rng = np.random.default_rng(5)
+    T, L, E = 9, 2, 10
+    a, b = _one_slot_plan(rng, L, E, 12, 4, "a"), _one_slot_plan(rng, L, E, 16, 8, "b")
+    load = _load(rng, T, L, E)
+    cost = preset("H200", hidden=64)
+    assert engine.pair_applies((a, b), "even", 4, cost)
+    for plan, (blk, m) in zip((a, b), engine.replay_pair(load, (a, b), 4, 128, cost)):
+        ref = engine.replay_load(load, plan, "even", None, 4, 128)
+        mref = engine.layer_metrics(ref, cost)
+        assert blk.tokens.shape == (T, L, plan.num_ranks)
+        for f in FIELDS:
+            assert _same(getattr(blk, f), getattr(ref, f)), f
+        for f in METRICS:
+            assert _same(getattr(m, f), getattr(mref, f)), f
+
+
 def test_pair_applies_only_where_it_is_exact():
     rng = np.random.default_rng(0)
     a, b = _one_slot_plan(rng, 2, 6, 8, 4, "a"), _one_slot_plan(rng, 2, 6, 8, 4, "b")
