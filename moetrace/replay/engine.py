@@ -377,7 +377,7 @@ def replay_pair(load: np.ndarray, plans: tuple[Plan, ...], top_k: int, bytes_per
     T, L, E = load.shape
     flatU, shareU, cnt32, per_layer, pos = columns if columns is not None else pair_columns(plans)
     lu = np.take(load.reshape(T, L * E), flatU, axis=1)                 # [t, U] float64
-    touchedU = np.greater(lu, 0).astype(np.int32)
+    touchedU = np.greater(lu, 0, out=np.empty(lu.shape, np.int32), casting="unsafe")    # 0 / 1, as int32
     tokU = lu * shareU                                                  # = the per-slot share
     # the all-to-all estimate of _estimate_dispatch, column by column (the same float32 steps)
     B = load.sum(axis=2, dtype=np.float32) / np.float32(max(top_k, 1))  # [t, L]

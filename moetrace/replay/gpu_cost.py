@@ -126,6 +126,14 @@ class _MlpTable:
 _TABLES: dict[tuple, _MlpTable] = {}
 
 
+def _table(hw, h, i, dt) -> _MlpTable:
+    key = (hw, h, i, dt)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = _MlpTable(key)
+    return table
+
+
 def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     """Expert-MLP time (ns) of every rank, broadcasting over any shape. Tokens are >= 0, and
     0 on a rank that touches no slot (as every replay block has them)."""
@@ -137,19 +145,19 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
     g_max = int(g.max(initial=0))
     if g_max <= 1:          # tokens / 1 (and 0 where nothing is touched)
+        m_max = float(np.ceil(tok.max(initial=0.0)))     # = ceil(tok).max(): ceil is monotone
+        if m_max < TABLE_MAX_TOKENS:
+            # the integer tokens per expert in one pass: ceil, then the exact cast of an integral float
+            mi = np.ceil(tok, out=np.empty(tok.shape, np.int64), casting="unsafe")
+            return _table(hw, h, i, dt).lookup(g, mi, g_max, int(m_max))
         m = np.ceil(tok)
-        m_max = float(np.ceil(tok.max(initial=0.0)))     # = m.max(): ceil is monotone
     else:
         m = np.divide(tok, np.maximum(g, 1))
         np.ceil(m, out=m)
         m[g <= 0] = 0.0
         m_max = float(m.max(initial=0.0))
     if m_max < TABLE_MAX_TOKENS:
-        key = (hw, h, i, dt)
-        table = _TABLES.get(key)
-        if table is None:
-            table = _TABLES[key] = _MlpTable(key)
-        return table.lookup(g, m.astype(np.int64), g_max, int(m_max))
+        return _table(hw, h, i, dt).lookup(g, m.astype(np.int64), g_max, int(m_max))
     mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
     key = g.astype(np.int64) * (1 << 32) + mq
     uniq, inv = np.unique(key.ravel(), return_inverse=True)

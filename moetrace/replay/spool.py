@@ -16,7 +16,7 @@ import pyarrow as pa
 
 
 class Spool:
-    def __init__(self, rows: int = 1 << 19):
+    def __init__(self, rows: int = 1 << 17):
         self.rows = int(rows)
         self._buf: list[pa.Table] = []
         self._buffered = 0
