@@ -165,7 +165,8 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
     chunks = iter_load(store, run_id, sub, chunk, with_slots=with_slots, read_ahead=not shape.has_routing)
     try:
         j = judge_stream(chunks, plan, recorded, fn, cost, shape.expert_bytes, opts.move, timing=timing, kind=kind,
-                         on_block=on_block, on_recorded=on_recorded, name=policy or plan.policy)
+                         on_block=on_block, on_recorded=on_recorded, name=policy or plan.policy,
+                         expect_cells=int(sub.steps.size * sub.layers.size))
     except ValueError as e:
         raise InputError(None, f"replay of run {run_id!r}: {e}") from None
     split = "recorded" if is_rec and mode in ("counts", "routing") else opts.split

@@ -280,8 +280,9 @@ class _Acc:
     independent of the number of judged steps but for the step ids and the series (8 bytes
     a step each) and one run-length entry per block."""
 
-    def __init__(self):
-        self.sum, self.rsum = SummaryAccumulator(), SummaryAccumulator()
+    def __init__(self, expect_cells: int | None = None):
+        self.sum = SummaryAccumulator(expect_cells=expect_cells)
+        self.rsum = SummaryAccumulator(expect_cells=expect_cells)
         self.load, self.rload = LoadAccumulator(), LoadAccumulator()
         self.runs: list[PlanRun] = []
         self.steps: list[np.ndarray] = []
@@ -404,13 +405,16 @@ def judge_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray, "np.ndarray | No
                  replay_fn: ReplayFn, cost: CostModel, expert_bytes: int, mc: MoveCost | None = None,
                  name: str | None = None, timing: Timing | None = None, kind: str = "replay",
                  on_block: Callable[[np.ndarray, Plan, Block, LayerMetrics], None] | None = None,
-                 on_recorded: Callable[[np.ndarray, Block], None] | None = None) -> Judged:
+                 on_recorded: Callable[[np.ndarray, Block], None] | None = None,
+                 expect_cells: int | None = None) -> Judged:
     """:func:`judge` for one fixed ``plan`` over step chunks (bounded memory on long runs):
     the switch from the recorded placement is charged once, at the first judged step.
-    ``on_recorded`` sees the recorded placement's block of every chunk."""
+    ``on_recorded`` sees the recorded placement's block of every chunk. ``expect_cells``: the
+    (step, layer) cells the chunks hold, if known (the accumulators' buffers are sized for
+    them from the start: memory flat over the replay)."""
     mc, timing = mc or MoveCost(), timing or Timing()
     strategy = Fixed(plan, kind="recorded" if plan is recorded else kind)
-    acc, pp = _Acc(), _per_pass(timing)
+    acc, pp = _Acc(expect_cells), _per_pass(timing)
     # both placements in one pass where the replayer can (replay_fn.pair: engine.replay_pair),
     # pieces side by side on the replay threads; else one plan after the other, piece by piece
     pair = getattr(replay_fn, "pair", None)
