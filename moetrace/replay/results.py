@@ -18,6 +18,7 @@ from .load import RunShape
 from .budget import STREAMED_STEPS
 from ..domain.ranks import node_of
 from ..notebook import NotebookView
+from ..storage.schema import repeated_string
 
 
 # ----------------------------------------------------------------------------- the exact half
@@ -304,14 +305,8 @@ def _strings(value: str | None, n: int) -> pa.Array:
     """``pa.array([value] * n, pa.string())`` built from buffers (see :func:`_arr`)."""
     if value is None:
         return pa.nulls(n, pa.string())
-    try:
-        b = value.encode("utf-8")
-    except UnicodeEncodeError:     # a lone surrogate: as pyarrow says it
-        return pa.array([value] * n, pa.string())
-    if len(b) * n >= 1 << 31:
-        return pa.array([value] * n, pa.string())
-    offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(b))
-    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(b * n)])
+    got = repeated_string(value, n)
+    return got if got.type == pa.string() else got.cast(pa.string())
 
 
 def _one(v, typ: pa.DataType) -> pa.Array:
@@ -322,7 +317,7 @@ def _one(v, typ: pa.DataType) -> pa.Array:
         return _strings(v, 1)
     if typ == pa.bool_():
         return pa.Array.from_buffers(typ, 1, [None, pa.py_buffer(bytes([int(bool(v))]))])
-    return _arr(np.array([v], np.float64 if pa.types.is_floating(typ) else np.int64))
+    return _arr(np.array([v], {pa.float64(): np.float64, pa.int32(): np.int32}.get(typ, np.int64)))
 
 
 #: the constant columns of the last few replay_layer tables: (replay_id, plan_id, rows) -> arrays
@@ -392,13 +387,13 @@ def traffic_table(replay_id: str, plan: Plan, which: str, traffic: np.ndarray, s
 def _runs_row(res: ReplayResult, kind: str, params: dict) -> pa.Table:
     j, s, p = res.judged, res.judged.summary, res.judged.plan
     d = res.to_dict()
-    S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+    S, I, I32, F, B = pa.string(), pa.int64(), pa.int32(), pa.float64(), pa.bool_()
     return pa.table({
         "replay_id": _one(res.replay_id, S), "created_at_ns": _one(time.time_ns(), I), "kind": _one(kind, S),
         "policy": _one(res.policy, S),
         "plan_id": _one(p.plan_id, S), "split": _one(res.split, S),
-        "num_steps": _one(int(j.steps.size), I), "num_layers": _one(p.num_layers, I), "num_ranks": _one(p.num_ranks, I),
-        "num_slots": _one(p.num_slots, I), "mean_imbalance": _one(s.mean_imbalance, F),
+        "num_steps": _one(int(j.steps.size), I), "num_layers": _one(p.num_layers, I32), "num_ranks": _one(p.num_ranks, I32),
+        "num_slots": _one(p.num_slots, I32), "mean_imbalance": _one(s.mean_imbalance, F),
         "p99_imbalance": _one(s.p99_imbalance, F),
         "predicted_step_ns": _one(_int(j.gross_step_ns), I),
         "mean_efficiency": _one(s.mean_efficiency, F), "moved_experts": _one(j.moved_experts, I),
