@@ -17,10 +17,11 @@ each block's [steps, layers] metrics are folded in here and dropped:
   interpolated percentile too). :attr:`Quantiles.rel_error` says which (0.0: exact), and
   every answer that prints such a percentile says so.
 
-Memory: a :class:`Quantiles` holds at most ``2 * max_entries + 65,536`` values in its exact
-form, or ``log(max / min) / log((1 + a) / (1 - a))`` buckets per group as a sketch (the
-replay's imbalance lies in [1, ranks]: about 29,000 buckets at a = 1e-4 and 320 ranks),
-whatever the number of steps. ``nbytes`` adds up the arrays an accumulator holds.
+Memory: a :class:`Quantiles` holds at most two buffers of ``max_entries`` (value, count)
+pairs and fewer than 65,536 pending values (plus one block) in its exact form, or
+``log(max / min) / log((1 + a) / (1 - a))`` buckets per group as a sketch (the replay's
+imbalance lies in [1, ranks]: about 29,000 buckets at a = 1e-4 and 320 ranks), whatever
+the number of steps. ``nbytes`` adds up the arrays an accumulator holds.
 """
 from __future__ import annotations
 
