@@ -343,7 +343,7 @@ class Run(NotebookView):
         notes: list[str] = []
         judged = None
         if plan is None:
-            ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+            ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn, streamed=True)
             plan, judged = fit_plan(self.store, self.id, shape, policy, ps, fit_window, in_sample=in_sample)
         elif isinstance(plan, str):
             pid = plan

@@ -147,3 +147,28 @@ def test_accumulator_memory_does_not_grow_with_the_chunks():
     assert small[2:] == big[2:] == (1e-4, 0.0)
     assert big[0] == small[0] and big[1] == small[1]
     assert big[0] + big[1] < 2 << 20
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("capacity", [None, 400_000])
+def test_merged_histogram_is_exact_over_many_merges(groups, capacity):
+    """Past one merge block (the pending values merged into the sorted histogram again and
+    again, ties with held values and new ones between them): still np.percentile's floats;
+    with ``capacity`` the buffers are the same bytes from the first value to the last."""
+    rng = np.random.default_rng(groups)
+    q = Quantiles(groups, capacity=capacity)
+    before = q.nbytes
+    xs, gs = [], []
+    for _ in range(60):
+        x = np.round(1 + rng.gamma(2.0, 1.0, 5000), 3)     # ties within and across blocks
+        g = rng.integers(0, groups, x.size)
+        q.add(g, x)
+        xs.append(x), gs.append(g)
+    got = q.percentile(99), q.percentile(50), q.count()
+    x, g = np.concatenate(xs), np.concatenate(gs)
+    assert q.rel_error == 0.0
+    for k in range(groups):
+        assert got[0][k] == np.percentile(x[g == k], 99) and got[1][k] == np.percentile(x[g == k], 50)
+        assert got[2][k] == (g == k).sum()
+    if capacity:
+        assert q.nbytes == before

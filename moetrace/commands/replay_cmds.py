@@ -3,7 +3,6 @@ which delegates to the moetrace.replay modules; these only parse options and pri
 from __future__ import annotations
 
 import click
-import polars as pl
 
 from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..replay.results import load_answer, load_lines
@@ -155,6 +154,8 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
     st = Store(store)
     run = st.run(run_id)
     if list_plans:
+        import polars as pl
+
         df = st.sql("""SELECT plan_id, count(DISTINCT layer) AS layers, max(slot) + 1 AS slots,
                        max(rank) + 1 AS ranks, max(node) + 1 AS nodes FROM placement WHERE run_id = ?
                        GROUP BY plan_id ORDER BY plan_id""", [run.id]) if st.has_files("placement") else pl.DataFrame()
@@ -358,6 +359,8 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
 
         if run_id is not None or plot:
             raise UsageError("--all-runs sweeps every run: leave out --run and --plot")
+        import polars as pl
+
         st = Store(store)
         results, skipped = sweep_runs(st, st.run_ids(), policy, **kw)
         df = pl.concat([r.frame(brief=fmt in (None, "table") and not output).select(

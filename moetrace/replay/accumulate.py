@@ -17,10 +17,11 @@ each block's [steps, layers] metrics are folded in here and dropped:
   interpolated percentile too). :attr:`Quantiles.rel_error` says which (0.0: exact), and
   every answer that prints such a percentile says so.
 
-Memory: a :class:`Quantiles` holds at most ``2 * max_entries + 65,536`` values in its exact
-form, or ``log(max / min) / log((1 + a) / (1 - a))`` buckets per group as a sketch (the
-replay's imbalance lies in [1, ranks]: about 29,000 buckets at a = 1e-4 and 320 ranks),
-whatever the number of steps. ``nbytes`` adds up the arrays an accumulator holds.
+Memory: a :class:`Quantiles` holds at most two buffers of ``max_entries`` (value, count)
+pairs and fewer than 65,536 pending values (plus one block) in its exact form, or
+``log(max / min) / log((1 + a) / (1 - a))`` buckets per group as a sketch (the replay's
+imbalance lies in [1, ranks]: about 29,000 buckets at a = 1e-4 and 320 ranks), whatever
+the number of steps. ``nbytes`` adds up the arrays an accumulator holds.
 """
 from __future__ import annotations
 
@@ -72,28 +73,75 @@ def percentile_from_counts(values: np.ndarray, counts: np.ndarray, q: float = P9
 class Quantiles:
     """Percentiles of values in ``groups`` groups, fed block by block, in bounded memory.
 
-    Exact (a histogram of distinct values, compacted as blocks arrive) until more than
-    ``max_entries`` distinct (group, value) pairs are seen, then a log-bucket sketch of
-    relative error ``rel_error`` (values must be >= 0; zeros are counted apart). With
-    ``value_range`` (lo, hi), known bounds of the values, the sketch's buckets cover that
-    range from the start (a fixed size; a value outside it counts in the edge bucket), else
-    they grow with the range of the values seen."""
+    Exact (a histogram of the distinct (group, value) pairs, sorted, with their counts) until
+    more than ``max_entries`` distinct pairs are seen, then a log-bucket sketch of relative
+    error ``rel_error`` (values must be >= 0; zeros are counted apart). With ``value_range``
+    (lo, hi), known bounds of the values, the sketch's buckets cover that range from the
+    start (a fixed size; a value outside it counts in the edge bucket), else they grow with
+    the range of the values seen. Which one answers depends only on the values seen (their
+    number of distinct pairs), not on the blocks they came in: the sketch's buckets are a
+    function of each value.
+
+    The histogram lives in two buffers (the sorted pairs and the next merge's output); new
+    values wait in blocks of at most ``_MIN_MERGE`` and are merged in sorted (an insertion
+    that moves the held pairs once, without sorting them again). ``capacity``: the most
+    distinct pairs expected (e.g. the cells a replay will judge): the buffers are allocated
+    at ``min(capacity, max_entries)`` from the start and written once, so a long replay's
+    memory does not grow with them (nor fragment the heap with ever larger temporaries);
+    without it they double as needed."""
 
     def __init__(self, groups: int, rel_error: float = SKETCH_REL_ERROR, max_entries: int = MAX_EXACT_ENTRIES,
-                 value_range: tuple[float, float] | None = None):
+                 value_range: tuple[float, float] | None = None, capacity: int | None = None):
         self.groups = int(groups)
         self.value_range = value_range
         self.alpha = float(rel_error)
         self.max_entries = int(max_entries)
-        self._g = np.zeros(0, np.int64)
-        self._v = np.zeros(0, np.float64)
-        self._c = np.zeros(0, np.int64)
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._n = 0                                  # distinct pairs held
+        self._cap = 0
+        self._bufs: tuple | None = None             # (values, counts, groups or None) of capacity _cap
+        self._spare: tuple | None = None            # the same, the next merge's output
+        self._mask: np.ndarray | None = None
+        self._pending: list[tuple[np.ndarray | None, np.ndarray]] = []
         self._npending = 0
         self._sketch: np.ndarray | None = None      # [groups, span] bucket counts
         self._lo = 0                                 # bucket index of column 0
         self._zeros = np.zeros(self.groups, np.int64)
         self._lng = math.log((1 + self.alpha) / (1 - self.alpha))
+        if capacity:
+            self._grow(min(int(capacity), self.max_entries), touch=True)
+
+    def _alloc(self, cap: int, touch: bool) -> tuple:
+        bufs = (np.empty(cap, np.float64), np.empty(cap, np.int64),
+                np.empty(cap, np.int64) if self.groups > 1 else None)
+        if touch:       # pages counted now, not as the histogram fills
+            for b in bufs:
+                if b is not None:
+                    b.fill(0)
+        return bufs
+
+    def _grow(self, cap: int, touch: bool = False) -> None:
+        """Buffers of ``cap`` pairs (the held pairs copied over)."""
+        bufs, spare = self._alloc(cap, touch), self._alloc(cap, touch)
+        if self._bufs is not None:
+            for new, old in zip(bufs, self._bufs):
+                if new is not None:
+                    new[:self._n] = old[:self._n]
+        self._bufs, self._spare, self._cap = bufs, spare, cap
+        self._mask = np.ones(cap, bool)
+
+    @property
+    def _v(self) -> np.ndarray:
+        return np.zeros(0) if self._bufs is None else self._bufs[0][:self._n]
+
+    @property
+    def _c(self) -> np.ndarray:
+        return np.zeros(0, np.int64) if self._bufs is None else self._bufs[1][:self._n]
+
+    @property
+    def _g(self) -> np.ndarray:
+        if self._bufs is None:
+            return np.zeros(0, np.int64)
+        return self._bufs[2][:self._n] if self.groups > 1 else np.zeros(self._n, np.int64)
 
     @property
     def rel_error(self) -> float:
@@ -102,8 +150,9 @@ class Quantiles:
 
     @property
     def nbytes(self) -> int:
-        n = self._g.nbytes + self._v.nbytes + self._c.nbytes + self._zeros.nbytes
-        n += sum(g.nbytes + v.nbytes for g, v in self._pending)
+        n = self._zeros.nbytes + sum(b.nbytes for bs in (self._bufs, self._spare) if bs for b in bs if b is not None)
+        n += 0 if self._mask is None else self._mask.nbytes
+        n += sum(v.nbytes + (0 if g is None else g.nbytes) for g, v in self._pending)
         return n + (0 if self._sketch is None else self._sketch.nbytes)
 
     def add(self, group: np.ndarray, values: np.ndarray) -> None:
@@ -111,36 +160,88 @@ class Quantiles:
         v = np.asarray(values, np.float64).ravel()
         if not v.size:
             return
-        g = np.broadcast_to(np.asarray(group, np.int64), v.shape).ravel()
         if self._sketch is not None:
+            g = np.broadcast_to(np.asarray(group, np.int64), v.shape).ravel()
             self._to_sketch(g, v, None)
             return
-        self._pending.append((g.copy(), v.copy()))
+        g = None if self.groups == 1 else np.broadcast_to(np.asarray(group, np.int64), v.shape).ravel().copy()
+        self._pending.append((g, v.copy()))
         self._npending += v.size
-        if self._npending >= max(self._v.size, _MIN_MERGE):
+        if self._npending >= _MIN_MERGE:
             self._compact()
 
     def _compact(self) -> None:
+        """Merge the pending values into the sorted histogram (or, past ``max_entries``
+        distinct pairs, everything into the sketch)."""
         if not self._pending:
             return
-        g = np.concatenate([self._g] + [p[0] for p in self._pending])
-        v = np.concatenate([self._v] + [p[1] for p in self._pending])
-        c = np.concatenate([self._c, np.ones(self._npending, np.int64)])
+        v = np.concatenate([p[1] for p in self._pending])
+        g = None if self.groups == 1 else np.concatenate([p[0] for p in self._pending])
         self._pending, self._npending = [], 0
-        order = np.lexsort((v, g))
-        g, v, c = g[order], v[order], c[order]
-        new = np.ones(v.size, bool)
-        new[1:] = (g[1:] != g[:-1]) | (v[1:] != v[:-1])
+        if g is None:
+            v.sort()
+            new = np.empty(v.size, bool)
+            new[0] = True
+            np.not_equal(v[1:], v[:-1], out=new[1:])
+        else:
+            order = np.lexsort((v, g))
+            g, v = g[order], v[order]
+            new = np.empty(v.size, bool)
+            new[0] = True
+            new[1:] = (g[1:] != g[:-1]) | (v[1:] != v[:-1])
         starts = np.flatnonzero(new)
-        self._g, self._v, self._c = g[starts], v[starts], np.add.reduceat(c, starts)
-        if self._v.size > self.max_entries:       # too many distinct values: a sketch from here on
-            g, v, c = self._g, self._v, self._c
-            self._g, self._v, self._c = np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(0, np.int64)
+        uc = np.diff(np.append(starts, v.size))
+        uv = v[starts]
+        ug = None if g is None else g[starts]
+        n = self._n
+        if n:
+            hv, hc, hg = (b[:n] if b is not None else None for b in self._bufs)
+            if ug is None:
+                pos = np.searchsorted(hv, uv)
+            else:      # position among the pairs sorted by (group, value): a group's block, then its values
+                off = np.searchsorted(hg, np.arange(self.groups + 1))
+                ub = np.searchsorted(ug, np.arange(self.groups + 1))
+                pos = np.empty(uv.size, np.int64)
+                for k in np.flatnonzero(ub[1:] > ub[:-1]):
+                    a, b, lo = ub[k], ub[k + 1], off[k]
+                    pos[a:b] = lo + np.searchsorted(hv[lo:off[k + 1]], uv[a:b])
+            at = np.minimum(pos, n - 1)
+            hit = (pos < n) & (hv[at] == uv)
+            if ug is not None:
+                hit &= hg[at] == ug
+            if hit.any():
+                hc[pos[hit]] += uc[hit]
+                miss = ~hit
+                pos, uv, uc = pos[miss], uv[miss], uc[miss]
+                ug = None if ug is None else ug[miss]
+        else:
+            pos = np.zeros(uv.size, np.int64)
+        m = n + uv.size
+        if m > self.max_entries:       # too many distinct values: a sketch from here on
+            held = (self._g, self._v, self._c)
+            self._bufs = self._spare = self._mask = None
+            self._n = self._cap = 0
             self._sketch = np.zeros((self.groups, 0), np.int64)
             if self.value_range is not None:
                 lo, hi = (int(math.ceil(math.log(x) / self._lng)) for x in self.value_range)
                 self._sketch, self._lo = np.zeros((self.groups, hi - lo + 1), np.int64), lo
-            self._to_sketch(g, v, c)
+            self._to_sketch(*held)
+            self._to_sketch(np.zeros(uv.size, np.int64) if ug is None else ug, uv, uc)
+            return
+        if not uv.size:
+            return
+        if m > self._cap:
+            self._grow(min(max(m, 2 * self._cap, 4096), self.max_entries))
+        dest = pos + np.arange(uv.size)            # the new pairs' places; the held ones fill the rest, in order
+        mask = self._mask[:m]
+        mask[dest] = False
+        for out, held, add in zip(self._spare, self._bufs, (uv, uc, ug)):
+            if out is not None:
+                o = out[:m]
+                o[mask] = held[:n]
+                o[dest] = add
+        mask[dest] = True
+        self._bufs, self._spare, self._n = self._spare, self._bufs, m
 
     def _to_sketch(self, g: np.ndarray, v: np.ndarray, c: np.ndarray | None) -> None:
         if (v < 0).any():
@@ -181,7 +282,7 @@ class Quantiles:
         self._compact()
         out = np.full(self.groups, np.nan)
         if self._sketch is None:
-            bounds = np.searchsorted(self._g, np.arange(self.groups + 1))
+            bounds = [0, self._n] if self.groups == 1 else np.searchsorted(self._g, np.arange(self.groups + 1))
             for k in range(self.groups):
                 a, b = bounds[k], bounds[k + 1]
                 if b > a:
@@ -286,7 +387,8 @@ class SummaryAccumulator:
     imbalance (max / mean over R ranks) lies in [1, R]: its sketch has a fixed size once
     the first block says R."""
 
-    def __init__(self, max_entries: int = MAX_EXACT_ENTRIES):
+    def __init__(self, max_entries: int = MAX_EXACT_ENTRIES, expect_cells: int | None = None):
+        self.expect_cells = expect_cells
         self.cells = 0
         self.undefined = 0
         self.steps = 0
@@ -308,7 +410,8 @@ class SummaryAccumulator:
         """``num_ranks``: the ranks the imbalance is over (bounds it; None: unbounded sketch)."""
         if self.q is None:
             self.q = Quantiles(1, max_entries=self.max_entries,
-                               value_range=(1.0, float(max(num_ranks, 1))) if num_ranks else None)
+                               value_range=(1.0, float(max(num_ranks, 1))) if num_ranks else None,
+                               capacity=self.expect_cells)
         imb = np.asarray(imbalance, np.float64)
         lns = np.asarray(layer_ns)
         defined = ~np.isnan(imb)

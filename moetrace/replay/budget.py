@@ -13,6 +13,9 @@ from ..safety import LIMITS, SHAPE_MAX, limit
 
 #: bytes per (step, layer, slot) cell a replay holds at once (loads, split, per-rank sums)
 BYTES_PER_CELL = 32
+#: steps a streamed replay (one plan against the recorded one: ``moetrace replay``) holds
+#: at once: one read of ``ReplayOptions.chunk_steps``, whatever the run's length
+STREAMED_STEPS = 1000
 
 
 def _raise(name: str) -> str:

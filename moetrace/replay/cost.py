@@ -88,7 +88,8 @@ class CostModel:
             compute = compute + self.contention * overlap_ns(work)
         elif isinstance(work, np.ndarray) and work.dtype == np.float64 and work.ndim:
             compute = work      # a fresh array: fixed_ns + work in place (the same sums)
-            compute += self.fixed_ns
+            if self.fixed_ns:   # (+ 0.0 changes no time: they are >= 0, never -0.0)
+                compute += self.fixed_ns
         else:
             compute = self.fixed_ns + work
         return np.asarray(compute, np.float64)

@@ -18,6 +18,7 @@ bytes). Splits of an expert's tokens over its replicas:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass
 
@@ -292,6 +293,172 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays: _
     return Block(tokens, touched, intra, inter, exact_bytes=False, received=received, per_token=per_token)
 
 
+# ----------------------------------------------------------------------------- two plans, one pass
+class _GatheredBlock(Block):
+    """A :class:`Block` of a plan with one slot per rank whose per-rank values are gathered
+    from per-(layer, expert, copies) columns (:func:`replay_pair`): ``tokens`` at once,
+    ``touched``, ``received`` and the dispatch bytes on first use (a replay that writes no
+    rank rows never asks for them). The same values as :func:`replay_load`'s block."""
+
+    def __init__(self, tokens, pos, shared, T, L, R, per_token, rpn, bytes_per_token):
+        self.tokens, self.exact_bytes, self.per_token = tokens, False, per_token
+        self.nodes_per_token_max = self.nodes_per_token_mean = self.traffic = None
+        self._pos, self._shared, self._shape = pos, shared, (T, L, R)
+        self._rpn, self._bpt = rpn, bytes_per_token
+        self._cache = {}
+
+    def _get(self, name):
+        got = self._cache.get(name)
+        if got is None:
+            T, L, R = self._shape
+            if name in ("bytes_intra", "bytes_inter"):
+                s = self.received
+                got = s * (((self._rpn - 1) if name == "bytes_intra" else (R - self._rpn)) / R)
+                got *= self._bpt
+            else:
+                got = np.take(self._shared[name], self._pos, axis=1).reshape(T, L, R)
+            self._cache[name] = got
+        return got
+
+    touched = property(lambda self: self._get("touched"), lambda self, v: self._cache.__setitem__("touched", v))
+    received = property(lambda self: self._get("received"), lambda self, v: self._cache.__setitem__("received", v))
+    bytes_intra = property(lambda self: self._get("bytes_intra"),
+                           lambda self, v: self._cache.__setitem__("bytes_intra", v))
+    bytes_inter = property(lambda self: self._get("bytes_inter"),
+                           lambda self, v: self._cache.__setitem__("bytes_inter", v))
+
+
+#: the union columns of the last few plan pairs (:func:`pair_columns`)
+_PAIR_CACHE: list = []
+
+
+def pair_columns(plans: tuple[Plan, ...]):
+    """(layer * E + expert [U], 1 / copies (float64) [U], copies (float32) [U], columns per
+    layer [L], per plan the column of each of its slots [L * R]): the distinct (layer,
+    expert, copies) of the plans' slots, in that order. With one slot
+    per rank everything a rank gets is a function of its slot's column, so the columns are
+    computed once for every plan."""
+    arrs = [_plan_arrays(p) for p in plans]
+    for ps, keys, got in list(_PAIR_CACHE):
+        if len(ps) == len(plans) and all(a is b for a, b in zip(ps, plans)) and \
+                all(np.array_equal(k, a.flat * (1 << 20) + a.cnt) for k, a in zip(keys, arrs)):
+            return got
+    keys = [a.flat * (1 << 20) + a.cnt for a in arrs]          # copies < 2^20 (slots per layer)
+    u = np.unique(np.concatenate(keys))
+    flat, cnt = u >> 20, u & ((1 << 20) - 1)
+    L, E = plans[0].num_layers, plans[0].num_experts
+    got = (flat, 1.0 / cnt.astype(np.float64), cnt.astype(np.float32), np.bincount(flat // E, minlength=L),
+           [np.searchsorted(u, k) for k in keys])
+    _PAIR_CACHE.append((tuple(plans), keys, got))
+    del _PAIR_CACHE[:-_PLAN_CACHE_SIZE]
+    return got
+
+
+def pair_applies(plans, split: str, top_k, cost: CostModel) -> bool:
+    """Whether :func:`replay_pair` replays ``plans`` (else :func:`replay_load` one by one):
+    one slot per rank, the even split over replicas, a known top_k and a cost model whose
+    rank time is a function of the rank's own values (no contention term)."""
+    p0 = plans[0]
+    return (split != "hash" and bool(top_k) and cost.fused_comm and not cost.contention
+            and all(p.slots_per_rank == 1 and p.num_experts == p0.num_experts and p.num_layers == p0.num_layers
+                    for p in plans))
+
+
+def replay_pair(load: np.ndarray, plans: tuple[Plan, ...], top_k: int, bytes_per_token: int, cost: CostModel,
+                columns=None) -> list[tuple[Block, LayerMetrics]]:
+    """(block, metrics) of each of ``plans`` on ``load [t, L, E]`` (float64), equal bit for
+    bit to ``layer_metrics(replay_load(load, plan, "even", None, top_k, bytes_per_token),
+    cost)`` plan by plan (:func:`pair_applies` says when it applies). With one slot per rank
+    a rank's tokens, slots touched, received tokens and time are a function of its slot's
+    (layer, expert, copies): those are computed once over the distinct columns of all the
+    plans (the candidate and the recorded placement share all but a few percent), and each
+    plan gathers its ranks' values and takes its maxima. ``columns``: ``pair_columns(plans)``
+    when the caller holds it (a replay's plans do not change from piece to piece)."""
+    T, L, E = load.shape
+    flatU, shareU, cnt32, per_layer, pos = columns if columns is not None else pair_columns(plans)
+    lu = np.take(load.reshape(T, L * E), flatU, axis=1)                 # [t, U] float64
+    touchedU = np.greater(lu, 0, out=np.empty(lu.shape, np.int32), casting="unsafe")    # 0 / 1, as int32
+    tokU = lu * shareU                                                  # = the per-slot share
+    # the all-to-all estimate of _estimate_dispatch, column by column (the same float32 steps)
+    B = load.sum(axis=2, dtype=np.float32) / np.float32(max(top_k, 1))  # [t, L]
+    BU = np.repeat(B, per_layer, axis=1)                                # [t, U]: the columns are in layer order
+    den = np.maximum(BU, np.float32(1e-30))
+    den *= cnt32
+    inv = np.divide(np.float32(1.0), den, out=den)
+    x = np.multiply(lu, inv, dtype=np.float32)
+    np.clip(x, 0.0, 1.0 - 1e-7, out=x)
+    np.negative(x, out=x)
+    np.log1p(x, out=x)
+    np.exp(x, out=x)
+    np.subtract(np.float32(1.0), x, out=x)
+    x *= BU
+    recU = x                                                            # tokens received
+    rank_nsU: dict = {}       # the rank time of every column, per (intra, inter) bytes per token
+    res = []
+    for p, pp in zip(plans, pos):
+        R, rpn = p.num_ranks, p.ranks_per_node
+        per_token = ((rpn - 1) / R * bytes_per_token, (R - rpn) / R * bytes_per_token)
+        if per_token not in rank_nsU:       # compute + all-to-all: elementwise without contention
+            r = cost.compute_ns(tokU, touchedU)
+            r += cost.comm_received_ns(recU, per_token)
+            rank_nsU[per_token] = r
+        tok = np.take(tokU, pp, axis=1).reshape(T, L, R)
+        rank_ns = np.take(rank_nsU[per_token], pp, axis=1).reshape(T, L, R)
+        blk = _GatheredBlock(tok, pp, {"touched": touchedU, "received": recU}, T, L, R, per_token, rpn,
+                             bytes_per_token)
+        res.append((blk, _metrics_from(tok, rank_ns)))
+    return res
+
+
+#: threads that replay pieces side by side (:func:`ordered_map`); numpy releases the GIL in
+#: the kernels, so two pieces run on two cores. 1: in the calling thread
+REPLAY_THREADS = max(1, min(2, os.cpu_count() or 1))
+
+
+def ordered_map(fn, items, threads: int | None = None, ahead: int | None = None):
+    """``fn(item)`` of every item, yielded in the items' order, computed on ``threads``
+    threads (default :data:`REPLAY_THREADS`) with at most ``ahead`` results pending
+    (default twice the threads). The results are those of a plain loop: each call is
+    independent, only the order of the calls in time differs."""
+    threads = REPLAY_THREADS if threads is None else threads
+    if threads <= 1:
+        for it in items:
+            yield fn(it)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    ahead = ahead or 2 * threads
+    pending: deque = deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="moetrace-replay") as pool:
+        try:
+            for it in items:
+                pending.append(pool.submit(fn, it))
+                if len(pending) >= ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+def _metrics_from(tok, rank_ns) -> LayerMetrics:
+    """:func:`_layer_metrics`'s results from a block's tokens and rank times (the maxima
+    read at the argmax: the same element, one pass less)."""
+    load_strag = np.argmax(tok, axis=2)
+    mx = np.take_along_axis(tok, load_strag[..., None], axis=2)[..., 0]     # = tok.max(axis=2)
+    mean = tok.mean(axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        imb = np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
+    undefined = np.isnan(imb)
+    strag = np.argmax(rank_ns, axis=2)
+    layer_ns = np.take_along_axis(rank_ns, strag[..., None], axis=2)[..., 0]
+    strag[undefined] = -1
+    load_strag[undefined] = -1
+    return LayerMetrics(mx, mean, imb, strag, layer_ns, None, None, rank_ns, load_strag, rank_ns.mean(axis=2))
+
+
 def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: Plan, split: str,
                    bytes_per_token: int, recorded_slot=None) -> Block:
     """Exact replay of per-token routing rows (index arrays) against ``plan``: each token
@@ -384,6 +551,8 @@ class LayerMetrics:
     #: the rank holding the most tokens (the load straggler, no time model), -1 where no
     #: tokens were routed; ``straggler`` is the slowest rank under the cost model
     load_straggler: np.ndarray | None = None
+    #: ``rank_ns.mean(axis=2)`` when the kernel computed it (on its thread: :func:`replay_pair`)
+    rank_ns_mean: np.ndarray | None = None
     # dispatch_ns / compute_ns are None when the all-to-all was timed in one pass from the
     # received tokens (:func:`layer_metrics`); :func:`rank_parts` gives them
 

@@ -25,6 +25,7 @@ combine from its bytes. This module maps the one onto the other:
 """
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -82,6 +83,7 @@ class _MlpTable:
         self.qval = np.zeros(0, np.int64)        # quantized count of each column
         self.vals = np.zeros((1, 0))
         self.filled = np.zeros(1, np.int64)
+        self._lock = threading.Lock()
 
     def _grow_m(self, m_max: int) -> None:
         n = max(m_max + 1, 2 * self.qcol.size, 1024)
@@ -106,20 +108,30 @@ class _MlpTable:
     def lookup(self, g: np.ndarray, m: np.ndarray, g_max: int, m_max: int) -> np.ndarray:
         """Times of integer arrays ``g`` (slots touched) and ``m`` (tokens per expert, >= 0;
         0 where g is 0), whose maxima are ``g_max`` and ``m_max``."""
-        if m_max >= self.qcol.size:
-            self._grow_m(m_max)
-        col_max = int(self.qcol[m_max])
-        if g_max >= self.filled.size or (self.filled[:g_max + 1] <= col_max).any():
-            self._fill(g_max, col_max)
+        with self._lock:    # replay threads share the table: it grows under the lock, is read from a snapshot
+            if m_max >= self.qcol.size:
+                self._grow_m(m_max)
+            col_max = int(self.qcol[m_max])
+            if g_max >= self.filled.size or (self.filled[:g_max + 1] <= col_max).any():
+                self._fill(g_max, col_max)
+            qcol, vals = self.qcol, self.vals       # replaced, never shrunk, when the table grows
         if g_max <= 1:      # m is 0 where g is 0, and every g's time of m = 0 is 0: row 1 serves both
             # one gather: the row's time of every count up to m_max (qcol composed with the row)
-            return np.take(np.take(self.vals[min(g_max, 1)], self.qcol[:m_max + 1]), m)
-        idx = np.take(self.qcol, m)
-        idx += g * self.vals.shape[1]
-        return np.take(self.vals.reshape(-1), idx)
+            return np.take(np.take(vals[min(g_max, 1)], qcol[:m_max + 1]), m)
+        idx = np.take(qcol, m)
+        idx += g * vals.shape[1]
+        return np.take(vals.reshape(-1), idx)
 
 
 _TABLES: dict[tuple, _MlpTable] = {}
+
+
+def _table(hw, h, i, dt) -> _MlpTable:
+    key = (hw, h, i, dt)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = _MlpTable(key)
+    return table
 
 
 def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
@@ -133,19 +145,19 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
     g_max = int(g.max(initial=0))
     if g_max <= 1:          # tokens / 1 (and 0 where nothing is touched)
+        m_max = float(np.ceil(tok.max(initial=0.0)))     # = ceil(tok).max(): ceil is monotone
+        if m_max < TABLE_MAX_TOKENS:
+            # the integer tokens per expert in one pass: ceil, then the exact cast of an integral float
+            mi = np.ceil(tok, out=np.empty(tok.shape, np.int64), casting="unsafe")
+            return _table(hw, h, i, dt).lookup(g, mi, g_max, int(m_max))
         m = np.ceil(tok)
-        m_max = float(np.ceil(tok.max(initial=0.0)))     # = m.max(): ceil is monotone
     else:
         m = np.divide(tok, np.maximum(g, 1))
         np.ceil(m, out=m)
         m[g <= 0] = 0.0
         m_max = float(m.max(initial=0.0))
     if m_max < TABLE_MAX_TOKENS:
-        key = (hw, h, i, dt)
-        table = _TABLES.get(key)
-        if table is None:
-            table = _TABLES[key] = _MlpTable(key)
-        return table.lookup(g, m.astype(np.int64), g_max, int(m_max))
+        return _table(hw, h, i, dt).lookup(g, m.astype(np.int64), g_max, int(m_max))
     mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
     key = g.astype(np.int64) * (1 << 32) + mq
     uniq, inv = np.unique(key.ravel(), return_inverse=True)

@@ -11,7 +11,8 @@ import numpy as np
 from ..domain.windows import first_half
 from ..errors import InputError
 from . import cost as costmod
-from .engine import Block, approximation_notes, rank_parts, replay_load
+from .engine import (Block, approximation_notes, layer_metrics, pair_applies, pair_columns, rank_parts,
+                     replay_load, replay_pair)
 from ..placement.relabel import relabel
 from ..placement.planners import Plan, PlanShape, contiguous, make_plan
 from .strategies import Timing, judge, judge_stream
@@ -76,6 +77,25 @@ def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
             return routing_block(store, run_id, shape, plan, split, ids, is_recorded and recorded_slots == "routing")
         return replay_load(load, plan, split, slot_load if is_recorded else None, shape.top_k, shape.bytes_per_token)
 
+    def pair(plan, recorded, cost):
+        """The kernel judging ``plan`` and ``recorded`` in one pass over each piece's counts
+        (:func:`engine.replay_pair`, the same numbers as ``fn`` plan by plan), or None where
+        it does not apply (per-token routing, recorded per-slot counts, several slots per rank, ...)."""
+        plans = (plan, recorded)
+        if use_routing or recorded_slots == "counts" or not pair_applies(plans, split, shape.top_k, cost):
+            return None
+
+        columns = pair_columns(plans)       # once: the plans do not change during the replay
+
+        def kernel(ids, load, slot_load):
+            if load.dtype != np.float64:
+                return [(b, layer_metrics(b, cost)) for b in (fn(ids, load, slot_load, plan, False),
+                                                             fn(ids, load, slot_load, recorded, True))]
+            return replay_pair(load, plans, shape.top_k, shape.bytes_per_token, cost, columns)
+
+        return kernel
+
+    fn.pair = pair
     return fn
 
 
@@ -141,10 +161,12 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
         if blk.traffic is not None:
             agg["rtraffic"] = blk.traffic if agg["rtraffic"] is None else agg["rtraffic"] + blk.traffic
 
-    chunks = iter_load(store, run_id, sub, chunk, with_slots=with_slots)
+    # the next chunk is read while this one is replayed (not with per-token routing: its blocks query the store)
+    chunks = iter_load(store, run_id, sub, chunk, with_slots=with_slots, read_ahead=not shape.has_routing)
     try:
         j = judge_stream(chunks, plan, recorded, fn, cost, shape.expert_bytes, opts.move, timing=timing, kind=kind,
-                         on_block=on_block, on_recorded=on_recorded, name=policy or plan.policy)
+                         on_block=on_block, on_recorded=on_recorded, name=policy or plan.policy,
+                         expect_cells=int(sub.steps.size * sub.layers.size))
     except ValueError as e:
         raise InputError(None, f"replay of run {run_id!r}: {e}") from None
     split = "recorded" if is_rec and mode in ("counts", "routing") else opts.split

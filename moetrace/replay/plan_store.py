@@ -8,29 +8,31 @@ import numpy as np
 
 from ..errors import InputError
 from ..placement.planners import Plan, align_layers, contiguous
-from .load import RunShape
+from .load import RunShape, query_numpy
 
 
 # ----------------------------------------------------------------------------- plans
 def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | None = None) -> Plan:
-    """A Plan from placement rows (layer, slot, rank, node, expert) of one plan."""
-    if df.height == 0:
+    """A Plan from placement rows (layer, slot, rank, node, expert) of one plan: a polars
+    frame or a dict of numpy columns (:func:`.load.query_numpy`)."""
+    col = {c: np.asarray(df[c]) for c in ("layer", "slot", "rank", "node", "expert")}
+    if col["layer"].size == 0:
         raise InputError(None, f"no placement rows for plan {plan_id!r}")
-    layers = np.unique(df["layer"].to_numpy())
-    S = int(df["slot"].max()) + 1
+    layers = np.unique(col["layer"])
+    S = int(col["slot"].max()) + 1
     L = layers.size
     p2l = np.full((L, S), -1, np.int64)
-    li = np.searchsorted(layers, df["layer"].to_numpy())
-    p2l[li, df["slot"].to_numpy()] = df["expert"].to_numpy()
+    li = np.searchsorted(layers, col["layer"])
+    p2l[li, col["slot"]] = col["expert"]
     if (p2l < 0).any():
         raise InputError(None, f"plan {plan_id!r}: some (layer, slot) have no expert")
     rank_of = np.zeros(S, np.int64)
-    rank_of[df["slot"].to_numpy()] = df["rank"].to_numpy()
+    rank_of[col["slot"]] = col["rank"]
     R = int(rank_of.max()) + 1
     if S % R or not np.array_equal(rank_of, np.arange(S) // (S // R)):
         raise InputError(None, f"plan {plan_id!r}: slots are not laid out as slot // slots_per_rank")
     node_of = np.zeros(R, np.int64)
-    node_of[df["rank"].to_numpy()] = df["node"].to_numpy()
+    node_of[col["rank"]] = col["node"]
     nn = int(node_of.max()) + 1
     rpn = R // nn if R % nn == 0 else (ranks_per_node or R)
     try:
@@ -41,9 +43,9 @@ def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | Non
 
 def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
     """The run's own placement (plan_id 'recorded'), else contiguous (slot = expert)."""
-    df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
-                   [run_id]) if store.has_files("placement") else None
-    if df is not None and df.height:
+    df = query_numpy(store, "SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND "
+                            "plan_id = 'recorded'", [run_id]) if store.has_files("placement") else None
+    if df is not None and df["layer"].size:
         p = align_layers(plan_from_rows(df, "recorded", shape.num_experts, shape.ranks_per_node), shape.layers)
         p.policy = "recorded"
         return p

@@ -15,8 +15,10 @@ from ..placement.planners import Plan
 from .accumulate import LoadTotals, rel_error_text
 from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
 from .load import RunShape
+from .budget import STREAMED_STEPS
 from ..domain.ranks import node_of
 from ..notebook import NotebookView
+from ..storage.schema import repeated_string
 
 
 # ----------------------------------------------------------------------------- the exact half
@@ -181,7 +183,7 @@ class ReplayOptions:
     hardware: str = "H200"
     fit_cost: bool = True
     rank_rows: bool = True
-    chunk_steps: int = 1000
+    chunk_steps: int = STREAMED_STEPS
     move: MoveCost = field(default_factory=MoveCost)
     #: passes per pseudo-step of an aggregate run (times per pass then); None: the run's
     passes: int | None = None
@@ -281,9 +283,57 @@ def _int(x):
     return None if x is None else int(round(x))
 
 
+def _arr(a: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
+    """``pa.array(a, mask=mask)`` of a numeric numpy array, over the same buffer (null where
+    ``mask``), built from buffers: pyarrow imports pandas the first time ``pa.array`` is
+    called (0.2-0.3 s of every replay, issue #26)."""
+    a = np.ascontiguousarray(a).ravel()
+    validity, nulls = None, 0
+    if mask is not None:
+        nulls = int(np.count_nonzero(mask))
+        if nulls:
+            validity = pa.py_buffer(np.packbits(~np.asarray(mask, bool).ravel(), bitorder="little"))
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [validity, pa.py_buffer(a)], null_count=nulls)
+
+
 def _nan_none(a: np.ndarray) -> pa.Array:
     a = np.asarray(a, np.float64).ravel()
-    return pa.array(a, pa.float64(), mask=np.isnan(a))
+    return _arr(a, np.isnan(a))
+
+
+def _strings(value: str | None, n: int) -> pa.Array:
+    """``pa.array([value] * n, pa.string())`` built from buffers (see :func:`_arr`)."""
+    if value is None:
+        return pa.nulls(n, pa.string())
+    got = repeated_string(value, n)
+    return got if got.type == pa.string() else got.cast(pa.string())
+
+
+def _one(v, typ: pa.DataType) -> pa.Array:
+    """A one-value array of ``typ`` (``pa.array([v], typ)``) built from buffers (see :func:`_arr`)."""
+    if v is None:
+        return pa.nulls(1, typ)
+    if typ == pa.string():
+        return _strings(v, 1)
+    if typ == pa.bool_():
+        return pa.Array.from_buffers(typ, 1, [None, pa.py_buffer(bytes([int(bool(v))]))])
+    return _arr(np.array([v], {pa.float64(): np.float64, pa.int32(): np.int32}.get(typ, np.int64)))
+
+
+#: the constant columns of the last few replay_layer tables: (replay_id, plan_id, rows) -> arrays
+_CONST_COLUMNS: dict = {}
+
+
+def _const_columns(replay_id, plan_id, n: int):
+    """(replay_id, plan_id, plan_age_steps null) columns of ``n`` rows: a replay's pieces
+    all have the same, built once (immutable Arrow arrays, shared by the tables)."""
+    key = (replay_id, plan_id, n)
+    got = _CONST_COLUMNS.get(key)
+    if got is None:
+        if len(_CONST_COLUMNS) > 8:
+            _CONST_COLUMNS.clear()
+        got = _CONST_COLUMNS[key] = (_strings(replay_id, n), _strings(plan_id, n), pa.nulls(n, pa.int64()))
+    return got
 
 
 def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
@@ -291,16 +341,17 @@ def _layer_table(ids, layers, m, replay_id, plan_id, ages=None) -> pa.Table:
     n = T * L
     strag = m.straggler.ravel()
     lstrag = (m.load_straggler if m.load_straggler is not None else m.straggler).ravel()
+    rid, pid, no_age = _const_columns(replay_id, plan_id, n)
     return pa.table({
-        "replay_id": pa.array([replay_id] * n, pa.string()),
-        "step": np.repeat(ids, L).astype(np.int64), "layer": np.tile(layers, T).astype(np.int32),
-        "plan_id": pa.array([plan_id] * n, pa.string()),
-        "plan_age_steps": pa.array(np.repeat(ages, L) if ages is not None else [None] * n, pa.int64()),
-        "max_rank_tokens": m.max_tokens.ravel(), "mean_rank_tokens": m.mean_tokens.ravel(),
-        "imbalance": _nan_none(m.imbalance), "straggler_rank": pa.array(strag.astype(np.int32), mask=strag < 0),
+        "replay_id": rid,
+        "step": _arr(np.repeat(ids, L).astype(np.int64)), "layer": _arr(np.tile(layers, T).astype(np.int32)),
+        "plan_id": pid,
+        "plan_age_steps": _arr(np.repeat(ages, L).astype(np.int64)) if ages is not None else no_age,
+        "max_rank_tokens": _arr(m.max_tokens), "mean_rank_tokens": _arr(m.mean_tokens),
+        "imbalance": _nan_none(m.imbalance), "straggler_rank": _arr(strag.astype(np.int32), strag < 0),
         # the most loaded rank (exact, as layer_skew.straggler_rank); straggler_rank above is the slowest modelled
-        "load_straggler_rank": pa.array(lstrag.astype(np.int32), mask=lstrag < 0),
-        "predicted_ns": np.rint(m.layer_ns.ravel()).astype(np.int64)})
+        "load_straggler_rank": _arr(lstrag.astype(np.int32), lstrag < 0),
+        "predicted_ns": _arr(np.rint(m.layer_ns.ravel()).astype(np.int64))})
 
 
 def _rank_table(ids, layers, block: Block, m, replay_id) -> pa.Table:
@@ -336,21 +387,25 @@ def traffic_table(replay_id: str, plan: Plan, which: str, traffic: np.ndarray, s
 def _runs_row(res: ReplayResult, kind: str, params: dict) -> pa.Table:
     j, s, p = res.judged, res.judged.summary, res.judged.plan
     d = res.to_dict()
+    S, I, I32, F, B = pa.string(), pa.int64(), pa.int32(), pa.float64(), pa.bool_()
     return pa.table({
-        "replay_id": [res.replay_id], "created_at_ns": [time.time_ns()], "kind": [kind], "policy": [res.policy],
-        "plan_id": pa.array([p.plan_id], pa.string()), "split": [res.split],
-        "num_steps": [int(j.steps.size)], "num_layers": [p.num_layers], "num_ranks": [p.num_ranks],
-        "num_slots": [p.num_slots], "mean_imbalance": pa.array([s.mean_imbalance], pa.float64()),
-        "p99_imbalance": pa.array([s.p99_imbalance], pa.float64()),
-        "predicted_step_ns": pa.array([_int(j.gross_step_ns)], pa.int64()),
-        "mean_efficiency": pa.array([s.mean_efficiency], pa.float64()), "moved_experts": [j.moved_experts],
-        "moved_bytes": [j.moved_bytes], "exact_bytes": [res.exact_bytes], "cost_json": [res.cost.to_json()],
-        "params_json": [json.dumps(params, sort_keys=True, default=str)],
-        "summary_json": [json.dumps(d, sort_keys=True, default=str)],
-        "approximations": [json.dumps(res.notes)],
-        "recorded_step_ns": pa.array([_int(j.recorded_step_ns)], pa.int64()),
-        "net_step_ns": pa.array([_int(j.net_step_ns)], pa.int64()),
-        "recorded_mean_imbalance": pa.array([j.recorded.mean_imbalance], pa.float64()),
-        "undefined_cells": [s.undefined_cells], "judged_on": [res.judged_on], "verdict": [j.verdict],
-        "verdict_reason": [j.verdict_reason], "time_per": pa.array([d["time_per"]], pa.string()),
-        "plan_desc": [res.plan_desc]})
+        "replay_id": _one(res.replay_id, S), "created_at_ns": _one(time.time_ns(), I), "kind": _one(kind, S),
+        "policy": _one(res.policy, S),
+        "plan_id": _one(p.plan_id, S), "split": _one(res.split, S),
+        "num_steps": _one(int(j.steps.size), I), "num_layers": _one(p.num_layers, I32), "num_ranks": _one(p.num_ranks, I32),
+        "num_slots": _one(p.num_slots, I32), "mean_imbalance": _one(s.mean_imbalance, F),
+        "p99_imbalance": _one(s.p99_imbalance, F),
+        "predicted_step_ns": _one(_int(j.gross_step_ns), I),
+        "mean_efficiency": _one(s.mean_efficiency, F), "moved_experts": _one(j.moved_experts, I),
+        "moved_bytes": _one(j.moved_bytes, I), "exact_bytes": _one(res.exact_bytes, B),
+        "cost_json": _one(res.cost.to_json(), S),
+        "params_json": _one(json.dumps(params, sort_keys=True, default=str), S),
+        "summary_json": _one(json.dumps(d, sort_keys=True, default=str), S),
+        "approximations": _one(json.dumps(res.notes), S),
+        "recorded_step_ns": _one(_int(j.recorded_step_ns), I),
+        "net_step_ns": _one(_int(j.net_step_ns), I),
+        "recorded_mean_imbalance": _one(j.recorded.mean_imbalance, F),
+        "undefined_cells": _one(s.undefined_cells, I), "judged_on": _one(res.judged_on, S),
+        "verdict": _one(j.verdict, S),
+        "verdict_reason": _one(j.verdict_reason, S), "time_per": _one(d["time_per"], S),
+        "plan_desc": _one(res.plan_desc, S)})

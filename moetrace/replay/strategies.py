@@ -32,7 +32,7 @@ import numpy as np
 
 from .cost import CostModel, error_band
 from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
-from .engine import Block, LayerMetrics, Summary, layer_metrics, reuse_freed_memory
+from .engine import Block, LayerMetrics, Summary, layer_metrics, ordered_map, reuse_freed_memory
 from ..placement.moves import move_copies, replan
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
@@ -271,13 +271,18 @@ class Timing:
     per_pass: int | None = None
 
 
+def _rank_mean(m: LayerMetrics) -> np.ndarray:
+    return m.rank_ns_mean if m.rank_ns_mean is not None else m.rank_ns.mean(axis=2)
+
+
 class _Acc:
     """Streaming totals of the judged plan and the recorded one (:mod:`.accumulate`): memory
     independent of the number of judged steps but for the step ids and the series (8 bytes
     a step each) and one run-length entry per block."""
 
-    def __init__(self):
-        self.sum, self.rsum = SummaryAccumulator(), SummaryAccumulator()
+    def __init__(self, expect_cells: int | None = None):
+        self.sum = SummaryAccumulator(expect_cells=expect_cells)
+        self.rsum = SummaryAccumulator(expect_cells=expect_cells)
         self.load, self.rload = LoadAccumulator(), LoadAccumulator()
         self.runs: list[PlanRun] = []
         self.steps: list[np.ndarray] = []
@@ -291,13 +296,13 @@ class _Acc:
 
     def add(self, ids, m: LayerMetrics, mr: LayerMetrics, plan_id: str, replan: bool):
         R, rR = m.rank_ns.shape[2], mr.rank_ns.shape[2]
-        self.sum.add(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2), R)
+        self.sum.add(m.imbalance, m.layer_ns, _rank_mean(m), R)
         self.load.add(m.max_tokens, m.load_straggler, m.mean_tokens, R)
         if mr is m:
-            self.rsum.add(m.imbalance, m.layer_ns, m.rank_ns.mean(axis=2), R)
+            self.rsum.add(m.imbalance, m.layer_ns, _rank_mean(m), R)
             self.rload.add(m.max_tokens, m.load_straggler, m.mean_tokens, R)
         else:
-            self.rsum.add(mr.imbalance, mr.layer_ns, mr.rank_ns.mean(axis=2), rR)
+            self.rsum.add(mr.imbalance, mr.layer_ns, _rank_mean(mr), rR)
             self.rload.add(mr.max_tokens, mr.load_straggler, mr.mean_tokens, rR)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # steps where no layer routed a token
@@ -400,19 +405,33 @@ def judge_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray, "np.ndarray | No
                  replay_fn: ReplayFn, cost: CostModel, expert_bytes: int, mc: MoveCost | None = None,
                  name: str | None = None, timing: Timing | None = None, kind: str = "replay",
                  on_block: Callable[[np.ndarray, Plan, Block, LayerMetrics], None] | None = None,
-                 on_recorded: Callable[[np.ndarray, Block], None] | None = None) -> Judged:
+                 on_recorded: Callable[[np.ndarray, Block], None] | None = None,
+                 expect_cells: int | None = None) -> Judged:
     """:func:`judge` for one fixed ``plan`` over step chunks (bounded memory on long runs):
     the switch from the recorded placement is charged once, at the first judged step.
-    ``on_recorded`` sees the recorded placement's block of every chunk."""
+    ``on_recorded`` sees the recorded placement's block of every chunk. ``expect_cells``: the
+    (step, layer) cells the chunks hold, if known (the accumulators' buffers are sized for
+    them from the start: memory flat over the replay)."""
     mc, timing = mc or MoveCost(), timing or Timing()
     strategy = Fixed(plan, kind="recorded" if plan is recorded else kind)
-    acc, pp = _Acc(), _per_pass(timing)
+    acc, pp = _Acc(expect_cells), _per_pass(timing)
+    # both placements in one pass where the replayer can (replay_fn.pair: engine.replay_pair),
+    # pieces side by side on the replay threads; else one plan after the other, piece by piece
+    pair = getattr(replay_fn, "pair", None)
+    kernel = pair(plan, recorded, cost) if pair is not None and pp is None and plan is not recorded else None
+
+    def one(c):
+        bid, bl, bsl = c
+        if kernel is not None:
+            (blk, m), (rblk, mr) = kernel(bid, bl, bsl)
+            return bid, blk, m, rblk, mr
+        blk, m = _metrics(replay_fn, bid, bl, bsl, plan, plan is recorded, cost, pp)
+        rblk, mr = (blk, m) if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)
+        return bid, blk, m, rblk, mr
+
     with reuse_freed_memory():
-        for bid, bl, bsl in chunks:
-            if not bid.size:
-                continue
-            blk, m = _metrics(replay_fn, bid, bl, bsl, plan, plan is recorded, cost, pp)
-            rblk, mr = (blk, m) if plan is recorded else _metrics(replay_fn, bid, bl, bsl, recorded, True, cost, pp)
+        for bid, blk, m, rblk, mr in ordered_map(one, (c for c in chunks if c[0].size),
+                                                 threads=None if kernel is not None else 1):
             if on_block is not None:
                 on_block(bid, plan, blk, m)
             if on_recorded is not None:

@@ -210,10 +210,20 @@ def one_row(row: dict) -> pa.Table:
 
 
 def repeated_string(value: str, n: int) -> pa.Array:
-    """``n`` copies of ``value`` as a string array: one dictionary entry, ``n`` zero
-    indices (built from buffers, see :func:`one_row`)."""
+    """``n`` copies of ``value`` as a string array, built from buffers (see :func:`one_row`):
+    the contract's type as is, nothing for :func:`conform` to cast (a dictionary array was
+    cast, which imports ``pyarrow.compute``). Past 2 GiB of characters, or for a string
+    UTF-8 cannot encode: one dictionary entry and ``n`` zero indices."""
+    import numpy as np
     import pyarrow as pa
 
+    try:
+        b = value.encode("utf-8")
+    except UnicodeEncodeError:
+        b = None
+    if b is not None and len(b) * n < 1 << 31:
+        offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(b))
+        return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(b * n)])
     indices = pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(bytes(4 * n))])
     return pa.DictionaryArray.from_arrays(indices, _one_string(value))
 

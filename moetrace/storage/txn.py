@@ -429,8 +429,10 @@ class Transactions:
                 writer = None
                 tmp_file = staging / table / f"part-{txid}.parquet"
                 for chunk in self._chunks(tables[table]):
+                    ours = False      # the run_id column added here: every row is the run's
                     if isinstance(chunk, pa.Table) and "run_id" not in chunk.column_names:
                         chunk = chunk.append_column("run_id", schema.repeated_string(run_id, chunk.num_rows))
+                        ours = True
                     elif _is_polars(chunk) and "run_id" not in chunk.columns:
                         import polars as pl
 
@@ -439,7 +441,7 @@ class Transactions:
                         n = len(next(iter(chunk.values()))) if chunk else 0
                         chunk = {**chunk, "run_id": [run_id] * n}
                     tbl = schema.conform(table, chunk)
-                    if tbl.num_rows and (tbl.column("run_id").unique().to_pylist() != [run_id]):
+                    if tbl.num_rows and not ours and (tbl.column("run_id").unique().to_pylist() != [run_id]):
                         raise SchemaError(table, f"rows belong to another run than {run_id!r}", "run_id")
                     body = tbl.drop_columns(["run_id"])
                     if writer is None:
