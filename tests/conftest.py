@@ -103,6 +103,20 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+def _group_node_id(item, group: str) -> None:
+    """What xdist does with an ``xdist_group`` mark under ``--dist loadgroup``: the group's
+    name after an ``@`` in the node id, which its scheduler splits the work units by.
+    pytest-xdist 3.8 writes ``item._nodeid``, which pytest >= 9.2 no longer reads (the id
+    is ``item._id``), so the groups would silently be ignored: set it here."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:     # pytest < 9.2: xdist's own hook does it
+        return
+    if getattr(item, "_id", None) is not None and not item.nodeid.endswith("@" + group):
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook turns the xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):
     """Under xdist (``-n 2 --dist loadgroup``): every test on the shared Spark session in one
     group (one JVM, on one worker), the tests of a module-scoped fixture in their module's
@@ -119,15 +133,16 @@ def pytest_collection_modifyitems(config, items):
             group = None
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-        unit_of[item.nodeid] = group or item.nodeid
+            _group_node_id(item, group)
+        unit_of[id(item)] = group or item.nodeid
     weight: dict[str, float] = {}
     for item in items:
-        u = unit_of[item.nodeid]
+        u = unit_of[id(item)]
         weight[u] = weight.get(u, 0.0) + _seconds(item.nodeid)
     first = {}
     for i, item in enumerate(items):
-        first.setdefault(unit_of[item.nodeid], i)
-    items.sort(key=lambda it: (-weight[unit_of[it.nodeid]], first[unit_of[it.nodeid]]))
+        first.setdefault(unit_of[id(item)], i)
+    items.sort(key=lambda it: (-weight[unit_of[id(it)]], first[unit_of[id(it)]]))
 
 # Property tests: derandomized (a fixed seed per test) so a failure reproduces, in CI and by
 # default; HYPOTHESIS_PROFILE=random explores new examples on every run (docs/hardening.md).
