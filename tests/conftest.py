@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 # The README's command runs the suite on 2 workers (``-n 2 --dist loadgroup``) on a 2-core
 # machine. Each worker is one core's worth of work: its polars, BLAS/OpenMP (torch) and
 # DuckDB thread pools are capped at one thread, so the two workers do not fight over the two
-# cores (uncapped, two workers took 16.5 min of CPU where one took 13). Set before polars or
+# cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set before polars or
 # torch is imported (they read these once); the subprocesses a test starts inherit them.
 # DuckDB reads no environment variable: its in-process connections get ``threads=1``
 # (``_duckdb_one_thread``); the CLI subprocesses keep DuckDB's default.
