@@ -112,8 +112,12 @@ def _group_node_id(item, group: str) -> None:
         from _pytest.nodeid import NodeId
     except ImportError:     # pytest < 9.2: xdist's own hook does it
         return
-    if getattr(item, "_id", None) is not None and not item.nodeid.endswith("@" + group):
-        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+    nid = getattr(item, "_id", None)
+    if not isinstance(nid, NodeId) or not nid.names or item.nodeid.endswith("@" + group):
+        return
+    # 'name[params]@group' as the last name, no params: the id prints the same if rebuilt
+    last = nid.names[-1] + (f"[{nid.params}]" if nid.params is not None else "") + "@" + group
+    item._id = NodeId(path=nid.path, names=(*nid.names[:-1], last))
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook turns the xdist_group marks into node ids
