@@ -21,8 +21,8 @@ def _sglang(size: str, tmp: Path) -> list[dict]:
 
     from moetrace.collect import collect
 
-    L, P, R = 61, 288, (8 if size == "small" else 32)
-    passes = 20 if size == "small" else 100
+    L, P, R = 61, 288, (4 if size == "small" else 32)
+    passes = 10 if size == "small" else 100
     rng = np.random.default_rng(0)
     p2l = torch.from_numpy(np.tile(np.r_[np.arange(256), np.arange(32)], (L, 1)))
     paths = []
@@ -71,7 +71,7 @@ def _capture(size: str) -> list[dict]:
 def _refrun(size: str, tmp: Path) -> list[dict]:
     from moetrace.produce.refrun import RefRunConfig, run
 
-    cfg = RefRunConfig() if size == "small" else RefRunConfig(ranks=4, experts=16, steps=8, prefill_tokens=64,
+    cfg = RefRunConfig(steps=2) if size == "small" else RefRunConfig(ranks=4, experts=16, steps=8, prefill_tokens=64,
                                                               idle=[(3, 2)])
     t = time.perf_counter()
     man = run(cfg, tmp / "rr")

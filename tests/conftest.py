@@ -10,6 +10,144 @@ from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 
+# --------------------------------------------------------------- two pytest-xdist workers
+# The README's command runs the suite on 2 workers (``-n 2 --dist loadgroup``) on a 2-core
+# machine. Each worker is one core's worth of work: its polars, BLAS/OpenMP (torch) and
+# DuckDB thread pools are capped at one thread, so the two workers do not fight over the two
+# cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set before polars or
+# torch is imported (they read these once); the subprocesses a test starts inherit them.
+# DuckDB reads no environment variable: its in-process connections get ``threads=1``
+# (``_duckdb_one_thread``); the CLI subprocesses keep DuckDB's default.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    for _var in ("POLARS_MAX_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+
+def _duckdb_one_thread() -> None:
+    import duckdb
+
+    real = duckdb.connect
+    if getattr(real, "_moetrace_one_thread", False):
+        return
+
+    def connect(database=":memory:", read_only=False, config=None, **kw):
+        config = dict(config or {})
+        config.setdefault("threads", 1)
+        return real(database, read_only, config, **kw)
+
+    connect._moetrace_one_thread = True
+    duckdb.connect = connect
+    duckdb.execute("SET threads=1")   # the module-level connection (duckdb.sql, duckdb.execute)
+
+
+if XDIST_WORKER:
+    _duckdb_one_thread()
+
+#: approximate seconds of the slowest tests (``--durations``, 2-core machine): the workers
+#: are handed the longest work units first, so the two finish together instead of one
+#: running a 3-minute unit alone at the end. Keys are node-id prefixes; the rest count
+#: DEFAULT_SECONDS. Rough is enough: only the order of the heaviest units matters.
+HEAVY_SECONDS = {
+    "tests/test_spark_cli.py": 25.0,           # the Spark tests: one group, one JVM (~3 min)
+    "tests/test_spark_views.py": 10.0,
+    "tests/test_store_spark.py": 20.0,
+    "tests/test_benchmarks_small.py::test_every_benchmark_is_listed_and_run_all_succeeds": 60.0,
+    "tests/test_benchmarks_small.py::test_run_all_only": 3.0,
+    "tests/test_calibrate.py::test_fidelity_matrix_small": 40.0,
+    "tests/test_calibrate.py": 2.0,
+    "tests/test_report_truth.py::test_tables_fit_a_1400px_window": 27.0,
+    "tests/test_report_truth.py": 1.5,
+    "tests/test_store_atomic.py::test_sigkill_at_every_rename": 15.0,
+    "tests/test_store_atomic.py": 2.5,
+    "tests/test_whatif.py::test_two_micro_batch_refrun": 15.0,
+    "tests/test_refrun.py": 4.0,
+    "tests/test_waits.py::test_injected_delay": 8.0,
+    "tests/test_analysis_materialize.py::test_batched_views": 5.0,
+    "tests/test_analysis_cache.py": 2.5,
+    "tests/test_hostile_families.py::test_refused_with_one_line[nsys_generated_huge": 7.0,
+    "tests/test_hostile_families.py::test_tiny_files_stay_under_a_gib[nsys_generated_huge": 7.0,
+    "tests/test_report.py": 2.0,
+    "tests/test_txn_append.py::test_killed_between_any_two_renames": 4.5,
+    "tests/test_dense.py": 1.5,
+    "tests/test_sql_sandbox.py": 1.5,
+    "tests/test_fidelity_cpu_basis.py": 5.0,
+}
+DEFAULT_SECONDS = 0.3
+
+
+def _seconds(nodeid: str) -> float:
+    best = ""
+    for key in HEAVY_SECONDS:
+        if nodeid.startswith(key) and len(key) > len(best):
+            best = key
+    return HEAVY_SECONDS[best] if best else DEFAULT_SECONDS
+
+
+def _module_scoped(item) -> bool:
+    """Does the test use a fixture its own module defines at module (or class) scope? Its
+    module's tests then go to one worker, so the fixture is built once, not once per worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        for d in defs:
+            if d.scope in ("module", "class") and getattr(d, "baseid", "").startswith(item.nodeid.split("::")[0]):
+                return True
+    return False
+
+
+def pytest_configure(config):
+    # the order of the work units is ours (longest first, pytest_collection_modifyitems), not
+    # xdist's default for --dist loadgroup (the groups with the most tests first)
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False
+
+
+def _group_node_id(item, group: str) -> None:
+    """What xdist does with an ``xdist_group`` mark under ``--dist loadgroup``: the group's
+    name after an ``@`` in the node id, which its scheduler splits the work units by.
+    pytest-xdist 3.8 writes ``item._nodeid``, which pytest >= 9.2 no longer reads (the id
+    is ``item._id``), so the groups would silently be ignored: set it here."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:     # pytest < 9.2: xdist's own hook does it
+        return
+    nid = getattr(item, "_id", None)
+    if not isinstance(nid, NodeId) or not nid.names or item.nodeid.endswith("@" + group):
+        return
+    # 'name[params]@group' as the last name, no params: the id prints the same if rebuilt
+    last = nid.names[-1] + (f"[{nid.params}]" if nid.params is not None else "") + "@" + group
+    item._id = NodeId(path=nid.path, names=(*nid.names[:-1], last))
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook turns the xdist_group marks into node ids
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (``-n 2 --dist loadgroup``): every test on the shared Spark session in one
+    group (one JVM, on one worker), the tests of a module-scoped fixture in their module's
+    group, and the work units ordered longest first. A plain run keeps pytest's order."""
+    if not XDIST_WORKER:
+        return
+    unit_of = {}
+    for item in items:
+        if "spark_session" in getattr(item, "fixturenames", ()):
+            group = "spark"
+        elif _module_scoped(item):
+            group = "module:" + item.nodeid.split("::")[0]
+        else:
+            group = None
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+            _group_node_id(item, group)
+        unit_of[id(item)] = group or item.nodeid
+    weight: dict[str, float] = {}
+    for item in items:
+        u = unit_of[id(item)]
+        weight[u] = weight.get(u, 0.0) + _seconds(item.nodeid)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(unit_of[id(item)], i)
+    items.sort(key=lambda it: (-weight[unit_of[id(it)]], first[unit_of[id(it)]]))
+
 # Property tests: derandomized (a fixed seed per test) so a failure reproduces, in CI and by
 # default; HYPOTHESIS_PROFILE=random explores new examples on every run (docs/hardening.md).
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -305,7 +305,9 @@ class Store(Transactions):
 
         if files is None and not relative:
             files = self.committed_files()
-        if not relative and (self._con is None or con is getattr(self._con, "raw", None)):
+        # the files the store's own connection's views read (a plain connection set by the
+        # caller included: else refresh() would define every view again at every access)
+        if not relative and (self._con is None or con is self._con or con is getattr(self._con, "raw", None)):
             self._views_files = files
         try:
             for stmt in self.view_statements(relative, tables_only=tables_only, files=files, tables=tables):
