@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 # cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set before polars or
 # torch is imported (they read these once); the subprocesses a test starts inherit them.
 # DuckDB reads no environment variable: its in-process connections get ``threads=1``
-# (``_duckdb_one_thread``); the CLI subprocesses keep DuckDB's default.
+# (``_duckdb_one_thread``, also for moetrace.storage.engine's connections through ``_duckdb``); the CLI subprocesses keep DuckDB's default.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     for _var in ("POLARS_MAX_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
@@ -39,6 +39,10 @@ def _duckdb_one_thread() -> None:
 
     connect._moetrace_one_thread = True
     duckdb.connect = connect
+    # moetrace.storage.engine connects through the C extension the package re-exports
+    import _duckdb
+
+    _duckdb.connect = connect
     duckdb.execute("SET threads=1")   # the module-level connection (duckdb.sql, duckdb.execute)
 
 
