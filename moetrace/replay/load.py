@@ -20,19 +20,6 @@ from ..domain.ranks import ranks_per_node_or_all
 
 
 # ----------------------------------------------------------------------------- shape
-def query_numpy(store, query: str, params=None) -> dict[str, np.ndarray]:
-    """The columns of ``query`` over the store's views as numpy arrays (DuckDB's
-    ``fetchnumpy``: no polars, no Arrow, no pandas on the replay's path; issue #26)."""
-    import duckdb
-
-    from ..errors import StoreError
-
-    try:
-        return store.con.execute(query, params).fetchnumpy()
-    except duckdb.Error as e:
-        raise StoreError(f"SQL error: {e}") from None
-
-
 @dataclass
 class RunShape:
     """A run's shape as the metrics see it. ``None`` = the run does not record it."""
@@ -110,9 +97,9 @@ class RunShape:
         if not sh or st["lo"] is None:
             raise InputError(None, f"run {run_id!r} has no expert_load rows to replay")
         sh = sh[0]
-        steps = query_numpy(store, "SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step",
+        steps = store.numpy("SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step",
                             [run_id])["step"]
-        layers = query_numpy(store, "SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer",
+        layers = store.numpy("SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer",
                              [run_id])["layer"]
         E, R, S = int(sh["num_experts"]), sh["num_ranks"], int(sh["num_slots"])
         if sh["experts_from"] != "runs":

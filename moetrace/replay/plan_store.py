@@ -8,13 +8,13 @@ import numpy as np
 
 from ..errors import InputError
 from ..placement.planners import Plan, align_layers, contiguous
-from .load import RunShape, query_numpy
+from .load import RunShape
 
 
 # ----------------------------------------------------------------------------- plans
 def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | None = None) -> Plan:
     """A Plan from placement rows (layer, slot, rank, node, expert) of one plan: a polars
-    frame or a dict of numpy columns (:func:`.load.query_numpy`)."""
+    frame or a dict of numpy columns (:meth:`moetrace.storage.store.Store.numpy`)."""
     col = {c: np.asarray(df[c]) for c in ("layer", "slot", "rank", "node", "expert")}
     if col["layer"].size == 0:
         raise InputError(None, f"no placement rows for plan {plan_id!r}")
@@ -43,8 +43,8 @@ def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | Non
 
 def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
     """The run's own placement (plan_id 'recorded'), else contiguous (slot = expert)."""
-    df = query_numpy(store, "SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND "
-                            "plan_id = 'recorded'", [run_id]) if store.has_files("placement") else None
+    df = store.numpy("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND "
+                       "plan_id = 'recorded'", [run_id]) if store.has_files("placement") else None
     if df is not None and df["layer"].size:
         p = align_layers(plan_from_rows(df, "recorded", shape.num_experts, shape.ranks_per_node), shape.layers)
         p.policy = "recorded"

@@ -477,6 +477,16 @@ class Store(Transactions):
     def arrow(self, query: str, params=None) -> pa.Table:
         return query_arrow(self.con, query, params)
 
+    def numpy(self, query: str, params=None) -> dict:
+        """Run SQL over the store's views and return its columns as numpy arrays (DuckDB's
+        ``fetchnumpy``: no polars, no Arrow, no pandas; the replay's path, issue #26)."""
+        import duckdb
+
+        try:
+            return self.con.execute(query, params).fetchnumpy()
+        except duckdb.Error as e:
+            raise StoreError(f"SQL error: {e}") from None
+
     def runs(self) -> pl.DataFrame:
         """The runs rows (contract columns; nullable ones an older file lacks are NULL, a
         required one is refused: :meth:`_missing_column`), oldest first.
