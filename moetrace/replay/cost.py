@@ -78,10 +78,13 @@ class CostModel:
     fused_comm = True
 
     def compute_ns(self, tokens, touched) -> np.ndarray:
-        """Per-rank expert compute ns (the compute term of :meth:`rank_ns`), a fresh array."""
+        """Per-rank expert compute ns (the compute term of :meth:`rank_ns`), a fresh array.
+        ``touched`` None: one slot per rank, touched where the rank has tokens."""
         if self.gpu is not None:
             work = gpu_cost.expert_ns(self.gpu, tokens, touched)
         else:
+            if touched is None:
+                touched = np.greater(tokens, 0).astype(np.int32)
             work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
         if self.contention:
             compute = self.fixed_ns + work

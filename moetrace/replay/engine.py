@@ -189,13 +189,23 @@ def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per
     B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks (the
     token's own rank costs nothing, its node's other ranks are intra-node). Without
     ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so).
-    float32 throughout (a probability per rank; the bytes are an estimate)."""
+    float32 throughout (a probability per rank; the bytes are an estimate), except with one
+    slot per rank, where P = x/B exactly: the rank receives its own tokens (at most B), in
+    the load's precision."""
     intra, inter, _, _ = _estimate_dispatch(load, plan, top_k, bytes_per_token)
     return intra, inter
 
 
-def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays | None = None):
-    """(intra bytes, inter bytes, tokens received or None, (intra, inter) bytes per received token)."""
+def received_cap(load: np.ndarray, top_k: int, dtype=np.float64) -> np.ndarray:
+    """The step's tokens B = assignments / top_k per (step, layer) [t, L]: no rank receives
+    more (counts of real routing never give one copy more; synthetic ones may)."""
+    return load.sum(axis=2, dtype=dtype) / dtype(max(top_k, 1))
+
+
+def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays | None = None, even_tokens=None):
+    """(intra bytes, inter bytes, tokens received or None, (intra, inter) bytes per received token).
+    ``even_tokens``: the plan's per-rank tokens under the even split, when the caller has
+    them (one slot per rank: they are the tokens received)."""
     T, L, E = load.shape
     if not top_k:
         z = np.zeros((T, L, plan.num_ranks))
@@ -203,22 +213,37 @@ def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays |
     R, S, rpn = plan.num_ranks, plan.num_slots, plan.ranks_per_node
     arrays = arrays or _plan_arrays(plan)
     flat = arrays.flat
-    B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
-    inv = np.float32(1.0) / (arrays.logcnt32[None] * np.maximum(B, np.float32(1e-30)))
-    x = np.multiply(load, inv, dtype=np.float32)
-    np.clip(x, 0.0, 1.0 - 1e-7, out=x)
-    np.negative(x, out=x)
-    np.log1p(x, out=x)                 # log(1 - x), x = copy load / tokens per step
-    # sum of log(1 - x) over the rank's copies: one value per slot, summed per rank
-    s = _rank_sum(np.take(x.reshape(T, L * E), flat, axis=1), T, L, R, plan.slots_per_rank)
-    np.exp(s, out=s)
-    np.subtract(np.float32(1.0), s, out=s)
-    s *= B                             # tokens received
+    per_token = ((rpn - 1) / R * bytes_per_token, (R - rpn) / R * bytes_per_token)
+    if plan.slots_per_rank == 1:
+        # one copy on the rank: P = x / B, so the tokens received are the copy's even share
+        # of its expert's tokens (top-k experts are distinct: a token reaches a copy once),
+        # the rank's tokens themselves (at most the step's B tokens), with no float32
+        # log/exp round trip
+        dt = np.float64 if load.dtype == np.float64 else np.float32
+        s = even_tokens
+        if s is None:
+            l2 = load.reshape(T, L * E)
+            s = np.take(l2 if l2.dtype == dt else l2.astype(dt), flat, axis=1)
+            s *= arrays.share if dt == np.float64 else arrays.share.astype(dt)
+            s = s.reshape(T, L, R)
+        s = np.minimum(s, received_cap(load, top_k, dt)[..., None])
+    else:
+        B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
+        inv = np.float32(1.0) / (arrays.logcnt32[None] * np.maximum(B, np.float32(1e-30)))
+        x = np.multiply(load, inv, dtype=np.float32)
+        np.clip(x, 0.0, 1.0 - 1e-7, out=x)
+        np.negative(x, out=x)
+        np.log1p(x, out=x)                 # log(1 - x), x = copy load / tokens per step
+        # sum of log(1 - x) over the rank's copies: one value per slot, summed per rank
+        s = _rank_sum(np.take(x.reshape(T, L * E), flat, axis=1), T, L, R, plan.slots_per_rank)
+        np.exp(s, out=s)
+        np.subtract(np.float32(1.0), s, out=s)
+        s *= B                             # tokens received
     intra = s * ((rpn - 1) / R)
     intra *= bytes_per_token
     inter = s * ((R - rpn) / R)
     inter *= bytes_per_token
-    return intra, inter, s, ((rpn - 1) / R * bytes_per_token, (R - rpn) / R * bytes_per_token)
+    return intra, inter, s, per_token
 
 
 #: elements of one [steps, L, R] block the kernels work on at a time (2 MiB of float64):
@@ -261,6 +286,7 @@ def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np
 def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays: _PlanArrays) -> Block:
     T, L, E = load.shape
     R, spr = plan.num_ranks, plan.slots_per_rank
+    even = None                 # the even split's per-rank tokens
     if slot_load is not None:
         if slot_load.shape[2] != plan.num_slots:
             raise InputError(None, f"per-slot load has {slot_load.shape[2]} slots, plan has {plan.num_slots}")
@@ -289,34 +315,36 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays: _
         touched = _rank_sum(g > 0, T, L, R, spr, dtype=np.int32)     # the slot's expert routed tokens
         g *= share
         tokens = _rank_sum(g, T, L, R, spr)
-    intra, inter, received, per_token = _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays)
+        even = tokens
+    intra, inter, received, per_token = _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays,
+                                                           even)
     return Block(tokens, touched, intra, inter, exact_bytes=False, received=received, per_token=per_token)
 
 
 # ----------------------------------------------------------------------------- two plans, one pass
 class _GatheredBlock(Block):
-    """A :class:`Block` of a plan with one slot per rank whose per-rank values are gathered
-    from per-(layer, expert, copies) columns (:func:`replay_pair`): ``tokens`` at once,
-    ``touched``, ``received`` and the dispatch bytes on first use (a replay that writes no
-    rank rows never asks for them). The same values as :func:`replay_load`'s block."""
+    """A :class:`Block` of a plan with one slot per rank from :func:`replay_pair`: its
+    tokens gathered from per-(layer, expert, copies) columns; the slots touched (1 where a
+    rank has tokens), the tokens received (its tokens, at most the step's: one copy on the rank) and the
+    dispatch bytes derived on first use (a replay that writes no rank rows never asks for
+    them). The same values as :func:`replay_load`'s block."""
 
-    def __init__(self, tokens, pos, shared, T, L, R, per_token, rpn, bytes_per_token):
+    def __init__(self, tokens, received, T, L, R, per_token, rpn, bytes_per_token):
         self.tokens, self.exact_bytes, self.per_token = tokens, False, per_token
         self.nodes_per_token_max = self.nodes_per_token_mean = self.traffic = None
-        self._pos, self._shared, self._shape = pos, shared, (T, L, R)
-        self._rpn, self._bpt = rpn, bytes_per_token
-        self._cache = {}
+        self._shape, self._rpn, self._bpt = (T, L, R), rpn, bytes_per_token
+        self._cache = {"received": received}
 
     def _get(self, name):
         got = self._cache.get(name)
         if got is None:
-            T, L, R = self._shape
+            R = self._shape[2]
             if name in ("bytes_intra", "bytes_inter"):
                 s = self.received
                 got = s * (((self._rpn - 1) if name == "bytes_intra" else (R - self._rpn)) / R)
                 got *= self._bpt
-            else:
-                got = np.take(self._shared[name], self._pos, axis=1).reshape(T, L, R)
+            else:   # touched
+                got = np.greater(self.tokens, 0, out=np.empty(self.tokens.shape, np.int32), casting="unsafe")
             self._cache[name] = got
         return got
 
@@ -333,11 +361,10 @@ _PAIR_CACHE: list = []
 
 
 def pair_columns(plans: tuple[Plan, ...]):
-    """(layer * E + expert [U], 1 / copies (float64) [U], copies (float32) [U], columns per
-    layer [L], per plan the column of each of its slots [L * R]): the distinct (layer,
-    expert, copies) of the plans' slots, in that order. With one slot
-    per rank everything a rank gets is a function of its slot's column, so the columns are
-    computed once for every plan."""
+    """(layer * E + expert [U], 1 / copies (float64) [U], columns per layer [L], per plan the
+    column of each of its slots [L * R]): the distinct (layer, expert, copies) of the plans' slots, in that order.
+    With one slot per rank everything a rank gets is a function of its slot's column, so
+    the columns are computed once for every plan."""
     arrs = [_plan_arrays(p) for p in plans]
     for ps, keys, got in list(_PAIR_CACHE):
         if len(ps) == len(plans) and all(a is b for a, b in zip(ps, plans)) and \
@@ -347,8 +374,7 @@ def pair_columns(plans: tuple[Plan, ...]):
     u = np.unique(np.concatenate(keys))
     flat, cnt = u >> 20, u & ((1 << 20) - 1)
     L, E = plans[0].num_layers, plans[0].num_experts
-    got = (flat, 1.0 / cnt.astype(np.float64), cnt.astype(np.float32), np.bincount(flat // E, minlength=L),
-           [np.searchsorted(u, k) for k in keys])
+    got = (flat, 1.0 / cnt.astype(np.float64), np.bincount(flat // E, minlength=L), [np.searchsorted(u, k) for k in keys])
     _PAIR_CACHE.append((tuple(plans), keys, got))
     del _PAIR_CACHE[:-_PLAN_CACHE_SIZE]
     return got
@@ -375,37 +401,25 @@ def replay_pair(load: np.ndarray, plans: tuple[Plan, ...], top_k: int, bytes_per
     plan gathers its ranks' values and takes its maxima. ``columns``: ``pair_columns(plans)``
     when the caller holds it (a replay's plans do not change from piece to piece)."""
     T, L, E = load.shape
-    flatU, shareU, cnt32, per_layer, pos = columns if columns is not None else pair_columns(plans)
-    lu = np.take(load.reshape(T, L * E), flatU, axis=1)                 # [t, U] float64
-    touchedU = np.greater(lu, 0, out=np.empty(lu.shape, np.int32), casting="unsafe")    # 0 / 1, as int32
-    tokU = lu * shareU                                                  # = the per-slot share
-    # the all-to-all estimate of _estimate_dispatch, column by column (the same float32 steps)
-    B = load.sum(axis=2, dtype=np.float32) / np.float32(max(top_k, 1))  # [t, L]
-    BU = np.repeat(B, per_layer, axis=1)                                # [t, U]: the columns are in layer order
-    den = np.maximum(BU, np.float32(1e-30))
-    den *= cnt32
-    inv = np.divide(np.float32(1.0), den, out=den)
-    x = np.multiply(lu, inv, dtype=np.float32)
-    np.clip(x, 0.0, 1.0 - 1e-7, out=x)
-    np.negative(x, out=x)
-    np.log1p(x, out=x)
-    np.exp(x, out=x)
-    np.subtract(np.float32(1.0), x, out=x)
-    x *= BU
-    recU = x                                                            # tokens received
+    flatU, shareU, per_layer, pos = columns if columns is not None else pair_columns(plans)
+    tokU = np.take(load.reshape(T, L * E), flatU, axis=1)              # [t, U] float64
+    tokU *= shareU                      # = the per-slot share: a rank's tokens, and (one copy on
+    # the rank) the tokens it receives in the dispatch, at most the step's B (_estimate_dispatch)
+    cap = received_cap(load, top_k)
+    recU = tokU if (load.max(axis=2) <= cap).all() else np.minimum(tokU, np.repeat(cap, per_layer, axis=1))
     rank_nsU: dict = {}       # the rank time of every column, per (intra, inter) bytes per token
     res = []
     for p, pp in zip(plans, pos):
         R, rpn = p.num_ranks, p.ranks_per_node
         per_token = ((rpn - 1) / R * bytes_per_token, (R - rpn) / R * bytes_per_token)
         if per_token not in rank_nsU:       # compute + all-to-all: elementwise without contention
-            r = cost.compute_ns(tokU, touchedU)
+            r = cost.compute_ns(tokU, None)     # one slot per rank: touched where it has tokens
             r += cost.comm_received_ns(recU, per_token)
             rank_nsU[per_token] = r
         tok = np.take(tokU, pp, axis=1).reshape(T, L, R)
         rank_ns = np.take(rank_nsU[per_token], pp, axis=1).reshape(T, L, R)
-        blk = _GatheredBlock(tok, pp, {"touched": touchedU, "received": recU}, T, L, R, per_token, rpn,
-                             bytes_per_token)
+        rec = tok if recU is tokU else np.take(recU, pp, axis=1).reshape(T, L, R)
+        blk = _GatheredBlock(tok, rec, T, L, R, per_token, rpn, bytes_per_token)
         res.append((blk, _metrics_from(tok, rank_ns)))
     return res
 

@@ -136,13 +136,20 @@ def _table(hw, h, i, dt) -> _MlpTable:
 
 def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     """Expert-MLP time (ns) of every rank, broadcasting over any shape. Tokens are >= 0, and
-    0 on a rank that touches no slot (as every replay block has them)."""
+    0 on a rank that touches no slot (as every replay block has them). ``touched`` None: one
+    slot per rank, touched where it has tokens (no pass to find the most slots touched)."""
     tok = np.asarray(tokens, np.float64)
+    hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
+    if touched is None:
+        m_max = float(np.ceil(tok.max(initial=0.0)))
+        if m_max < TABLE_MAX_TOKENS:    # the g_max <= 1 lookup below, without g
+            mi = np.ceil(tok, out=np.empty(tok.shape, np.int64), casting="unsafe")
+            return _table(hw, h, i, dt).lookup(None, mi, 1, int(m_max))
+        touched = np.greater(tok, 0).astype(np.int64)
     t = np.asarray(touched)
     if t.dtype.kind not in "iu":
         t = np.rint(t.astype(np.float64)).astype(np.int64)
     g = np.broadcast_to(t, tok.shape)
-    hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
     g_max = int(g.max(initial=0))
     if g_max <= 1:          # tokens / 1 (and 0 where nothing is touched)
         m_max = float(np.ceil(tok.max(initial=0.0)))     # = ceil(tok).max(): ceil is monotone
