@@ -210,7 +210,7 @@ def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays |
     if not top_k:
         z = np.zeros((T, L, plan.num_ranks))
         return z, z, None, None
-    R, S, rpn = plan.num_ranks, plan.num_slots, plan.ranks_per_node
+    R, rpn = plan.num_ranks, plan.ranks_per_node
     arrays = arrays or _plan_arrays(plan)
     flat = arrays.flat
     per_token = ((rpn - 1) / R * bytes_per_token, (R - rpn) / R * bytes_per_token)
