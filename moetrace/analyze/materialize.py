@@ -121,6 +121,9 @@ def _drop(con, names) -> None:
             con.execute(f'DROP TABLE IF EXISTS temp."{n}"')
         except duckdb.CatalogException:    # a TEMP view of that name
             con.execute(f'DROP VIEW IF EXISTS temp."{n}"')
+    unshadow = getattr(con, "unshadow", None)     # a store's connection (Store.con)
+    if unshadow is not None:
+        unshadow(names)
 
 
 def _main(con) -> str:
@@ -362,11 +365,16 @@ def materialize_one_pass(store, run_id: str, views=("layer_skew",), *, con=None)
     rows: that function's batches equal the views). Undo with :func:`drop_materialized`."""
     con = store.con if con is None else con
     t0 = time.perf_counter()
-    db = _main(con)
+    temp_table = getattr(con, "temp_table", None)     # a store's connection: the views inlined
+    db = None if temp_table is not None else _main(con)
     m = Materialized(run_id=run_id, batches=1)
     try:
         for v in views:
-            con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?', [run_id])
+            if temp_table is not None:
+                temp_table(v, "run_id = ?", [run_id])
+            else:
+                con.execute(f'CREATE OR REPLACE TEMP TABLE "{v}" AS SELECT * FROM {db}."{v}" WHERE run_id = ?',
+                            [run_id])
             m.tables.append(v)
     except BaseException:
         _drop(con, m.tables)

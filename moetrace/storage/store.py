@@ -742,15 +742,16 @@ class _LazyViews:
     def __init__(self, store: Store, con):
         self.raw, self._store, self._defined = con, store, set()
         self.tables: set[str] = set()       # tables whose views are defined
+        self._shadowed: set[str] = set()    # views a TEMP table of :meth:`temp_table` stands in for
 
-    def _ensure(self, query) -> None:
+    def _needed(self, query: str) -> list[str]:
+        """The CREATE statements of the views ``query`` needs that are neither defined nor
+        shadowed, after defining the tables' views that they and ``query`` read."""
         import re
 
         from .views import views_needed
 
-        if not isinstance(query, str):
-            return
-        stmts = views_needed(query, self._defined)
+        stmts = views_needed(query, self._defined | self._shadowed)
         words = set(re.findall(r"\w+", query))
         for stmt in stmts:
             words |= set(re.findall(r"\w+", stmt))
@@ -758,8 +759,58 @@ class _LazyViews:
         if need:
             self._store._define_views(self.raw, tables_only=True, files=self._store._views_files, tables=need)
             self.tables |= need
-        for stmt in stmts:
+        return stmts
+
+    def _ensure(self, query) -> None:
+        if not isinstance(query, str):
+            return
+        for stmt in self._needed(query):
             self._create(stmt)
+
+    def temp_table(self, view: str, where: str, params=()) -> None:
+        """``CREATE OR REPLACE TEMP TABLE view AS SELECT * FROM view WHERE where``: the view
+        and the views it reads that are not defined yet inlined as CTEs (NOT MATERIALIZED:
+        planned as the views are) instead of being created first. DuckDB then binds the
+        chain once: creating each view binds every view below it again (a tiny run's
+        layer_skew: the definitions cost several times the query; start-up, issue #26).
+        The TEMP table shadows the view until :meth:`unshadow`."""
+        from .views import _VIEW_RE
+
+        self._shadowed.discard(view)        # replaced: made from the view again
+        stmts = self._needed(f'SELECT * FROM "{view}"')
+        ctes = []
+        for stmt in stmts:
+            m = _VIEW_RE.match(stmt)
+            body = stmt[m.end():].lstrip()
+            if not body[:2].upper() == "AS":
+                raise ValueError(f"not a CREATE VIEW ... AS statement: {stmt[:80]!r}")
+            ctes.append(f'"{m.group(1)}" AS NOT MATERIALIZED ({body[2:].strip()})')
+        if any(_VIEW_RE.match(s).group(1) == view for s in stmts):
+            src = f'"{view}"'
+        else:   # a view defined on the connection: its own schema's, not a TEMP table of that name
+            db = self.raw.execute("SELECT current_database()").fetchall()[0][0]
+            src = '"' + db.replace('"', '""') + f'".main."{view}"'
+        with_ = ("WITH " + ",\n".join(ctes) + "\n") if ctes else ""
+        self.raw.execute(f'CREATE OR REPLACE TEMP TABLE "{view}" AS {with_}SELECT * FROM {src} WHERE {where}',
+                         list(params))
+        self._shadowed.add(view)
+
+    def unshadow(self, names) -> None:
+        """The TEMP tables ``names`` were dropped: their views are defined again when named,
+        and so are the views defined while they stood in for them (which read them)."""
+        from .views import view_graph
+
+        names = set(names) & self._shadowed
+        if not names:
+            return
+        self._shadowed -= names
+        graph = view_graph()
+        stale, grew = set(names), True
+        while grew:
+            more = {v for v in self._defined if v not in stale and graph.get(v, (0, "", frozenset()))[2] & stale}
+            grew = bool(more)
+            stale |= more
+        self._defined -= stale
 
     def _create(self, stmt: str) -> None:
         from .engine import duckdb
