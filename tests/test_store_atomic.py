@@ -86,6 +86,7 @@ FORK_SERVER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import pyarrow as pa
     from moetrace.storage.store import Store
+    import duckdb, polars, moetrace.storage.engine, moetrace.storage.txn, moetrace.storage.views, moetrace.storage.dense
     import tests.test_store_atomic
     code = compile(sys.argv[1], "<writer>", "exec")
     print("READY", flush=True)
