@@ -71,7 +71,7 @@ HEAVY_SECONDS = {
     "tests/test_analysis_materialize.py::test_batched_views": 5.0,
     "tests/test_analysis_cache.py": 2.5,
     "tests/test_hostile_families.py::test_refused_with_one_line[nsys_generated_huge": 7.0,
-    "tests/test_hostile_families.py::test_tiny_files_stay_under_a_gib[nsys_generated_huge": 7.0,
+    "tests/test_hostile_families.py::test_tiny_files_stay_under_a_gib[nsys_generated_huge": 1.5,
     "tests/test_report.py": 2.0,
     "tests/test_txn_append.py::test_killed_between_any_two_renames": 4.5,
     "tests/test_dense.py": 1.5,

@@ -115,12 +115,14 @@ def test_batched_distribution_views_equal_the_views(two_runs, live_distributions
 def test_cache_tables_are_the_views_columns():
     """schemas/cache_<view>.json holds the view's columns, in order, with their types."""
     duck = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "float64": "DOUBLE", "bool": "BOOLEAN"}
-    from moetrace.commands.store_cmds import _view_columns
+    from moetrace.commands.store_cmds import _view_columns, _views_columns
 
+    described = _views_columns(cache.CACHED_VIEWS)   # _view_columns of each, on one empty store
+    assert described[cache.CACHED_VIEWS[0]] == _view_columns(cache.CACHED_VIEWS[0])
     for v in cache.CACHED_VIEWS:
         ts = schema.get(cache.table_of(v))
         cols = [(c.name, duck[c.type]) for c in ts.columns if c.name != "cache_id"]
-        assert cols == _view_columns(v), v
+        assert cols == described[v], v
         assert all(c.description and not c.description.startswith("TODO") for c in ts.columns), v
     assert schema.get(cache.HEADER).column_names[:2] == ["run_id", "cache_id"]
 

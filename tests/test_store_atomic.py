@@ -77,6 +77,63 @@ def _writer(store: Path, kill_at_replace: int, kill_after_chunk: int) -> subproc
                           capture_output=True, text=True, timeout=120, cwd=str(REPO))
 
 
+# The same writer, each one a process forked from a server that imported pyarrow and the store
+# once (what a fresh interpreter spends most of a writer's time on): every writer is still its
+# own process, started from a state with no store opened, that patches its own os.replace and
+# SIGKILLs itself; the server reports how it ended (os.waitpid) and what it printed.
+FORK_SERVER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    import pyarrow as pa
+    from moetrace.storage.store import Store
+    import duckdb, polars, moetrace.storage.engine, moetrace.storage.txn, moetrace.storage.views, moetrace.storage.dense
+    import tests.test_store_atomic
+    code = compile(sys.argv[1], "<writer>", "exec")
+    print("READY", flush=True)
+    for line in sys.stdin:
+        store, k, c, out = line.rstrip("\\n").split("\\t")
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.argv = ["-c", store, k, c]
+            try:
+                exec(code, {{"__name__": "__main__"}})
+                sys.stdout.flush()
+                os._exit(0)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+""")
+
+
+class _ForkedWriters:
+    def __init__(self, tmp: Path):
+        self.tmp, self.n = tmp, 0
+        self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER.format(repo=str(REPO)),
+                                      WRITER.format(repo=str(REPO))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+        assert self.proc.stdout.readline() == "READY\n"
+
+    def __call__(self, store: Path, kill_at_replace: int, kill_after_chunk: int) -> subprocess.CompletedProcess:
+        self.n += 1
+        out = self.tmp / f"writer{self.n}.out"
+        self.proc.stdin.write(f"{store}\t{kill_at_replace}\t{kill_after_chunk}\t{out}\n")
+        self.proc.stdin.flush()
+        rc = int(self.proc.stdout.readline())
+        text = out.read_text()
+        return subprocess.CompletedProcess(["writer", str(store)], rc, text, text)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
+
+
 def _seeded(path: Path) -> Path:
     st = Store(path, create=True)
     st.write_run(_run("old"), {"expert_load": [_chunk(0)]}, run_id="old")
@@ -98,18 +155,20 @@ def _visible_new_rows(store: Path) -> int:
 
 def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path):
     # how many renames a full write does: run it once without a kill
-    ref = _seeded(tmp_path / "ref")
-    res = _writer(ref, 0, -1)
+    writer = _ForkedWriters(tmp_path)
+    seed = _seeded(tmp_path / "seed")   # each write starts from a byte-for-byte copy of one seeded store
+    ref = tmp_path / "ref"
+    shutil.copytree(seed, ref)
+    res = writer(ref, 0, -1)
     assert res.returncode == 0, res.stderr
     n_replaces = int(res.stdout.split("REPLACES")[1])
     assert n_replaces >= 4  # journal, placement, expert_load, runs (+ catalog)
     outcomes = []
-    seed = _seeded(tmp_path / "seed")   # each kill point starts from a byte-for-byte copy of one seeded store
     for k in range(1, n_replaces + 1):
         store = tmp_path / f"s{k}"
         shutil.copytree(seed, store)
         before = tree_hash(store)
-        res = _writer(store, k, -1)
+        res = writer(store, k, -1)
         assert res.returncode == -signal.SIGKILL, (k, res.returncode, res.stderr)
         # a reader opening the store right after the crash sees all of the run or none of it
         visible = _visible_new_rows(store)
@@ -128,6 +187,7 @@ def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path):
         assert Store(store).sql("SELECT count(*) AS n FROM expert_load WHERE run_id = 'after'")["n"][0] == CHUNK_ROWS
     # the kill before the runs row is renamed rolls back; a kill after it keeps the run
     assert outcomes[0] == "rolled back" and "whole" in outcomes, outcomes
+    writer.close()
 
 
 @pytest.mark.parametrize("kill_after_chunk", [0, 2])
@@ -144,19 +204,29 @@ def test_sigkill_while_streaming_chunks_leaves_store_unchanged(tmp_path, kill_af
 # ----------------------------------------------------------------------------- concurrency
 INGESTER = textwrap.dedent("""
     import os, sys, time
-    from moetrace.cli import main  # import everything first, then wait for the start signal
-    go = sys.argv[1]
+    from moetrace.cli import main  # import everything first, say so, then wait for the start signal
+    go, ready = sys.argv[1], sys.argv[2]
+    open(ready, "w").close()
     while not os.path.exists(go):
         time.sleep(0.002)
-    sys.exit(main(sys.argv[2:]))
+    sys.exit(main(sys.argv[3:]))
 """)
+
+
+def _wait_ready(paths: list[Path], procs: list[subprocess.Popen]) -> None:
+    """Until every process has written its ready file (done importing), or one has exited."""
+    deadline = time.monotonic() + 120
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not get ready"
+        time.sleep(0.005)
 
 
 def _race(tmp_path: Path, argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
     go = tmp_path / f"go-{time.monotonic_ns()}"
-    procs = [subprocess.Popen([sys.executable, "-c", INGESTER, str(go), *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for argv in argvs]
-    time.sleep(2.5)  # let every process finish importing
+    ready = [Path(f"{go}.ready{i}") for i in range(len(argvs))]
+    procs = [subprocess.Popen([sys.executable, "-c", INGESTER, str(go), str(r), *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for r, argv in zip(ready, argvs)]
+    _wait_ready(ready, procs)  # let every process finish importing
     go.write_text("go")
     out = []
     for p in procs:
@@ -251,6 +321,7 @@ CREATOR = textwrap.dedent("""
     import os, sys, time
     from moetrace.storage.store import Store
     base, go = sys.argv[1], sys.argv[2]
+    open(sys.argv[3], "w").close()
     while not os.path.exists(go):
         time.sleep(0.001)
     for k in range(150):
@@ -262,9 +333,10 @@ def test_many_processes_creating_the_same_stores_never_fail(tmp_path):
     """Four processes create the same 150 stores in the same order, so creations collide
     (with one shared temp name for the marker, a loser's rename would find it gone)."""
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", CREATOR, str(tmp_path / "base"), str(go)],
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
-    time.sleep(2.0)
+    ready = [tmp_path / f"ready{i}" for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", CREATOR, str(tmp_path / "base"), str(go), str(r)],
+                              stderr=subprocess.PIPE, text=True) for r in ready]
+    _wait_ready(ready, procs)
     go.write_text("go")
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, errs

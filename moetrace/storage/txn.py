@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 import uuid
@@ -112,11 +113,17 @@ class Transactions:
             if not (j.name.endswith(".json") and _TXID_RE.fullmatch(j.name[:-5])):
                 continue
             txid = j.name[:-5]
-            if j.is_symlink() or not j.is_file():
+            try:
+                mode = j.lstat().st_mode
+            except FileNotFoundError:
+                continue   # removed since the listing: its writer (not holding our lock) is done with it
+            if not stat.S_ISREG(mode):   # a symlink, a folder, a device
                 raise StoreError(f"{j}: malformed journal (not a regular file); nothing was changed")
             try:
                 raw = j.read_bytes()
                 doc = json.loads(raw) if len(raw) < (64 << 20) else None
+            except FileNotFoundError:
+                continue   # the same, removed between the check and the read
             except (OSError, ValueError, RecursionError):
                 doc = None
             why = self._journal_problem(doc, txid)
