@@ -1,7 +1,7 @@
 """Peak memory of ingesting an SGLang ``{"logical_count": [N][61][256]}`` JSON dump against
 its size: ``moetrace ingest`` (which reads it in bounded memory, collect/_json_stream.py)
 beside reading the same file whole (``json.loads`` + ``np.asarray``, what the collector did
-before), each in its own process, at two file sizes (small: 2 and 8 MB; full: 50 and
+before), each in its own process, at two file sizes (small: 1 and 4 MB; full: 50 and
 500 MB). The files are generated in a temporary folder and deleted afterwards. Prints the
 load average and the CPU count beside the figures (timings on a loaded machine are not
 judged; peak memory is what this measures).
@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import main, result  # noqa: E402
 
-SIZES = {"small": (2, 8), "full": (50, 500)}          # MB of JSON text
+SIZES = {"small": (1, 4), "full": (50, 500)}          # MB of JSON text
 L, E = 61, 256
 
 _PEAK = ("import resource, subprocess, sys, time; t = time.perf_counter(); "

@@ -95,7 +95,7 @@ def run(size: str) -> list[dict]:
     `python -c pass` (the interpreter's own start), with the load average in the notes."""
     from benchmarks.common import result
 
-    reps = 3 if size == "small" else REPS
+    reps = 2 if size == "small" else REPS
     tmp = Path(tempfile.mkdtemp(prefix="moetrace-startup-"))
     try:
         tiny = tmp / "tiny"

@@ -68,6 +68,48 @@ def heavy_lock(size: str, announce: bool = False):
         os.close(fd)
 
 
+#: what a forkserver imports once for the reference-run ranks it forks: torch, the refrun module,
+#: what a rank imports lazily otherwise (in its untimed start and warm-up): torch._dynamo (by the
+#: first call of the custom expert op ``refrun::moe_mlp``, ~4 s of CPU), pyarrow.parquet (its
+#: output files) and pandas (pyarrow's ``pa.table`` checks for a DataFrame, ~1.4 s)
+RANK_PRELOAD = ["torch", "torch._dynamo", "pyarrow.parquet", "pandas", "moetrace.produce.refrun"]
+
+
+@contextmanager
+def forked_rank_starts(enabled: bool = True):
+    """Within this block ``moetrace.produce.refrun.run`` starts its ranks from a forkserver
+    that imported :data:`RANK_PRELOAD` once, instead of "spawn" (a fresh interpreter per rank
+    importing torch, then torch._dynamo at the first expert call: seconds of CPU per rank,
+    most of a tiny run's time). The ranks are still separate processes running the same
+    worker on the same pickled arguments (gloo over TCP, their own files): what a rank
+    computes, times and writes is the same; only its start is cheaper. No-op when
+    ``enabled`` is false or torch is absent. Used by the small sizes of the benchmarks and
+    by the tests (tests/_forked_ranks.py); the full sizes keep "spawn", as a user's
+    ``moetrace refrun`` does."""
+    if not enabled:
+        yield
+        return
+    try:
+        import multiprocessing
+
+        import torch.multiprocessing as tmp
+    except ImportError:
+        yield
+        return
+    real = tmp.start_processes
+
+    def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+        method = "forkserver" if start_method == "spawn" else start_method
+        return real(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method=method)
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    tmp.start_processes = start_processes
+    try:
+        yield
+    finally:
+        tmp.start_processes = real
+
+
 def main(run) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", choices=["small", "full"], default="small")
