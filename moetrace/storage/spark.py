@@ -325,7 +325,12 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
              .config("spark.ui.retainedStages", "20").config("spark.ui.retainedTasks", "200")
              # the views nest deeply (layer_skew under skew_by_batch, twice): inferring
              # constraints over such plans costs minutes in the optimizer; results are the same
-             .config("spark.sql.constraintPropagation.enabled", "false"))
+             .config("spark.sql.constraintPropagation.enabled", "false")
+             # a temp view keeps its analyzed plan instead of its SQL text: a query over
+             # layer_skew (a dozen views deep) is not parsed and analysed again view by view
+             # at every reference (analysis of such a query: ~5 s -> ~1 s on local[2]); the
+             # views are made again whenever the store changes (register_store)
+             .config("spark.sql.legacy.storeAnalyzedPlanForView", "true"))
     # run_id is a string whatever it looks like (a run called 2024 stays '2024')
     b = b.config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
     # DuckDB's integer division and casts follow ANSI rules; so does Spark 4 by default
