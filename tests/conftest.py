@@ -255,10 +255,16 @@ def spark_session():
     require_spark()
     from moetrace.storage import spark as ms
 
-    # the tests' stores are tiny: compiling each stage's Java code (whole-stage codegen)
-    # and re-planning at run time (AQE) cost more than the queries; the results are the
-    # same (both are execution strategies, not semantics)
-    sp = ms.session("local[2]", conf={"spark.sql.codegen.wholeStage": "false", "spark.sql.adaptive.enabled": "false"})
+    # the tests' stores are tiny: compiling Java code (whole-stage codegen, and the
+    # per-expression code of projections and predicates: factoryMode NO_CODEGEN runs them
+    # interpreted), re-planning at run time (AQE) and splitting each shuffle in 4 cost more
+    # than the queries; so does the JVM's optimizing JIT (C2) in a JVM that lives a few
+    # minutes: C1 only. The results are the same (execution strategies, not semantics).
+    sp = ms.session("local[2]", conf={
+        "spark.sql.codegen.wholeStage": "false", "spark.sql.adaptive.enabled": "false",
+        "spark.sql.codegen.factoryMode": "NO_CODEGEN", "spark.sql.shuffle.partitions": "1",
+        "spark.default.parallelism": "1",
+        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
     ms.keep_session(sp)
     yield sp
     ms.keep_session(None)

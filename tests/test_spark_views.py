@@ -130,7 +130,9 @@ def store(tmp_path_factory):
 def spark(store, spark_session):
     from moetrace.storage import spark as ms
 
-    ms.register_store(spark_session, store.path)
+    # the tables only: spark_views makes every metric view itself (the full registration,
+    # each view over the nest under it, is tests/test_spark_cli.py's)
+    ms.register_store(spark_session, store.path, views=False)
     return spark_session
 
 
@@ -139,19 +141,25 @@ def spark_views(spark):
     """Each metric view computed once on Spark, in definition order (every view after the
     views it reads): its rows are checkpointed and the view is replaced by them, so a view
     built on others reads their rows instead of planning and running the whole nest of
-    views under it again (layer_skew sits under a dozen). Each view's own SQL still runs
-    on Spark, over inputs Spark computed; the nested plans as the commands run them are
-    tests/test_spark_cli.py's. Returns ``rows(view) -> Arrow table``."""
+    views under it again (layer_skew sits under a dozen). A temp view keeps the analyzed
+    plan it was made with (``spark.sql.legacy.storeAnalyzedPlanForView``), so each metric
+    view is made again from its own Spark statement first, over the rows of the views
+    before it. Each view's own SQL still runs on Spark, over inputs Spark computed; the
+    nested plans as the commands run them are tests/test_spark_cli.py's. Returns
+    ``rows(view) -> Arrow table``."""
     from moetrace.storage import spark as ms
     from moetrace.storage.spark import to_arrow
 
     order = ["expert_load", *_view_names()]       # the store's own view under them all first
+    stmt = dict(ms.spark_view_statements())
     ms.forget_registration()                      # its views are replaced by their rows below
     done: dict = {}
 
     def rows(view):
         for v in order:
             if v not in done:
+                if v in stmt:                     # bound to the rows of the views it reads
+                    spark.sql(stmt[v])
                 df = spark.table(v).localCheckpoint(eager=True)
                 df.createOrReplaceTempView(v)
                 done[v] = to_arrow(df)

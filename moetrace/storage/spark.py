@@ -325,7 +325,12 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
              .config("spark.ui.retainedStages", "20").config("spark.ui.retainedTasks", "200")
              # the views nest deeply (layer_skew under skew_by_batch, twice): inferring
              # constraints over such plans costs minutes in the optimizer; results are the same
-             .config("spark.sql.constraintPropagation.enabled", "false"))
+             .config("spark.sql.constraintPropagation.enabled", "false")
+             # a temp view keeps its analyzed plan instead of its SQL text: a query over
+             # layer_skew (a dozen views deep) is not parsed and analysed again view by view
+             # at every reference (analysis of such a query: ~5 s -> ~1 s on local[2]); the
+             # views are made again whenever the store changes (register_store)
+             .config("spark.sql.legacy.storeAnalyzedPlanForView", "true"))
     # run_id is a string whatever it looks like (a run called 2024 stays '2024')
     b = b.config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
     # DuckDB's integer division and casts follow ANSI rules; so does Spark 4 by default
@@ -386,11 +391,13 @@ def forget_registration() -> None:
     _registered = None
 
 
-def register_store(spark, store_path: str | os.PathLike, strict: bool = True) -> list[str]:
+def register_store(spark, store_path: str | os.PathLike, strict: bool = True, views: bool = True) -> list[str]:
     """Every contract table of the store as a temp view (empty with the contract's types
     when the store has no files for it), then every metric view. Returns the view names.
     A metric view Spark cannot take raises :class:`StoreError` naming it; with
     ``strict=False`` it is left out (and the views built on it), so the rest still run.
+    ``views=False``: the tables and the store's own ``expert_load`` view only (for a
+    caller that makes the metric views itself, from :func:`spark_view_statements`).
 
     On the kept session (:func:`keep_session`) a store registered last, unchanged since
     (the same files, sizes and mtimes), is not registered again: Spark analyses each of the
@@ -399,7 +406,7 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True) ->
     from .dense import expert_load_views
 
     root = Path(store_path)
-    key = _store_fingerprint(root, strict) if spark is not None and spark is _kept else None
+    key = _store_fingerprint(root, strict) if spark is not None and spark is _kept and views else None
     if key is not None and _registered is not None and _registered[0] == key:
         return list(_registered[1])
     _registered = None
@@ -418,7 +425,7 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True) ->
         names.append(table)
     for stmt in expert_load_views('CREATE OR REPLACE VIEW "expert_load" AS SELECT 1')[1:]:
         spark.sql(transpile(stmt))
-    for name, stmt in spark_view_statements():
+    for name, stmt in spark_view_statements() if views else ():
         try:
             spark.sql(stmt)
         except Exception as e:  # a view Spark cannot take is a bug in ADAPTATIONS: name it
