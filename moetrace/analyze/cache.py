@@ -34,12 +34,10 @@ deleting a run's partitions (``STORE/*/run_id=R``) deletes its cache with it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,6 +139,8 @@ def views_sha256(views=CACHED_VIEWS) -> str:
     """sha256 of the definitions the stored rows depend on: the SQL of the views (and
     those they read), the expert_load views of storage/dense.py, and the contract versions
     of the input tables and of the cache's own tables."""
+    import hashlib    # here, as uuid below: a skew that keys no cache does not import them
+
     from ..storage.dense import expert_load_views
 
     graph = view_graph()
@@ -158,6 +158,8 @@ def views_sha256(views=CACHED_VIEWS) -> str:
 def inputs_sha256(store, run_id: str, views=CACHED_VIEWS) -> str:
     """The fingerprint of the run's input rows (see the module docstring): its committed
     files (name, size) of every input table, and the rows of :data:`CONTENT_KEYED` tables."""
+    import hashlib
+
     files = store.committed_files()
     part = f"run_id={run_id}"
     h = hashlib.sha256()
@@ -255,6 +257,8 @@ def save(store, m: Materialized, key: CacheKey, con=None) -> dict:
     missing = [v for v in CACHED_VIEWS if v not in m.tables]
     if missing:
         raise ValueError(f"not every cached view was computed (missing {', '.join(missing)})")
+    import uuid
+
     cache_id = uuid.uuid4().hex[:12]
     rows = {v: int(con.execute(f'SELECT count(*) FROM temp."{v}"').fetchall()[0][0]) for v in CACHED_VIEWS}
     header = {"run_id": m.run_id, "cache_id": cache_id, "created_at_ns": time.time_ns(), **key.__dict__,

@@ -29,7 +29,6 @@ them (``tests/test_analysis_materialize.py`` compares every column).
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -87,6 +86,8 @@ def configure(con, memory_limit: str | None = None, temp_directory: str | None =
         cur = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
         if cur and os.access(os.path.dirname(cur.rstrip("/")) or ".", os.W_OK):
             return
+        import tempfile
+
         temp_directory = os.path.join(tempfile.gettempdir(), f"moetrace-duckdb-{os.getpid()}")
     con.execute(f"SET temp_directory={sql_literal(temp_directory)}")
 

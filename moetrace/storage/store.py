@@ -34,7 +34,6 @@ import fcntl
 import json
 import os
 import sys
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -147,6 +146,7 @@ class Store(Transactions):
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            import uuid    # here: read-only commands never make an id (start-up)
             tmp = self.path / f".{STORE_MARKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # unique: racing creators
             tmp.write_text(json.dumps({"moetrace_store_format": STORE_FORMAT, "created_by": __version__}) + "\n")
             os.replace(tmp, self.path / STORE_MARKER)
@@ -644,6 +644,7 @@ class Store(Transactions):
         import duckdb
 
         target = self.path / "catalog.duckdb"
+        import uuid    # here: read-only commands never make an id (start-up)
         tmp = self.path / f".catalog-{uuid.uuid4().hex[:8]}.duckdb"
         try:
             if not (self.path / STORE_MARKER).exists():

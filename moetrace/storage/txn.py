@@ -8,11 +8,9 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import stat
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +209,8 @@ class Transactions:
         d = self.path / ".staging" / txid
         if d.is_symlink() or not d.is_dir():
             return False
+        import shutil
+
         shutil.rmtree(d, ignore_errors=True)
         return True
 
@@ -370,6 +370,7 @@ class Transactions:
             self._check_writable()
             self.recover()
             header = next((t for t in self.HEADER_TABLES if t in tables), None)
+            import uuid    # here: read-only commands never make an id (start-up)
             txid = uuid.uuid4().hex[:12]
             rows = self._transaction(run_id, tables, commit_table=header or (list(tables)[-1] if tables else None),
                                      txid=txid)
@@ -423,6 +424,7 @@ class Transactions:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        import uuid    # here: read-only commands never make an id (start-up)
         txid = txid or uuid.uuid4().hex[:12]
         self._check_no_symlinks()
         staging = self.path / ".staging" / txid
@@ -495,6 +497,8 @@ class Transactions:
                 raise StoreError(f"{self.path}: cannot write ({why}); nothing was written") from None
             raise
         finally:
+            import shutil
+
             shutil.rmtree(staging, ignore_errors=True)
             for d in (self.path / ".staging", self.path / ".txn"):
                 with contextlib.suppress(OSError):
