@@ -10,10 +10,11 @@ from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 
-# --------------------------------------------------------------- two pytest-xdist workers
-# The README's command runs the suite on 2 workers (``-n 2 --dist loadgroup``) on a 2-core
-# machine. Each worker is one core's worth of work: its polars, BLAS/OpenMP (torch) and
-# DuckDB thread pools are capped at one thread, so the two workers do not fight over the two
+# ------------------------------------------------------------------- pytest-xdist workers
+# The README's command runs the suite on 3 workers (``-n 3 --dist loadgroup``) on a 2-core
+# machine: two would leave a quarter of the cores idle while tests wait on the subprocesses
+# they start. Each worker is at most one core's worth of work: its polars, BLAS/OpenMP (torch) and
+# DuckDB thread pools are capped at one thread, so the workers do not fight over the
 # cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set before polars or
 # torch is imported (they read these once); the subprocesses a test starts inherit them.
 # DuckDB reads no environment variable: its in-process connections get ``threads=1``
@@ -126,7 +127,7 @@ def _group_node_id(item, group: str) -> None:
 
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook turns the xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (``-n 2 --dist loadgroup``): every test on the shared Spark session in one
+    """Under xdist (``-n 3 --dist loadgroup``): every test on the shared Spark session in one
     group (one JVM, on one worker), the tests of a module-scoped fixture in their module's
     group, and the work units ordered longest first. A plain run keeps pytest's order."""
     if not XDIST_WORKER:
