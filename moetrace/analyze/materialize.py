@@ -128,10 +128,10 @@ def _drop(con, names) -> None:
 
 
 def _main(con) -> str:
-    """The connection's own schema, fully qualified: a bare ``main.x`` would also find the
-    TEMP table ``x`` (the temp catalog has a schema named main too)."""
-    db = con.execute("SELECT current_database()").fetchall()[0][0]
-    return '"' + db.replace('"', '""') + '".main'
+    """The connection's own schema, fully qualified (:func:`moetrace.storage.store.main_schema`)."""
+    from ..storage.store import main_schema
+
+    return main_schema(con)
 
 
 def _empty_like(con, name: str, view: str) -> None:

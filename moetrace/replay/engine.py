@@ -212,7 +212,6 @@ def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays |
         return z, z, None, None
     R, rpn = plan.num_ranks, plan.ranks_per_node
     arrays = arrays or _plan_arrays(plan)
-    flat = arrays.flat
     per_token = ((rpn - 1) / R * bytes_per_token, (R - rpn) / R * bytes_per_token)
     if plan.slots_per_rank == 1:
         # one copy on the rank: P = x / B, so the tokens received are the copy's even share
@@ -220,12 +219,7 @@ def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays |
         # the rank's tokens themselves (at most the step's B tokens), with no float32
         # log/exp round trip
         dt = np.float64 if load.dtype == np.float64 else np.float32
-        s = even_tokens
-        if s is None:
-            l2 = load.reshape(T, L * E)
-            s = np.take(l2 if l2.dtype == dt else l2.astype(dt), flat, axis=1)
-            s *= arrays.share if dt == np.float64 else arrays.share.astype(dt)
-            s = s.reshape(T, L, R)
+        s = even_tokens if even_tokens is not None else _even_slot_tokens(load, arrays).reshape(T, L, R)
         s = np.minimum(s, received_cap(load, top_k, dt)[..., None])
     else:
         B = load.sum(axis=2, keepdims=True, dtype=np.float32) / np.float32(max(top_k, 1))
@@ -235,7 +229,7 @@ def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays |
         np.negative(x, out=x)
         np.log1p(x, out=x)                 # log(1 - x), x = copy load / tokens per step
         # sum of log(1 - x) over the rank's copies: one value per slot, summed per rank
-        s = _rank_sum(np.take(x.reshape(T, L * E), flat, axis=1), T, L, R, plan.slots_per_rank)
+        s = _rank_sum(np.take(x.reshape(T, L * E), arrays.flat, axis=1), T, L, R, plan.slots_per_rank)
         np.exp(s, out=s)
         np.subtract(np.float32(1.0), s, out=s)
         s *= B                             # tokens received
@@ -283,6 +277,18 @@ def replay_load(load: np.ndarray, plan: Plan, split: str = "even", slot_load: np
     return out
 
 
+def _even_slot_tokens(load: np.ndarray, arrays: _PlanArrays) -> np.ndarray:
+    """Every slot's equal share of its expert's tokens [t, L * S] (a gather per slot, no
+    dense [E, R] product). float64 counts (the store's) split in float64, as the SQL views
+    do: the recorded plan's replay then equals skew_summary; float32 arrays stay float32."""
+    T, L, E = load.shape
+    dt = np.float64 if load.dtype == np.float64 else np.float32
+    l2 = load.reshape(T, L * E)
+    g = np.take(l2 if l2.dtype == dt else l2.astype(dt), arrays.flat, axis=1)
+    g *= arrays.share if dt == np.float64 else arrays.share.astype(dt)    # = Plan.share() at each slot
+    return g
+
+
 def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays: _PlanArrays) -> Block:
     T, L, E = load.shape
     R, spr = plan.num_ranks, plan.slots_per_rank
@@ -304,16 +310,8 @@ def _replay_load(load, plan, split, slot_load, top_k, bytes_per_token, arrays: _
         touched = (st > 0).sum(axis=3, dtype=np.int32)
     else:
         # an equal share of the expert's tokens to every copy, summed over the rank's slots
-        # (a gather per slot, no dense [E, R] product). float64 counts (the store's) split in
-        # float64, as the SQL views do: the recorded plan's replay then equals skew_summary;
-        # float32 arrays stay float32 (speed)
-        flat = arrays.flat
-        dt = np.float64 if load.dtype == np.float64 else np.float32
-        share = arrays.share if dt == np.float64 else arrays.share.astype(dt)    # = Plan.share() at each slot
-        l2 = load.reshape(T, L * E)
-        g = np.take(l2 if l2.dtype == dt else l2.astype(dt), flat, axis=1)
+        g = _even_slot_tokens(load, arrays)
         touched = _rank_sum(g > 0, T, L, R, spr, dtype=np.int32)     # the slot's expert routed tokens
-        g *= share
         tokens = _rank_sum(g, T, L, R, spr)
         even = tokens
     intra, inter, received, per_token = _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays,

@@ -140,23 +140,22 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     slot per rank, touched where it has tokens (no pass to find the most slots touched)."""
     tok = np.asarray(tokens, np.float64)
     hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
-    if touched is None:
-        m_max = float(np.ceil(tok.max(initial=0.0)))
-        if m_max < TABLE_MAX_TOKENS:    # the g_max <= 1 lookup below, without g
-            mi = np.ceil(tok, out=np.empty(tok.shape, np.int64), casting="unsafe")
-            return _table(hw, h, i, dt).lookup(None, mi, 1, int(m_max))
-        touched = np.greater(tok, 0).astype(np.int64)
-    t = np.asarray(touched)
-    if t.dtype.kind not in "iu":
-        t = np.rint(t.astype(np.float64)).astype(np.int64)
-    g = np.broadcast_to(t, tok.shape)
-    g_max = int(g.max(initial=0))
+    if touched is None:     # at most one slot touched per rank: no pass over g for its maximum
+        g, g_max = None, 1
+    else:
+        t = np.asarray(touched)
+        if t.dtype.kind not in "iu":
+            t = np.rint(t.astype(np.float64)).astype(np.int64)
+        g = np.broadcast_to(t, tok.shape)
+        g_max = int(g.max(initial=0))
     if g_max <= 1:          # tokens / 1 (and 0 where nothing is touched)
         m_max = float(np.ceil(tok.max(initial=0.0)))     # = ceil(tok).max(): ceil is monotone
         if m_max < TABLE_MAX_TOKENS:
             # the integer tokens per expert in one pass: ceil, then the exact cast of an integral float
             mi = np.ceil(tok, out=np.empty(tok.shape, np.int64), casting="unsafe")
             return _table(hw, h, i, dt).lookup(g, mi, g_max, int(m_max))
+        if g is None:
+            g = np.greater(tok, 0).astype(np.int64)
         m = np.ceil(tok)
     else:
         m = np.divide(tok, np.maximum(g, 1))

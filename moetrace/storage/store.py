@@ -734,6 +734,13 @@ def tables_read(words) -> set[str]:
     return need | {"runs"} if need else need
 
 
+def main_schema(con) -> str:
+    """The connection's own schema, fully qualified: a bare ``main.x`` would also find the
+    TEMP table ``x`` (the temp catalog has a schema named main too)."""
+    db = con.execute("SELECT current_database()").fetchall()[0][0]
+    return '"' + db.replace('"', '""') + '".main'
+
+
 class _LazyViews:
     """A DuckDB connection of a store whose views (of the tables and of ``sql/``) are
     created when a statement run through it (``execute``, ``sql``) first names them, with
@@ -789,8 +796,7 @@ class _LazyViews:
         if any(_VIEW_RE.match(s).group(1) == view for s in stmts):
             src = f'"{view}"'
         else:   # a view defined on the connection: its own schema's, not a TEMP table of that name
-            db = self.raw.execute("SELECT current_database()").fetchall()[0][0]
-            src = '"' + db.replace('"', '""') + f'".main."{view}"'
+            src = f'{main_schema(self.raw)}."{view}"'
         with_ = ("WITH " + ",\n".join(ctes) + "\n") if ctes else ""
         self.raw.execute(f'CREATE OR REPLACE TEMP TABLE "{view}" AS {with_}SELECT * FROM {src} WHERE {where}',
                          list(params))
