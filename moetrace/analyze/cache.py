@@ -290,10 +290,14 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
     results are used all the same). ``reuse=False`` recomputes whatever is stored.
 
     ``direct_below``: when nothing is to be stored, no batch size is asked for and the
-    run's expert_load view holds fewer rows than this (Parquet footers), the views are
-    computed in one pass (:func:`~moetrace.analyze.materialize.materialize_one_pass`): a
-    run that small is one batch anyway, and the batching's two dozen statements cost more
-    than they save (start-up, issue #26)."""
+    run holds fewer long expert_load rows than this (Parquet footers), the views are
+    computed in one pass (:func:`~moetrace.analyze.materialize.materialize_one_pass`).
+    Batches bound the memory of the long rows' per-(step, layer) aggregation; a dense row
+    is already one (step, layer) and its statistics are list functions of that row alone,
+    so dense rows stream through in one pass whatever their number (the TEMP tables hold
+    the per-(step, layer) results, as the batches' would), while each batch costs two
+    dozen statements that bind the chain of views again (issue #26: a tiny run's start-up,
+    and 10M-100M-row runs' skew)."""
     from .materialize import TARGET_BATCH_ROWS
 
     con = store.con if con is None else con
@@ -309,7 +313,7 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
         say(f"moetrace: {st.line()}: recomputing" + ("" if full and save_new else
                                                      f" (`moetrace materialize {store.path} --run {run_id}` stores it)"))
     if direct_below and batch_steps is None and not (full and save_new) \
-            and expert_load_rows(store, run_id) < direct_below:
+            and long_rows(store, run_id) < direct_below:
         return materialize_one_pass(store, run_id, views, con=con)
     m = materialize_layer_skew(store, run_id, batch_steps, views=views, con=con, progress=progress,
                                target_rows=target_rows or TARGET_BATCH_ROWS)
@@ -326,12 +330,10 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
     return m
 
 
-def expert_load_rows(store, run_id: str) -> int:
-    """Rows of the run's expert_load view (long rows and the dense rows' list elements),
+def long_rows(store, run_id: str) -> int:
+    """Rows of the run's long expert_load files (the dense expert_counts rows not counted),
     from the Parquet footers: no data is read."""
-    return sum(n for _, t, n in store.partition_rows(dense_as_expert_load=True, run_id=run_id,
-                                                      tables=("expert_load", "expert_counts"))
-               if t == "expert_load")
+    return sum(n for _, t, n in store.partition_rows(run_id=run_id, tables=("expert_load",)))
 
 
 def store_run(store, run_id: str, batch_steps: int | None = None, *, force: bool = False,

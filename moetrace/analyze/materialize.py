@@ -361,9 +361,10 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
 def materialize_one_pass(store, run_id: str, views=("layer_skew",), *, con=None) -> Materialized:
     """``views`` of ``run_id`` (of :data:`HEAVY_VIEWS`, :data:`DISTRIBUTION_VIEWS`,
     :data:`SHAPE_VIEWS`) as TEMP tables on ``con`` straight from the views, one statement
-    each, no batching: for a run small enough to be a single batch, where
-    :func:`materialize_layer_skew`'s statements cost more than the run's rows (the same
-    rows: that function's batches equal the views). Undo with :func:`drop_materialized`."""
+    each, no batching: for a run with few long rows (dense rows stream through the views
+    in one pass, see :func:`moetrace.analyze.cache.use`), where
+    :func:`materialize_layer_skew`'s statements cost more than they save (the same rows:
+    that function's batches equal the views). Undo with :func:`drop_materialized`."""
     con = store.con if con is None else con
     t0 = time.perf_counter()
     temp_table = getattr(con, "temp_table", None)     # a store's connection: the views inlined
