@@ -203,17 +203,18 @@ def test_pieces_cut_from_row_groups_equal_the_chunk_reads(tmp_path, monkeypatch,
 
     from moetrace.replay import load
     from moetrace.run import Store
+    from moetrace.storage import dense
 
     _store(tmp_path / "st")
     st = Store(tmp_path / "st")
     shape = st.run("r")._replay_shape
-    assert load._dense_groups(st, "r") == [(0, 19), (20, 39), (40, 59), (60, 69)]
+    assert dense.grid_groups(st, "r") == [(0, 19), (20, 39), (40, 59), (60, 69)]
     for steps, chunk, piece in ((shape.steps, 25, 7), (shape.steps[13:61], 30, 4), (shape.steps[5:9], 500, 14),
                                 (np.delete(shape.steps, [21, 22, 50]), 17, 5)):
         sub = replace(shape, steps=steps)
         new = list(load.iter_load(st, "r", sub, chunk, piece=piece, read_ahead=read_ahead))
         with monkeypatch.context() as mp:
-            mp.setattr(load, "_dense_groups", lambda *a: None)
+            mp.setattr(dense, "grid_groups", lambda *a: None)
             old = list(load.iter_load(st, "r", sub, chunk, piece=piece))
         assert len(new) == len(old) and sum(p[0].size for p in new) == steps.size
         for (i1, l1, s1), (i2, l2, s2) in zip(old, new):
@@ -221,5 +222,5 @@ def test_pieces_cut_from_row_groups_equal_the_chunk_reads(tmp_path, monkeypatch,
             assert s1 is None and s2 is None
     total = load.read_load_total(st, "r", shape, (3, 47), chunk_steps=10)[1]
     with monkeypatch.context() as mp:
-        mp.setattr(load, "_dense_groups", lambda *a: None)
+        mp.setattr(dense, "grid_groups", lambda *a: None)
         assert np.array_equal(total, load.read_load_total(st, "r", shape, (3, 47), chunk_steps=10)[1])

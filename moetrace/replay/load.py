@@ -180,66 +180,15 @@ def _reads(store, run_id: str, shape: RunShape, chunk_steps: int, with_slots: bo
             del got         # this chunk is done with before the one after next is read
 
 
-def _dense_groups(store, run_id: str) -> list[tuple[int, int]] | None:
-    """(first, last step) of every Parquet row group of a run stored as one dense
-    ``expert_counts`` file whose row groups hold disjoint, increasing step ranges (what every
-    dense writer makes: rows ordered by step); None for any other layout."""
-    from ..storage.dense import _run_files
-
-    files = _run_files(store, "expert_counts", run_id)
-    if len(files) != 1 or _run_files(store, "expert_load", run_id):
-        return None
-    import pyarrow.parquet as pq
-
-    md = pq.ParquetFile(files[0]).metadata
-    idx = md.schema.to_arrow_schema().get_field_index("step")
-    out = []
-    for g in range(md.num_row_groups):
-        st = md.row_group(g).column(idx).statistics
-        if st is None or not st.has_min_max or (out and st.min <= out[-1][1]):
-            return None
-        out.append((int(st.min), int(st.max)))
-    return out
-
-
-def _read_group(pf, g: int, layers: np.ndarray, E: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(step ids [t], counts [t, L, E] int64, a view of the decoded column) of row group ``g``
-    of a dense file when it holds whole (step, layer) grids of ``layers`` in order, lists of
-    ``E`` counts without nulls (what :func:`moetrace.storage.dense.read_counts` gives for
-    those steps, without its copy); None otherwise. Decoded on the calling thread (Arrow's
-    pool is not asked: the replay's own threads fill the cores)."""
-    from ..storage.dense import numpy_ints
-
-    t = pf.read_row_group(g, columns=["step", "layer", "tokens"], use_threads=False)
-    col = t.column("tokens")
-    L, n = layers.size, t.num_rows
-    if col.num_chunks != 1 or not n or n % L:
-        return None
-    a = col.chunk(0)
-    try:
-        off = numpy_ints(a.offsets)
-        vals = numpy_ints(a.values)
-        step, layer = numpy_ints(t.column("step")), numpy_ints(t.column("layer"))
-    except TypeError:           # nulls, or not integers
-        return None
-    if a.null_count or off.size != n + 1 or not (np.diff(off) == E).all():
-        return None
-    s = step[::L]
-    if not ((np.diff(s) > 0).all() and np.array_equal(step, np.repeat(s, L))
-            and np.array_equal(layer, np.tile(layers, s.size))):
-        return None
-    return s.astype(np.int64), vals[off[0]:off[-1]].reshape(s.size, L, E)
-
-
 def _group_pieces(store, run_id: str, shape: RunShape, groups, spans, ahead: bool):
     """The pieces ``spans`` (step id arrays, in order) cut from the run's row groups read one
     at a time (the next one on a thread with ``ahead``): no read decodes a group twice or
     holds more than the groups a piece spans. A piece the groups do not give exactly (steps
     or layers missing, other experts) is read by :func:`_read_chunk`, as before."""
-    from ..storage.dense import _run_files, read_counts
+    from ..storage.dense import read_counts, read_grid_group, run_files
 
     L, E = shape.layers.size, shape.num_experts
-    path = _run_files(store, "expert_counts", run_id)[0]
+    path = run_files(store, "expert_counts", run_id)[0]
     pf = []                                                  # the file, opened by the first read
 
     def read(g):
@@ -247,7 +196,7 @@ def _group_pieces(store, run_id: str, shape: RunShape, groups, spans, ahead: boo
             import pyarrow.parquet as pq
 
             pf.append(pq.ParquetFile(path))
-        got = _read_group(pf[0], g, shape.layers, E)
+        got = read_grid_group(pf[0], g, shape.layers, E)
         if got is not None:
             return got
         lo, hi = groups[g]
@@ -309,7 +258,7 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
     read). Memory: one read of int64 counts plus one piece, whatever the run's length (two
     reads with ``read_ahead``: the next one is read on a thread meanwhile).
 
-    A run stored as one dense file (:func:`_dense_groups`) is read row group by row group
+    A run stored as one dense file (:func:`moetrace.storage.dense.grid_groups`) is read row group by row group
     instead, and the same pieces (the same steps, the same counts) are cut from the groups:
     a chunk of 500 steps over row groups of 200 decoded 3 or 4 groups, one of them again by
     the next chunk, into a fresh array of the whole chunk (measured: 2.4x the CPU of reading
@@ -317,7 +266,9 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
     if piece is None:   # runs with per-token routing replay each read with one routing query: whole
         piece = 0 if shape.has_routing else piece_steps(shape)
     if piece and not with_slots and not shape.has_routing and shape.steps.size:
-        groups = _dense_groups(store, run_id)
+        from ..storage.dense import grid_groups
+
+        groups = grid_groups(store, run_id)
         if groups is not None:
             steps = shape.steps
             spans = [steps[a:min(i + chunk_steps, steps.size, a + piece)]

@@ -185,22 +185,75 @@ def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Ta
 
 
 # ----------------------------------------------------------------------------- reading
-def _run_files(store, table: str, run_id: str) -> list[Path]:
+def run_files(store, table: str, run_id: str) -> list[Path]:
+    """The Parquet files of ``table`` in the partition of ``run_id``, in name order."""
     d = Path(store.path) / table / f"run_id={run_id}"
     return sorted(d.glob("*.parquet")) if d.is_dir() else []
+
+
+def row_group_steps(pf) -> list[tuple[int, int] | None]:
+    """(lowest, highest step) of each row group of the Parquet file ``pf``, from its
+    statistics (None for a group without them): no data is read."""
+    idx = pf.schema_arrow.get_field_index("step")
+    out: list[tuple[int, int] | None] = []
+    for g in range(pf.metadata.num_row_groups):
+        st = pf.metadata.row_group(g).column(idx).statistics
+        out.append((int(st.min), int(st.max)) if st is not None and st.has_min_max else None)
+    return out
 
 
 def _row_groups(pf, lo, hi) -> list[int]:
     """Row groups of ``pf`` that may hold steps in [lo, hi] (by their min/max statistics)."""
     if lo is None and hi is None:
         return list(range(pf.metadata.num_row_groups))
-    idx = pf.schema_arrow.get_field_index("step")
-    keep = []
-    for g in range(pf.metadata.num_row_groups):
-        st = pf.metadata.row_group(g).column(idx).statistics
-        if st is None or not st.has_min_max or ((lo is None or st.max >= lo) and (hi is None or st.min <= hi)):
-            keep.append(g)
-    return keep
+    return [g for g, mm in enumerate(row_group_steps(pf))
+            if mm is None or ((lo is None or mm[1] >= lo) and (hi is None or mm[0] <= hi))]
+
+
+def grid_groups(store, run_id: str) -> list[tuple[int, int]] | None:
+    """(first, last step) of every row group of a run stored as one dense ``expert_counts``
+    file whose row groups hold disjoint, increasing step ranges (what every dense writer
+    makes: rows ordered by step); None for any other layout."""
+    import pyarrow.parquet as pq
+
+    files = run_files(store, "expert_counts", run_id)
+    if len(files) != 1 or run_files(store, "expert_load", run_id):
+        return None
+    out: list[tuple[int, int]] = []
+    for mm in row_group_steps(pq.ParquetFile(files[0])):
+        if mm is None or (out and mm[0] <= out[-1][1]):
+            return None
+        out.append(mm)
+    return out
+
+
+def read_grid_group(pf, g: int, layers: np.ndarray, E: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(step ids [t], counts [t, L, E] int64, a view of the decoded column) of row group ``g``
+    of a dense file when it holds whole (step, layer) grids of ``layers`` in order, lists of
+    ``E`` counts without nulls (what :func:`read_counts` gives for those steps, without its
+    copy); None otherwise. Decoded on the calling thread (Arrow's pool is not asked: a
+    caller's own threads fill the cores)."""
+    import numpy as np
+
+    t = pf.read_row_group(g, columns=["step", "layer", "tokens"], use_threads=False)
+    col = t.column("tokens")
+    L, n = layers.size, t.num_rows
+    if col.num_chunks != 1 or not n or n % L:
+        return None
+    a = col.chunk(0)
+    try:
+        off = numpy_ints(a.offsets)
+        vals = numpy_ints(a.values)
+        step, layer = numpy_ints(t.column("step")), numpy_ints(t.column("layer"))
+    except TypeError:           # nulls, or not integers
+        return None
+    if a.null_count or off.size != n + 1 or not (np.diff(off) == E).all():
+        return None
+    s = step[::L]
+    if not ((np.diff(s) > 0).all() and np.array_equal(step, np.repeat(s, L))
+            and np.array_equal(layer, np.tile(layers, s.size))):
+        return None
+    return s.astype(np.int64), vals[off[0]:off[-1]].reshape(s.size, L, E)
 
 
 def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None = None
@@ -226,7 +279,7 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
         if want.size:
             lo, hi = int(want[0]), int(want[-1])
     parts = []                      # (step, layer, values [n, E])
-    for f in _run_files(store, "expert_counts", run_id):
+    for f in run_files(store, "expert_counts", run_id):
         pf = pq.ParquetFile(f)
         groups = _row_groups(pf, lo, hi)
         if not groups:
@@ -254,7 +307,7 @@ def read_counts(store, run_id: str, steps: np.ndarray | tuple[int, int] | None =
             vals = np.zeros((0, 0), np.int64)
         parts.append((step[:pos], layer[:pos], vals[:pos]))
     long_rows = None
-    if _run_files(store, "expert_load", run_id):
+    if run_files(store, "expert_load", run_id):
         q = "SELECT step, layer, expert, tokens FROM expert_load_long WHERE run_id = ?"
         args: list = [run_id]
         if lo is not None:
