@@ -62,9 +62,31 @@ _DUCK_OK = {"string": frozenset({"VARCHAR"}), "bool": frozenset({"BOOLEAN"}),
             "int64[]": frozenset(f"{t}[]" for t in _INTS | {"BOOLEAN"})}
 
 
-def footer_columns(con, files) -> dict[str, list[tuple[str, str]]]:
+def footer_columns(con, files, cache: dict | None = None) -> dict[str, list[tuple[str, str]]]:
     """{file name: [(top-level column, DuckDB type)]} of Parquet ``files`` from their
-    footers, in one DuckDB query on ``con`` (raises what DuckDB raises on a bad footer)."""
+    footers, in one DuckDB query on ``con`` (raises what DuckDB raises on a bad footer).
+    ``cache``: a dict a caller keeps (a Store: its check and its views read the same
+    footers), keyed by file name, size and modification time; only the files it lacks are
+    read."""
+    if cache is None:
+        return _footer_columns(con, files)
+    keys = {}
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue
+        keys[str(f)] = (str(f), st.st_size, st.st_mtime_ns)
+    missing = [f for f in keys if keys[f] not in cache]
+    if missing:
+        got = _footer_columns(con, missing)
+        for f in missing:
+            if f in got:
+                cache[keys[f]] = got[f]
+    return {f: cache[k] for f, k in keys.items() if k in cache}
+
+
+def _footer_columns(con, files) -> dict[str, list[tuple[str, str]]]:
     from ..safety import sql_literal
 
     if not files:
@@ -92,7 +114,7 @@ def footer_columns(con, files) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def _quick_footers(root: Path, tables, con=None) -> set[Path]:
+def _quick_footers(root: Path, tables, con=None, cache: dict | None = None) -> set[Path]:
     """The store's data files whose footers DuckDB reads and finds plainly right for their
     table (one query over every footer, no pyarrow: a reader's start-up, issue #26). A file
     left out is not wrong: :func:`_check_file` reads it with pyarrow, which decides (and
@@ -102,7 +124,7 @@ def _quick_footers(root: Path, tables, con=None) -> set[Path]:
         return set()
     try:
         if con is not None:
-            cols = footer_columns(con, list(files))
+            cols = footer_columns(con, list(files), cache)
         else:
             from .engine import duckdb
 
@@ -157,7 +179,8 @@ def _check_file(table: str, f: Path, contract, deep: bool, trusted: set[Path] = 
     return None
 
 
-def scan(store: str | os.PathLike, deep: bool = False, quick: bool = False, con=None) -> list[Problem]:
+def scan(store: str | os.PathLike, deep: bool = False, quick: bool = False, con=None,
+         cache: dict | None = None) -> list[Problem]:
     """Every file of the store that a reader cannot read, in path order. ``quick``: the
     footers DuckDB finds plainly right are not read again by pyarrow (:func:`_quick_footers`,
     on the DuckDB connection ``con`` when given)."""
@@ -166,7 +189,7 @@ def scan(store: str | os.PathLike, deep: bool = False, quick: bool = False, con=
     root = Path(store)
     out: list[Problem] = []
     tables = schema.load_all()
-    trusted = _quick_footers(root, tables, con) if quick and not deep else set()
+    trusted = _quick_footers(root, tables, con, cache) if quick and not deep else set()
     committed = set()
     runs_dir = root / "runs"
     for table in sorted(tables, key=lambda t: t != "runs"):
@@ -238,11 +261,11 @@ def _journal_problems(root: Path) -> list[Problem]:
     return out
 
 
-def first_problem(store: str | os.PathLike, con=None) -> Problem | None:
+def first_problem(store: str | os.PathLike, con=None, cache: dict | None = None) -> Problem | None:
     """The first problem :func:`scan` finds with footers only (what readers check), or None.
     Uncommitted partitions are not problems for a reader (the views hide them)."""
     root = Path(store)
-    for p in scan(store, deep=False, quick=True, con=con):
+    for p in scan(store, deep=False, quick=True, con=con, cache=cache):
         if "has no runs row" in p.what or Path(p.file).parent.name in (".txn", ".staging") \
                 or Path(p.file) in (root / ".txn", root / ".staging"):
             continue   # journals are the writers' business (Store.journals refuses a bad one)
@@ -250,11 +273,12 @@ def first_problem(store: str | os.PathLike, con=None) -> Problem | None:
     return None
 
 
-def check_readable(store: str | os.PathLike, con=None) -> None:
+def check_readable(store: str | os.PathLike, con=None, cache: dict | None = None) -> None:
     """Raise StoreError (one line naming the file) when a reader would trip on a file
-    (``con``: a DuckDB connection to read the footers on, else one made for it)."""
+    (``con``: a DuckDB connection to read the footers on, else one made for it; ``cache``:
+    see :func:`footer_columns`)."""
     from ..errors import StoreError
 
-    p = first_problem(store, con)
+    p = first_problem(store, con, cache)
     if p is not None:
         raise StoreError(f"{p}; `moetrace check {store}` lists every such file")

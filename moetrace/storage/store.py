@@ -101,6 +101,7 @@ class Store(Transactions):
         self.path = Path(path)
         self._con: duckdb.DuckDBPyConnection | None = None
         self._scratch_con: duckdb.DuckDBPyConnection | None = None
+        self._footers: dict = {}    # check.footer_columns' cache: each footer read once per Store
         self._views_files: dict[str, tuple[str, ...]] | None = None
         check_store_path(self.path)
         marker = self.path / STORE_MARKER
@@ -243,7 +244,7 @@ class Store(Transactions):
         from .check import footer_columns
 
         try:   # every footer in one DuckDB query (no pyarrow: start-up, issue #26)
-            held = footer_columns(self._scratch(), files)
+            held = footer_columns(self._scratch(), files, self._footers)
         except duckdb.Error:
             held = None
         if held is None or len(held) != len(files):   # a footer DuckDB cannot read: file by file
@@ -389,7 +390,7 @@ class Store(Transactions):
         if not getattr(self, "_readable", False):
             from .check import check_readable
 
-            check_readable(self.path, con if con is not None else self._scratch())
+            check_readable(self.path, con if con is not None else self._scratch(), self._footers)
             self._readable = True
 
     def _scratch(self) -> duckdb.DuckDBPyConnection:
@@ -517,7 +518,7 @@ class Store(Transactions):
             return Rows([c.name for c in cols], [_DUCK_TYPES[c.type] for c in cols], [])
         con = self._scratch()
         try:
-            held = footer_columns(con, files)
+            held = footer_columns(con, files, self._footers)
             present = set()
             for f in files:  # a required column older files lack is refused, as the views do
                 names = {n for n, _ in held.get(str(f), ())}
