@@ -252,11 +252,20 @@ def transpile(duckdb_sql: str) -> str:
 
 
 @lru_cache(maxsize=None)
+def spark_view_statement(name: str) -> str:
+    """The Spark SQL of the metric view ``name``, transpiled when first asked for (all of
+    them cost ~0.8 s of sqlglot; a command needs a few)."""
+    from .views import view_graph
+
+    return transpile(view_graph()[name][1])
+
+
+@lru_cache(maxsize=None)
 def spark_view_statements() -> tuple[tuple[str, str], ...]:
     """(view name, Spark SQL) for every metric view, in definition order."""
-    from .views import view_statements
+    from .views import view_graph
 
-    return tuple((_view_name(s), transpile(s)) for s in view_statements())
+    return tuple((name, spark_view_statement(name)) for name in view_graph())
 
 
 def _spark_type(t: str) -> str:
@@ -328,8 +337,9 @@ def session(master: str | None = None, remote: str | None = None, app_name: str 
              .config("spark.sql.constraintPropagation.enabled", "false")
              # a temp view keeps its analyzed plan instead of its SQL text: a query over
              # layer_skew (a dozen views deep) is not parsed and analysed again view by view
-             # at every reference (analysis of such a query: ~5 s -> ~1 s on local[2]); the
-             # views are made again whenever the store changes (register_store)
+             # at every reference (analysis of such a query: ~5 s -> ~1 s on local[2]); so
+             # when the store changes its tables are registered again and each metric view
+             # is made again over them before a query reads it (_tables, SparkSQL)
              .config("spark.sql.legacy.storeAnalyzedPlanForView", "true"))
     # run_id is a string whatever it looks like (a run called 2024 stays '2024')
     b = b.config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
@@ -365,14 +375,25 @@ def _table_frame(spark, root: Path, table: str, committed):
     return spark.createDataFrame([], st)
 
 
-#: (store fingerprint, names) of the last registration on the kept session
-_registered: tuple | None = None
+class _Registration:
+    """What is registered on a session for one store: its tables (``key``: the store's
+    fingerprint when they were registered, on the kept session; None elsewhere) and the
+    metric views made over those tables so far."""
+
+    def __init__(self, key, tables):
+        self.key = key
+        self.tables: tuple[str, ...] = tuple(tables)
+        self.views: set[str] = set()     # metric views made over these tables
+        self.failed: set[str] = set()    # left out by strict=False: Spark refused it, or a view it reads
 
 
-def _store_fingerprint(root: Path, strict: bool) -> tuple:
-    """What the views registered from ``root`` depend on: every file of the store (path,
-    size, mtime), the view statements and ``strict``. Equal fingerprints mean the same
-    registration would be made again."""
+#: the registration on the kept session (:func:`keep_session`), or None
+_registered: _Registration | None = None
+
+
+def _store_fingerprint(root: Path) -> tuple:
+    """What the tables registered from ``root`` depend on: every file of the store (path,
+    size, mtime). Equal fingerprints mean the same tables would be registered again."""
     files = []
     for dirpath, _dirs, fnames in os.walk(root):
         for f in fnames:
@@ -381,35 +402,23 @@ def _store_fingerprint(root: Path, strict: bool) -> tuple:
             except OSError:
                 continue
             files.append((os.path.relpath(os.path.join(dirpath, f), root), st.st_size, st.st_mtime_ns))
-    return (str(root.resolve()), strict, hash(spark_view_statements()), tuple(sorted(files)))
+    return (str(root.resolve()), tuple(sorted(files)))
 
 
 def forget_registration() -> None:
-    """Make the next :func:`register_store` on the kept session register again: call it
-    after replacing one of its temp views by hand."""
+    """Make the next registration on the kept session register the tables (and, as they
+    are named, the metric views) again: call it after replacing one of its temp views by
+    hand."""
     global _registered
     _registered = None
 
 
-def register_store(spark, store_path: str | os.PathLike, strict: bool = True, views: bool = True) -> list[str]:
-    """Every contract table of the store as a temp view (empty with the contract's types
-    when the store has no files for it), then every metric view. Returns the view names.
-    A metric view Spark cannot take raises :class:`StoreError` naming it; with
-    ``strict=False`` it is left out (and the views built on it), so the rest still run.
-    ``views=False``: the tables and the store's own ``expert_load`` view only (for a
-    caller that makes the metric views itself, from :func:`spark_view_statements`).
-
-    On the kept session (:func:`keep_session`) a store registered last, unchanged since
-    (the same files, sizes and mtimes), is not registered again: Spark analyses each of the
-    ~50 view statements (~10 s on local[2]), and the views it made are still there."""
-    global _registered
+def _register_tables(spark, root: Path) -> list[str]:
+    """Every contract table of the store at ``root`` as a temp view (empty with the
+    contract's types when the store has no files for it), and the store's own
+    ``expert_load`` view over the long rows and the dense ``expert_counts``."""
     from .dense import expert_load_views
 
-    root = Path(store_path)
-    key = _store_fingerprint(root, strict) if spark is not None and spark is _kept and views else None
-    if key is not None and _registered is not None and _registered[0] == key:
-        return list(_registered[1])
-    _registered = None
     runs = _table_frame(spark, root, "runs", None)
     committed = runs.select("run_id")
     names = []
@@ -425,18 +434,80 @@ def register_store(spark, store_path: str | os.PathLike, strict: bool = True, vi
         names.append(table)
     for stmt in expert_load_views('CREATE OR REPLACE VIEW "expert_load" AS SELECT 1')[1:]:
         spark.sql(transpile(stmt))
-    for name, stmt in spark_view_statements() if views else ():
+    return names
+
+
+def _tables(spark, store_path: str | os.PathLike) -> _Registration:
+    """The store's tables registered on ``spark``. On the kept session, a store registered
+    last and unchanged since (the same files, sizes and mtimes) keeps its registration,
+    with the metric views made over it (no Spark statement); else the tables are
+    registered now and no metric view counts as made over them: a temp view keeps the
+    plan it was analysed with (``spark.sql.legacy.storeAnalyzedPlanForView``), so each is
+    made again, over the new tables, when next needed."""
+    global _registered
+    root = Path(store_path)
+    kept = spark is not None and spark is _kept
+    key = _store_fingerprint(root) if kept else None
+    if kept and _registered is not None and _registered.key == key:
+        return _registered
+    if kept:
+        _registered = None
+    reg = _Registration(key, _register_tables(spark, root))
+    if kept:
+        _registered = reg
+    return reg
+
+
+def _register_views(spark, reg: _Registration, names, strict: bool = True) -> None:
+    """Make the metric views ``names`` (in definition order: each after the views it
+    reads) that are not made over ``reg``'s tables yet. A view Spark cannot take raises
+    :class:`StoreError` naming it; with ``strict=False`` it is left out, and so are the
+    views that read it."""
+    from .views import view_graph
+
+    graph = view_graph()
+    for name in names:
+        if name in reg.views or (not strict and name in reg.failed):
+            continue
+        if not strict and graph[name][2] & reg.failed:
+            reg.failed.add(name)       # reads a view left out: not made over a stale copy of it
+            continue
+        stmt = spark_view_statement(name)
         try:
             spark.sql(stmt)
         except Exception as e:  # a view Spark cannot take is a bug in ADAPTATIONS: name it
             if not strict:
+                reg.failed.add(name)
                 continue
             first = " ".join(str(e).strip().split("\n")[:2])[:400]
             raise StoreError(f"metric view {name!r} does not run on Spark: {first}") from None
-        names.append(name)
-    if key is not None:
-        _registered = (key, tuple(names))
-    return names
+        reg.views.add(name)
+        reg.failed.discard(name)
+
+
+def register_store(spark, store_path: str | os.PathLike, strict: bool = True, views: bool = True) -> list[str]:
+    """Every contract table of the store as a temp view (empty with the contract's types
+    when the store has no files for it), then every metric view. Returns the names
+    registered: the tables, then the metric views in definition order. A metric view Spark
+    cannot take raises :class:`StoreError` naming it; with ``strict=False`` it is left out
+    (and the views built on it), so the rest still run. ``views=False``: the tables and
+    the store's own ``expert_load`` view only (:class:`SparkSQL` makes the metric views a
+    query names when it runs it; a caller can make them from :func:`spark_view_statements`).
+
+    On the kept session (:func:`keep_session`) a store registered last, unchanged since
+    (the same files, sizes and mtimes), is not registered again: its tables and the
+    metric views already made over them are still there, and only the views not made yet
+    are (each costs Spark an analysis: all ~50 take ~15 s of JVM CPU on a warm local[2]
+    session, more in a fresh one). After the store changed, the tables are registered
+    again and every metric view is made again."""
+    from .views import view_graph
+
+    reg = _tables(spark, store_path)
+    if not views:
+        return list(reg.tables)
+    order = list(view_graph())
+    _register_views(spark, reg, order, strict)
+    return [*reg.tables, *(n for n in order if n in reg.views)]
 
 
 def to_arrow(df) -> pa.Table:
@@ -462,27 +533,48 @@ def sql(store_path: str | os.PathLike, query: str, master: str | None = None, re
 
 
 class SparkSQL:
-    """The store's tables and metric views registered on a Spark session, queried like
+    """The store's tables and metric views on a Spark session, queried like
     :meth:`moetrace.storage.store.Store.sql`: ``sql(query, params)`` returns a polars DataFrame.
+
+    The tables are registered when it is made; a metric view is made when a query first
+    names it, with the views it reads (:func:`moetrace.storage.views.views_closure`, as
+    DuckDB's store does): Spark analyses each view it makes, and a command reads a few
+    of the ~50. On the kept session (:func:`keep_session`) an unchanged store keeps the
+    tables and views made for it before.
 
     The library's readers write DuckDB SQL; ``dialect="duckdb"`` (the default) transpiles
     such a query with the same rules as the views; ``dialect="spark"`` runs the text as
     written (a user's own Spark SQL). ``?`` parameters are bound by Spark, never pasted
-    into the text. A query Spark refuses is a :class:`StoreError` with its first line."""
+    into the text. A query Spark refuses is a :class:`StoreError` with its first line; so
+    is a metric view it names that Spark cannot take (naming the view)."""
 
     def __init__(self, store_path: str | os.PathLike, master: str | None = None, remote: str | None = None,
                  spark=None):
         self._own = spark is None and _kept is None
         self.spark = spark or session(master=master, remote=remote)
+        self._path = store_path
         try:
-            register_store(self.spark, store_path)
+            self._reg = _tables(self.spark, store_path)
         except BaseException:
             self.close()
             raise
 
+    def _views(self, query: str) -> None:
+        """Make the metric views ``query`` names that are not made yet, with the views they
+        read. Spark folds the case of names: the words are matched in lower case."""
+        from .views import views_closure
+
+        if self.spark is _kept and _registered is not self._reg:
+            # another store (or this one, changed) was registered on the kept session since
+            self._reg = _tables(self.spark, self._path)
+        need = views_closure(query.lower(), self._reg.views)
+        if need:
+            _register_views(self.spark, self._reg, need)
+
     def sql(self, query: str, params=None, dialect: str = "duckdb"):
         import polars as pl
 
+        self._views(query)
         text = transpile(query) if dialect == "duckdb" else query
         try:
             df = self.spark.sql(text, args=list(params)) if params else self.spark.sql(text)

@@ -108,9 +108,12 @@ def view_graph() -> dict[str, tuple[int, str, frozenset[str]]]:
     return out
 
 
-def views_needed(text: str, defined: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """The CREATE statements of the views of ``sql/`` that ``text`` (a query) names and
-    that are not in ``defined``, with the views they read, in file order."""
+def views_closure(text: str, defined: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The names of the views of ``sql/`` that ``text`` (a query) names and that are not in
+    ``defined``, with the views they read (those not in ``defined``), in file order: what
+    must be created, in that order, before ``text`` runs. A word of ``text`` counts as it
+    is written (view names are lower case; a caller whose engine folds case passes
+    ``text.lower()``)."""
     graph = view_graph()
     todo = [w for w in set(re.findall(r"\w+", text)) if w in graph and w not in defined]
     need: set[str] = set()
@@ -120,4 +123,12 @@ def views_needed(text: str, defined: set[str] | frozenset[str] = frozenset()) ->
             continue
         need.add(v)
         todo.extend(graph[v][2])
-    return [graph[v][1] for v in sorted(need, key=lambda v: graph[v][0])]
+    return sorted(need, key=lambda v: graph[v][0])
+
+
+def views_needed(text: str, defined: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The CREATE statements of the views of ``sql/`` that ``text`` (a query) names and
+    that are not in ``defined``, with the views they read, in file order
+    (:func:`views_closure`)."""
+    graph = view_graph()
+    return [graph[v][1] for v in views_closure(text, defined)]
