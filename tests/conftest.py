@@ -101,9 +101,12 @@ def _module_scoped(item) -> bool:
     return False
 
 
-#: session fixtures of this conftest that several modules take, and the xdist group of those
-#: modules' tests (with their module-scoped ones): one worker builds the fixture once
-SHARED_FIXTURE_GROUPS = {"two_runs_template": "shared:two_runs"}
+#: fixtures several modules take, and the xdist group of those modules' tests (with their
+#: module-scoped ones): one worker builds the fixture once. two_runs_template: a session
+#: fixture of this conftest; forked_ranks (tests/_forked_ranks.py): the reference-run ranks'
+#: forkserver, which imports torch, torch._dynamo and pandas once per worker process (~5 s
+#: of CPU), whichever module starts it first
+SHARED_FIXTURE_GROUPS = {"two_runs_template": "shared:two_runs", "forked_ranks": "shared:forked_ranks"}
 
 
 def pytest_configure(config):
