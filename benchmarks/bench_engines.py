@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import forked_rank_starts, main, peak_rss_mib, result, timer  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from common import main, peak_rss_mib, result, timer  # noqa: E402
+
+from benchmarks.rank_fork import ranks_forked_here  # noqa: E402
 
 
 def _sglang(size: str, tmp: Path) -> list[dict]:
@@ -75,14 +78,14 @@ def _refrun(size: str, tmp: Path) -> list[dict]:
 
     cfg = RefRunConfig(steps=2) if size == "small" else RefRunConfig(ranks=4, experts=16, steps=8, prefill_tokens=64,
                                                               idle=[(3, 2)])
-    # small: the ranks forked from a forkserver that imports torch once (common.forked_rank_starts), not
+    # small: the ranks forked from this process, which imports torch once (benchmarks.rank_fork), not
     # spawned (a fresh interpreter importing torch per rank); full: spawned, as `moetrace refrun` does
     small = size == "small"
-    with forked_rank_starts(small):
+    with ranks_forked_here(small):
         t = time.perf_counter()
         man = run(cfg, tmp / "rr")
         wall = time.perf_counter() - t
-    start = "forkserver start" if small else "spawn"
+    start = "fork start" if small else "spawn"
     return [result("engines_refrun", "wall_s", wall, "s",
                    notes=f"{cfg.ranks} ranks x {cfg.steps} steps x {cfg.layers} layers, {cfg.experts} experts, "
                          f"profiler on ({start} + gloo init included; workers {man['wall_s']:.1f} s)")]
@@ -95,6 +98,9 @@ def run(size: str = "small") -> list[dict]:
         return [result("engines", "skipped", 0.0, "", notes="needs torch")]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        if size == "small":   # the ranks forked before this process runs a torch operation (rank_fork)
+            ref = _refrun(size, tmp)
+            return _sglang(size, tmp) + _capture(size) + ref
         return _sglang(size, tmp) + _capture(size) + _refrun(size, tmp)
 
 

@@ -47,7 +47,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import forked_rank_starts, heavy_lock, main, result  # noqa: E402
+from benchmarks.common import heavy_lock, main, result  # noqa: E402
+from benchmarks.rank_fork import ranks_forked_here  # noqa: E402
 
 SIZES = {
     "small": dict(experts=8, layers=2, hidden=128, ffn=256, tokens_per_rank=32, steps=2, repeats=2, rounds=1,
@@ -373,8 +374,8 @@ RESULT = Path(__file__).resolve().parent / "results" / "fidelity_full.md"
 
 def run(size: str, res: dict | None = None) -> list[dict]:
     if res is None:
-        # small size: ranks forked from a forkserver (benchmarks.common.forked_rank_starts), not spawned
-        with heavy_lock(size), forked_rank_starts(size == "small"), \
+        # small size: ranks forked from this process (benchmarks.rank_fork: it imports torch once), not spawned
+        with heavy_lock(size), ranks_forked_here(size == "small"), \
                 tempfile.TemporaryDirectory(prefix="moetrace-fidelity-") as tmp:
             res = run_matrix(size, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True))
     text = format_report(res)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import forked_rank_starts, heavy_lock, main, result  # noqa: E402
+from benchmarks.common import heavy_lock, main, result  # noqa: E402
+from benchmarks.rank_fork import ranks_forked_here  # noqa: E402
 
 DELAY_US = 10_000.0
 SIZES = {
@@ -48,8 +49,8 @@ def run(size: str) -> list[dict]:
 
     cfg = SIZES[size]
     load0 = os.getloadavg()[0]
-    # small size: ranks forked from a forkserver (benchmarks.common.forked_rank_starts), not spawned
-    with heavy_lock(size), forked_rank_starts(size == "small"), tempfile.TemporaryDirectory() as tmp:
+    # small size: ranks forked from this process (benchmarks.rank_fork: it imports torch once), not spawned
+    with heavy_lock(size), ranks_forked_here(size == "small"), tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         st = Store(tmp / "st", create=True)
         ids = {}

@@ -10,8 +10,11 @@ seconds per rank on 2 cores and most of a tiny run's time. Here the same
 the ranks are still separate processes running the same worker function on the same
 pickled arguments (gloo over TCP, their own files), forked from a server that imported
 torch, torch._dynamo and the refrun module once. What a rank computes, times and writes is
-the same; only its start is cheaper. ``moetrace refrun`` itself keeps "spawn" (the
-command-line tests in test_refrun.py run it as a user would, in a subprocess)."""
+the same; only its start is cheaper. ``moetrace refrun`` itself keeps "spawn" (its
+command-line test in test_refrun.py runs ``python -m moetrace refrun`` in a subprocess, with
+the ranks forked from a forkserver of that process: test_refrun.FORKED_MAIN). The tests taking
+this fixture share one xdist group (conftest.SHARED_FIXTURE_GROUPS): one worker starts the
+forkserver."""
 from __future__ import annotations
 
 import pytest

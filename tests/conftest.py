@@ -101,6 +101,14 @@ def _module_scoped(item) -> bool:
     return False
 
 
+#: fixtures several modules take, and the xdist group of those modules' tests (with their
+#: module-scoped ones): one worker builds the fixture once. two_runs_template: a session
+#: fixture of this conftest; forked_ranks (tests/_forked_ranks.py): the reference-run ranks'
+#: forkserver, which imports torch, torch._dynamo and pandas once per worker process (~5 s
+#: of CPU), whichever module starts it first
+SHARED_FIXTURE_GROUPS = {"two_runs_template": "shared:two_runs", "forked_ranks": "shared:forked_ranks"}
+
+
 def pytest_configure(config):
     # the order of the work units is ours (longest first, pytest_collection_modifyitems), not
     # xdist's default for --dist loadgroup (the groups with the most tests first)
@@ -128,16 +136,27 @@ def _group_node_id(item, group: str) -> None:
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook turns the xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):
     """Under xdist (``-n 3 --dist loadgroup``): every test on the shared Spark session in one
-    group (one JVM, on one worker), the tests of a module-scoped fixture in their module's
-    group, and the work units ordered longest first. A plain run keeps pytest's order."""
+    group (one JVM, on one worker), the modules taking a shared session fixture
+    (:data:`SHARED_FIXTURE_GROUPS`) in its group, the tests of a module-scoped fixture in
+    their module's group, and the work units ordered longest first. A plain run keeps
+    pytest's order."""
     if not XDIST_WORKER:
         return
+    shared_module = {}     # module -> the group of the shared session fixture its tests take
+    for item in items:
+        for fx, group in SHARED_FIXTURE_GROUPS.items():
+            if fx in getattr(item, "fixturenames", ()):
+                shared_module[item.nodeid.split("::")[0]] = group
     unit_of = {}
     for item in items:
+        module = item.nodeid.split("::")[0]
         if "spark_session" in getattr(item, "fixturenames", ()):
             group = "spark"
+        elif module in shared_module and (_module_scoped(item) or any(
+                fx in getattr(item, "fixturenames", ()) for fx in SHARED_FIXTURE_GROUPS)):
+            group = shared_module[module]
         elif _module_scoped(item):
-            group = "module:" + item.nodeid.split("::")[0]
+            group = "module:" + module
         else:
             group = None
         if group:
@@ -201,6 +220,24 @@ def tree_hash(root: str | os.PathLike) -> str:
             h.update(f"F:{os.path.relpath(p, root)}\n".encode())
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def two_runs_template(tmp_path_factory):
+    """test_analysis_materialize's and test_analysis_cache's two runs (tests/_two_runs.py):
+    (path, run ids). Read-only: a test opens its own Store on it or copies it."""
+    from ._two_runs import build
+
+    path = tmp_path_factory.mktemp("two-runs") / "st"
+    return path, build(path)
+
+
+@pytest.fixture(scope="session")
+def two_runs_live(two_runs_template):
+    """{run id: {view: rows}}: the plain views of the two runs, computed once."""
+    from ._two_runs import live_views
+
+    return live_views(*two_runs_template)
 
 
 @pytest.fixture

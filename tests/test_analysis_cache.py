@@ -25,24 +25,16 @@ from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 from moetrace.storage import schema
 
+from ._two_runs import KEYS
+from ._two_runs import SYNTH as CFG
 from .conftest import SIGKILL_AT_REPLACE, invoke, tree_hash
-from .test_analysis_materialize import _assert_same, _write_recorded_run
-
-KEYS = {"run_shape": ["run_id"], "layer_placement": ["layer"], "layer_skew": ["step", "layer"],
-        "tokens_per_expert": ["step", "layer"], "skew_by_batch": ["layer", "steps_per_batch"],
-        "skew_decomposition": ["layer"], "rank_totals": ["layer", "rank"], "expert_token_hist": ["layer", "tokens"],
-        "expert_step_bins": ["layer", "bin", "expert"]}
-CFG = dict(layers=3, experts=32, top_k=4, ranks=8, ranks_per_node=4, steps=37, tokens_per_step=128, sigma=0.7)
+from .test_analysis_materialize import _assert_same
 
 
 def _synth_store(path, seed=5, run_id="syn", **over) -> Store:
     st = Store(path, create=True)
     synth(st, SynthConfig(**{**CFG, **over, "seed": seed}), run_id=run_id)
     return st
-
-
-def _live(st: Store, view: str, rid: str) -> pl.DataFrame:
-    return st.sql(f"SELECT * FROM {view} WHERE run_id = ?", [rid]).sort(KEYS[view])
 
 
 def _counts(st: Store, rid: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,20 +74,21 @@ def test_distribution_views_match_numpy(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
-    """A long-layout run with a recorded placement, gaps and replicas, and a dense run."""
-    st = Store(tmp_path_factory.mktemp("cache") / "st", create=True)
-    rec = _write_recorded_run(st)
-    syn = synth(st, SynthConfig(**CFG, seed=5)).run_id
-    return st, [rec, syn]
+def two_runs(two_runs_template):
+    """A long-layout run with a recorded placement, gaps and replicas, and a dense run
+    (tests/_two_runs.py: the store test_analysis_materialize.py reads too, on this module's
+    own connection)."""
+    path, rids = two_runs_template
+    st = Store(path)
+    yield st, rids
+    st.close()
 
 
 @pytest.fixture(scope="module")
-def live_distributions(two_runs):
-    """Each run's distribution views computed live once, for every batch size below to be
-    compared against (nothing writes to the store between them)."""
-    st, rids = two_runs
-    return {rid: {v: _live(st, v, rid) for v in DISTRIBUTION_VIEWS} for rid in rids}
+def live_distributions(two_runs_live):
+    """Each run's distribution views computed live once (by the plain views, on another
+    connection to the same store), for every batch size below to be compared against."""
+    return {rid: {v: views[v] for v in DISTRIBUTION_VIEWS} for rid, views in two_runs_live.items()}
 
 
 @pytest.mark.parametrize("batch_steps", [1, 4, None])
@@ -128,21 +121,22 @@ def test_cache_tables_are_the_views_columns():
 
 
 # ----------------------------------------------------------------------------- stored == live
-def test_stored_rows_equal_the_live_views_after_reopening(tmp_path, runner, cli):
+def test_stored_rows_equal_the_live_views_after_reopening(tmp_path, runner, cli, two_runs_template, two_runs_live):
+    # a byte-for-byte copy of the two-run store: the live views are those of the template's
+    # files (tests/_two_runs.py: computed by the plain views, before any cache existed)
+    template, rids = two_runs_template
     path = tmp_path / "st"
-    st = Store(path, create=True)
-    rids = [_write_recorded_run(st), synth(st, SynthConfig(**CFG, seed=5)).run_id]
-    st.close()
+    shutil.copytree(template, path)
     res = invoke(runner, cli, "materialize", path, "--batch-steps", "4")
     assert res.exit_code == 0, res.output
     assert sum("stored analysis" in ln for ln in res.output.splitlines()) == 2
-    st = Store(path)          # re-opened: nothing shadows the views, the live views compute from expert_load
+    st = Store(path)          # re-opened: the stored rows against the plain views of the same files
     for rid in rids:
         stt = cache.state(st, rid)
         assert stt.fresh, stt
         for v in cache.CACHED_VIEWS:
             stored = st.sql(f"SELECT * EXCLUDE (cache_id) FROM {cache.table_of(v)} WHERE run_id = ?", [rid])
-            _assert_same(stored.sort(KEYS[v]), _live(st, v, rid), f"{rid} stored {v}")
+            _assert_same(stored.sort(KEYS[v]), two_runs_live[rid][v], f"{rid} stored {v}")
         # and read back through the views (the TEMP views the report and skew use)
         m = cache.load(st, stt)
         try:

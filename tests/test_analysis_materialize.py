@@ -8,7 +8,6 @@ partial batch and gaps in the step numbers.
 from __future__ import annotations
 
 import json
-import uuid
 
 import numpy as np
 import polars as pl
@@ -17,54 +16,22 @@ import pytest
 from moetrace.analyze import choose_batch_steps, drop_materialized, materialize_layer_skew
 from moetrace.report.sections.experts import quantile_from_counts
 from moetrace.run import Store
-from moetrace.produce.synth import SynthConfig, synth
 
-KEYS = {"layer_skew": ["step", "layer"], "tokens_per_expert": ["step", "layer"],
-        "skew_by_batch": ["layer", "steps_per_batch"], "skew_decomposition": ["layer"],
-        "skew_summary": ["layer"], "run_skew_summary": ["run_id"]}
+from ._two_runs import KEYS as SORT_KEYS
 
-
-def _write_recorded_run(st: Store) -> str:
-    """41 step numbers with gaps, 2 layers x 6 experts on 4 ranks, experts 0 and 4 replicated
-    (fractional rank loads), layer 1 without placement for expert 5 (recorded+contiguous),
-    one all-zero (step, layer)."""
-    rng = np.random.default_rng(7)
-    E, S, R = 6, 8, 4
-    phy2log = [4, 1, 0, 2, 3, 0, 5, 4]
-    pl1 = [0, 1, 2, 3, 4, 0, 1, 2]                          # layer 1: expert 5 has no slot
-    placement = {"plan_id": ["recorded"] * 2 * S, "layer": [0] * S + [1] * S, "slot": list(range(S)) * 2,
-                 "rank": [s // 2 for s in range(S)] * 2, "node": [0] * 2 * S, "expert": phy2log + pl1}
-    steps = [s for s in range(50) if s not in (7, 20, 21, 22, 30, 31, 32, 33, 34)]
-    rows = {"step": [], "layer": [], "expert": [], "tokens": [], "slot": [], "src_rank": []}
-    for s in steps:
-        for layer in (0, 1):
-            x = rng.poisson([60, 5, 9, 30, 41, 3]) if not (s == 13 and layer == 0) else np.zeros(E, int)
-            for e in range(E):
-                if x[e] == 0 and e % 2:                      # some experts absent rather than 0
-                    continue
-                rows["step"].append(s)
-                rows["layer"].append(layer)
-                rows["expert"].append(e)
-                rows["tokens"].append(int(x[e]))
-                rows["slot"].append(None)
-                rows["src_rank"].append(None)
-    run = {"source": "t", "collector": "test", "time_base": "none", "source_sha256": uuid.uuid4().hex,
-           "num_experts": E, "num_ranks": R, "num_slots": S, "top_k": 2,
-           "approximations": json.dumps([])}
-    return st.write_run(run, {"expert_load": rows, "placement": placement}, run_id="rec").run_id
+#: the views compared (their sort keys: tests/_two_runs.py)
+KEYS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition", "skew_summary", "run_skew_summary")
 
 
+# the two runs (a recorded run with gaps and replicas, a dense synth run) and their plain
+# views are built once per session (tests/_two_runs.py, conftest's two_runs_template and
+# two_runs_live): test_analysis_cache.py compares against the same ones
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    st = Store(tmp_path_factory.mktemp("mat") / "st", create=True)
-    rec = _write_recorded_run(st)
-    syn = synth(st, SynthConfig(layers=3, experts=32, top_k=4, ranks=8, ranks_per_node=4, steps=37,
-                                tokens_per_step=128, sigma=0.7, seed=5)).run_id
-    return st, [rec, syn]
-
-
-def _plain(st: Store, view: str, rid: str) -> pl.DataFrame:
-    return st.sql(f"SELECT * FROM {view} WHERE run_id = ?", [rid]).sort(KEYS[view])
+def store(two_runs_template):
+    path, rids = two_runs_template
+    st = Store(path)     # this module's own connection: its TEMP tables are its own
+    yield st, rids
+    st.close()
 
 
 def _assert_same(got: pl.DataFrame, want: pl.DataFrame, what: str):
@@ -84,11 +51,10 @@ def _assert_same(got: pl.DataFrame, want: pl.DataFrame, what: str):
 
 
 @pytest.fixture(scope="module")
-def plain_views(store):
+def plain_views(two_runs_live):
     """Each run's views computed from the plain (unmaterialized) views once, for every
     batch size below to be compared against (the store does not change between them)."""
-    st, rids = store
-    return {rid: {v: _plain(st, v, rid) for v in KEYS} for rid in rids}
+    return {rid: {v: views[v] for v in KEYS} for rid, views in two_runs_live.items()}
 
 
 @pytest.mark.parametrize("batch_steps", [1, 4, 16, None])
@@ -106,7 +72,7 @@ def test_batched_views_equal_the_plain_views(store, plain_views, batch_steps):
             assert temp == {"run_shape", "layer_placement", "dense_rank_map", "layer_skew", "tokens_per_expert", "skew_by_batch",
                             "skew_decomposition"}
             for v in KEYS:     # the summaries read the materialized layer_skew
-                _assert_same(st.sql(f"SELECT * FROM {v}").sort(KEYS[v]), want[v], f"{rid} {v} batch={batch_steps}")
+                _assert_same(st.sql(f"SELECT * FROM {v}").sort(SORT_KEYS[v]), want[v], f"{rid} {v} batch={batch_steps}")
         finally:
             drop_materialized(st.con, m)
         assert st.sql("SELECT count(*) AS n FROM duckdb_tables() WHERE temporary")["n"][0] == 0
@@ -126,9 +92,9 @@ def test_the_fixture_exercises_what_batching_could_break(store):
     assert st.sql("SELECT max(steps_per_batch) AS w FROM skew_by_batch WHERE run_id = ?", [rec])["w"][0] == 32
 
 
-def test_only_layer_skew(store):
+def test_only_layer_skew(store, two_runs_live):
     st, (rec, _) = store
-    want = _plain(st, "skew_summary", rec)
+    want = two_runs_live[rec]["skew_summary"]
     m = materialize_layer_skew(st, rec, 2, views=("layer_skew",))
     try:
         assert set(m.tables) == {"run_shape", "layer_placement", "dense_rank_map", "layer_skew"}

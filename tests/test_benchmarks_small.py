@@ -23,8 +23,9 @@ NEEDS_SHARED_DATA = {"ingest_kineto": "deepseek_ep64_train_rank0.json.gz"}
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-results")
     # the timeouts only catch a hang: the benchmarks take about a minute together on a quiet
-    # 2-core machine (their small sizes fork the refrun ranks and fleet's stages from a
-    # forkserver: benchmarks.common.forked_rank_starts), several times that on a loaded host
+    # 2-core machine (their small sizes fork the refrun ranks from the benchmark's process,
+    # benchmarks.rank_fork, and fleet's and layer_skew's stages from a forkserver), several
+    # times that on a loaded host
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--size", "small", "--out", str(out),
                            "--timeout", "900"], capture_output=True, text=True, timeout=2400, cwd=str(REPO))
     doc = json.loads((out / "results.json").read_text())

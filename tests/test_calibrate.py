@@ -283,11 +283,13 @@ def test_judged_metrics_match_recomputation(tmp_path, runner, cli):
     for k in ("expert_mape", "expert_bias", "straggler_mape", "straggler_hit_rate", "comm_mape", "layer_mape"):
         assert s[k] == pytest.approx(m[k], rel=1e-6), k
     assert st.sql("SELECT count(*) n FROM calibration WHERE run_id = 'a' AND role = 'fit'")["n"][0] == T * L * R
-    # the report shows the section for the judged run
-    from moetrace.report.build import build_report
-    rep = build_report(st, "b", tmp_path / "rep", html_out=False)
-    sec = [x for x in rep.sections if x.key == "calibration"]
-    assert sec and "fitted on run a" in sec[0].markdown
+    # the report's calibration section for the judged run (built as build_report builds it)
+    from moetrace.report.base import ReportContext
+    from moetrace.report.sections import calibration
+
+    (tmp_path / "rep").mkdir()
+    sec = calibration.build(ReportContext(st, "b", st.run_row("b"), tmp_path / "rep"))
+    assert sec is not None and sec.key == "calibration" and "fitted on run a" in sec.markdown
     assert (tmp_path / "rep" / "calibration_b.png").exists()
 
 

@@ -246,13 +246,31 @@ def test_cell_times_are_medians_of_the_timed_passes(runs):
     assert set(one["passes"].to_list()) == {1} and one["expert_spread"].null_count() == one.height
 
 
+#: ``python -m moetrace ARGS`` (runpy, as ``-m`` does) with the reference-run ranks forked from a
+#: forkserver that imported torch once (benchmarks.common.forked_rank_starts), not spawned: three
+#: spawned ranks each import torch and torch._dynamo (~13 s of CPU of this test's 16). The
+#: forkserver is started by this process, so the ranks still write to its stdout and stderr
+#: (the pipes read here): any profiler chatter of theirs would still be seen.
+FORKED_MAIN = """
+import runpy, sys
+sys.path.insert(0, {repo!r})
+from benchmarks.common import forked_rank_starts
+sys.argv = ["moetrace", *sys.argv[1:]]
+with forked_rank_starts():
+    runpy.run_module("moetrace", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_cli_prints_noise_progress_and_no_profiler_chatter(tmp_path):
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "moetrace", "refrun", str(tmp_path / "o"), "--ranks", "3",
-                          "--experts", "6", "--layers", "1", "--hidden", "16", "--ffn", "16", "--steps", "1",
-                          "--tokens-per-rank", "4", "--repeats", "2"], capture_output=True, text=True, timeout=300)
+    from .conftest import REPO
+
+    res = subprocess.run([sys.executable, "-c", FORKED_MAIN.format(repo=str(REPO)), "refrun", str(tmp_path / "o"),
+                          "--ranks", "3", "--experts", "6", "--layers", "1", "--hidden", "16", "--ffn", "16",
+                          "--steps", "1", "--tokens-per-rank", "4", "--repeats", "2"],
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "noise over 2 timed pass(es)" in res.stdout
     assert "pass 3/3 done (profiled" in res.stderr

@@ -23,6 +23,27 @@ def synth_store(tmp_path_factory):
     return st, rid, cfg
 
 
+@pytest.fixture(scope="module")
+def synth_report(synth_store, tmp_path_factory):
+    """The report of synth_store, built once for the tests that read it (every section of
+    it; its figures' axis labels as drawn: (file name, x label, y label, title) each)."""
+    from moetrace.report import plots
+
+    seen = []
+    orig = plots.save
+
+    def spy(fig, path):
+        ax = fig.axes[0]
+        seen.append((Path(path).name, ax.get_xlabel(), ax.get_ylabel(), ax.get_title()))
+        return orig(fig, path)
+
+    st, rid, _ = synth_store
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plots, "save", spy)
+        rep = rbuild.build_report(st, rid, tmp_path_factory.mktemp("rep-report") / "r")
+    return rep, seen
+
+
 def _numpy_mean_imbalance(st, rid, E, R):
     df = st.sql("SELECT step, layer, expert, tokens FROM expert_load WHERE run_id = ?", [rid])
     loads = {}
@@ -67,9 +88,9 @@ def test_report_cli_writes_self_contained_html_md_and_pngs(synth_store, runner, 
     assert "wrote" in res.output and "report.html" in res.output
 
 
-def test_dummy_and_expert_sections_report_numpy_figures(synth_store, tmp_path):
+def test_dummy_and_expert_sections_report_numpy_figures(synth_store, synth_report):
     st, rid, cfg = synth_store
-    rep = rbuild.build_report(st, rid, tmp_path / "r")
+    rep, _ = synth_report
     steps = st.sql("SELECT is_dummy FROM steps WHERE run_id = ?", [rid])["is_dummy"].to_numpy()
     dummy = {s.key: s for s in rep.sections}["dummy"]
     assert f"{int(steps.sum())} of {len(steps)} (step, rank) pairs" in dummy.markdown
@@ -177,23 +198,12 @@ def test_every_analysis_command_has_an_example(cli):
 
 
 @pytest.mark.parametrize("png", ["skew_layer_imbalance.png", "batch_plateau.png"])
-def test_plots_have_labelled_axes(png, synth_store, tmp_path, monkeypatch):
-    """The figures carry axis labels with units (checked on the matplotlib objects)."""
+def test_plots_have_labelled_axes(png, synth_report):
+    """The figures carry axis labels with units (checked on the matplotlib objects, as the
+    report saved them: synth_report)."""
     import matplotlib.pyplot as plt
 
-    from moetrace.report import plots
-
-    seen = []
-    orig = plots.save
-
-    def spy(fig, path):
-        ax = fig.axes[0]
-        seen.append((Path(path).name, ax.get_xlabel(), ax.get_ylabel(), ax.get_title()))
-        return orig(fig, path)
-
-    monkeypatch.setattr(plots, "save", spy)
-    st, rid, _ = synth_store
-    rbuild.build_report(st, rid, tmp_path / "r")
+    _, seen = synth_report
     labels = {n: (x, y, t) for n, x, y, t in seen}
     x, y, t = labels[png]
     assert x and y and t and "×" in y
@@ -330,8 +340,12 @@ def test_every_predicted_time_carries_its_error_band(tmp_path):
     run = st.run(rid)
 
     def replay_section(out):
-        rep = rbuild.build_report(st, rid, tmp_path / out)
-        return {s.key: s for s in rep.sections}["replay"]
+        # the replay section alone, as build_report builds it (its markdown is the same with
+        # the analysis views cached or not: test_cached_views_give_the_same_report_and_are_dropped)
+        from moetrace.report.base import ReportContext
+        from moetrace.report.sections import replay
+
+        return replay.build(ReportContext(store=st, run_id=rid, run=st.run_row(rid), outdir=tmp_path / out))
 
     sec = replay_section("memory")                       # nothing stored: the in-memory what-if
     head = sec.markdown.split("\n\n")[0]

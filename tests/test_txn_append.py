@@ -47,15 +47,12 @@ def _physical_counts(path) -> dict[str, int]:
 
 
 def _visible_counts(path) -> dict[str, int]:
-    """Rows per table as a reader sees them (the views, no recovery)."""
+    """Rows per table as a reader sees them (the views, no recovery): one query counting
+    every table's view."""
     st = Store(path)
-    out = {}
-    for t in schema.load_all():
-        n = st.sql(f'SELECT count(*) AS n FROM "{t}"')["n"][0]
-        if n:
-            out[t] = n
+    got = st.sql(" UNION ALL ".join(f"SELECT '{t}' AS t, count(*) AS n FROM \"{t}\"" for t in schema.load_all()))
     st.close()
-    return out
+    return {t: n for t, n in zip(got["t"].to_list(), got["n"].to_list()) if n}
 
 
 def _cli(args: list[str]) -> None:
