@@ -316,11 +316,17 @@ def spark_session():
     # interpreted), re-planning at run time (AQE) and splitting each shuffle in 4 cost more
     # than the queries; so does the JVM's optimizing JIT (C2) in a JVM that lives a few
     # minutes: C1 only. The results are the same (execution strategies, not semantics).
+    # The heap: the analysed plans of the nested views stay live (~400 MB), so a small
+    # young generation copies them at every collection and the growing old one is
+    # collected in full: a young generation of 1 GiB, a 2 GiB start and room for the
+    # classes cut the collector's pauses over test_spark_cli.py from 6.8 s (108 pauses,
+    # 9 full) to 2.0 s (21, none full), by -Xlog:gc, 2026-12-04.
     sp = ms.session("local[2]", conf={
         "spark.sql.codegen.wholeStage": "false", "spark.sql.adaptive.enabled": "false",
         "spark.sql.codegen.factoryMode": "NO_CODEGEN", "spark.sql.shuffle.partitions": "1",
         "spark.default.parallelism": "1",
-        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xms2g -Xmn1g "
+                                        "-XX:MetaspaceSize=256m"})
     ms.keep_session(sp)
     yield sp
     ms.keep_session(None)
