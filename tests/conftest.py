@@ -63,7 +63,7 @@ HEAVY_SECONDS = {
     "tests/test_benchmarks_small.py::test_run_all_only": 3.0,
     "tests/test_calibrate.py::test_fidelity_matrix_small": 4.0,     # forked ranks (was 40 s)
     "tests/test_calibrate.py": 2.0,
-    "tests/test_report_truth.py::test_tables_fit_a_1400px_window": 27.0,
+    "tests/test_report_truth.py::test_tables_fit_a_1400px_window": 5.0,   # one Chromium for all pages
     "tests/test_report_truth.py": 1.5,
     "tests/test_store_atomic.py::test_sigkill_at_every_rename": 15.0,
     "tests/test_store_atomic.py": 2.5,
