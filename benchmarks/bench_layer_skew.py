@@ -100,8 +100,8 @@ def _duck(path: str, max_step: int | None, q):
     con.execute(f"CREATE TEMP TABLE out AS SELECT step, layer, {LAYER_SKEW_COLUMNS} FROM layer_skew")
     secs = time.perf_counter() - t0
     n_in = con.execute("SELECT count(*) FROM expert_load").fetchone()[0]
-    out = con.execute(f"SELECT step, layer, imbalance, straggler_rank, gini, cv, top5pct_share, hottest_expert "
-                      f"FROM out ORDER BY step, layer").fetchnumpy()
+    out = con.execute("SELECT step, layer, imbalance, straggler_rank, gini, cv, top5pct_share, hottest_expert "
+                      "FROM out ORDER BY step, layer").fetchnumpy()
     q.put({"rows": n_in, "seconds": secs, "peak_mib": peak_rss_mib(), "out_rows": len(out["step"]),
            "sample": {k: np.asarray(v)[:2000].tolist() for k, v in out.items()}})
 

@@ -163,7 +163,7 @@ def _adapt(tree):
             win = node.copy()
             arg = sql(node.this.this.expressions[0])
             win.set("this", parse_one(f"COLLECT_SET({arg})", read="spark"))
-            return parse_one(f"SIZE(x)", read="spark").transform(
+            return parse_one("SIZE(x)", read="spark").transform(
                 lambda n: win if isinstance(n, exp.Column) and n.name == "x" else n)
         if isinstance(node, exp.Length):
             return parse_one(f"SIZE({sql(node.this)})", read="spark")
