@@ -92,17 +92,28 @@ def forked_rank_starts(enabled: bool = True):
     try:
         import multiprocessing
 
-        import torch.multiprocessing as tmp
+        import torch.multiprocessing  # noqa: F401
     except ImportError:
         yield
         return
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    with rank_start_method("forkserver"):
+        yield
+
+
+@contextmanager
+def rank_start_method(method: str):
+    """Within this block torch.multiprocessing.start_processes starts with ``method`` what
+    would be spawned (the one patch behind :func:`forked_rank_starts` and
+    ``benchmarks.rank_fork.ranks_forked_here``); torch must be importable."""
+    import torch.multiprocessing as tmp
+
     real = tmp.start_processes
 
     def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
-        method = "forkserver" if start_method == "spawn" else start_method
-        return real(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method=method)
+        chosen = method if start_method == "spawn" else start_method
+        return real(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method=chosen)
 
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
     tmp.start_processes = start_processes
     try:
         yield

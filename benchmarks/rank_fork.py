@@ -17,7 +17,7 @@ import importlib
 import sys
 from contextlib import contextmanager
 
-from benchmarks.common import RANK_PRELOAD, forked_rank_starts
+from benchmarks.common import RANK_PRELOAD, forked_rank_starts, rank_start_method
 
 
 @contextmanager
@@ -33,20 +33,11 @@ def ranks_forked_here(enabled: bool = True):
             yield
         return
     try:
-        import torch.multiprocessing as tmp
+        import torch.multiprocessing  # noqa: F401
     except ImportError:
         yield
         return
     for mod in RANK_PRELOAD:
         importlib.import_module(mod)
-    real = tmp.start_processes
-
-    def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
-        method = "fork" if start_method == "spawn" else start_method
-        return real(fn, args=args, nprocs=nprocs, join=join, daemon=daemon, start_method=method)
-
-    tmp.start_processes = start_processes
-    try:
+    with rank_start_method("fork"):
         yield
-    finally:
-        tmp.start_processes = real
