@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -71,63 +70,66 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def _writer(store: Path, kill_at_replace: int, kill_after_chunk: int) -> subprocess.CompletedProcess:
-    code = WRITER.format(repo=str(REPO))
-    return subprocess.run([sys.executable, "-c", code, str(store), str(kill_at_replace), str(kill_after_chunk)],
-                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
-
-
 # The same writer, each one a process forked from a server that imported pyarrow and the store
 # once (what a fresh interpreter spends most of a writer's time on): every writer is still its
 # own process, started from a state with no store opened, that patches its own os.replace and
 # SIGKILLs itself; the server reports how it ended (os.waitpid) and what it printed.
+# tests/test_txn_append.py forks its SIGKILLed CLI writers (conftest.SIGKILL_AT_REPLACE) the same way.
 FORK_SERVER = textwrap.dedent("""
-    import os, sys
+    import importlib, os, sys
     sys.path.insert(0, {repo!r})
     import pyarrow as pa
     from moetrace.storage.store import Store
     import duckdb, polars, moetrace.storage.engine, moetrace.storage.txn, moetrace.storage.views, moetrace.storage.dense
-    import tests.test_store_atomic
+    for name in sys.argv[2].split(","):
+        importlib.import_module(name)
     code = compile(sys.argv[1], "<writer>", "exec")
     print("READY", flush=True)
     for line in sys.stdin:
-        store, k, c, out = line.rstrip("\\n").split("\\t")
+        out, *args = line.rstrip("\\n").split("\\t")
         pid = os.fork()
         if pid == 0:
             fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            sys.argv = ["-c", store, k, c]
+            sys.argv = ["-c", *args]
             try:
                 exec(code, {{"__name__": "__main__"}})
-                sys.stdout.flush()
-                os._exit(0)
+                rc = 0
+            except SystemExit as e:   # the CLI's own exit status
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             except BaseException:
                 import traceback
                 traceback.print_exc()
-                sys.stderr.flush()
-                os._exit(1)
+                rc = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status), flush=True)
 """)
 
 
 class _ForkedWriters:
-    def __init__(self, tmp: Path):
+    """``code`` (default: WRITER) run by processes forked from one server that imported
+    ``preload`` (module names) first; calling it with the writer's arguments runs one."""
+
+    def __init__(self, tmp: Path, code: str | None = None, preload: tuple[str, ...] = ("tests.test_store_atomic",)):
         self.tmp, self.n = tmp, 0
         self.proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER.format(repo=str(REPO)),
-                                      WRITER.format(repo=str(REPO))],
+                                      code if code is not None else WRITER.format(repo=str(REPO)), ",".join(preload)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
         assert self.proc.stdout.readline() == "READY\n"
 
-    def __call__(self, store: Path, kill_at_replace: int, kill_after_chunk: int) -> subprocess.CompletedProcess:
+    def __call__(self, *args) -> subprocess.CompletedProcess:
         self.n += 1
         out = self.tmp / f"writer{self.n}.out"
-        self.proc.stdin.write(f"{store}\t{kill_at_replace}\t{kill_after_chunk}\t{out}\n")
+        assert not any("\t" in str(a) or "\n" in str(a) for a in args), args
+        self.proc.stdin.write("\t".join(map(str, (out, *args))) + "\n")
         self.proc.stdin.flush()
         rc = int(self.proc.stdout.readline())
         text = out.read_text()
-        return subprocess.CompletedProcess(["writer", str(store)], rc, text, text)
+        return subprocess.CompletedProcess(["writer", *map(str, args)], rc, text, text)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -139,6 +141,20 @@ def _seeded(path: Path) -> Path:
     st.write_run(_run("old"), {"expert_load": [_chunk(0)]}, run_id="old")
     st.write_catalog()  # so a write also replaces catalog.duckdb: one more crash point
     return path
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory) -> Path:
+    """One seeded store (a run and a catalog): read-only, each test copies it byte for byte."""
+    return _seeded(tmp_path_factory.mktemp("seed") / "seed")
+
+
+@pytest.fixture(scope="module")
+def writer(tmp_path_factory):
+    """The WRITER's fork server, one for the module's SIGKILL tests."""
+    w = _ForkedWriters(tmp_path_factory.mktemp("writers"))
+    yield w
+    w.close()
 
 
 def _new_run_is_whole(store: Path) -> bool:
@@ -153,10 +169,9 @@ def _visible_new_rows(store: Path) -> int:
     return Store(store).sql("SELECT count(*) AS n FROM expert_load WHERE run_id = 'new'")["n"][0]
 
 
-def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path):
+def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path, seed, writer):
     # how many renames a full write does: run it once without a kill
-    writer = _ForkedWriters(tmp_path)
-    seed = _seeded(tmp_path / "seed")   # each write starts from a byte-for-byte copy of one seeded store
+    # (each write starts from a byte-for-byte copy of one seeded store)
     ref = tmp_path / "ref"
     shutil.copytree(seed, ref)
     res = writer(ref, 0, -1)
@@ -187,14 +202,14 @@ def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path):
         assert Store(store).sql("SELECT count(*) AS n FROM expert_load WHERE run_id = 'after'")["n"][0] == CHUNK_ROWS
     # the kill before the runs row is renamed rolls back; a kill after it keeps the run
     assert outcomes[0] == "rolled back" and "whole" in outcomes, outcomes
-    writer.close()
 
 
 @pytest.mark.parametrize("kill_after_chunk", [0, 2])
-def test_sigkill_while_streaming_chunks_leaves_store_unchanged(tmp_path, kill_after_chunk):
-    store = _seeded(tmp_path / "st")
+def test_sigkill_while_streaming_chunks_leaves_store_unchanged(tmp_path, seed, writer, kill_after_chunk):
+    store = tmp_path / "st"
+    shutil.copytree(seed, store)
     before = tree_hash(store)
-    res = _writer(store, 0, kill_after_chunk)
+    res = writer(store, 0, kill_after_chunk)
     assert res.returncode == -signal.SIGKILL, res.stderr
     assert _visible_new_rows(store) == 0
     Store(store).recover()
@@ -202,15 +217,55 @@ def test_sigkill_while_streaming_chunks_leaves_store_unchanged(tmp_path, kill_af
 
 
 # ----------------------------------------------------------------------------- concurrency
-INGESTER = textwrap.dedent("""
-    import os, sys, time
-    from moetrace.cli import main  # import everything first, say so, then wait for the start signal
-    go, ready = sys.argv[1], sys.argv[2]
-    open(ready, "w").close()
-    while not os.path.exists(go):
-        time.sleep(0.002)
-    sys.exit(main(sys.argv[3:]))
+# The ingesters of a race: each its own process, forked from one server that imported the CLI
+# and what an ingest uses (polars, DuckDB, pyarrow, the collectors) once, instead of a fresh
+# interpreter each; a child says it is ready, waits for the start signal, then runs the CLI.
+RACE_SERVER = textwrap.dedent("""
+    import importlib, json, os, sys, time, traceback
+    sys.path.insert(0, {repo!r})
+    for name in sys.argv[1].split(","):
+        importlib.import_module(name)
+    from moetrace.cli import main
+    print("READY", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        pids = []
+        for i, argv in enumerate(job["argvs"]):
+            pid = os.fork()
+            if pid == 0:
+                os.chdir(job["cwd"])
+                for fd, name in ((1, "out"), (2, "err")):
+                    os.dup2(os.open(job["go"] + "." + name + str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                open(job["go"] + ".ready" + str(i), "w").close()
+                while not os.path.exists(job["go"]):
+                    time.sleep(0.002)
+                try:
+                    main(argv)
+                    rc = 0
+                except SystemExit as e:
+                    rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                except BaseException:
+                    traceback.print_exc()
+                    rc = 1
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+            pids.append(pid)
+        print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]), flush=True)
 """)
+RACE_PRELOAD = ("duckdb", "polars", "numpy", "pyarrow", "pyarrow.parquet", "moetrace.cli", "moetrace.commands.store_cmds",
+                "moetrace.storage.store", "moetrace.storage.txn", "moetrace.storage.dense", "moetrace.collect.generic",
+                "moetrace.collect.checks", "moetrace.collect.conservation")
+
+
+@pytest.fixture(scope="module")
+def racers():
+    proc = subprocess.Popen([sys.executable, "-c", RACE_SERVER.format(repo=str(REPO)), ",".join(RACE_PRELOAD)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+    assert proc.stdout.readline() == "READY\n"
+    yield proc
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
 
 
 def _wait_ready(paths: list[Path], procs: list[subprocess.Popen]) -> None:
@@ -221,18 +276,16 @@ def _wait_ready(paths: list[Path], procs: list[subprocess.Popen]) -> None:
         time.sleep(0.005)
 
 
-def _race(tmp_path: Path, argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+def _race(racers: subprocess.Popen, tmp_path: Path, argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
     go = tmp_path / f"go-{time.monotonic_ns()}"
     ready = [Path(f"{go}.ready{i}") for i in range(len(argvs))]
-    procs = [subprocess.Popen([sys.executable, "-c", INGESTER, str(go), str(r), *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for r, argv in zip(ready, argvs)]
-    _wait_ready(ready, procs)  # let every process finish importing
+    racers.stdin.write(json.dumps({"go": str(go), "cwd": str(tmp_path), "argvs": argvs}) + "\n")
+    racers.stdin.flush()
+    _wait_ready(ready, [racers])  # every process forked and waiting
     go.write_text("go")
-    out = []
-    for p in procs:
-        so, se = p.communicate(timeout=120)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
-    return out
+    codes = json.loads(racers.stdout.readline())
+    return [subprocess.CompletedProcess(argv, rc, Path(f"{go}.out{i}").read_text(), Path(f"{go}.err{i}").read_text())
+            for i, (argv, rc) in enumerate(zip(argvs, codes))]
 
 
 def _csv(path: Path, scale: int, steps: int = 30) -> tuple[Path, int]:
@@ -257,32 +310,32 @@ def _assert_clean(store: Path) -> None:
         assert parts == runs, (t, parts, runs)  # no partition without its runs row and vice versa
 
 
-def test_two_processes_ingesting_different_files_both_land(tmp_path):
+def test_two_processes_ingesting_different_files_both_land(tmp_path, racers):
     a, ta = _csv(tmp_path / "a.csv", 7)
     b, tb = _csv(tmp_path / "b.csv", 11)
     store = tmp_path / "store"
-    res = _race(tmp_path, [["ingest", str(a), "--store", str(store)], ["ingest", str(b), "--store", str(store)]])
+    res = _race(racers, tmp_path, [["ingest", str(a), "--store", str(store)], ["ingest", str(b), "--store", str(store)]])
     assert [r.returncode for r in res] == [0, 0], [r.stderr for r in res]
     got = Store(store).sql("SELECT run_id, sum(tokens) AS t FROM expert_load GROUP BY run_id ORDER BY run_id")
     assert got.rows() == [("a", ta), ("b", tb)]
     _assert_clean(store)
 
 
-def test_same_file_twice_at_once_lands_once(tmp_path):
+def test_same_file_twice_at_once_lands_once(tmp_path, racers):
     a, ta = _csv(tmp_path / "a.csv", 5)
     store = tmp_path / "store"
-    res = _race(tmp_path, [["ingest", str(a), "--store", str(store)]] * 2)
+    res = _race(racers, tmp_path, [["ingest", str(a), "--store", str(store)]] * 2)
     assert [r.returncode for r in res] == [0, 0], [r.stderr for r in res]
     assert sum("already ingested" in r.stdout for r in res) == 1, [r.stdout for r in res]
     assert Store(store).sql("SELECT sum(tokens) AS t FROM expert_load").rows() == [(ta,)]
     _assert_clean(store)
 
 
-def test_same_run_id_at_once_one_fails_cleanly(tmp_path):
+def test_same_run_id_at_once_one_fails_cleanly(tmp_path, racers):
     a, ta = _csv(tmp_path / "a.csv", 3)
     b, tb = _csv(tmp_path / "b.csv", 13)
     store = tmp_path / "store"
-    res = _race(tmp_path, [["ingest", str(a), "--store", str(store), "--run-id", "incident"],
+    res = _race(racers, tmp_path, [["ingest", str(a), "--store", str(store), "--run-id", "incident"],
                            ["ingest", str(b), "--store", str(store), "--run-id", "incident"]])
     codes = sorted(r.returncode for r in res)
     assert codes == [0, 2], [(r.returncode, r.stderr) for r in res]
@@ -293,23 +346,23 @@ def test_same_run_id_at_once_one_fails_cleanly(tmp_path):
     _assert_clean(store)
 
 
-def test_two_files_with_the_same_name_from_two_folders_both_land(tmp_path):
+def test_two_files_with_the_same_name_from_two_folders_both_land(tmp_path, racers):
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
     a, ta = _csv(tmp_path / "x" / "load.csv", 2)
     b, tb = _csv(tmp_path / "y" / "load.csv", 9)
     store = tmp_path / "store"
-    res = _race(tmp_path, [["ingest", str(a), "--store", str(store)], ["ingest", str(b), "--store", str(store)]])
+    res = _race(racers, tmp_path, [["ingest", str(a), "--store", str(store)], ["ingest", str(b), "--store", str(store)]])
     assert [r.returncode for r in res] == [0, 0], [r.stderr for r in res]
     got = sorted(Store(store).sql("SELECT sum(tokens) AS t FROM expert_load GROUP BY run_id")["t"].to_list())
     assert got == sorted([ta, tb])
     _assert_clean(store)
 
 
-def test_processes_creating_the_same_new_store(tmp_path):
+def test_processes_creating_the_same_new_store(tmp_path, racers):
     files = [_csv(tmp_path / f"f{i}.csv", i + 1)[0] for i in range(3)]
     store = tmp_path / "fresh"
-    res = _race(tmp_path, [["ingest", str(f), "--store", str(store)] for f in files])
+    res = _race(racers, tmp_path, [["ingest", str(f), "--store", str(store)] for f in files])
     assert [r.returncode for r in res] == [0, 0, 0], [r.stderr for r in res]
     assert json.loads((store / "moetrace-store.json").read_text())["moetrace_store_format"] == 1
     assert Store(store).run_ids() == ["f0", "f1", "f2"]

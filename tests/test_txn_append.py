@@ -5,8 +5,11 @@ writer's recovery; a reader opened before a table's first file sees it after the
 
 A crash is simulated at the k-th crash point (each ``os.replace`` and the journal's removal):
 the store folder is copied as it is on disk at that instant (what a SIGKILL would leave,
-the lock released), then the write is aborted. The copy is what is checked. One real
-SIGKILL test (a subprocess, as tests/test_store_atomic.py does for ingests) covers a plan.
+the lock released). The copy is what is checked. What is on disk at the k-th point depends
+only on what the write did before it, so one write copies the store at every point (a
+write aborted at its k-th point would have left the same copy; one per write is, and the
+two are compared). One real SIGKILL test (a subprocess, as tests/test_store_atomic.py does
+for ingests) covers a plan.
 """
 from __future__ import annotations
 
@@ -14,8 +17,6 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 
 import pyarrow as pa
 import pytest
@@ -25,6 +26,7 @@ from moetrace.storage import schema
 from moetrace.storage.store import Store
 
 from .conftest import REPO, SIGKILL_AT_REPLACE, tree_hash
+from .test_store_atomic import _ForkedWriters
 from .test_replay import slot_store  # noqa: F401  (fixture: 2 layers x 12 slots, 6 steps)
 
 L, S = 2, 12  # the slot_store's shape: a plan is L * S placement rows
@@ -86,6 +88,41 @@ def _crash_points(monkeypatch, k: int, store, snap) -> list[int]:
     return n
 
 
+def _snapshot_points(monkeypatch, store, snaps) -> list[int]:
+    """Patch os.replace and the journal's unlink like :func:`_crash_points`, but copy
+    ``store`` to ``snaps / f"crash{k}"`` at every crash point k and go on: the copies are
+    what a write killed at each point leaves. Returns a one-item list counting the points."""
+    n = [0]
+    real_replace, real_unlink = os.replace, pathlib.Path.unlink
+
+    def point():
+        n[0] += 1
+        shutil.copytree(store, snaps / f"crash{n[0]}", symlinks=True)
+
+    def replace(a, b, *args, **kw):
+        if str(a).startswith(str(store)):
+            point()
+        return real_replace(a, b, *args, **kw)
+
+    def unlink(self, *args, **kw):
+        if self.parent.name == ".txn" and self.name.endswith(".json") and str(self).startswith(str(store)):
+            point()
+        return real_unlink(self, *args, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    return n
+
+
+@pytest.fixture(scope="module")
+def slot_template(tmp_path_factory):
+    """test_replay's slot_store with a catalog.duckdb (so every write also replaces it: one
+    more crash point), built once: read-only, a test copies it."""
+    template, _ = slot_store.__wrapped__(tmp_path_factory.mktemp("slots"))
+    Store(template, create=True).write_catalog()
+    return template
+
+
 def _seed_csv(tmp_path):
     p = tmp_path / "more.csv"
     p.write_text("step,layer,expert,tokens\n0,0,0,5\n0,0,1,3\n0,1,0,4\n0,1,1,4\n")
@@ -104,31 +141,40 @@ WRITES = {
 # plan and replay (the issue's cases) run by default; the others take a minute each on a loaded machine
 @pytest.mark.parametrize("write", [w if w in ("plan", "replay") else pytest.param(w, marks=pytest.mark.slow)
                                    for w in sorted(WRITES)])
-def test_killed_between_any_two_renames_store_is_before_or_after(slot_store, tmp_path, monkeypatch, write):  # noqa: F811
-    template, _ = slot_store
-    Store(template, create=True).write_catalog()  # so every write also replaces catalog.duckdb: one more point
+def test_killed_between_any_two_renames_store_is_before_or_after(slot_template, tmp_path, monkeypatch, write):
+    template = slot_template
     before_hash, before = tree_hash(template), _physical_counts(template)
-    # the write once, whole: how many crash points it has and what "after" is
-    ref = tmp_path / "ref"
+    # the write once, whole: how many crash points it has, what "after" is, and the store
+    # as it is on disk at each point (crash1 .. crashN)
+    ref, snaps = tmp_path / "ref", tmp_path / "snaps"
     shutil.copytree(template, ref)
+    snaps.mkdir()
     with monkeypatch.context() as m:
-        n = _crash_points(m, 0, ref, tmp_path / "unused")
+        n = _snapshot_points(m, ref, snaps)
         _cli(WRITES[write](ref, tmp_path))
     points, after = n[0], _physical_counts(ref)
     seen_before, seen_after = _visible_counts(template), _visible_counts(ref)  # views (expert_load: + dense rows)
     assert points >= (1 if write == "catalog" else 3), points  # journal, >= 1 data file, its removal
+    assert sorted(p.name for p in snaps.iterdir()) == sorted(f"crash{k}" for k in range(1, points + 1))
     if write == "plan":  # by hand: a plan of the 2 x 12 slots is 24 placement rows and one plans row
         assert after == {**before, "placement": before["placement"] + L * S, "plans": 1}
     elif write in ("replay", "sweep"):  # a replay's rows come with their replay_runs rows
         assert after["replay_runs"] == (1 if write == "replay" else 2) and after.get("replay_layer", 0) > 0
+    # one write really aborted at a crash point (the first data file's; the catalog's only
+    # one): the exception gets out of the command, and the store copied at that instant
+    # holds what the whole write's copy at that point holds
+    k_abort = min(2, points)
+    store, aborted = tmp_path / "aborted", tmp_path / "aborted-crash"
+    shutil.copytree(template, store)
+    with monkeypatch.context() as m:
+        _crash_points(m, k_abort, store, aborted)
+        with pytest.raises(Crash):
+            _cli(WRITES[write](store, tmp_path))
+    assert _physical_counts(aborted) == _physical_counts(snaps / f"crash{k_abort}"), k_abort
+    assert _visible_counts(aborted) == _visible_counts(snaps / f"crash{k_abort}"), k_abort
     outcomes = []
     for k in range(1, points + 1):
-        store, snap = tmp_path / f"s{k}", tmp_path / f"crash{k}"
-        shutil.copytree(template, store)
-        with monkeypatch.context() as m:
-            _crash_points(m, k, store, snap)
-            with pytest.raises(Crash):
-                _cli(WRITES[write](store, tmp_path))
+        snap = snaps / f"crash{k}"
         # a reader opening the crashed store (no recovery) sees all of the write or none of it
         seen = _visible_counts(snap)
         assert seen in (seen_before, seen_after), (write, k, seen)
@@ -142,7 +188,6 @@ def test_killed_between_any_two_renames_store_is_before_or_after(slot_store, tmp
             assert _physical_counts(snap) == after, (write, k)
             assert _visible_counts(snap) == seen_after, (write, k)
             outcomes.append("after")
-        shutil.rmtree(store)
     assert outcomes[0] == "before", outcomes
     if write != "catalog":  # a kill after the commit file's rename rolls forward
         assert "after" in outcomes, outcomes
@@ -243,15 +288,18 @@ def test_out_inside_a_store_is_refused(slot_store, tmp_path):  # noqa: F811
 def test_sigkilled_plan_leaves_before_or_after(slot_store, tmp_path):  # noqa: F811
     template, _ = slot_store
     before_hash, before = tree_hash(template), _physical_counts(template)
+    # each kill in its own process, forked from one that imported the CLI and the plan's modules
+    writers = _ForkedWriters(tmp_path, SIGKILL_AT_REPLACE.format(repo=str(REPO)), preload=(
+        "moetrace.cli", "moetrace.commands.replay_cmds", "moetrace.run", "moetrace.replay.make_plan",
+        "moetrace.formats.plan_files", "moetrace.storage.check"))
     for k in (1, 2, 3):  # journal, placement, plans
         store = tmp_path / f"s{k}"
         shutil.copytree(template, store)
-        res = subprocess.run([sys.executable, "-c", SIGKILL_AT_REPLACE.format(repo=str(REPO)), str(k), "plan", str(store),
-                              "--policy", "greedy", "--replicas", "4", "--plan-id", "p1"],
-                             capture_output=True, text=True, timeout=120, cwd=str(REPO))
+        res = writers(k, "plan", store, "--policy", "greedy", "--replicas", "4", "--plan-id", "p1")
         assert res.returncode == -signal.SIGKILL, res.stderr
         seen = _visible_counts(store)
         after = {**before, "placement": before["placement"] + L * S, "plans": 1}
         assert seen in (before, after), (k, seen)
         Store(store, create=True)
         assert tree_hash(store) == before_hash if seen == before else _physical_counts(store) == after
+    writers.close()
