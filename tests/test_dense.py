@@ -5,6 +5,7 @@ are also checked against numpy by hand (imbalance, gini, rank sums)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import polars as pl
@@ -56,18 +57,40 @@ def _stores(tmp_path, counts, steps, layers, run, extra=None):
     return long_st, dense_st
 
 
+def _same_slow(a: pl.DataFrame, b: pl.DataFrame, what: str, c: str):
+    x, y = a[c].to_list(), b[c].to_list()
+    for i, (u, v) in enumerate(zip(x, y)):
+        if isinstance(u, float) and isinstance(v, float):
+            assert math.isclose(u, v, rel_tol=1e-12, abs_tol=1e-12) or (u != u and v != v), (what, c, i, u, v)
+        elif isinstance(u, list):
+            assert np.allclose(np.asarray(u, float), np.asarray(v, float), rtol=1e-12), (what, c, i)
+        else:
+            assert u == v, (what, c, i, u, v)
+
+
 def _same(a: pl.DataFrame, b: pl.DataFrame, what: str):
+    """Every value equal; floats to 1e-12 (math.isclose, NaN equals NaN), list values
+    np.allclose. Float and plain columns are compared vectorized (the shipped sample's
+    views are 200k rows); a mismatch, a list column or differing types go value by value
+    (the message names the first bad row)."""
     assert a.columns == b.columns, what
     assert a.height == b.height, (what, a.height, b.height)
     for c in a.columns:
-        x, y = a[c].to_list(), b[c].to_list()
-        for i, (u, v) in enumerate(zip(x, y)):
-            if isinstance(u, float) and isinstance(v, float):
-                assert math.isclose(u, v, rel_tol=1e-12, abs_tol=1e-12) or (u != u and v != v), (what, c, i, u, v)
-            elif isinstance(u, list):
-                assert np.allclose(np.asarray(u, float), np.asarray(v, float), rtol=1e-12), (what, c, i)
-            else:
-                assert u == v, (what, c, i, u, v)
+        x, y = a[c], b[c]
+        if x.dtype != y.dtype or isinstance(x.dtype, (pl.List, pl.Array, pl.Struct, pl.Object)):
+            _same_slow(a, b, what, c)
+        elif x.dtype.is_float():
+            if not (x.is_null() == y.is_null()).all():
+                _same_slow(a, b, what, c)
+                continue
+            u, v = x.drop_nulls().to_numpy(), y.drop_nulls().to_numpy()
+            with np.errstate(invalid="ignore"):
+                close = np.abs(u - v) <= np.maximum(1e-12 * np.maximum(np.abs(u), np.abs(v)), 1e-12)
+                ok = (u == v) | (np.isfinite(u) & np.isfinite(v) & close) | (np.isnan(u) & np.isnan(v))
+            if not ok.all():
+                _same_slow(a, b, what, c)
+        elif x.to_list() != y.to_list():
+            _same_slow(a, b, what, c)
 
 
 def _compare(long_st, dense_st):
@@ -88,14 +111,88 @@ def _counts(T, L, E, seed=0, zero_step=None):
     return c
 
 
-def test_contiguous_views_equal_and_match_numpy(tmp_path):
+def _placement_rows() -> dict:
+    """The "placed" run's recorded placement: layer 0: 12 slots, experts 0 and 3 replicated
+    (3 copies of 0); layer 1: expert 5 missing; layer 2: none (contiguous)."""
+    rows = {k: [] for k in ("plan_id", "layer", "slot", "rank", "node", "expert")}
+
+    def add(layer, experts, spr):
+        for s, e in enumerate(experts):
+            for k, v in zip(rows, ("recorded", layer, s, s // spr, 0, e)):
+                rows[k].append(v)
+    add(0, [0, 1, 2, 3, 4, 5, 6, 7, 0, 3, 0, 6], 3)
+    add(1, [0, 1, 2, 3, 4, 6, 7, 7], 2)
+    return rows
+
+
+#: the runs of the module's two stores (``pair``): run id -> (T, L, E, R, counts seed,
+#: step numbers, layer numbers, run fields, zero step)
+CASES = {
+    "contig": (12, 3, 16, 4, 0, np.arange(100, 112), np.array([0, 2, 7]), {}, 5),
+    "ranks3": (6, 2, 10, 3, 1, np.arange(6), np.arange(2), {}, None),
+    "placed": (8, 3, 8, 4, 2, np.arange(8), np.arange(3), {"num_slots": 12}, None),
+    "unknown": (4, 2, 8, None, 3, np.arange(4), np.arange(2), {}, None),
+    "mat": (20, 2, 16, 4, 4, np.arange(20), np.arange(2), {}, None),
+}
+SAMPLE_OPTS = {"num_ranks": 32, "num_experts": 256, "top_k": 8}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """One long store and one dense store holding the same runs (:data:`CASES`, each
+    test's counts written both ways, and the shipped sample as run "sample", ingested
+    dense and forced long), and every view of :data:`VIEWS` and expert_load of both read
+    once: the views' query plans, not the rows, are what costs, so each test compares
+    its own run's rows of the same reads instead of querying two stores of its own."""
+    from moetrace.collect import generic
+    from moetrace.collect.checks import validate_run
+
+    from .conftest import REPO
+
+    root = tmp_path_factory.mktemp("dense-pair")
+    long_st, dense_st = Store(root / "long", create=True), Store(root / "dense", create=True)
+    counts = {}
+    for rid, (T, L, E, R, seed, steps, layers, kw, zero) in CASES.items():
+        c = counts[rid] = _counts(T, L, E, seed=seed, zero_step=zero)
+        extra = {"placement": pa.table(_placement_rows())} if rid == "placed" else {}
+        run = _run(E, R, L, **kw)
+        long_st.write_run(dict(run), {"expert_load": _long(c, steps, layers), **extra}, run_id=rid)
+        dense_st.write_run(dict(run), {"expert_counts": [dense.grid_table(steps, layers, c)], **extra}, run_id=rid)
+    assert not dense_st.has_files("expert_load") and dense_st.has_files("expert_counts")
+    # the shipped DeepSeek-V3-shaped sample: dense by default, long when forced
+    sample = REPO / "sample_traces" / "dsv3_synth_expert_load.parquet"
+    sample_tables = {}
+    for layout, st in (("dense", dense_st), ("long", long_st)):
+        opts = {**SAMPLE_OPTS, **({"layout": "long"} if layout == "long" else {})}
+        rd = validate_run(generic._collect([sample], opts)[0], opts)
+        sample_tables[layout] = set(rd.tables)
+        st.write_run({**rd.run, "collector": "generic"}, rd.tables, run_id="sample")
+    reads = {}
+    for name, st in (("long", long_st), ("dense", dense_st)):
+        reads[name] = {v: st.sql(f"SELECT * FROM {v} ORDER BY run_id, {', '.join(keys)}")
+                       for v, keys in {**VIEWS, "expert_load": ["step", "layer", "expert"]}.items()}
+    yield SimpleNamespace(long_st=long_st, dense_st=dense_st, long=reads["long"], dense=reads["dense"],
+                          counts=counts, sample_tables=sample_tables)
+    long_st.close()
+    dense_st.close()
+
+
+def _of(df: pl.DataFrame, rid: str) -> pl.DataFrame:
+    return df.filter(pl.col("run_id") == rid)
+
+
+def _compare_run(pair, rid: str):
+    """Every view (and expert_load) of run ``rid``: the long store's rows == the dense store's."""
+    for v in (*VIEWS, "expert_load"):
+        _same(_of(pair.long[v], rid), _of(pair.dense[v], rid), f"{rid}: {v}")
+
+
+def test_contiguous_views_equal_and_match_numpy(pair):
     T, L, E, R = 12, 3, 16, 4
-    c = _counts(T, L, E, zero_step=5)
-    steps, layers = np.arange(100, 100 + T), np.array([0, 2, 7])
-    long_st, dense_st = _stores(tmp_path, c, steps, layers, _run(E, R, L))
-    _compare(long_st, dense_st)
+    c = pair.counts["contig"]
+    _compare_run(pair, "contig")
     # by hand: contiguous ranks (E/R experts each), imbalance = max / mean, gini of sorted counts
-    ls = dense_st.sql("SELECT step, layer, imbalance, gini, straggler_rank FROM layer_skew ORDER BY step, layer")
+    ls = _of(pair.dense["layer_skew"], "contig").select("step", "layer", "imbalance", "gini", "straggler_rank")
     rank = c.reshape(T, L, R, E // R).sum(axis=3)
     with np.errstate(invalid="ignore", divide="ignore"):
         imb = rank.max(axis=2) / rank.mean(axis=2)
@@ -111,68 +208,55 @@ def test_contiguous_views_equal_and_match_numpy(tmp_path):
     assert (strag[np.arange(T) != 5] == rank.argmax(axis=2)[np.arange(T) != 5]).all()
 
 
-def test_ranks_not_dividing_experts(tmp_path):
+def test_ranks_not_dividing_experts(pair):
     T, L, E, R = 6, 2, 10, 3
-    c = _counts(T, L, E, seed=1)
-    long_st, dense_st = _stores(tmp_path, c, np.arange(T), np.arange(L), _run(E, R, L))
-    _compare(long_st, dense_st)
-    rl = dense_st.sql("SELECT step, layer, rank, tokens FROM rank_load_sparse ORDER BY step, layer, rank")
+    c = pair.counts["ranks3"]
+    _compare_run(pair, "ranks3")
+    rl = _of(pair.dense["rank_load_sparse"], "ranks3").select("step", "layer", "rank", "tokens")
     owner = (np.arange(E) * R) // E
     want = np.stack([c[:, :, owner == r].sum(axis=2) for r in range(R)], axis=2)
     assert np.array_equal(rl["tokens"].to_numpy().reshape(T, L, R), want)
 
 
-def test_recorded_placement_with_replicas_and_unplaced_experts(tmp_path):
-    T, L, E, R = 8, 3, 8, 4
-    c = _counts(T, L, E, seed=2)
+def test_recorded_placement_with_replicas_and_unplaced_experts(pair):
+    T, R = 8, 4           # L, E = 3, 8
+    c = pair.counts["placed"]
     # layer 0: 12 slots, experts 0 and 3 replicated (3 copies of 0); layer 1: expert 5 missing;
-    # layer 2: no recorded placement (contiguous)
-    rows = {k: [] for k in ("plan_id", "layer", "slot", "rank", "node", "expert")}
-
-    def add(layer, experts, spr):
-        for s, e in enumerate(experts):
-            for k, v in zip(rows, ("recorded", layer, s, s // spr, 0, e)):
-                rows[k].append(v)
-    add(0, [0, 1, 2, 3, 4, 5, 6, 7, 0, 3, 0, 6], 3)
-    add(1, [0, 1, 2, 3, 4, 6, 7, 7], 2)
-    long_st, dense_st = _stores(tmp_path, c, np.arange(T), np.arange(L), _run(E, R, L, num_slots=12),
-                                extra={"placement": pa.table(rows)})
-    _compare(long_st, dense_st)
-    rl = dense_st.sql("SELECT step, rank, tokens FROM rank_load_sparse WHERE layer = 0 ORDER BY step, rank")
+    # layer 2: no recorded placement (contiguous): _placement_rows
+    _compare_run(pair, "placed")
+    rl = _of(pair.dense["rank_load_sparse"], "placed").filter(pl.col("layer") == 0).select("step", "rank", "tokens")
     x = c[:, 0, :].astype(float)
     want = np.stack([x[:, 0] / 3 + x[:, 1] + x[:, 2],
                      x[:, 3] / 2 + x[:, 4] + x[:, 5],
                      x[:, 6] / 2 + x[:, 7] + x[:, 0] / 3,
                      x[:, 3] / 2 + x[:, 0] / 3 + x[:, 6] / 2], axis=1)
     assert np.allclose(rl["tokens"].to_numpy().reshape(T, R), want)
-    src = dense_st.sql("SELECT layer, placement_source FROM layer_placement ORDER BY layer")["placement_source"]
+    src = _of(pair.dense["layer_placement"], "placed")["placement_source"]
     assert src.to_list() == ["recorded", "recorded+contiguous", "contiguous"]
 
 
-def test_unknown_ranks(tmp_path):
-    T, L, E = 4, 2, 8
-    c = _counts(T, L, E, seed=3)
-    long_st, dense_st = _stores(tmp_path, c, np.arange(T), np.arange(L), _run(E, None, L))
-    _compare(long_st, dense_st)
-    assert dense_st.sql("SELECT count(imbalance) AS n FROM layer_skew")["n"][0] == 0
+def test_unknown_ranks(pair):
+    _compare_run(pair, "unknown")
+    ls = _of(pair.dense["layer_skew"], "unknown")
+    assert ls.height == 4 * 2 and ls["imbalance"].drop_nulls().len() == 0     # count(imbalance) = 0
 
 
-def test_materialized_views_equal(tmp_path):
-    from moetrace.analyze import HEAVY_VIEWS, materialize_layer_skew
+def test_materialized_views_equal(pair):
+    from moetrace.analyze import HEAVY_VIEWS, drop_materialized, materialize_layer_skew
 
-    T, L, E, R = 20, 2, 16, 4
-    c = _counts(T, L, E, seed=4)
-    long_st, dense_st = _stores(tmp_path, c, np.arange(T), np.arange(L), _run(E, R, L))
+    T, L, E = 20, 2, 16       # R = 4
     out = {}
-    for name, st in (("long", long_st), ("dense", dense_st)):
-        m = materialize_layer_skew(st, "r", batch_steps=4, views=HEAVY_VIEWS)
-        out[name] = {v: st.sql(f"SELECT * FROM {v} ORDER BY ALL") for v in HEAVY_VIEWS}
+    for name, st in (("long", pair.long_st), ("dense", pair.dense_st)):
+        m = materialize_layer_skew(st, "mat", batch_steps=4, views=HEAVY_VIEWS)
+        try:
+            out[name] = {v: st.sql(f"SELECT * FROM {v} ORDER BY ALL") for v in HEAVY_VIEWS}
+        finally:
+            drop_materialized(st.con, m)
         assert m.rows == T * L * E and m.steps == T
     for v in HEAVY_VIEWS:
         _same(out["long"][v], out["dense"][v], v)
-    plain = long_st.connect()
-    _same(pl.from_arrow(plain.sql("SELECT * FROM layer_skew ORDER BY ALL").to_arrow_table()),
-          out["dense"]["layer_skew"], "layer_skew materialized vs plain view")
+    # the plain view of the long store (read by the fixture before anything was materialized)
+    _same(_of(pair.long["layer_skew"], "mat"), out["dense"]["layer_skew"], "layer_skew materialized vs plain view")
 
 
 @pytest.mark.parametrize("layout", ["long", "dense"])
@@ -222,23 +306,12 @@ def test_dense_chunks_refuses_what_is_not_dense():
         list(dense.dense_chunks([t.take(np.r_[4:8, 0:4, 8:24])], E))   # out of order
 
 
-def test_shipped_sample_dense_equals_long(tmp_path):
-    """The shipped DeepSeek-V3-shaped sample goes in dense; forced long, every view agrees."""
-    from moetrace.collect import generic
-    from moetrace.collect.checks import validate_run
-
-    from .conftest import REPO
-
-    path = REPO / "sample_traces" / "dsv3_synth_expert_load.parquet"
-    stores = {}
-    for layout in ("dense", "long"):
-        opts = {"num_ranks": 32, "num_experts": 256, "top_k": 8, **({"layout": "long"} if layout == "long" else {})}
-        rd = validate_run(generic._collect([path], opts)[0], opts)
-        assert set(rd.tables) == {"expert_counts" if layout == "dense" else "expert_load"}
-        st = stores[layout] = Store(tmp_path / layout, create=True)
-        st.write_run({**rd.run, "collector": "generic"}, rd.tables, run_id="r")
-    _compare(stores["long"], stores["dense"])
-    assert stores["dense"].sql("SELECT count(*) AS n FROM expert_load")["n"][0] == 200 * 4 * 256
+def test_shipped_sample_dense_equals_long(pair):
+    """The shipped DeepSeek-V3-shaped sample goes in dense; forced long, every view agrees
+    (the ``pair`` fixture ingests it both ways as run "sample")."""
+    assert pair.sample_tables == {"dense": {"expert_counts"}, "long": {"expert_load"}}
+    _compare_run(pair, "sample")
+    assert _of(pair.dense["expert_load"], "sample").height == 200 * 4 * 256
 
 
 @pytest.mark.parametrize("suffix", ["parquet", "csv"])
