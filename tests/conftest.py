@@ -65,7 +65,7 @@ HEAVY_SECONDS = {
     "tests/test_calibrate.py": 2.0,
     "tests/test_report_truth.py::test_tables_fit_a_1400px_window": 5.0,   # one Chromium for all pages
     "tests/test_report_truth.py": 1.5,
-    "tests/test_store_atomic.py::test_sigkill_at_every_rename": 15.0,
+    "tests/test_store_atomic.py::test_sigkill_at_every_rename": 8.0,
     "tests/test_store_atomic.py": 2.5,
     "tests/test_whatif.py::test_two_micro_batch_refrun": 15.0,
     "tests/test_refrun.py": 4.0,
@@ -75,7 +75,7 @@ HEAVY_SECONDS = {
     "tests/test_hostile_families.py::test_refused_with_one_line[nsys_generated_huge": 7.0,
     "tests/test_hostile_families.py::test_tiny_files_stay_under_a_gib[nsys_generated_huge": 1.5,
     "tests/test_report.py": 2.0,
-    "tests/test_txn_append.py::test_killed_between_any_two_renames": 4.5,
+    "tests/test_txn_append.py::test_killed_between_any_two_renames": 2.5,
     "tests/test_dense.py": 1.5,
     "tests/test_sql_sandbox.py": 1.5,
     "tests/test_fidelity_cpu_basis.py": 5.0,

@@ -139,6 +139,7 @@ def test_symlinked_journal_folder_and_lock_are_refused(runner, cli, store, tmp_p
     src = tmp_path / "more.csv"
     src.write_text(_csv_text(scale=9))
     one_line_error(_cli(runner, cli, "ingest", src, "--store", store), 2, str(store / ".txn"), "symlink")
+    assert tree_hash(store) == before        # the refused write left the store as it was
     os.unlink(store / ".txn")
     (store / ".lock").unlink()
     os.symlink(out / "sub" / "precious.parquet", store / ".lock")
@@ -785,6 +786,7 @@ def test_counts_that_would_overflow_later_are_refused(runner, cli, store, tmp_pa
     before = tree_hash(store)
     msg = one_line_error(_cli(runner, cli, "ingest", f, "--store", store), 2, str(f), "row 2")
     assert "2^40" in msg and "4611686018427387904" in msg
+    assert tree_hash(store) == before          # refused: the store as it was
     g = tmp_path / "ok.csv"
     g.write_text(f"step,layer,expert,tokens\n0,0,0,5\n0,0,1,{2 ** 40}\n")  # the limit itself is accepted
     assert _cli(runner, cli, "ingest", g, "--store", store).exit_code == 0
