@@ -61,11 +61,29 @@ def _cli(args: list[str]) -> None:
     cli.main(args=[str(a) for a in args], prog_name="moetrace", standalone_mode=False)
 
 
-def _crash_points(monkeypatch, k: int, store, snap) -> list[int]:
-    """Patch os.replace and the journal's unlink: at the k-th call copy ``store`` to ``snap``
-    and raise Crash. Returns a one-item list counting the calls."""
-    n = [0]
+def _patch_points(monkeypatch, store, point) -> None:
+    """Call ``point()`` before every os.replace of a path under ``store`` and every unlink
+    of one of its journal files: the write's crash points."""
     real_replace, real_unlink = os.replace, pathlib.Path.unlink
+
+    def replace(a, b, *args, **kw):
+        if str(a).startswith(str(store)):
+            point()
+        return real_replace(a, b, *args, **kw)
+
+    def unlink(self, *args, **kw):
+        if self.parent.name == ".txn" and self.name.endswith(".json") and str(self).startswith(str(store)):
+            point()
+        return real_unlink(self, *args, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+
+
+def _crash_points(monkeypatch, k: int, store, snap) -> list[int]:
+    """At the k-th crash point (:func:`_patch_points`) copy ``store`` to ``snap`` and raise
+    Crash. Returns a one-item list counting the points."""
+    n = [0]
 
     def point():
         n[0] += 1
@@ -73,44 +91,21 @@ def _crash_points(monkeypatch, k: int, store, snap) -> list[int]:
             shutil.copytree(store, snap, symlinks=True)
             raise Crash()
 
-    def replace(a, b, *args, **kw):
-        if str(a).startswith(str(store)):
-            point()
-        return real_replace(a, b, *args, **kw)
-
-    def unlink(self, *args, **kw):
-        if self.parent.name == ".txn" and self.name.endswith(".json") and str(self).startswith(str(store)):
-            point()
-        return real_unlink(self, *args, **kw)
-
-    monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    _patch_points(monkeypatch, store, point)
     return n
 
 
 def _snapshot_points(monkeypatch, store, snaps) -> list[int]:
-    """Patch os.replace and the journal's unlink like :func:`_crash_points`, but copy
-    ``store`` to ``snaps / f"crash{k}"`` at every crash point k and go on: the copies are
-    what a write killed at each point leaves. Returns a one-item list counting the points."""
+    """Copy ``store`` to ``snaps / f"crash{k}"`` at every crash point k
+    (:func:`_patch_points`) and go on: the copies are what a write killed at each point
+    leaves. Returns a one-item list counting the points."""
     n = [0]
-    real_replace, real_unlink = os.replace, pathlib.Path.unlink
 
     def point():
         n[0] += 1
         shutil.copytree(store, snaps / f"crash{n[0]}", symlinks=True)
 
-    def replace(a, b, *args, **kw):
-        if str(a).startswith(str(store)):
-            point()
-        return real_replace(a, b, *args, **kw)
-
-    def unlink(self, *args, **kw):
-        if self.parent.name == ".txn" and self.name.endswith(".json") and str(self).startswith(str(store)):
-            point()
-        return real_unlink(self, *args, **kw)
-
-    monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    _patch_points(monkeypatch, store, point)
     return n
 
 
