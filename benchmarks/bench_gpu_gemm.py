@@ -56,7 +56,7 @@ def time_grid(hidden: int, inter: int, dtype: str, experts: list[int], tokens: l
         for t in tokens:
             x = torch.randn(n, t, hidden, generator=g).to(dev, dt)
 
-            def mlp():
+            def mlp(x=x, n=n):
                 h = torch.bmm(x, wgu[:n])
                 a, b = h.chunk(2, dim=-1)
                 return torch.bmm(torch.nn.functional.silu(a) * b, wd[:n])

@@ -317,7 +317,7 @@ def run(size: str = "small") -> list[dict]:
                 one = (f"SELECT step, layer, max(t) / avg(t) AS imbalance FROM (SELECT step, layer, expert // {epr} "
                        f"AS rank, sum(tokens) AS t FROM read_parquet('{f}') GROUP BY ALL) GROUP BY ALL")
                 tries = {"copy": [], "ing": [], "dsk": [], "skw": []}
-                for k in range(cfg["pair_best_of"]):   # interleaved: each moetrace run next to its floor's
+                for _k in range(cfg["pair_best_of"]):   # interleaved: each moetrace run next to its floor's
                     shutil.rmtree(st, ignore_errors=True)
                     tries["copy"].append(_ok(measure(_py(
                         "import duckdb; c = duckdb.connect(); c.execute('SET enable_progress_bar=false'); "
@@ -369,7 +369,7 @@ def run(size: str = "small") -> list[dict]:
                + "bytecode compiled (PYTHONDONTWRITEBYTECODE unset for the measured commands); "
                + ("quiet, goals judged" if quiet else f"not quiet (goals judged only below load {QUIET_LOAD} on "
                                                       f"{QUIET_CPUS} cores)"))
-    for steps, (rows, copy, ing, dsk, skw) in meas.items():
+    for _steps, (rows, copy, ing, dsk, skw) in meas.items():
         big = rows >= 50e6
         goal = GOALS["ratio_100m"] if big else GOALS["ratio_10m"]
         tag = f"{rows / 1e6:.0f}M rows"

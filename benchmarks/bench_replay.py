@@ -16,10 +16,10 @@ import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import main, peak_rss_mib, result, timer  # noqa: E402
-from moetrace.replay.cost import preset  # noqa: E402
-from moetrace.replay.load import RunShape, iter_load  # noqa: E402
-from moetrace.replay.engine import layer_metrics, replay_load, replay_routing  # noqa: E402
 from moetrace.placement.planners import PlanShape, make_plan  # noqa: E402
+from moetrace.replay.cost import preset  # noqa: E402
+from moetrace.replay.engine import layer_metrics, replay_load, replay_routing  # noqa: E402
+from moetrace.replay.load import RunShape, iter_load  # noqa: E402
 from moetrace.run import Store  # noqa: E402
 
 L, E, K, B, R, RPN = 58, 256, 8, 8192, 32, 8
@@ -153,7 +153,7 @@ def run(size: str = "small") -> list[dict]:
         with timer() as t:
             shape = RunShape.from_store(st, "bench")
             n = 0
-            for ids, load, _ in iter_load(st, "bench", shape, chunk_steps=500):
+            for ids, _load, _ in iter_load(st, "bench", shape, chunk_steps=500):
                 n += ids.size
         read_s = t()
     rows = read_steps * L * E

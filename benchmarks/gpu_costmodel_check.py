@@ -81,7 +81,7 @@ def gemm_rows(torch, hw: str, deadline: float) -> list[dict]:
                     continue
                 x = torch.randn(e, m, k, device=dev, dtype=torch.bfloat16)
                 wt = w[:e].transpose(1, 2)
-                t = bench(lambda: torch.bmm(x, wt), sync)
+                t = bench(lambda x=x, wt=wt: torch.bmm(x, wt), sync)
                 mod = gemm_terms(gpu, params, [m] * e, n, k, "bf16")["time_s"]
                 rows.append(dict(kind="gemm", dtype="bf16", experts=e, m=m, n=n, k=k, measured_us=t * 1e6,
                                  model_us=mod * 1e6, band=band, launches=1))
@@ -90,7 +90,7 @@ def gemm_rows(torch, hw: str, deadline: float) -> list[dict]:
                     wq = w[:e].to(torch.float8_e4m3fn)     # [e, n, k]: wq[i].t() is column-major as _scaled_mm wants
                     one = torch.ones((), device=dev)
 
-                    def run_fp8():
+                    def run_fp8(e=e, xq=xq, wq=wq, one=one):
                         for i in range(e):
                             torch._scaled_mm(xq[i], wq[i].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
                     try:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import click
 
-from .version import __version__
 from .errors import MoetraceError
 from .output import OUT_PATH_CHECKS
 from .storage.paths import refuse_inside_store
+from .version import __version__
 
 if refuse_inside_store not in OUT_PATH_CHECKS:  # -o/--out never inside a store (issue 27)
     OUT_PATH_CHECKS.append(refuse_inside_store)
@@ -86,7 +86,7 @@ class MoetraceGroup(click.Group):
             self._loaded.add(module)
             before = set(self.commands)
             importlib.import_module(f"{__package__}.commands.{module}").register(self)
-            from .commands._options import apply_ranges   # every numeric option's declared range
+            from .commands._options import apply_ranges  # every numeric option's declared range
 
             for name in set(self.commands) - before:
                 apply_ranges(self.commands[name])

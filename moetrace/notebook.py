@@ -5,7 +5,6 @@ answer in words, a short table. ``NotebookView`` gives a class ``_repr_markdown_
 objects by their attributes only and imports nothing of moetrace."""
 from __future__ import annotations
 
-
 #: at most this many table rows in a notebook cell (the full data: .frame(), .to_dict())
 MAX_ROWS = 12
 
@@ -48,7 +47,7 @@ def markdown(title: str, answer: str, rows: list[dict], notes=()) -> str:
 
 
 def to_html(title: str, answer: str, rows: list[dict], notes=()) -> str:
-    import html    # here: the commands that never render a notebook view do not pay for it
+    import html  # here: the commands that never render a notebook view do not pay for it
 
     e = html.escape
     out = [f'<div class="moetrace"><p><strong>{e(title)}</strong></p><p>{e(answer)}</p>']

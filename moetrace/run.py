@@ -48,8 +48,8 @@ from .storage.store import Store as _Store
 if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
     import polars as pl
 
-    from .analyze.exposure import Exposure
     from .analyze.cache import CacheState
+    from .analyze.exposure import Exposure
     from .analyze.waits import WaitResult
     from .output import Rows
 
@@ -293,8 +293,8 @@ class Run(NotebookView):
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
                      passes=None):
-        from .replay.results import ReplayOptions
         from .replay.cost_fit import run_cost_model
+        from .replay.results import ReplayOptions
         from .replay.strategies import MoveCost
 
         cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost)
@@ -335,9 +335,9 @@ class Run(NotebookView):
         ``replay_*`` tables unless ``write=False``. Returns a
         :class:`moetrace.replay.results.ReplayResult` (``.to_dict()`` is ``replay --json``)."""
         from .formats import plan_files as plan_io
+        from .placement.planners import Plan
         from .replay.judge_plan import fit_plan, judged_steps, replay
         from .replay.plan_store import load_plan
-        from .placement.planners import Plan
 
         shape, o = self._replay_shape, self._replay_opts(**opts)
         notes: list[str] = []

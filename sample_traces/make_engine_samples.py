@@ -110,7 +110,7 @@ def metrics_scrapes() -> None:
         cnt += 120
         tot += 120 * (0.55 + 0.07 * i)
         lab = 'engine="0",model_name="deepseek-ai/DeepSeek-V3"'
-        text = [f"# HELP vllm:eplb_balancedness_avg Mean EPLB balancedness across MoE layers.",
+        text = ["# HELP vllm:eplb_balancedness_avg Mean EPLB balancedness across MoE layers.",
                 "# TYPE vllm:eplb_balancedness_avg gauge", f"vllm:eplb_balancedness_avg{{{lab}}} {avg:.4f}",
                 "# TYPE vllm:eplb_balancedness_min gauge", f"vllm:eplb_balancedness_min{{{lab}}} {avg - 0.2:.4f}",
                 "# TYPE vllm:eplb_balancedness_p50 gauge", f"vllm:eplb_balancedness_p50{{{lab}}} {avg + 0.02:.4f}",

@@ -23,8 +23,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, synth
+from moetrace.run import Store
 
 HERE = Path(__file__).resolve().parent
 

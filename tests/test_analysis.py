@@ -12,8 +12,8 @@ import uuid
 import numpy as np
 import pytest
 
-from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, synth
+from moetrace.run import Store
 
 
 # ----------------------------------------------------------------------------- reference

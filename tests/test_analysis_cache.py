@@ -208,7 +208,7 @@ def test_skew_and_tokens_read_the_cache(tmp_path, runner, cli):
     # means over rows read in another order: last-bit differences only (_assert_same: rtol 1e-12)
     _assert_same(r.skew("layer").sort("layer"), want_skew.sort("layer"), "skew from the stored rows")
     _assert_same(r.tokens_per_expert(), want_tpe, "tokens_per_expert from the stored rows")
-    with pytest.raises(Exception):     # the control: the live view does read the zeroed pages
+    with pytest.raises(Exception):  # noqa: B017 (any error of the read will do)     # the control: the live view does read the zeroed pages
         st.sql("SELECT * FROM tokens_per_expert WHERE run_id = 'syn'")
     st.close()
 

@@ -516,7 +516,7 @@ def test_read_only_store_refuses_cleanly_and_stays_unchanged():
         store_path = _seed_store(base / "store")
         src = base / "load.csv"
         src.write_text(_load_csv_text(steps=5))
-        for dirpath, dirnames, filenames in os.walk(store_path):
+        for dirpath, _dirnames, filenames in os.walk(store_path):
             os.chmod(dirpath, 0o555)
             for n in filenames:
                 os.chmod(os.path.join(dirpath, n), 0o444)
@@ -527,7 +527,7 @@ def test_read_only_store_refuses_cleanly_and_stays_unchanged():
         pkg = base / "pkg"
         shutil.copytree(REPO / "moetrace", pkg / "moetrace", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copytree(REPO / "schemas", pkg / "schemas")
-        for dirpath, dirnames, filenames in os.walk(pkg):
+        for dirpath, _dirnames, filenames in os.walk(pkg):
             os.chmod(dirpath, 0o755)
             for n in filenames:
                 os.chmod(os.path.join(dirpath, n), 0o644)
@@ -551,7 +551,7 @@ def test_read_only_store_refuses_cleanly_and_stays_unchanged():
         assert res.stdout.strip().splitlines()[-1] == str(2 * 2 * 4)
         assert tree_hash(store_path) == before
     finally:
-        for dirpath, dirnames, filenames in os.walk(base):
+        for dirpath, _dirnames, _filenames in os.walk(base):
             os.chmod(dirpath, 0o755)
         shutil.rmtree(base, ignore_errors=True)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moetrace.domain.balance import DEFINITIONS, ENGINE_FIGURE, to_imbalance
 from moetrace.collect import collect, ingest
+from moetrace.domain.balance import DEFINITIONS, ENGINE_FIGURE, to_imbalance
 from moetrace.run import Store
 
 V = "(EngineCore_DP0 pid=7) INFO 11-30 10:00:{:02d} [eplb_state.py:790] "
@@ -93,7 +93,7 @@ def test_tables_and_docs_show_every_definition(runner, cli):
     assert res.exit_code == 0, res.output
     assert "1/balancedness" in res.output and "imbalance-ratio + 1" in res.output
     doc = (Path(__file__).resolve().parent.parent / "docs" / "analysis.md").read_text()
-    for engine, formula, source, _ in DEFINITIONS.values():
+    for _engine, _formula, source, _ in DEFINITIONS.values():
         assert source.split()[1] in doc, source
 
 

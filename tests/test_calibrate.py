@@ -9,9 +9,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.replay import calibrate as cal, calibrate_fit as calfit
+from moetrace.replay import calibrate as cal
+from moetrace.replay import calibrate_fit as calfit
 from moetrace.run import Store
 from tests.conftest import tree_hash
+
 from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2

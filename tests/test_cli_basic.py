@@ -4,7 +4,6 @@ import polars as pl
 import pytest
 
 
-
 def test_every_command_has_help_with_an_example(cli):
     assert set(cli.commands) == set(cli.list_commands(None))   # the ast index finds what register() adds
     for name, cmd in cli.commands.items():

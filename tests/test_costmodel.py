@@ -221,8 +221,9 @@ def test_gpu_check_without_gpu_skips(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would time it")
-    from benchmarks import gpu_costmodel_check as g
     import sys
+
+    from benchmarks import gpu_costmodel_check as g
     argv, sys.argv = sys.argv, ["gpu_costmodel_check.py"]
     try:
         assert g.main() == 0

@@ -12,8 +12,8 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from moetrace.storage import dense
 from moetrace.run import Store
+from moetrace.storage import dense
 
 VIEWS = {   # view -> sort keys
     "run_shape": ["run_id"],

@@ -2,7 +2,8 @@
 reference implementation (random and tie-heavy inputs)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moetrace import rebalance_experts
 from tests.eplb_reference import rebalance_experts_reference

@@ -193,8 +193,8 @@ def test_views_run_in_the_plain_duckdb_cli(tmp_path, runner, cli):
 
 
 def test_report_section(tmp_path, runner, cli):
-    from moetrace.report.sections import exposure as section
     from moetrace.report.base import ReportContext
+    from moetrace.report.sections import exposure as section
 
     d = tmp_path / "job"
     d.mkdir()

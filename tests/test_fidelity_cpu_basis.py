@@ -8,6 +8,7 @@ import polars as pl
 import pytest
 
 from moetrace.formats.refrun import summarize_timing
+
 from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 

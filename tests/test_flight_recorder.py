@@ -12,10 +12,11 @@ import pickle
 import pytest
 
 from moetrace.errors import InputError
-from moetrace.safety_pickle import load_plain
 from moetrace.run import Store
+from moetrace.safety_pickle import load_plain
 
-from .conftest import REPO, invoke, tree_hash, one_line_error as _one_line_error
+from .conftest import REPO, invoke, tree_hash
+from .conftest import one_line_error as _one_line_error
 
 SAMPLE = REPO / "sample_traces" / "flight_recorder"
 
@@ -209,8 +210,9 @@ def test_global_builtins_eval_is_refused(tmp_path, runner, cli):
 
 
 def test_find_class_refuses_even_when_the_scan_is_bypassed(tmp_path):
-    from moetrace.safety_pickle import PlainUnpickler
     import io
+
+    from moetrace.safety_pickle import PlainUnpickler
 
     data = pickle.dumps(_RunsCode(tmp_path / "m"), protocol=2)
     with pytest.raises(pickle.UnpicklingError, match="refused to import"):

@@ -13,7 +13,8 @@ import pytest
 from moetrace.errors import InputError
 from moetrace.run import Store
 
-from .conftest import REPO, invoke, tree_hash, one_line_error as _one_line_error
+from .conftest import REPO, invoke, tree_hash
+from .conftest import one_line_error as _one_line_error
 
 SAMPLE = REPO / "sample_traces" / "nccl_inspector"
 
@@ -104,7 +105,7 @@ def test_waits_of_instances_matched_by_comm_and_sequence_number(store):
     matrix = defaultdict(int)
     caused = defaultdict(int)
     last_count = defaultdict(int)
-    for k, v in full.items():
+    for _k, v in full.items():
         last = max(a for a, _ in v.values())
         lr = max((a, -r) for r, (a, _) in v.items())   # latest start; ties: lowest rank (the view's rule)
         lr = -lr[1]

@@ -197,8 +197,8 @@ def test_plan_files_round_trip(tmp_path, seed_load):
 # ----------------------------------------------------------------------------- relabeling
 from itertools import permutations  # noqa: E402
 
-from moetrace.replay.engine import layer_metrics, replay_load  # noqa: E402
 from moetrace.placement.relabel import linear_assignment, relabel  # noqa: E402
+from moetrace.replay.engine import layer_metrics, replay_load  # noqa: E402
 
 
 def _hand_moves(old_row, new_row, R):

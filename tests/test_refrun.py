@@ -15,6 +15,7 @@ from moetrace.collect import ingest, registry  # noqa: E402
 from moetrace.errors import InputError  # noqa: E402
 from moetrace.produce.refrun import RefRunConfig, parse_placement, run  # noqa: E402
 from moetrace.run import Store  # noqa: E402
+
 from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 R, E, K, L, STEPS, TOK = 2, 8, 2, 2, 4, 24
@@ -114,8 +115,8 @@ def test_replay_prediction_matches_second_real_run(runs):
 
 
 def test_replay_engine_reproduces_second_run(runs):
-    from moetrace.replay import engine
     from moetrace.placement.planners import Plan
+    from moetrace.replay import engine
 
     _, st, ra, rb = runs
     rt = st.sql("SELECT step, layer, token, src_rank, expert FROM routing WHERE run_id = ?", [ra])

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import cli
+from moetrace.produce.synth import SynthConfig, synth
 from moetrace.replay import cost as costmod
 from moetrace.run import Store
-from moetrace.produce.synth import SynthConfig, synth
 
 RECORDED = np.array([[0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 3],
                      [7, 6, 5, 4, 3, 2, 1, 0, 7, 7, 2, 5]])
@@ -156,7 +156,7 @@ def test_per_token_dispatch_bytes_exact(tmp_path, split, replicas):
             slot = _hash_pick(token, copies)
         tokens[step, layer, slot // spr] += 1
         per_token.setdefault((step, layer, token, src), set()).add(slot // spr)
-    for (step, layer, token, src), dsts in per_token.items():
+    for (step, layer, _token, src), dsts in per_token.items():
         for d in dsts:
             if d == src:
                 continue
@@ -365,7 +365,7 @@ def test_recorded_routing_slots_are_used_exactly(tmp_path):
                                                    for c in ("step", "layer", "token", "src_rank", "slot"))):
             tokens[step, layer, slot // 3] += 1
             dsts.setdefault((step, layer, token, src), set()).add(slot // 3)
-    for (step, layer, token, src), ds in dsts.items():
+    for (step, layer, _token, src), ds in dsts.items():
         for d in ds - {src}:
             (intra if d // 2 == src // 2 else inter)[step, layer, d] += HIDDEN * DTYPE
     np.testing.assert_array_equal(got["tokens"], tokens)
@@ -422,12 +422,12 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
     """A planner that numbers its ranks at random (as EPLB's numbering is arbitrary) re-planning
     an unchanging load: the re-planned placement never changes, so after relabeling no
     expert moves; imbalance equals that of the unshuffled planner."""
+    from moetrace.placement.planners import Plan, make_plan
+    from moetrace.replay import strategies
     from moetrace.replay.drift import drift
+    from moetrace.replay.load import RunShape
     from moetrace.replay.results import ReplayOptions
     from moetrace.replay.sweep import sweep
-    from moetrace.replay import strategies
-    from moetrace.replay.load import RunShape
-    from moetrace.placement.planners import Plan, make_plan
 
     st, per = _constant_load_store(tmp_path / "c")
     shape = RunShape.from_store(st, "c")
@@ -527,8 +527,8 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     assert not any("fitted" in n for n in notes("recorded"))
     # a plan stored before the plans table existed: the replay says it cannot tell
     from moetrace.formats import plan_files as plan_io
-    from moetrace.replay.plan_store import load_plan
     from moetrace.replay.load import RunShape
+    from moetrace.replay.plan_store import load_plan
 
     p = load_plan(st, "c", "w", RunShape.from_store(st, "c"))
     st.append("c", {"placement": plan_io.plan_table(p, "old")})

@@ -5,8 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moetrace.replay.accumulate import (LoadAccumulator, Quantiles, SummaryAccumulator, percentile_from_counts,
-                                        rel_error_text)
+from moetrace.replay.accumulate import (
+    LoadAccumulator,
+    Quantiles,
+    SummaryAccumulator,
+    percentile_from_counts,
+    rel_error_text,
+)
 from moetrace.replay.engine import summarize
 
 

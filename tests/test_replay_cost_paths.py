@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moetrace.placement.planners import PlanShape, make_plan
 from moetrace.replay import cost as costmod
 from moetrace.replay import engine, gpu_cost
-from moetrace.placement.planners import PlanShape, make_plan
 
 
 def _expert_by_pair(spec, tok, g):

@@ -127,9 +127,9 @@ def _hand_case(steps, stall_ns=1000.0, overlap=0.0):
     the gain is 1000 ns per step. The swap moves expert 2 to rank 0 and expert 1 to rank 1,
     each 5000 bytes from the other node over a 1 GB/s NIC: 5000 ns per rank, in parallel;
     charged = stall + 5000 x (1 - overlap); break-even = charged / 1000."""
+    from moetrace.placement.planners import Plan
     from moetrace.replay.cost import CostModel
     from moetrace.replay.engine import replay_load
-    from moetrace.placement.planners import Plan
     from moetrace.replay.strategies import Fixed, MoveCost, judge
 
     load = np.zeros((steps, 1, 4))
@@ -166,7 +166,7 @@ def test_break_even_by_hand():
 
 
 def test_verdict_within_the_error_band():
-    from moetrace.replay.cost import CostModel, UNCALIBRATED_REL_ERROR
+    from moetrace.replay.cost import UNCALIBRATED_REL_ERROR, CostModel
     from moetrace.replay.strategies import verdict
 
     c = CostModel(1, 1, 1, 1, "x")
@@ -308,7 +308,7 @@ def test_dispatch_traffic_matrix_per_rank_pair(tmp_path):
     seen = {}
     for step, layer, token, src, e in rt.iter_rows():
         seen.setdefault((step, layer, token, src), set()).add(e // 2)
-    for (step, layer, token, src), dsts in seen.items():
+    for (_step, _layer, _token, src), dsts in seen.items():
         for dst in dsts - {src}:
             m[src, dst] += 16 * 2
     rec = tr.filter(tr["plan"] == "recorded")

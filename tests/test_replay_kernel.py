@@ -116,7 +116,8 @@ def test_reuse_freed_memory_nests_and_changes_no_number():
 def test_expert_ns_table_equals_one_call_per_rank(max_touched):
     """The expert-MLP time table (one gather per block) against the cost model called for
     every rank by itself: ceil(tokens / slots touched) per expert, quantized, timed."""
-    from moetrace.replay import cost as costmod, gpu_cost
+    from moetrace.replay import cost as costmod
+    from moetrace.replay import gpu_cost
 
     rng = np.random.default_rng(max_touched)
     c = costmod.preset("H200", 7168, 44040192)

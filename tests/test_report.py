@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moetrace.produce.synth import SynthConfig, synth
 from moetrace.report import build as rbuild
 from moetrace.run import Store
-from moetrace.produce.synth import SynthConfig, synth
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def _numpy_mean_imbalance(st, rid, E, R):
     for s, l, e, t in df.iter_rows():
         loads.setdefault((s, l), np.zeros(E))[e] += t
     per_layer = {}
-    for (s, l), x in loads.items():
+    for (_s, l), x in loads.items():
         r = x.reshape(R, -1).sum(axis=1)
         per_layer.setdefault(l, []).append(r.max() / r.mean())
     return {l: float(np.mean(v)) for l, v in per_layer.items()}

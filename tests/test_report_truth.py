@@ -402,7 +402,7 @@ def estimated_table_widths(html: str) -> list[float]:
         rows = re.findall(r"<tr>(.*?)</tr>", t, flags=re.S)
         cols: list[float] = []
         for r in rows:
-            for i, (tag, c) in enumerate(re.findall(r"<(th|td)>(.*?)</\1>", r, flags=re.S)):
+            for i, (_tag, c) in enumerate(re.findall(r"<(th|td)>(.*?)</\1>", r, flags=re.S)):
                 txt = htmlmod.unescape(re.sub(r"<[^>]+>", "", c.replace("<wbr>", " ")))
                 w = max((len(x) for x in txt.split()), default=0)
                 if i >= len(cols):

@@ -4,9 +4,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.storage import schema
 from moetrace.errors import SchemaError
 from moetrace.run import Store
+from moetrace.storage import schema
 
 TABLES = ["runs", "expert_load", "routing", "steps", "spans", "kernel_names", "placement"]
 

@@ -20,8 +20,8 @@ import math
 import numpy as np
 import pytest
 
-from moetrace.storage import schema
 from moetrace.run import Store
+from moetrace.storage import schema
 
 from .conftest import REPO
 
@@ -198,8 +198,8 @@ def _rows(tbl):
 
 
 def _view_names():
-    from moetrace.storage.views import view_statements
     from moetrace.storage.spark import _view_name
+    from moetrace.storage.views import view_statements
 
     return [_view_name(s) for s in view_statements()]
 

@@ -18,11 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.storage.schema import META_VERSION
-from moetrace.storage.paths import STORE_MARKER
 from moetrace.run import Store
+from moetrace.storage.paths import STORE_MARKER
+from moetrace.storage.schema import META_VERSION
 
-from .conftest import invoke as _cli, tree_hash
+from .conftest import invoke as _cli
+from .conftest import tree_hash
 
 SYNTH = ["--layers", "2", "--experts", "8", "--top-k", "2", "--ranks", "2", "--ranks-per-node", "2", "--steps", "4",
          "--tokens-per-step", "64"]

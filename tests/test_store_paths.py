@@ -14,11 +14,13 @@ import os
 import duckdb
 import pytest
 
-from moetrace.storage.paths import GLOB_CHARS
-from moetrace.run import Store
 from moetrace.errors import StoreError
+from moetrace.run import Store
+from moetrace.storage.paths import GLOB_CHARS
 
-from .conftest import invoke as _cli, tree_hash, one_line_error as _one_line
+from .conftest import invoke as _cli
+from .conftest import one_line_error as _one_line
+from .conftest import tree_hash
 
 SYNTH = ["--layers", "2", "--experts", "8", "--top-k", "2", "--ranks", "2", "--ranks-per-node", "2", "--steps", "3",
          "--tokens-per-step", "64"]

@@ -23,7 +23,8 @@ from .conftest import tree_hash
 
 distributed_pkg = pytest.importorskip("distributed", reason="the cluster extra (dask[distributed]) is not installed")
 
-from moetrace.replay import distributed, sweep as sweeps  # noqa: E402
+from moetrace.replay import distributed  # noqa: E402
+from moetrace.replay import sweep as sweeps
 
 TOKENS, TOP_K, RANKS = 256, 4, 8
 SWEEP = dict(policy="eplb", replicas=[0, 8], intervals=[5, 10], windows=[10])

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from moetrace.errors import InputError
-from moetrace.run import Store
 from moetrace.produce.synth import SynthConfig, load_popularity_file, sample_topk, synth
+from moetrace.run import Store
 
 from .conftest import shared_data
 

@@ -26,8 +26,8 @@ from moetrace.storage import schema
 from moetrace.storage.store import Store
 
 from .conftest import REPO, SIGKILL_AT_REPLACE, tree_hash
-from .test_store_atomic import _ForkedWriters
 from .test_replay import slot_store  # noqa: F401  (fixture: 2 layers x 12 slots, 6 steps)
+from .test_store_atomic import _ForkedWriters
 
 L, S = 2, 12  # the slot_store's shape: a plan is L * S placement rows
 

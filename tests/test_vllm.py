@@ -39,7 +39,7 @@ def test_npy_pass_without_map_uses_initial_map(tmp_path):
     init = np.array([[s % E for s in range(P)]] * L)
     np.testing.assert_array_equal(_dense(rd.tables["expert_load"], 1)[0], _logical(load, init))
     t = rd.tables["expert_load"].to_pydict()
-    for layer, slot, e in zip(t["layer"], t["slot"], t["expert"]):
+    for _layer, slot, e in zip(t["layer"], t["slot"], t["expert"]):
         assert e == slot % E
     assert "initial map" in rd.run["approximations"] and rd.run["num_slots"] == P
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from moetrace.collect import collect, detect
+from moetrace.run import Store
 
 from .conftest import invoke, tree_hash
-from moetrace.run import Store
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 

@@ -7,14 +7,13 @@ import gzip
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from moetrace.analyze.waits import wait_result
 from moetrace.run import Store
 
-from .conftest import shared_data
 from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
+from .conftest import shared_data
 from .test_kineto import ev_x, kernel, launch, write_trace
 
 DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moetrace.replay.timeline_whatif import disaggregation, domain_sweep, overlap_two_micro_batches
+
 from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 
@@ -91,7 +92,7 @@ def test_overlap_on_a_crafted_trace_through_the_command(tmp_path, runner, cli):
 
     from .test_waits import _three_ranks, ingest
 
-    st = ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
+    ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
     res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "overlap", "--a2a-latency-us", "0", "--trace",
                               str(tmp_path / "ov.json")])
     assert res.exit_code == 0, res.output

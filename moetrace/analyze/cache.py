@@ -46,7 +46,14 @@ from ..safety import sql_literal
 from ..storage import schema
 from ..storage.views import view_graph
 from ..version import __version__
-from .materialize import ALL_VIEWS, Materialized, _drop, _main, materialize_layer_skew, materialize_one_pass
+from .materialize import (
+    ALL_VIEWS,
+    Materialized,
+    _drop,
+    _main,
+    materialize_layer_skew,
+    materialize_one_pass,
+)
 
 #: layout of the stored rows; a cache of another format is never read (bump on a change of
 #: how the rows are stored or computed that the view SQL does not show)
@@ -139,7 +146,7 @@ def views_sha256(views=CACHED_VIEWS) -> str:
     """sha256 of the definitions the stored rows depend on: the SQL of the views (and
     those they read), the expert_load views of storage/dense.py, and the contract versions
     of the input tables and of the cache's own tables."""
-    import hashlib    # here, as uuid below: a skew that keys no cache does not import them
+    import hashlib  # here, as uuid below: a skew that keys no cache does not import them
 
     from ..storage.dense import expert_load_views
 
@@ -244,7 +251,7 @@ def _chunks(con, name: str, cache_id: str, rows: int = 1 << 20):
     import pyarrow as pa
 
     rel = con.sql(f'SELECT * FROM temp."{name}"')
-    fn = getattr(rel, "to_arrow_reader", None) or getattr(rel, "fetch_arrow_reader")   # DuckDB 2.0 / 1.x
+    fn = getattr(rel, "to_arrow_reader", None) or rel.fetch_arrow_reader   # DuckDB 2.0 / 1.x
     for batch in fn(rows):
         t = pa.Table.from_batches([batch])
         yield t.append_column("cache_id", pa.array([cache_id] * t.num_rows, pa.string()))

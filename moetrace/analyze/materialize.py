@@ -79,7 +79,8 @@ def configure(con, memory_limit: str | None = None, temp_directory: str | None =
     """Cap DuckDB's memory (``memory_limit``, default :func:`default_memory_limit`) and make
     sure it has somewhere to spill (the store's ``.duckdb_tmp`` is set by ``Store.connect``
     when the store is writable; otherwise a folder under the system temp dir)."""
-    from ..safety import memory_limit as checked, sql_literal
+    from ..safety import memory_limit as checked
+    from ..safety import sql_literal
 
     con.execute(f"SET memory_limit={sql_literal(checked(memory_limit) or checked(default_memory_limit(), 'MOETRACE_MEMORY_LIMIT'))}")
     if temp_directory is None:

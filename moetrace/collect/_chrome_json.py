@@ -22,13 +22,19 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from ._polars import pl
-from ..errors import InputError
-from ..safety import INT64, SHAPE_MAX, bounded_gunzip, check_regular_file, checked_int, limit, max_inflated
-from ._launch_context import CONTEXT_CAT, keep_cpu_op
-from ._profile import CPU_SCHEMA, GPU_SCHEMA
 from ..domain.kernels import COLLECTIVE_OP_PREFIXES
-
+from ..errors import InputError
+from ..safety import (
+    INT64,
+    SHAPE_MAX,
+    bounded_gunzip,
+    check_regular_file,
+    checked_int,
+    max_inflated,
+)
+from ._launch_context import CONTEXT_CAT, keep_cpu_op
+from ._polars import pl
+from ._profile import CPU_SCHEMA, GPU_SCHEMA
 
 MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
 BATCH = 4000                       # events decoded to records at a time (cache-sized)

@@ -20,9 +20,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-
-from ._polars import pl
 from ..domain.kernels import MOE_RANGE_RE, builtin_rules
+from ._polars import pl
 
 #: category a collector gives a CPU op it kept only as launch context (not a collective, not
 #: an annotation): the step / layer / phase labelling of :mod:`._profile` ignores these

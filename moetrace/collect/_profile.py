@@ -25,10 +25,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-
-from ._polars import Dtypes, pl
-from ..domain.kernels import COLLECTIVE_OP_RE, Classifier, demangle_all, normalize_collective, normalize_name
+from ..domain.kernels import (
+    COLLECTIVE_OP_RE,
+    Classifier,
+    demangle_all,
+    normalize_collective,
+    normalize_name,
+)
 from . import _launch_context as lctx
+from ._polars import Dtypes, pl
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 #: backend-level collective ops (innermost CPU op of a collective call)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..storage import schema
 from ..errors import InputError, UsageError
+from ..storage import schema
 
 
 def _first_bad(mask: pa.ChunkedArray) -> int:

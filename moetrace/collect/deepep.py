@@ -45,10 +45,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InputError
 from ..domain.hashing import sha256_files
-from . import Collector, RunData, register
-from . import _arrays
+from ..errors import InputError
+from . import Collector, RunData, _arrays, register
 
 RECV = ("cumulative_local_expert_recv_stats", "num_recv_tokens_per_expert_list", "packed_recv_count", "recv_count")
 WAIT = {"dispatch_wait_recv_cost_stats": "dispatch", "combine_wait_recv_cost_stats": "combine"}

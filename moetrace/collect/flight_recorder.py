@@ -29,12 +29,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ._polars import Dtypes, pl
+from ..domain.kernels import normalize_collective
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, json_loads, limit, limit_error
 from ..safety_pickle import is_pickle, load_plain
 from . import Collector, RunData, register
-from ..domain.kernels import normalize_collective
+from ._polars import Dtypes, pl
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _SIZE = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]

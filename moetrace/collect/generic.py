@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from ..errors import InputError
-from .checks import MAX_COUNT
 from ..domain.hashing import sha256_files
+from ..errors import InputError
 from ..streams import Rereadable, prefetched
 from . import Collector, RunData, head, register
+from .checks import MAX_COUNT
 
 if TYPE_CHECKING:   # polars is imported where a path needs it (start-up: issue #26)
     import polars as pl
@@ -320,9 +320,8 @@ class _Progress:
 def _first_duplicate(path: Path, cols: set, shape: dict) -> dict | None:
     """The first (step, layer, expert, slot, src_rank) key that repeats, found by DuckDB
     over the key columns of every batch (its aggregation spills to disk)."""
-    import polars as pl
-
     import duckdb
+    import polars as pl
 
     schema = pa.schema([(c, pa.int64()) for c in ("step", "layer", "expert", "slot", "src_rank", "rn")])
 

@@ -19,14 +19,22 @@ import sys
 import zlib
 from pathlib import Path
 
-
-from ._polars import pl
-from ..errors import InputError
-from ..safety import limit_error, limit
-from . import Collector, RunData, register
-from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, frame, rank_part, run_data
 from ..domain.kernels import Classifier
+from ..errors import InputError
+from ..safety import limit, limit_error
+from . import Collector, RunData, register
 from ._chrome_json import parse_file, rank_from_name
+from ._polars import pl
+from ._profile import (
+    CPU_SCHEMA,
+    GPU_SCHEMA,
+    LAUNCH_SCHEMA,
+    RankEvents,
+    build,
+    frame,
+    rank_part,
+    run_data,
+)
 
 
 def _is_kineto(path: Path, head: bytes) -> bool:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from ..domain.hashing import sha256_files
 from ..errors import InputError
 from ..safety import check_regular_file, limit
-from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 
 MARKERS = (b"EPLB step", b"[Expert Balancedness]", b"[EPLBManager]", b"Rearranged experts", b"Rearranging experts")

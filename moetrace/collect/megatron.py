@@ -39,10 +39,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InputError
 from ..domain.hashing import sha256_files
-from . import Collector, RunData, head, register
-from . import _arrays
+from ..errors import InputError
+from . import Collector, RunData, _arrays, head, register
 from .checks import MAX_COUNT
 
 _TRACE_KEYS = ("top_indices", "num_tokens", "topk")

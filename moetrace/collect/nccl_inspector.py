@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
-from ._polars import pl
+from ..domain.kernels import normalize_collective
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, limit, limit_error
 from . import Collector, RunData, register
-from ..domain.kernels import normalize_collective
+from ._polars import pl
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 #: a timestamp in µs whose ns value fits int64
@@ -312,7 +311,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     approx: list[str] = []
     granks = _global_ranks(paths, per_file, approx)
     rows = []
-    for i, (p, fr) in enumerate(zip(paths, per_file)):
+    for i, (_p, fr) in enumerate(zip(paths, per_file)):
         for r in fr:
             rows.append({**r, "rank": granks[i] if granks[i] is not None else r["group_rank"], "source": "nccl_inspector"})
     if any(g is None for g in granks):

@@ -21,16 +21,23 @@ import tempfile
 import zlib
 from pathlib import Path
 
-
-from ._polars import pl
-from ..errors import InputError
-from ..safety import (INT64, bounded_gunzip, check_regular_file, checked_int, limit, limit_error, sql_identifier,
-                      sqlite_ro_uri)
 from ..domain.hashing import sha256_files
-from . import Collector, RunData, register
-from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, run_data
 from ..domain.kernels import Classifier
+from ..errors import InputError
+from ..safety import (
+    INT64,
+    bounded_gunzip,
+    check_regular_file,
+    checked_int,
+    limit,
+    limit_error,
+    sql_identifier,
+    sqlite_ro_uri,
+)
+from . import Collector, RunData, register
 from ._chrome_json import MAX_DUR_NS, rank_from_name
+from ._polars import pl
+from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, run_data
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 NVTX_RANGE_TYPES = (59, 60, 70, 71)  # push/pop and start/end ranges (incl. domain variants)
@@ -250,7 +257,7 @@ def _collect_run(paths: list[Path], options: dict) -> RunData:
     epochs = set()
     with tempfile.TemporaryDirectory(prefix="moetrace-nsys-") as td:
         next_rank = 0
-        for i, p in enumerate(paths):
+        for _i, p in enumerate(paths):
             if len(paths) > 1 or p.stat().st_size > 64 * 2**20:
                 print(f"nsys: reading {p.name}", file=sys.stderr, flush=True)
             try:
@@ -262,7 +269,7 @@ def _collect_run(paths: list[Path], options: dict) -> RunData:
                 raise InputError(p, f"corrupt or unreadable Nsight export ({type(e).__name__}: {msg})") from None
             epochs.add(epoch is not None)
             file_rank = rank_from_name(p.name, p)
-            for j, part in enumerate(per):
+            for _j, part in enumerate(per):
                 if len(per) == 1 and file_rank is not None:
                     rank, inferred = file_rank, False
                 else:

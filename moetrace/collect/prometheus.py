@@ -32,11 +32,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from ..domain.hashing import sha256_files
 from ..errors import InputError
 from ..safety import checked_int, limit, limit_error
-from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
-from .logs import COLUMNS, _TYPES
+from .logs import _TYPES, COLUMNS
 
 _EXT = (".prom", ".metrics", ".txt", ".scrape")
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)"
@@ -174,7 +174,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     approx: list[str] = []
     baseline_rearr = 0.0
     single = len(scrapes) == 1
-    for si, (t_file, path, samples) in enumerate(scrapes):
+    for _si, (t_file, path, samples) in enumerate(scrapes):
         seconds = {json.dumps(s["labels"], sort_keys=True): s["value"] for s in samples if s["name"] == VLLM_SECONDS}
         sgl: dict[tuple, dict] = {}
         for s in samples:

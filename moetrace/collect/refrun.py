@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ._polars import pl
-from ..errors import InputError
 from ..domain.hashing import sha256_files
+from ..errors import InputError
 from ..formats.refrun import MANIFEST, summarize_timing
 from . import Collector, RunData, register
-
+from ._polars import pl
 
 
 def _sniff(path: Path, head: bytes) -> bool:

@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import InputError
 from ..domain.hashing import sha256_files
+from ..errors import InputError
 from . import Collector, RunData, register
 from .sglang import _ranges
 
@@ -503,7 +503,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     offset: dict[int, int] = {}   # rows already seen per layer (shards of one layer continue each other)
     cols = {c: [] for c in ("step", "layer", "token", "src_rank", "choice", "expert", "gate")}
     k = 0
-    for path, d in parts:
+    for _path, d in parts:
         layers = np.unique(d["layer"])
         row = d["row"].copy()
         if d["token"] is None:   # row order, continued across shards of one layer

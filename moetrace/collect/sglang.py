@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InputError
 from ..domain.hashing import sha256_files
-from . import Collector, RunData, register
-from ..safety import check_regular_file
-from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 from ..domain.ranks import UNKNOWN_RPN_NOTE
+from ..errors import InputError
+from ..safety import check_regular_file
+from . import Collector, RunData, register
+from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 
 # SGLang ForwardMode (python/sglang/srt/model_executor/forward_batch_info.py), IntEnum with
 # auto() from 1. Values 1..6 are stable across 0.4-0.5; 7+ changed between releases
@@ -175,8 +175,8 @@ def _json_run(path: Path, options: dict) -> RunData:
     """The logical_count JSON, read twice in bounded memory (collect/_json_stream.py):
     a first pass checks every value and finds the shape, the zero layers and the highest
     ids; the store's write streams the rows of the second."""
-    from ._json_stream import array_batches
     from ..streams import Rereadable
+    from ._json_stream import array_batches
 
     check_regular_file(path)
     what = "[layers][experts] or [N][layers][experts]"
@@ -252,7 +252,7 @@ def _csv_run(paths: list[Path], options: dict) -> RunData:
     import polars as pl
 
     frames = []
-    for i, p in enumerate(sorted(paths)):
+    for _i, p in enumerate(sorted(paths)):
         m = _CSV_NAME.search(p.name)
         rank = int(m.group(1)) if m else None
         try:

@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ..domain.hashing import sha256_files
+from ..domain.ranks import UNKNOWN_RPN_NOTE, node_of, ranks_per_node_or_all
 from ..errors import InputError
 from ..formats.plan_files import looks_like_trtllm_yaml, read_trtllm_yaml
 from ..safety import INT64, SHAPE_MAX, checked_int, excerpt, json_loads, limit, limit_error
-from ..domain.hashing import sha256_files
 from . import Collector, RunData, register
 from .sglang import _ranges
-from ..domain.ranks import UNKNOWN_RPN_NOTE, node_of, ranks_per_node_or_all
 
 _RANK = re.compile(r"^rank(\d+)\.safetensors$")
 _KEY = re.compile(r"^(\d+)_(\d+)$")

@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InputError
 from ..domain.hashing import sha256_files
-from . import Collector, RunData, register
-from ..safety import SHAPE_MAX, check_npy_headers, check_regular_file, checked_int
-from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 from ..domain.ranks import UNKNOWN_RPN_NOTE, node_of, ranks_per_node_or_all
+from ..errors import InputError
+from ..safety import SHAPE_MAX, check_npy_headers, check_regular_file, checked_int
+from . import Collector, RunData, register
+from ._torchload import check_counts, load_pt, looks_like_pt, to_numpy
 
 KEYS = ("expert_load_pass", "expert_load_window")
 

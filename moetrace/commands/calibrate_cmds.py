@@ -9,7 +9,6 @@ from ..output import echo_json, emit, json_option, output_options
 from ..run import Store
 from ._options import alias_option, hardware_option, steps_range
 
-
 _steps_range = steps_range
 
 

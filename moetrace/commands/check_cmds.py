@@ -22,10 +22,11 @@ def check(store, quick):
         moetrace check demo
         moetrace check demo --quick
     """
-    from ..errors import StoreError
-    from ..storage.paths import check_store_path
-    from ..storage.check import scan
     from pathlib import Path
+
+    from ..errors import StoreError
+    from ..storage.check import scan
+    from ..storage.paths import check_store_path
 
     check_store_path(Path(store))
     root = Path(store)

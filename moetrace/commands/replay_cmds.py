@@ -7,8 +7,18 @@ import click
 from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..replay.results import load_answer, load_lines
 from ..run import Store
-from ._options import (alias_option, chrome_trace_option, fit_steps_option, hardware_option, ints_option,
-                       policy_option, run_option, split_option, steps_list, store_argument)
+from ._options import (
+    alias_option,
+    chrome_trace_option,
+    fit_steps_option,
+    hardware_option,
+    ints_option,
+    policy_option,
+    run_option,
+    split_option,
+    steps_list,
+    store_argument,
+)
 
 
 def _stack(*opts):

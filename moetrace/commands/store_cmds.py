@@ -63,7 +63,8 @@ def synth(store, run_id, **kw):
     \b
         moetrace synth demo --layers 4 --steps 50 --sigma 0.6 --drift 0.5
     """
-    from ..produce.synth import SynthConfig, synth as run_synth
+    from ..produce.synth import SynthConfig
+    from ..produce.synth import synth as run_synth
 
     cfg = SynthConfig(**kw)
     cfg.validate()  # bad options leave no store behind

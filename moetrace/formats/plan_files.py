@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ..domain.ranks import node_of
 from ..errors import InputError
-from ..safety import excerpt
 from ..placement.eplb import rebalance_experts
 from ..placement.planners import Plan
-from ..domain.ranks import node_of
+from ..safety import excerpt
 
 FORMATS = ("sglang", "eplb", "trtllm", "vllm-ascend")
 
@@ -298,8 +298,8 @@ def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_no
         raise InputError(path, "expected a JSON object with physical_to_logical_map, phy2log, logical_count or "
                                "layer_list")
 
-    from .plan_checks import check_eplb_agrees, counts_array, int_array
     from ..safety import SHAPE_MAX, checked_int
+    from .plan_checks import check_eplb_agrees, counts_array, int_array
 
     def arr(key):
         a = int_array(path, doc[key], key, 0, SHAPE_MAX - 1)   # expert ids, range-checked before int64

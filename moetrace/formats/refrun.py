@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 MANIFEST = "moetrace-refrun.json"
 
 

@@ -15,9 +15,9 @@ from typing import Callable
 
 import numpy as np
 
+from ..domain.ranks import contiguous_experts, node_of
 from ..errors import InputError
 from .eplb import rebalance_experts, replica_counts
-from ..domain.ranks import contiguous_experts, node_of
 
 
 @dataclass

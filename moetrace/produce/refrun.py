@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
-from . import refrun_timeline
 from ..formats.refrun import MANIFEST, summarize_timing
+from . import refrun_timeline
 
 
 @dataclass
@@ -520,7 +520,9 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
     t0 = time.time()
     cfg_dict = asdict(cfg)
     cfg_dict["placement"] = cfg.placement if isinstance(cfg.placement, str) else "custom"
-    from ..safety import arrow_path  # the ranks write with Arrow: absolute, so '~' and 'file:' are literal
+    from ..safety import (
+        arrow_path,  # the ranks write with Arrow: absolute, so '~' and 'file:' are literal
+    )
 
     ctx = mp.start_processes(worker, args=(cfg_dict, phy2log.tolist(), arrow_path(out), _free_port()),
                              nprocs=cfg.ranks, join=False, start_method="spawn")

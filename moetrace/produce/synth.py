@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ..domain.hashing import sha256_text
+from ..domain.model_shape import DEFAULT_HIDDEN, default_expert_bytes
 from ..errors import InputError
 from ..run import Store
-from ..domain.hashing import sha256_text
 from ..streams import Rereadable
-from ..domain.model_shape import DEFAULT_HIDDEN, default_expert_bytes
 
 
 @dataclass

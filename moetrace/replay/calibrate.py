@@ -42,9 +42,8 @@ import pyarrow as pa
 
 from ..errors import InputError
 from . import cost as costmod
+from .calibrate_fit import LAYER_TERMS, TIE_RTOL, Cells, Fit, fit, fit_layer_model
 from .cost import ErrorBand
-from .calibrate_fit import Cells, Fit, LAYER_TERMS, TIE_RTOL, fit, fit_layer_model
-
 
 # ----------------------------------------------------------------------------- observe
 BASES = ("auto", "cpu", "wall")
@@ -104,10 +103,11 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
     ``step_range`` selects load steps."""
     spans_run = run_id
     run_id = load_run or run_id
+    from dataclasses import replace
+
+    from .engine import replay_load
     from .load import RunShape, iter_load, routing_block, routing_has_slots
     from .plan_store import recorded_plan
-    from .engine import replay_load
-    from dataclasses import replace
 
     timed = store.has_files("cell_times") and store.sql(
         "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [spans_run])["n"][0] > 0

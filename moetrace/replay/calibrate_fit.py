@@ -10,7 +10,6 @@ import numpy as np
 from ..errors import InputError
 from . import cost as costmod
 
-
 TIE_RTOL = 1e-9
 
 

@@ -7,15 +7,23 @@ import numpy as np
 
 from ..errors import InputError
 from ..notebook import NotebookView
-from . import cost as costmod
-from ..placement.moves import replan
 from ..placement.planners import PlanShape, make_plan
 from ..placement.relabel import relabel
-from .strategies import Fixed, Judged, MoveCost, Oracle, Replan, Timing, fastest, judge
+from . import cost as costmod
 from .cost_fit import _cost
-from .judge_plan import _in_memory, _too_short, judged_steps
+from .judge_plan import _in_memory, _too_short
 from .load import RunShape
-from .results import ReplayOptions, ReplayResult, _int, load_answer, _layer_table, _runs_row, _time_note, new_replay_id
+from .results import (
+    ReplayOptions,
+    ReplayResult,
+    _int,
+    _layer_table,
+    _runs_row,
+    _time_note,
+    load_answer,
+    new_replay_id,
+)
+from .strategies import Fixed, Judged, MoveCost, Oracle, Replan, Timing, fastest, judge
 
 
 # ----------------------------------------------------------------------------- drift

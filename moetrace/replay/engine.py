@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..domain.ranks import node_of
 from ..errors import InputError
+from ..placement.planners import Plan
 from .accumulate import Summary, SummaryAccumulator
 from .cost import CostModel
-from ..placement.planners import Plan
-from ..domain.ranks import node_of
 
 SPLITS = ("even", "hash", "local")
 

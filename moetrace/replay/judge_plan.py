@@ -10,18 +10,34 @@ import numpy as np
 
 from ..domain.windows import first_half
 from ..errors import InputError
-from . import cost as costmod
-from .engine import (Block, approximation_notes, layer_metrics, pair_applies, pair_columns, rank_parts,
-                     replay_load, replay_pair)
+from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
-from ..placement.planners import Plan, PlanShape, contiguous, make_plan
-from .strategies import Timing, judge, judge_stream
+from . import cost as costmod
 from .cost_fit import _cost
+from .engine import (
+    Block,
+    approximation_notes,
+    layer_metrics,
+    pair_applies,
+    pair_columns,
+    rank_parts,
+    replay_load,
+    replay_pair,
+)
 from .load import RunShape, iter_load, read_load, read_load_total, routing_block, routing_has_slots
 from .plan_store import recorded_plan
+from .results import (
+    ReplayOptions,
+    ReplayResult,
+    _layer_table,
+    _rank_table,
+    _runs_row,
+    _time_note,
+    new_replay_id,
+    traffic_table,
+)
 from .spool import Spool
-from .results import (ReplayOptions, ReplayResult, _layer_table, _rank_table, _runs_row, _time_note, new_replay_id,
-                      traffic_table)
+from .strategies import Timing, judge_stream
 
 
 # ----------------------------------------------------------------------------- replay of one plan

@@ -10,13 +10,18 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..domain.model_shape import (
+    DEFAULT_DTYPE_BYTES,
+    DEFAULT_HIDDEN,
+    DEFAULT_MOE_INTERMEDIATE,
+    default_expert_bytes,
+)
+from ..domain.ranks import ranks_per_node_or_all
 from ..errors import InputError
+from ..placement.planners import Plan, PlanShape, check_shape
 from .budget import STREAMED_STEPS, check_replay_memory, check_slots
 from .engine import Block, replay_routing
-from ..placement.planners import Plan, PlanShape, check_shape
 from .strategies import Timing
-from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN, DEFAULT_MOE_INTERMEDIATE, default_expert_bytes
-from ..domain.ranks import ranks_per_node_or_all
 
 
 # ----------------------------------------------------------------------------- shape

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from .engine import imbalance
 from ..placement.moves import moves_between, replan
 from ..placement.planners import Plan, make_plan
 from ..placement.relabel import relabel
+from .engine import imbalance
 from .load import RunShape, read_load_total
 from .plan_store import load_plan
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
-from . import cost as costmod
 from ..placement.planners import make_plan
 from ..placement.relabel import relabel
-from .strategies import Fixed, Judged, MoveCost, Timing, fastest, judge
-from .judge_plan import _in_memory, replay
+from . import cost as costmod
+from .judge_plan import _in_memory
 from .load import RunShape
 from .results import LoadAnswer, _time_note, load_answer
+from .strategies import Fixed, Judged, MoveCost, Timing, fastest, judge
 
 
 # ----------------------------------------------------------------------------- report what-if

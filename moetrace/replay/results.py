@@ -9,16 +9,16 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from . import cost as costmod
-from .engine import Block, imbalance
-from ..placement.planners import Plan
-from .accumulate import LoadTotals, rel_error_text
-from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
-from .load import RunShape
-from .budget import STREAMED_STEPS
 from ..domain.ranks import node_of
 from ..notebook import NotebookView
+from ..placement.planners import Plan
 from ..storage.schema import repeated_string
+from . import cost as costmod
+from .accumulate import LoadTotals, rel_error_text
+from .budget import STREAMED_STEPS
+from .engine import Block
+from .load import RunShape
+from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
 
 
 # ----------------------------------------------------------------------------- the exact half

@@ -8,17 +8,24 @@ import numpy as np
 
 from ..errors import InputError
 from ..notebook import NotebookView
-from .budget import check_sweep_cells
-from . import cost as costmod
-from .engine import imbalance
 from ..placement.planners import PlanShape, check_shape, make_plan
 from ..placement.relabel import relabel
-from .strategies import Fixed, Judged, Replan, judge
+from . import cost as costmod
+from .budget import check_sweep_cells
 from .cost_fit import _cost
-from .judge_plan import _InMemory, _in_memory, _too_short, judged_steps
+from .judge_plan import _in_memory, _InMemory, _too_short
 from .load import RunShape
 from .plan_store import recorded_plan
-from .results import ReplayOptions, ReplayResult, _layer_table, load_answer, _runs_row, _time_note, new_replay_id
+from .results import (
+    ReplayOptions,
+    ReplayResult,
+    _layer_table,
+    _runs_row,
+    _time_note,
+    load_answer,
+    new_replay_id,
+)
+from .strategies import Fixed, Judged, Replan, judge
 
 
 # ----------------------------------------------------------------------------- sweep

@@ -27,11 +27,18 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from . import cost as costmod
-from .timeline_whatif import (DISAGG_ASSUMPTIONS, DOMAIN_ASSUMPTIONS, DisaggResult, DomainResult, OverlapResult,
-                              disaggregation, domain_sweep, overlap_two_micro_batches)
 from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN
 from ..domain.ranks import ranks_per_node_or_all
+from . import cost as costmod
+from .timeline_whatif import (
+    DOMAIN_ASSUMPTIONS,
+    DisaggResult,
+    DomainResult,
+    OverlapResult,
+    disaggregation,
+    domain_sweep,
+    overlap_two_micro_batches,
+)
 
 TABLE = "replay_whatif"
 

@@ -23,8 +23,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..analyze import configure, drop_materialized
 from ..analyze import cache as analysis_cache
+from ..analyze import configure, drop_materialized
 from .base import ReportContext, Section
 
 

@@ -427,7 +427,7 @@ def decision(rows, path):
     order = sorted(groups, key=lambda g: (g != "static", int(g.rsplit(" ", 1)[1]) if g != "static" else 0))
     panels = ((axes[0], "extra_mem_gib_per_rank", "extra expert memory per rank ({u})", ""),
               (axes[1], "moved_gib_per_hour", "expert weights moved ({u} per hour of predicted time)", "/h"))
-    for ax, xkey, xlabel, per in panels:
+    for ax, xkey, xlabel, _per in panels:
         _apply_style(ax)
         xb = [2**30 * (getattr(r, xkey) or 0.0) for r in ok]
         uname, udiv = byte_unit(max(xb, default=0.0))

@@ -23,11 +23,11 @@ from __future__ import annotations
 import sys
 
 try:
-    import _duckdb as duckdb   # the C extension the duckdb package re-exports
+    import _duckdb as duckdb  # the C extension the duckdb package re-exports
     if not (hasattr(duckdb, "connect") and hasattr(duckdb, "Error")):   # another layout
         raise ImportError
 except ImportError:   # pragma: no cover - an older or differently built duckdb: the package
-    import duckdb      # type: ignore[no-redef]
+    import duckdb  # type: ignore[no-redef]
 
 Error = duckdb.Error
 

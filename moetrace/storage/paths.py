@@ -8,7 +8,6 @@ from pathlib import Path
 
 from ..errors import StoreError
 
-
 STORE_MARKER = "moetrace-store.json"
 STORE_FORMAT = 1
 _RUN_ID_RE = re.compile(r"[^A-Za-z0-9_.\-]+")

@@ -36,7 +36,8 @@ import threading
 from pathlib import Path
 
 from ..errors import StoreError, UsageError
-from ..safety import memory_limit as checked_size, sql_literal
+from ..safety import memory_limit as checked_size
+from ..safety import sql_literal
 
 #: DuckDB's memory cap for ``moetrace sql`` (``--memory-limit`` or MOETRACE_SQL_MEMORY_LIMIT)
 DEFAULT_MEMORY = "1GiB"

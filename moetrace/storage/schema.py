@@ -188,9 +188,9 @@ def one_row(row: dict) -> pa.Table:
     ``pa.array`` makes them), column types as ``pa.Table.from_pylist([row])`` infers them.
     Built from buffers: pyarrow imports pandas the first time ``pa.array`` is called, a
     third of a second of every ``moetrace ingest`` (issue #26)."""
-    import pyarrow as pa
-
     import struct
+
+    import pyarrow as pa
 
     cols = {}
     for k, v in row.items():
@@ -229,9 +229,9 @@ def repeated_string(value: str, n: int) -> pa.Array:
 
 
 def _one_string(v: str) -> pa.Array:
-    import pyarrow as pa
-
     import struct
+
+    import pyarrow as pa
 
     try:
         b = v.encode("utf-8")

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import schema
 from ..errors import StoreError
+from . import schema
 
 # Spark's types for the contract's column types.
 _SPARK_TYPES = {"string": "string", "bool": "boolean", "int8": "tinyint", "int16": "smallint",

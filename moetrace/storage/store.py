@@ -34,16 +34,16 @@ import fcntl
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..version import __version__
-from . import schema
 from ..errors import StoreError
 from ..safety import sql_identifier, sql_literal
-from .txn import Transactions
+from ..version import __version__
+from . import schema
 from .paths import GLOB_CHARS, STORE_FORMAT, STORE_MARKER, check_store_path
+from .txn import Transactions
 
 if TYPE_CHECKING:   # duckdb, pyarrow and polars are imported where a path needs them (start-up: issue #26)
     import duckdb
@@ -69,7 +69,7 @@ def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.T
     rel = con.sql(query, params=params) if params is not None else con.sql(query)
     if rel is None:
         return None
-    fn = getattr(rel, "to_arrow_table", None) or getattr(rel, "arrow")
+    fn = getattr(rel, "to_arrow_table", None) or rel.arrow
     out = fn()
     if isinstance(out, pa.RecordBatchReader):
         out = out.read_all()
@@ -147,7 +147,7 @@ class Store(Transactions):
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            import uuid    # here: read-only commands never make an id (start-up)
+            import uuid  # here: read-only commands never make an id (start-up)
             tmp = self.path / f".{STORE_MARKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # unique: racing creators
             tmp.write_text(json.dumps({"moetrace_store_format": STORE_FORMAT, "created_by": __version__}) + "\n")
             os.replace(tmp, self.path / STORE_MARKER)
@@ -239,9 +239,8 @@ class Store(Transactions):
         files = list((self.path / table).glob("*/*.parquet"))  # what the view reads (table_glob)
         if not files:
             return 0, 0
-        from .engine import duckdb
-
         from .check import footer_columns
+        from .engine import duckdb
 
         try:   # every footer in one DuckDB query (no pyarrow: start-up, issue #26)
             held = footer_columns(self._scratch(), files, self._footers)
@@ -341,9 +340,8 @@ class Store(Transactions):
         filter on it), then the analysis views. ``present``: {table: columns its files
         hold} for tables of an older store that lack a contract column. ``tables``: only
         these tables' views (with ``tables_only``; :func:`tables_read` closes a set)."""
-        from .views import view_statements as analysis_views
-
         from .dense import expert_load_views
+        from .views import view_statements as analysis_views
 
         present = present or {}
         tables = sorted(schema.load_all() if tables is None else tables, key=lambda t: t != "runs")
@@ -452,9 +450,8 @@ class Store(Transactions):
         """Run SQL over the store's views and return its rows as DuckDB gives them
         (:class:`moetrace.output.Rows`: no polars, no Arrow; what ``moetrace runs`` and
         ``moetrace skew`` print, issue #26)."""
-        from .engine import duckdb
-
         from ..output import Rows
+        from .engine import duckdb
 
         try:
             cur = self.con.execute(query, params) if params is not None else self.con.execute(query)
@@ -466,9 +463,8 @@ class Store(Transactions):
     def copy_parquet(self, query: str, params, path) -> int:
         """Write the rows of ``query`` to the Parquet file ``path`` with DuckDB's COPY (no
         polars, no Arrow: ``moetrace skew -o x.parquet``); returns the rows written."""
-        from .engine import duckdb
-
         from ..safety import sql_literal as lit
+        from .engine import duckdb
 
         try:
             return int(self.con.execute(f"COPY ({query}) TO {lit(path)} (FORMAT parquet)", params).fetchall()[0][0])
@@ -506,10 +502,9 @@ class Store(Transactions):
     def runs_rows(self) -> Rows:
         """:meth:`runs` as :class:`moetrace.output.Rows`, read by DuckDB from the runs
         partitions (no view is built, no polars, no Arrow: ``moetrace runs``, issue #26)."""
-        from .engine import duckdb
-
         from ..output import Rows
         from .check import footer_columns
+        from .engine import duckdb
 
         cols = schema.get("runs").columns
         files = [f for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
@@ -645,7 +640,7 @@ class Store(Transactions):
         import duckdb
 
         target = self.path / "catalog.duckdb"
-        import uuid    # here: read-only commands never make an id (start-up)
+        import uuid  # here: read-only commands never make an id (start-up)
         tmp = self.path / f".catalog-{uuid.uuid4().hex[:8]}.duckdb"
         try:
             if not (self.path / STORE_MARKER).exists():
@@ -822,7 +817,6 @@ class _LazyViews:
 
     def _create(self, stmt: str) -> None:
         from .engine import duckdb
-
         from .views import _VIEW_RE
 
         try:

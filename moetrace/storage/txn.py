@@ -14,12 +14,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..errors import SchemaError, StoreError
 from ..version import __version__
 from . import schema
-from ..errors import SchemaError, StoreError
-from .paths import RUN_ID_MAX, _SAFE_ID_RE, _TXID_RE, sanitize_run_id
+from .paths import _SAFE_ID_RE, _TXID_RE, RUN_ID_MAX, sanitize_run_id
 
+if TYPE_CHECKING:  # writers import Arrow lazily: a reader never imports it
+    import pyarrow as pa
 
 _CATALOG_TMP_RE = re.compile(r"\.catalog-[0-9a-f]{8}\.duckdb(\.wal)?")
 
@@ -166,7 +169,7 @@ class Transactions:
         when a journal or a transaction folder is not what moetrace writes."""
         self._check_no_symlinks()
         journals = self.journals()  # validates every journal before anything is removed
-        for txid, doc in journals.items():
+        for _txid, doc in journals.items():
             for rel in doc["files"]:
                 p = self.path / rel
                 if (self.path / rel.split("/")[0]).is_symlink() or p.parent.is_symlink():
@@ -315,7 +318,6 @@ class Transactions:
         iterables of those (streamed chunk by chunk). Returns the run id, or the id of the
         run already holding the same ``ingest_key`` (else ``source_sha256``) (``skipped=True``).
         """
-        import pyarrow as pa   # writers only: a reader never imports Arrow (issue #26)
 
         run = dict(run)
         sha = run.get("ingest_key") or run.get("source_sha256")
@@ -370,7 +372,7 @@ class Transactions:
             self._check_writable()
             self.recover()
             header = next((t for t in self.HEADER_TABLES if t in tables), None)
-            import uuid    # here: read-only commands never make an id (start-up)
+            import uuid  # here: read-only commands never make an id (start-up)
             txid = uuid.uuid4().hex[:12]
             rows = self._transaction(run_id, tables, commit_table=header or (list(tables)[-1] if tables else None),
                                      txid=txid)
@@ -421,10 +423,10 @@ class Transactions:
 
     def _transaction(self, run_id: str, tables: dict[str, object], commit_table: str | None,
                      txid: str | None = None) -> dict[str, int]:
+        import uuid  # here: read-only commands never make an id (start-up)
+
         import pyarrow as pa
         import pyarrow.parquet as pq
-
-        import uuid    # here: read-only commands never make an id (start-up)
         txid = txid or uuid.uuid4().hex[:12]
         self._check_no_symlinks()
         staging = self.path / ".staging" / txid

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, md_table
 from .. import plots
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 30
 MAX_SERIES = 3

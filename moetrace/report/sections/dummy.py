@@ -1,11 +1,10 @@
 """Dummy steps: ranks that ran a step with no tokens (to keep collectives aligned)."""
 from __future__ import annotations
 
-import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, md_table
 from .. import plots
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 40
 

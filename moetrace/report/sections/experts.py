@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from ..base import Figure, ReportContext, Section, fmt_ns, md_table
 from .. import plots
+from ..base import Figure, ReportContext, Section, fmt_ns, md_table
 
 ORDER = 20
 # Below a few hundred tokens per expert the expert GEMM reads weights rather than computes.

@@ -6,11 +6,10 @@ profiler report gets this section, MoE or not, single GPU or many.
 """
 from __future__ import annotations
 
-import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, md_table
 from .. import plots
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 35
 KIND_NAMES = {"expert_gemm": "expert GEMMs", "attention": "attention", "compute_other": "other compute",

@@ -13,8 +13,8 @@ import json
 import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, md_table
 from .. import plots
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 60
 WHATIF_MAX_CELLS = 2_000_000    # steps x layers x experts read for the in-memory what-if

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, md_table
 from .. import plots
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 10
 HEATMAP_LAYERS = 2
