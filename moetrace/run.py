@@ -38,10 +38,10 @@ or is None, never a silent default.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from .domain.shape import ClusterSpec, Shape
 from .notebook import NotebookView
 from .storage.store import Store as _Store
 
@@ -55,34 +55,6 @@ if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
 
 #: the ways :meth:`Run.skew` groups the per-(step, layer) imbalance
 SKEW_BY = ("layer", "run", "step")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A run's model and cluster shape, as the SQL views see it (view ``run_shape``), plus
-    the sizes only the ``runs`` row records. None where the run does not say."""
-
-    num_experts: int | None
-    experts_from: str | None       # 'runs' or 'max expert id + 1'
-    num_ranks: int | None          # None: no rank metrics (runs.num_ranks and a recorded placement both absent)
-    ranks_from: str | None         # 'runs' or 'recorded placement'
-    num_slots: int | None
-    top_k: int | None
-    num_layers: int | None = None
-    ranks_per_node: int | None = None
-    num_groups: int | None = None
-    hidden: int | None = None
-    dtype_bytes: int | None = None
-    expert_bytes: int | None = None
-
-    @classmethod
-    def from_rows(cls, view_row: dict, runs_row: dict) -> "Shape":
-        """The view's columns first, the ``runs`` row for the columns the view lacks."""
-        kw = {}
-        for f in fields(cls):
-            v = view_row.get(f.name) if f.name in view_row else runs_row.get(f.name)
-            kw[f.name] = v
-        return cls(**kw)
 
 
 class Run(NotebookView):
@@ -287,9 +259,9 @@ class Run(NotebookView):
     # ------------------------------------------------------------------ what-ifs (replay)
     @cached_property
     def _replay_shape(self):
-        from .replay.load import RunShape
+        from .replay.load import read_shape
 
-        return RunShape.from_store(self.store, self.id)
+        return read_shape(self.store, self.id)
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
                      passes=None):
@@ -343,7 +315,7 @@ class Run(NotebookView):
         notes: list[str] = []
         judged = None
         if plan is None:
-            ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn, streamed=True)
+            ps = shape.plan_shape(ClusterSpec(ranks, replicas, groups, nodes, rpn), streamed=True)
             plan, judged = fit_plan(self.store, self.id, shape, policy, ps, fit_window, in_sample=in_sample)
         elif isinstance(plan, str):
             pid = plan
@@ -381,7 +353,7 @@ class Run(NotebookView):
         Returns a :class:`moetrace.replay.drift.DriftResult`."""
         from .replay.drift import drift
 
-        ps = self._replay_shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+        ps = self._replay_shape.plan_shape(ClusterSpec(ranks, replicas, groups, nodes, rpn))
         return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
                              self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
 

@@ -4,8 +4,6 @@ Imports only errors / safety and numpy.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..errors import InputError
@@ -117,10 +115,3 @@ def check_eplb_agrees(path, doc: dict, p2l: np.ndarray) -> None:
                 s = int(np.flatnonzero(seen != 1)[0])
                 raise InputError(path, f"log2phy of layer {l} lists slot {s} {int(seen[s])} times, phy2log once "
                                        "(the file contradicts itself)")
-
-
-def finite_number(path, value, key: str, lo: float = -math.inf, hi: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) \
-            or not lo <= float(value) <= hi:
-        raise InputError(path, f"{key} = {excerpt(repr(value), 30)} is not a finite number within {lo:g}..{hi:g}")
-    return float(value)

@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from ..domain.ranks import contiguous_experts, node_of
+from ..domain.shape import PlanShape, check_shape
 from ..errors import InputError
 from .eplb import rebalance_experts, replica_counts
 
@@ -109,43 +110,6 @@ class Plan:
                 f"({self.replicas} redundant), {self.num_ranks} ranks x {self.slots_per_rank} slots, "
                 f"{self.num_nodes} nodes x {self.ranks_per_node} ranks per node, "
                 + (f"{g} expert groups" if g is not None else "expert groups not used"))
-
-
-@dataclass
-class PlanShape:
-    """The cluster a planner plans for. ``num_groups`` None = unknown (hierarchical EPLB
-    refuses it). Contradictions (nodes x ranks per node != ranks, slots that do not divide
-    over ranks) are refused by :func:`check_shape`."""
-    num_ranks: int
-    ranks_per_node: int
-    num_slots: int
-    num_groups: int | None = 1
-    num_nodes: int | None = None
-
-    def nodes(self) -> int:
-        return self.num_nodes or max(1, self.num_ranks // self.ranks_per_node)
-
-
-def check_shape(shape: PlanShape, num_experts: int, policy: str | None = None) -> None:
-    """InputError naming the options when the cluster settings contradict each other."""
-    R, rpn, S = shape.num_ranks, shape.ranks_per_node, shape.num_slots
-    if R < 1 or rpn < 1:
-        raise InputError(None, f"--ranks {R} and --ranks-per-node {rpn} must be >= 1")
-    if shape.num_nodes is not None and shape.num_nodes * rpn != R:
-        raise InputError(None, f"--nodes {shape.num_nodes} x --ranks-per-node {rpn} = {shape.num_nodes * rpn} is not "
-                               f"--ranks {R}")
-    if S < num_experts:
-        raise InputError(None, f"{S} slots cannot hold {num_experts} experts (--replicas must be >= 0)")
-    if policy != "one-per-rank" and S % R:
-        raise InputError(None, f"{S} slots ({S - num_experts} redundant, --replicas) do not divide evenly over "
-                               f"--ranks {R}")
-    if policy == "eplb":
-        if shape.num_groups is None:
-            raise InputError(None, "hierarchical EPLB needs the model's expert group count, which this run does not "
-                                   "record: give --groups N (DeepSeek-V3/R1: 8; ingest with --groups to store it), "
-                                   "or use --policy eplb-global")
-        if num_experts % shape.num_groups:
-            raise InputError(None, f"--groups {shape.num_groups} does not divide the {num_experts} experts")
 
 
 def _contiguous_rows(L: int, E: int, S: int) -> np.ndarray:

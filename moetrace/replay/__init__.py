@@ -12,7 +12,7 @@ pure planners of :mod:`moetrace.placement`:
   NVLink domain size)
 
 and the store side, one module per job, which the run facade (:class:`moetrace.run.Run`)
-calls: :mod:`.load` (``RunShape`` from the ``run_shape`` view, loads), :mod:`.plan_store`
+calls: :mod:`.load` (``Shape`` from the ``run_shape`` view, loads), :mod:`.plan_store`
 (recorded and stored plans), :mod:`.cost_fit` (the cost model a replay uses),
 :mod:`.results` (options, results, ``replay_*`` tables), :mod:`.judge_plan` (``replay``),
 :mod:`.drift`, :mod:`.sweep` (and :mod:`.distributed` for Dask), :mod:`.make_plan`

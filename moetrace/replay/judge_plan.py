@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..domain.shape import Shape, Timing
 from ..domain.windows import first_half
 from ..errors import InputError
 from ..placement.planners import Plan, PlanShape, make_plan
@@ -24,7 +25,13 @@ from .engine import (
     replay_load,
     replay_pair,
 )
-from .load import RunShape, iter_load, read_load, read_load_total, routing_block, routing_has_slots
+from .load import (
+    iter_load,
+    read_load,
+    read_load_total,
+    routing_block,
+    routing_has_slots,
+)
 from .plan_store import recorded_plan
 from .results import (
     ReplayOptions,
@@ -37,7 +44,7 @@ from .results import (
     traffic_table,
 )
 from .spool import Spool
-from .strategies import Timing, judge_stream
+from .strategies import judge_stream
 
 
 # ----------------------------------------------------------------------------- replay of one plan
@@ -49,7 +56,7 @@ class JudgedSteps:
     notes: list[str] = field(default_factory=list)
 
 
-def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, plan_id: str | None = None) -> JudgedSteps:
+def judged_steps(shape: Shape, fit: tuple[int, int] | None, in_sample: bool, plan_id: str | None = None) -> JudgedSteps:
     """Out-of-sample by default: a plan fitted on [a, b) is judged on the steps from b on;
     ``in_sample`` judges it on every step (and says so)."""
     all_steps = shape.steps
@@ -71,7 +78,7 @@ def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, 
                         f"{int(after[0])} on"])
 
 
-def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tuple[int, int], list[str]]:
+def default_fit_window(shape: Shape, fit_window, in_sample: bool) -> tuple[tuple[int, int], list[str]]:
     """--fit-steps, else the first half of the steps (all steps with --in-sample)."""
     if fit_window is not None:
         return tuple(fit_window), []
@@ -83,7 +90,7 @@ def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tu
                         f"on the rest"]
 
 
-def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
+def _replay_fn(store, run_id, shape: Shape, split: str, recorded_slots: str):
     """The block replayer the core calls: per-token routing when the run has it, recorded
     per-slot counts for the recorded plan when it has them, else the counts."""
     use_routing = shape.has_routing
@@ -115,7 +122,7 @@ def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
     return fn
 
 
-def _recorded_mode(store, run_id, shape: RunShape) -> str:
+def _recorded_mode(store, run_id, shape: Shape) -> str:
     """How the recorded plan is replayed: 'routing' (per-token rows with slots), 'counts'
     (per-slot counts: exact per-rank tokens), or 'plan' (the split over replicas)."""
     if shape.has_routing and routing_has_slots(store, run_id):
@@ -125,7 +132,7 @@ def _recorded_mode(store, run_id, shape: RunShape) -> str:
     return "plan"
 
 
-def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions, *, judged: JudgedSteps | None = None,
+def replay(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions, *, judged: JudgedSteps | None = None,
            kind: str = "replay", policy: str | None = None, params: dict | None = None, write: bool = True,
            extra_notes=(), trace_steps=None, fitted: bool = False) -> ReplayResult:
     """Judge ``plan`` against the recorded placement on ``judged`` steps (default all),
@@ -229,7 +236,7 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
     return res
 
 
-def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape, fit_window=None,
+def fit_plan(store, run_id, shape: Shape, policy: str, plan_shape: PlanShape, fit_window=None,
              plan_id=None, in_sample: bool = False) -> tuple[Plan, JudgedSteps]:
     """Plan ``policy`` fitted on the steps of ``fit_window`` (default the first half), and
     the steps that judge it (after the window; all with ``in_sample``)."""
@@ -250,7 +257,7 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape,
     return plan, js
 
 
-def _too_short(shape: RunShape, T: int, what: str, hint: str = "") -> str:
+def _too_short(shape: Shape, T: int, what: str, hint: str = "") -> str:
     if shape.aggregate:
         return (f"the run's counts aggregate a recording into {T} pseudo-step(s): there are no steps to re-plan over "
                 "or judge after a window; moetrace replay --policy P --in-sample answers imbalance on them")
@@ -272,7 +279,7 @@ class _InMemory:
     fn: object
 
 
-def _in_memory(store, run_id, shape: RunShape, split: str, cost: costmod.CostModel, passes=None,
+def _in_memory(store, run_id, shape: Shape, split: str, cost: costmod.CostModel, passes=None,
                max_steps=None) -> _InMemory:
     mode = _recorded_mode(store, run_id, shape)
     ids, load, slot_load = read_load(store, run_id, shape, max_steps=max_steps, with_slots=mode == "counts")

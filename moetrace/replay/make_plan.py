@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..domain.balance import imbalance
+from ..domain.shape import ClusterSpec, Shape
 from ..errors import InputError
 from ..placement.moves import moves_between, replan
 from ..placement.planners import Plan, make_plan
 from ..placement.relabel import relabel
-from .engine import imbalance
-from .load import RunShape, read_load_total
+from .load import read_load_total
 from .plan_store import load_plan
 
 
@@ -60,7 +61,7 @@ def _mean_imbalance(plan: Plan, total: np.ndarray) -> float | None:
     return float(np.nanmean(v)) if np.isfinite(v).any() else None
 
 
-def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=None, replicas=None, groups=None,
+def make_run_plan(store, run_id: str, shape: Shape, *, policy=None, ranks=None, replicas=None, groups=None,
                   nodes=None, rpn=None, fit_window=None, start_plan_id=None, import_file=None, max_moves=None,
                   target_imbalance=None, plan_id=None, store_plan=True, out_file=None, out_format="sglang",
                   relabel_to_start=True) -> PlanResult:
@@ -90,7 +91,7 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
     base = load_plan(store, run_id, "recorded", shape) if shape.num_ranks else None
     info, relabel_info = {}, None
     if policy:
-        ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+        ps = shape.plan_shape(ClusterSpec(ranks, replicas, groups, nodes, rpn))
         p = make_plan(policy, total, ps, layers=shape.layers)
         if start_plan_id:
             base = load_plan(store, run_id, start_plan_id, shape)
@@ -100,7 +101,7 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
         R = ranks or shape.num_ranks
         if not R:
             raise InputError(None, "the run's rank count is unknown: give --ranks for the imported plan")
-        ps = shape.plan_shape(ranks=R, nodes=nodes, rpn=rpn)
+        ps = shape.plan_shape(ClusterSpec(ranks=R, nodes=nodes, ranks_per_node=rpn))
         p = plan_io.import_plan(import_file, shape.num_experts, R, ps.ranks_per_node, shape.layers,
                                 shape.num_groups or 1)
     else:

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 
+from ..domain.shape import Shape
 from ..errors import InputError
 from ..placement.planners import Plan, align_layers, contiguous
-from .load import RunShape
 
 
 # ----------------------------------------------------------------------------- plans
@@ -41,7 +41,7 @@ def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | Non
         raise InputError(None, f"plan {plan_id!r} cannot be replayed: {e}") from None
 
 
-def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
+def recorded_plan(store, run_id: str, shape: Shape) -> Plan:
     """The run's own placement (plan_id 'recorded'), else contiguous (slot = expert)."""
     df = store.numpy("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND "
                        "plan_id = 'recorded'", [run_id]) if store.has_files("placement") else None
@@ -55,7 +55,7 @@ def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
     return p
 
 
-def load_plan(store, run_id: str, plan_id: str, shape: RunShape) -> Plan:
+def load_plan(store, run_id: str, plan_id: str, shape: Shape) -> Plan:
     if plan_id == "recorded":
         return recorded_plan(store, run_id, shape)
     df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = ?",

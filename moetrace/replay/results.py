@@ -9,16 +9,16 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from ..domain.budget import STREAMED_STEPS
 from ..domain.ranks import node_of
+from ..domain.shape import Shape, Timing
 from ..notebook import NotebookView
 from ..placement.planners import Plan
 from ..storage.schema import repeated_string
 from . import cost as costmod
 from .accumulate import LoadTotals, rel_error_text
-from .budget import STREAMED_STEPS
 from .engine import Block
-from .load import RunShape
-from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
+from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, compare_text
 
 
 # ----------------------------------------------------------------------------- the exact half
@@ -195,7 +195,7 @@ def new_replay_id(prefix: str = "r") -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def _time_note(shape: RunShape, timing: Timing) -> list[str]:
+def _time_note(shape: Shape, timing: Timing) -> list[str]:
     if not shape.aggregate:
         return []
     if timing.per_pass:

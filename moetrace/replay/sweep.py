@@ -6,15 +6,15 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ..domain.budget import check_sweep_cells
+from ..domain.shape import ClusterSpec, Shape
 from ..errors import InputError
 from ..notebook import NotebookView
 from ..placement.planners import PlanShape, check_shape, make_plan
 from ..placement.relabel import relabel
 from . import cost as costmod
-from .budget import check_sweep_cells
 from .cost_fit import _cost
 from .judge_plan import _in_memory, _InMemory, _too_short
-from .load import RunShape
 from .plan_store import recorded_plan
 from .results import (
     ReplayOptions,
@@ -119,7 +119,7 @@ class SweepJob:
     counts and judging the cells happen in :func:`run_sweep_cells` (here, or on a cluster
     worker: :mod:`moetrace.replay.distributed`); :func:`finish_sweep` assembles and writes."""
     run_id: str
-    shape: RunShape
+    shape: Shape
     policy: str
     opts: ReplayOptions
     windows: list[int]
@@ -135,7 +135,7 @@ class SweepJob:
         return [c for c in self.items if isinstance(c, SweepCell)]
 
 
-def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
+def plan_sweep(store, run_id: str, shape: Shape, policy: str, replicas: list[int], intervals: list[int],
                windows: list[int] | None, opts: ReplayOptions, ranks: int | None = None, groups=None, nodes=None,
                rpn=None, *, write: bool = False, sweep_id: str | None = None) -> SweepJob:
     """The cells of a sweep, checked before anything is read or run: replica budgets x
@@ -151,7 +151,7 @@ def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[
     items, described = [], []
     for rep in replicas:
         try:
-            ps = shape.plan_shape(ranks=ranks, replicas=rep, groups=groups, nodes=nodes, rpn=rpn)
+            ps = shape.plan_shape(ClusterSpec(ranks, rep, groups, nodes, rpn))
             check_shape(ps, shape.num_experts, policy)
             if not described:
                 described.append(
@@ -269,7 +269,7 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
     return SweepResult(rows, notes, job.sweep_id, job.run_id)
 
 
-def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
+def sweep(store, run_id: str, shape: Shape, policy: str, replicas: list[int], intervals: list[int],
           windows: list[int] | None, opts: ReplayOptions, ranks: int | None = None, groups=None, nodes=None,
           rpn=None, *, write: bool = False, sweep_id: str | None = None) -> SweepResult:
     """Replica budgets x (static, re-plan intervals) x fit windows, all judged on the same
