@@ -428,7 +428,7 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
     from moetrace.replay.drift import drift
     from moetrace.replay.load import read_shape
     from moetrace.replay.results import ReplayOptions
-    from moetrace.replay.sweep import sweep
+    from moetrace.replay.sweep import finish_sweep, plan_sweep, run_sweep_cells
 
     st, per = _constant_load_store(tmp_path / "c")
     shape = read_shape(st, "c")
@@ -465,7 +465,8 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
             rl[li, s_ // spr] += per[li, e] / cnt[e]
     assert d["replan"]["mean_imbalance"] == pytest.approx((rl.max(axis=1) / rl.mean(axis=1)).mean(), rel=1e-6)
     # the sweep's re-plan rows go through the same path
-    rows = sweep(st, "c", shape, "greedy", [4], [2], [2], opts).rows
+    job = plan_sweep(st, "c", shape, "greedy", [4], [2], [2], opts)
+    rows = finish_sweep(st, job, run_sweep_cells(st, job)).rows
     assert rows[-1].moved_experts == rows[0].moved_experts     # re-planning moves nothing after the first plan
 
 
@@ -508,7 +509,7 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
                            ("m", "moves", "w", 8, 40, 4), ("w", "greedy", "recorded", 2, 5, 3)]
 
     def plan_io_notes(meta, pid):
-        from moetrace.formats.plan_files import fit_notes
+        from moetrace.placement.plan_files import fit_notes
 
         return fit_notes(meta, np.arange(12), pid)
 
@@ -527,9 +528,9 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     assert any("imported" in n and "unknown" in n for n in notes("imp"))
     assert not any("fitted" in n for n in notes("recorded"))
     # a plan stored before the plans table existed: the replay says it cannot tell
-    from moetrace.formats import plan_files as plan_io
+    from moetrace.placement import plan_files as plan_io
+    from moetrace.placement.plan_store import load_plan
     from moetrace.replay.load import read_shape
-    from moetrace.replay.plan_store import load_plan
 
     p = load_plan(st, "c", "w", read_shape(st, "c"))
     st.append("c", {"placement": plan_io.plan_table(p, "old")})

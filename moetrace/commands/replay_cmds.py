@@ -6,7 +6,7 @@ import click
 
 from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..replay.results import load_answer, load_lines
-from ..run import Store
+from ..run import ClusterSpec, Store
 from ._options import (
     alias_option,
     chrome_trace_option,
@@ -171,10 +171,13 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
                        GROUP BY plan_id ORDER BY plan_id""", [run.id]) if st.has_files("placement") else pl.DataFrame()
         emit(df if df.height else pl.DataFrame({"plan_id": ["recorded (contiguous, not stored)"]}))
         return
-    res = run.plan(policy, ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn, fit_window=fit_window,
-                   plan_id=plan_id, start=plan_id_in, import_file=import_file, max_moves=max_moves,
-                   target_imbalance=target_imbalance, store=not no_store, out=out_file, out_format=out_format,
-                   relabel=not no_relabel)
+    from ..placement.plans import PlanOptions
+
+    res = run.plan(policy, cluster=ClusterSpec(ranks, replicas, groups, nodes, rpn),
+                   options=PlanOptions(fit_window=fit_window, plan_id=plan_id, start=plan_id_in,
+                                       import_file=import_file, max_moves=max_moves,
+                                       target_imbalance=target_imbalance, store=not no_store, out=out_file,
+                                       out_format=out_format, relabel=not no_relabel))
     if as_json:
         echo_json(res.to_dict())
         return
@@ -241,11 +244,12 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     run = Store(store).run(run_id)
     common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
                   passes=passes)
-    shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+    shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, ranks_per_node=rpn)
     if replan_every:
         if not policy:
             raise click.UsageError("--replan-every needs --policy (the planner re-run at every re-plan)")
-        d = run.drift(policy, replan_every, window, max_moves=max_moves, static_window=fit_window, **common, **shape_kw)
+        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw), max_moves=max_moves,
+                      static_window=fit_window, **common)
         if plot:
             from ..report.plots import drift_from_dict
 
@@ -256,12 +260,12 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         _print_drift(d, plot)
         return
     if plan_id and (fit_window or any(v is not None for v in shape_kw.values())):
-        given = [f"--{k.replace('rpn', 'ranks-per-node')}" for k, v in shape_kw.items() if v is not None]
+        given = [f"--{k.replace('_', '-')}" for k, v in shape_kw.items() if v is not None]
         given += ["--fit-steps"] if fit_window else []
         raise InputError(None, f"--plan {plan_id} replays a stored plan as it is: {', '.join(given)} would be ignored")
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
-                     chrome_trace=chrome_trace, **common, **shape_kw)
+                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw), **common)
     wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
@@ -360,8 +364,8 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
     if workers is not None and click.get_current_context().get_parameter_source("scheduler") is \
             ParameterSource.ENVIRONMENT:
         scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
-    kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows, ranks=ranks, groups=groups,
-              nodes=nodes, rpn=rpn, split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
+    kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows,
+              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn), split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
               passes=passes, write=save, workers=workers, scheduler=scheduler or None)
     if all_runs:
         from ..errors import UsageError

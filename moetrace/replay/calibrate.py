@@ -105,9 +105,9 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
     run_id = load_run or run_id
     from dataclasses import replace
 
+    from ..placement.plan_store import recorded_plan
     from .engine import replay_load
     from .load import iter_load, read_shape, routing_block, routing_has_slots
-    from .plan_store import recorded_plan
 
     timed = store.has_files("cell_times") and store.sql(
         "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [spans_run])["n"][0] > 0

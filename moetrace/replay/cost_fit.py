@@ -8,10 +8,10 @@ from dataclasses import replace
 import numpy as np
 
 from ..domain.shape import Shape
+from ..placement.plan_store import recorded_plan
 from . import cost as costmod
 from .calibrate import error_band, fit_from_cell_times, run_hardware
 from .load import read_load, read_shape
-from .plan_store import recorded_plan
 
 
 # ----------------------------------------------------------------------------- cost model

@@ -12,7 +12,7 @@ from ..placement.planners import PlanShape, make_plan
 from ..placement.relabel import relabel
 from . import cost as costmod
 from .cost_fit import _cost
-from .judge_plan import _in_memory, _too_short
+from .judge import _in_memory, _too_short
 from .results import (
     ReplayOptions,
     ReplayResult,

@@ -9,7 +9,7 @@ from ..errors import InputError
 from ..placement.planners import make_plan
 from ..placement.relabel import relabel
 from . import cost as costmod
-from .judge_plan import _in_memory
+from .judge import _in_memory
 from .results import LoadAnswer, _time_note, load_answer
 from .strategies import Fixed, Judged, MoveCost, fastest, judge
 

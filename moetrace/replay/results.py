@@ -19,6 +19,7 @@ from . import cost as costmod
 from .accumulate import LoadTotals, rel_error_text
 from .engine import Block
 from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, compare_text
+from .trace import PredictedSteps
 
 
 # ----------------------------------------------------------------------------- the exact half
@@ -225,7 +226,7 @@ class ReplayResult(NotebookView):
     nodes_per_token_mean: float | None = None
     traffic: np.ndarray | None = None
     recorded_traffic: np.ndarray | None = None
-    trace: dict | None = None
+    trace: PredictedSteps | None = None
 
     @property
     def load(self) -> LoadAnswer | None:

@@ -30,9 +30,9 @@ import pyarrow as pa
 
 from ..domain.ranks import node_of
 from ..errors import InputError
-from ..placement.eplb import rebalance_experts
-from ..placement.planners import Plan
 from ..safety import excerpt
+from .eplb import rebalance_experts
+from .planners import Plan
 
 FORMATS = ("sglang", "eplb", "trtllm", "vllm-ascend")
 
@@ -171,7 +171,7 @@ def looks_like_trtllm_yaml(head: bytes) -> bool:
 def read_trtllm_yaml(path: str | Path, num_experts: int | None = None) -> TrtllmEplbConfig:
     """Read a TensorRT-LLM EPLB config YAML (top level, or under ``moe_config.load_balancer``)
     with ``yaml.safe_load``; every problem is an InputError naming the file."""
-    from .safe_yaml import load as load_yaml
+    from ..formats.safe_yaml import load as load_yaml
 
     path = Path(path)
     doc = load_yaml(path)   # aliases counted expanded (max_yaml_nodes) before a value is built

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..domain.shape import Shape
 from ..errors import InputError
-from ..placement.planners import Plan, align_layers, contiguous
+from .planners import Plan, align_layers, contiguous
 
 
 # ----------------------------------------------------------------------------- plans
@@ -65,7 +65,7 @@ def load_plan(store, run_id: str, plan_id: str, shape: Shape) -> Plan:
             if store.has_files("placement") else []
         raise InputError(None, f"run {run_id!r} has no plan {plan_id!r} (plans: {', '.join(ids) or 'none'})")
     p = align_layers(plan_from_rows(df, plan_id, shape.num_experts, shape.ranks_per_node), shape.layers)
-    from ..formats.plan_files import plan_meta
+    from .plan_files import plan_meta
 
     meta = plan_meta(store, run_id, plan_id)
     if meta is not None:
