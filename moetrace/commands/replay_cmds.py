@@ -7,6 +7,7 @@ import click
 from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..replay.results import load_answer, load_lines
 from ..run import ClusterSpec, Store
+from ..units import gib
 from ._options import (
     alias_option,
     chrome_trace_option,
@@ -56,17 +57,13 @@ move_options = _stack(
                  help="Passes per recorded step when the counts aggregate a recording (times per pass)."))
 
 
-def _gib(b):
-    return b / 2**30
-
-
 def _print_changes(j, indent="  "):
     if not j.changes:
         return
     c0 = j.changes[0]
     be = [c.break_even_steps for c in j.changes]
-    click.echo(f"{indent}moves: {j.moved_experts} expert copies, {_gib(j.moved_bytes):.2f} GiB "
-               f"({_gib(sum(c.bytes_inter for c in j.changes)):.2f} GiB inter-node) in {len(j.changes)} change(s), "
+    click.echo(f"{indent}moves: {j.moved_experts} expert copies, {gib(j.moved_bytes):.2f} GiB "
+               f"({gib(sum(c.bytes_inter for c in j.changes)):.2f} GiB inter-node) in {len(j.changes)} change(s), "
                f"charged {sum(c.charged_ns for c in j.changes) / 1e6:.3f} ms in all")
     if j.gross_step_ns is None:
         click.echo(f"{indent}break-even: no time per step to weigh the moves against")
@@ -190,7 +187,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
     if res.moved is not None and res.start is not res.plan:
         extra = (f" (ranks renamed to match {res.start.plan_id}; {res.moves_without_relabel} with the "
                  f"planner's own numbering)" if res.relabeled else "")
-        click.echo(f"  moves vs {res.start.plan_id}: {res.moved} expert copies, {_gib(res.moved_bytes):.2f} GiB" + extra)
+        click.echo(f"  moves vs {res.start.plan_id}: {res.moved} expert copies, {gib(res.moved_bytes):.2f} GiB" + extra)
     if res.stored_rows is not None:
         click.echo(f"  stored {res.stored_rows} placement rows as plan_id {res.plan_id!r}")
     if res.out:
@@ -301,7 +298,7 @@ def _print_drift(d, plot):
         t = (f"gross {j.gross_step_ns / 1e6:.3f} ms, net {j.net_step_ns / 1e6:.3f} ms ({j.vs_recorded()})"
              if j.gross_step_ns is not None else "no time per step")
         click.echo(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_text()}  {t}  moved "
-                   f"{j.moved_experts} experts ({_gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
+                   f"{j.moved_experts} experts ({gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
         la = load_answer(j)
         if la is not None:
             click.echo(f"          load (exact): {la.verdict}: {la.reason}")

@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 
+from ..units import gib
+
 DPI = 110
 STYLE = {
     "figure.facecolor": "white",
@@ -330,8 +332,8 @@ def place_labels(ax, xs, ys, texts, colors=None, fontsize: int = 7, gap_px: floa
     return anns
 
 
-def _gib(b) -> str:
-    return "" if b is None else f", {b / 2**30:.2f} GiB moved"
+def _moved_label(b) -> str:
+    return "" if b is None else f", {gib(b):.2f} GiB moved"
 
 
 # ----------------------------------------------------------------------------- replay
@@ -353,7 +355,7 @@ def drift(path, step, curves: list[tuple[str, np.ndarray, float | None, int | No
     styles = {"oracle": "--"}
     for name, y, mean, moved, moved_bytes in curves:
         lab = name + (f" (mean {mean:.3f}×" if mean is not None else " (")
-        lab += (f", {moved} expert moves" if moved is not None else "") + _gib(moved_bytes) + ")"
+        lab += (f", {moved} expert moves" if moved is not None else "") + _moved_label(moved_bytes) + ")"
         if name == "oracle":
             lab += " — fitted on the judged steps: a lower bound"
         ax.plot(step, y, styles.get(name, "-"), lw=1.2, label=lab)
