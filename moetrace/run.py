@@ -231,13 +231,14 @@ class Run(NotebookView):
 
         return wait_shift(self.store, self.id, steps_a, steps_b, by=by)
 
-    def whatif(self, **kw):
+    def whatif(self, *, write: bool = True, trace_path=None, **options):
         """Two-micro-batch overlap, attention/FFN disaggregation and NVLink domain size on
-        the recorded timeline (:func:`moetrace.replay.timeline_whatif_store.run_whatifs`, keyword
-        options as there; writes ``replay_whatif`` unless ``write=False``)."""
-        from .replay.timeline_whatif_store import run_whatifs
+        the recorded timeline (:func:`moetrace.replay.timeline_whatif_store.run_whatifs`;
+        keyword options as :class:`~moetrace.replay.timeline_whatif_store.WhatIfOptions`;
+        writes ``replay_whatif`` unless ``write=False``)."""
+        from .replay.timeline_whatif_store import WhatIfOptions, run_whatifs
 
-        return run_whatifs(self.store, self.id, **kw)
+        return run_whatifs(self.store, self.id, WhatIfOptions(**options), write=write, trace_path=trace_path)
 
     def stored_whatifs(self) -> "pl.DataFrame | None":
         """The newest ``replay_whatif`` rows of each kind written for this run (long form,
