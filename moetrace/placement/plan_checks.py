@@ -4,6 +4,8 @@ Imports only errors / safety and numpy.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..errors import InputError
@@ -12,7 +14,7 @@ from ..safety import INT64, _range_name, excerpt
 
 def _first_bad(value, lo: int, hi: int, where: str):
     """(index path, value) of the first element of nested lists outside lo..hi or not an int."""
-    stack = [((), value)]
+    stack: list[tuple[tuple[int, ...], Any]] = [((), value)]
     while stack:
         idx, v = stack.pop()
         if isinstance(v, (list, tuple)):

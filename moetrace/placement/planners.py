@@ -11,7 +11,7 @@ point.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,7 +27,8 @@ class Plan:
     num_experts: int
     num_ranks: int
     ranks_per_node: int
-    layers: np.ndarray | None = None   # layer ids of the rows (default 0..L-1)
+    #: layer ids of the rows: any int sequence, None = 0..L-1; an int64 array once constructed
+    layers: Any = None
     policy: str = "contiguous"
     plan_id: str | None = None
     params: dict = field(default_factory=dict)
@@ -140,7 +141,7 @@ def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
         rank_load = np.zeros(R)
         rank_n = np.zeros(R, np.int64)
         holds = np.zeros((R, E), bool)
-        rows = [[] for _ in range(R)]
+        rows: list[list[int]] = [[] for _ in range(R)]
         for j in order:
             e = items[j]
             free = rank_n < spr
@@ -158,8 +159,11 @@ def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
 def eplb(load: np.ndarray, shape: PlanShape) -> Plan:
     """DeepSeek's EPLB with the model's groups: hierarchical when the groups divide over the
     nodes, else (as the published algorithm does) global; the policy name says which."""
-    phy2log, _, _ = rebalance_experts(load, shape.num_slots, shape.num_groups, shape.nodes(), shape.num_ranks)
-    hier = shape.num_groups % shape.nodes() == 0
+    G = shape.num_groups
+    if G is None:       # check_shape refuses it first; here for the type checker and direct callers
+        raise InputError(None, "hierarchical EPLB needs the model's expert group count (--groups N)")
+    phy2log, _, _ = rebalance_experts(load, shape.num_slots, G, shape.nodes(), shape.num_ranks)
+    hier = G % shape.nodes() == 0
     return Plan(phy2log, load.shape[1], shape.num_ranks, shape.ranks_per_node,
                 policy="eplb" if hier else "eplb-global",
                 params={"hierarchical": bool(hier), "num_groups": shape.num_groups, "num_nodes": shape.nodes(),

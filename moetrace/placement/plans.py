@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from ..domain.balance import imbalance
 from ..domain.shape import ClusterSpec, Shape
 from ..errors import InputError
 from .moves import moves_between, replan
-from .plan_store import load_plan
+from .plan_store import expert_count, load_plan
 from .planners import Plan, make_plan
 from .relabel import relabel
 
@@ -76,12 +77,12 @@ class PlanOptions:
     experts where ``start`` has them."""
     fit_window: tuple[int, int] | None = None
     start: str | None = None
-    import_file: object = None
+    import_file: str | Path | None = None
     max_moves: int | None = None
     target_imbalance: float | None = None
     plan_id: str | None = None
     store: bool = True
-    out: object = None
+    out: str | Path | None = None
     out_format: str = "sglang"
     relabel: bool = True
 
@@ -122,7 +123,8 @@ def make_run_plan(store, run_id: str, shape: Shape, read_total: ReadTotal, polic
         what = f"--fit-steps {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
         raise InputError(None, f"{what} holds no recorded steps")
     base = load_plan(store, run_id, "recorded", shape) if shape.num_ranks else None
-    info, relabel_info = {}, None
+    info: dict = {}
+    relabel_info = None
     if policy:
         ps = shape.plan_shape(c)
         p = make_plan(policy, total, ps, layers=shape.layers)
@@ -135,9 +137,10 @@ def make_run_plan(store, run_id: str, shape: Shape, read_total: ReadTotal, polic
         if not R:
             raise InputError(None, "the run's rank count is unknown: give --ranks for the imported plan")
         ps = shape.plan_shape(ClusterSpec(ranks=R, nodes=nodes, ranks_per_node=rpn))
-        p = plan_io.import_plan(import_file, shape.num_experts, R, ps.ranks_per_node, shape.layers,
+        p = plan_io.import_plan(import_file, expert_count(shape), R, ps.ranks_per_node, shape.layers,
                                 shape.num_groups or 1)
     else:
+        assert start_plan_id is not None     # one of policy, import_file, start_plan_id (checked above)
         start = load_plan(store, run_id, start_plan_id, shape)
         if moves_mode:
             p, info = replan(start, total, max_moves=max_moves, target_imbalance=target_imbalance)
@@ -151,9 +154,9 @@ def make_run_plan(store, run_id: str, shape: Shape, read_total: ReadTotal, polic
         moved = int(moves_between(base, p).sum()) if base.num_ranks == p.num_ranks else None
     except ValueError:
         moved = None
-    res = PlanResult(run_id, pid, p, base, int(ids.size), tuple(fit_window) if fit_window else None,
+    res = PlanResult(run_id, pid, p, base, int(ids.size), (fit_window[0], fit_window[1]) if fit_window else None,
                      _mean_imbalance(p, total), _mean_imbalance(base, total) if base.num_slots else None, moved,
-                     moved * shape.expert_bytes if moved is not None else None,
+                     moved * shape.expert_bytes if moved is not None and shape.expert_bytes is not None else None,
                      bool(relabel_info and relabel_info["relabeled"]),
                      relabel_info["moves_before"] if relabel_info and relabel_info["relabeled"] else None,
                      fitted=bool(policy or info))
