@@ -15,8 +15,8 @@ HolisticTraceAnalysis's ``TraceAnalysis``: open a store, take one run, ask it qu
     run.kernels()                  # kernel names by kind with total time
     run.waits()                    # WaitResult: who waited for whom across ranks (wait matrix)
     run.whatif(domains=(8, 16, 72))  # two micro-batches, attention/FFN disaggregation, NVLink domain size
-    run.plan("eplb", replicas=32)  # a placement plan fitted on the run's load
-    run.replay(policy="eplb", replicas=32)   # predicted loads and step time under that plan
+    run.plan("eplb", cluster=ClusterSpec(replicas=32))  # a placement plan fitted on the run's load
+    run.replay(policy="eplb", cluster=ClusterSpec(replicas=32))  # predicted loads and step time under it
     run.drift("eplb", every=10)    # static vs re-planned vs oracle placement over time
     run.sweep("eplb", replicas=[0, 16, 32])  # the operator's decision table
     run.calibrate(judge=["rb"])    # fit the cost model on measured spans, judge on another run

@@ -114,7 +114,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 #: own ``__init__`` (lazy public names), ``cli`` and ``commands`` are the top.
 LAYERS = [
     ("ground", {"moetrace.version", "moetrace.errors", "moetrace.output", "moetrace.safety", "moetrace.safety_pickle",
-                "moetrace.streams", "moetrace.notebook", "moetrace.shape_gaps", "moetrace.units"}),
+                "moetrace.streams", "moetrace.notebook", "moetrace.units"}),
     ("domain", {"moetrace.domain"}),
     ("formats", {"moetrace.formats"}),
     ("placement", {"moetrace.placement"}),

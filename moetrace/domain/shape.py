@@ -21,7 +21,7 @@ from ..safety import SHAPE_MAX
 from .budget import STREAMED_STEPS, check_replay_memory, check_slots
 from .ranks import ranks_per_node_or_all
 
-__all__ = ["SHAPE_MAX", "ClusterSpec", "PlanShape", "Shape", "Timing", "check_shape"]
+__all__ = ["SHAPE_MAX", "ClusterSpec", "PlanShape", "Shape", "Timing", "check_shape", "gap_notes", "shape_gaps"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,26 @@ class Shape:
         return (f"{self.num_ranks or '?'} ranks ({self.ranks_from or 'unknown'}), "
                 f"{self.ranks_per_node or '?'} per node, {self.num_slots} slots, "
                 f"{self.num_groups if self.num_groups is not None else '?'} groups, top_k {self.top_k or '?'}")
+
+
+# ----------------------------------------------------------------------------- what a shape leaves unknown
+# One sentence per gap, said by ``ingest`` (stderr, right after the write), ``runs`` and
+# ``skew`` (notes under the table), so a null in a table always has its reason next to it.
+#: (runs column, the ingest option that records it, what stays null without it)
+GAPS = (
+    ("num_ranks", "--ranks N", "no rank loads: imbalance, efficiency, the straggler rank and every replay are null"),
+    ("top_k", "--top-k K", "tokens per step (assignments / top-k) and the experts a step is expected to touch are "
+                           "null; counts are token-expert assignments"),
+)
+
+
+def shape_gaps(run: dict) -> list[str]:
+    """One line per shape value the run lacks: which, how to record it, what is null because
+    of it (``run``: a ``runs`` row as a dict)."""
+    return [f"{col} unknown (not in the source; ingest {opt} records it): {what}"
+            for col, opt, what in GAPS if run.get(col) is None]
+
+
+def gap_notes(run: dict) -> list[str]:
+    """:func:`shape_gaps` prefixed with the run id, for notes under a table of several runs."""
+    return [f"run {run.get('run_id')}: {g}" for g in shape_gaps(run)]
