@@ -126,7 +126,7 @@ def _quick_footers(root: Path, tables, con=None, cache: dict | None = None) -> s
         if con is not None:
             cols = footer_columns(con, list(files), cache)
         else:
-            from .engine import duckdb
+            from .duck import duckdb
 
             con = duckdb.connect(":memory:")
             try:

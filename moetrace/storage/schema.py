@@ -19,6 +19,9 @@ if TYPE_CHECKING:   # pyarrow is imported where a path needs it: readers need on
 
 #: the contract's type names (their Arrow types: :func:`arrow_types`)
 TYPE_NAMES = ("string", "bool", "int8", "int16", "int32", "int64", "float32", "float64", "int64[]")
+#: each contract type as DuckDB names it (a view's column that no file holds is cast to it)
+DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
+              "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE", "int64[]": "BIGINT[]"}
 
 
 
