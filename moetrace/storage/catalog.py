@@ -22,19 +22,21 @@ if TYPE_CHECKING:
     from .writer import Writer
 
 
-def write_catalog(path: Path, writer: Writer, views: TableViews) -> Path:
+def write_catalog(path: Path, writer: Writer, views: TableViews, threads: int | None = None) -> Path:
     """Write ``path``/catalog.duckdb: the views of :class:`~.views.TableViews`, over globs
     relative to the store. A write like the others: under the write lock, to a temporary
     file renamed into place (a crash leaves the old catalog and a temporary file that
-    recovery removes)."""
+    recovery removes). ``threads``: DuckDB's threads while it is written (None: its default)."""
     if (path / STORE_MARKER).exists() and os.access(path, os.W_OK):
         with writer.lock():
-            return _write(path, views)
-    return _write(path, views)
+            return _write(path, views, threads)
+    return _write(path, views, threads)
 
 
-def _write(path: Path, views: TableViews) -> Path:
+def _write(path: Path, views: TableViews, threads: int | None) -> Path:
     import duckdb
+
+    from .duck import connect
 
     target = path / "catalog.duckdb"
     import uuid  # here: read-only commands never make an id (start-up)
@@ -44,7 +46,7 @@ def _write(path: Path, views: TableViews) -> Path:
             raise StoreError(f"{path}: the store holds nothing yet; catalog not written")
         if target.is_symlink():
             raise StoreError(f"{target}: is a symlink; refused; catalog not written")
-        con = duckdb.connect(":memory:")
+        con = connect(threads, package=True)
         try:  # readable by older duckdb CLIs too
             con.execute(f"ATTACH {sql_literal(tmp)} AS cat (STORAGE_VERSION 'v1.0.0')")
         except duckdb.Error as e:

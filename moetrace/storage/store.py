@@ -79,7 +79,8 @@ def _narrow_hugeints(df: pl.DataFrame) -> pl.DataFrame:
     for name, dtype in df.schema.items():
         if isinstance(dtype, pl.Decimal) and (dtype.scale or 0) == 0:
             col = df[name]
-            mx, mn = col.max(), col.min()
+            mx: Any = col.max()
+            mn: Any = col.min()
             if mx is None or (abs(int(mx)) < 2**63 and abs(int(mn)) < 2**63):
                 casts.append(pl.col(name).cast(pl.Int64))
     return df.with_columns(casts) if casts else df
@@ -258,7 +259,7 @@ class Store:
         if threads:
             con.execute(f"SET threads={int(threads)}")
         if memory_limit:
-            con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit))}")
+            con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit) or memory_limit)}")
         self.check_readable(con)
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
@@ -335,7 +336,9 @@ class Store:
             raise StoreError(f"SQL error: {e}") from None
         if tbl is None or not tbl.num_columns:
             return pl.DataFrame()
-        return _narrow_hugeints(pl.from_arrow(tbl))
+        df = pl.from_arrow(tbl)
+        assert isinstance(df, pl.DataFrame)   # from a table, not an array
+        return _narrow_hugeints(df)
 
     def rows(self, query: str, params: Any = None) -> Rows:
         """Run SQL over the store's views and return its rows as DuckDB gives them
@@ -387,7 +390,7 @@ class Store:
 
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
                     "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64, "int64[]": pl.List(pl.Int64)}
-        want = {c.name: pl_types[c.type] for c in schema.get("runs").columns}
+        want: dict[str, Any] = {c.name: pl_types[c.type] for c in schema.get("runs").columns}
         rows = self.runs_rows()
         assert list(rows.columns) == list(want)
         return pl.DataFrame(rows.rows, schema=want, orient="row")
@@ -515,7 +518,7 @@ class Store:
         (:mod:`.catalog`), under the write lock."""
         from .catalog import write_catalog
 
-        return write_catalog(self.path, self.writer, self._views)
+        return write_catalog(self.path, self.writer, self._views, self.threads)
 
     def _refresh_catalog(self) -> str | None:
         """Rewrite catalog.duckdb when there is one. Runs after a commit: a failure is a

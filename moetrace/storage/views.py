@@ -70,7 +70,9 @@ def view_docs() -> dict[str, dict]:
             para: list[str] = []
             head = next((j for j, c in enumerate(comments) if c and c.lower().startswith(name.lower() + ":")), None)
             if head is not None:
-                para = [comments[head][len(name) + 1:].strip()]
+                first = comments[head]
+                assert first is not None   # found as a comment line
+                para = [first[len(name) + 1:].strip()]
                 for c in comments[head + 1:]:
                     if not c or _VIEW_RE.match(c) or re.match(r"^\w+:\s", c) and c.split(":")[0] in _view_names(f):
                         break

@@ -200,6 +200,7 @@ class Writer:
                 continue   # removed since the listing: its writer (not holding our lock) is done with it
             if not stat.S_ISREG(mode):   # a symlink, a folder, a device
                 raise StoreError(f"{j}: malformed journal (not a regular file); nothing was changed")
+            doc: Any
             try:
                 raw = j.read_bytes()
                 doc = json.loads(raw) if len(raw) < (64 << 20) else None
