@@ -500,9 +500,8 @@ class Store:
         asked run id), or its ``source_sha256`` when it was ingested without options."""
         if not self.has_files("runs"):
             return None
-        cols = set(self.sql("SELECT * FROM runs LIMIT 0").columns)
-        key = "coalesce(ingest_key, source_sha256)" if "ingest_key" in cols else "source_sha256"
-        df = self.sql(f"SELECT run_id FROM runs WHERE {key} = ?", [sha])
+        # the runs view has every contract column (NULL where an older file lacks one)
+        df = self.sql("SELECT run_id FROM runs WHERE coalesce(ingest_key, source_sha256) = ?", [sha])
         return df["run_id"][0] if df.height else None
 
     def row_counts(self) -> pl.DataFrame:
