@@ -12,14 +12,14 @@ per node, hidden size, bytes per element and per expert): the replay's loader
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from ..safety import SHAPE_MAX
 from .budget import STREAMED_STEPS, check_replay_memory, check_slots
-from .ranks import ranks_per_node_or_all
+
+if TYPE_CHECKING:   # numpy is imported where arrays are made: ``moetrace runs`` reads a Shape without it
+    import numpy as np
 
 __all__ = ["SHAPE_MAX", "ClusterSpec", "PlanShape", "Shape", "Timing", "check_shape", "gap_notes", "shape_gaps"]
 
@@ -81,6 +81,12 @@ class Timing:
     per_pass: int | None = None
 
 
+def _no_ids() -> np.ndarray:
+    import numpy as np
+
+    return np.zeros(0, np.int64)
+
+
 @dataclass(eq=False)
 class Shape:
     """A run's model and cluster shape, as the SQL views see it (view ``run_shape``), plus
@@ -105,8 +111,8 @@ class Shape:
     expert_bytes: int | None = None
     # ---- what a replay reads (empty on the facade's ``Run.shape``)
     #: the layer ids and step ids of the recorded load, ascending
-    layers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
-    steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    layers: np.ndarray = field(default_factory=_no_ids, repr=False)
+    steps: np.ndarray = field(default_factory=_no_ids, repr=False)
     has_slot: bool = False         # per-slot counts recorded
     has_routing: bool = False      # per-token routing recorded
     #: the counts aggregate many passes (one pseudo-step per recording); passes when known
@@ -141,6 +147,8 @@ class Shape:
         sizes the steps held at once: all of them (drift, sweep: the run's load in memory),
         or with ``streamed`` one read of :data:`.budget.STREAMED_STEPS` (a replay of one
         plan reads the run in chunks: an hour and a week of a fleet need the same memory)."""
+        from .ranks import ranks_per_node_or_all
+
         c = cluster or ClusterSpec()
         E = int(self.num_experts or 0)
         R = c.ranks or self.num_ranks
