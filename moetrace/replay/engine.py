@@ -170,9 +170,16 @@ def received_cap(load: np.ndarray, top_k: int, dtype=np.float64) -> np.ndarray:
 
 
 def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays | None = None, even_tokens=None):
-    """(intra bytes, inter bytes, tokens received or None, (intra, inter) bytes per received token).
-    ``even_tokens``: the plan's per-rank tokens under the even split, when the caller has
-    them (one slot per rank: they are the tokens received)."""
+    """Bytes each rank receives in the dispatch, without per-token data: (intra bytes, inter
+    bytes, tokens received or None, (intra, inter) bytes per received token). A token
+    reaches rank r unless it misses every copy there, each copy taking load/copies of the
+    step's B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks
+    (the token's own rank costs nothing, its node's other ranks are intra-node). Without
+    ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so).
+    float32 throughout (a probability per rank; the bytes are an estimate), except with one
+    slot per rank, where P = x/B exactly: the rank receives its own tokens (at most B), in
+    the load's precision. ``even_tokens``: the plan's per-rank tokens under the even split,
+    when the caller has them (one slot per rank: they are the tokens received)."""
     T, L, E = load.shape
     if not top_k:
         z = np.zeros((T, L, plan.num_ranks))
