@@ -15,6 +15,8 @@ import pytest
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 
+from .helpers import module_fixture
+
 
 # ----------------------------------------------------------------------------- reference
 def dense_loads(st: Store, run_id: str, E: int):
@@ -89,7 +91,7 @@ def assert_row_matches(row: dict, ref: dict):
 
 
 # ----------------------------------------------------------------------------- synthetic run
-@pytest.fixture(scope="module")
+@module_fixture
 def small_synth(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("an") / "st", create=True)
     cfg = SynthConfig(layers=3, experts=64, top_k=4, ranks=8, ranks_per_node=4, steps=12, tokens_per_step=300,
@@ -216,7 +218,7 @@ def test_seed_physics_lognormal_structural_skew_independent_numpy():
     assert 1.35 <= np.mean(vals) <= 1.7
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def physics_runs(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("phys") / "st", create=True)
     out = {}

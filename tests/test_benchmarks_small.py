@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO, SHARED_DATA
+from .helpers import REPO, SHARED_DATA, module_fixture
 
 BENCHMARKS = sorted(p.stem[len("bench_"):] for p in (REPO / "benchmarks").glob("bench_*.py"))
 #: benchmarks that read a real trace under ../shared/data: absent in a fresh clone, they
@@ -19,7 +19,7 @@ BENCHMARKS = sorted(p.stem[len("bench_"):] for p in (REPO / "benchmarks").glob("
 NEEDS_SHARED_DATA = {"ingest_kineto": "deepseek_ep64_train_rank0.json.gz"}
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-results")
     # the timeouts only catch a hang: the benchmarks take about a minute together on a quiet

@@ -12,9 +12,8 @@ import pytest
 from moetrace.replay import calibrate as cal
 from moetrace.replay import calibrate_fit as calfit
 from moetrace.run import Store
-from tests.conftest import tree_hash
 
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
+from .helpers import module_fixture, tree_hash
 
 R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2
 SPR = E // R
@@ -321,7 +320,7 @@ RR, RE, RSTEPS = 2, 8, 3
 REPLICATED = [0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 2, 3]
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def refrun_pair(tmp_path_factory, forked_ranks):
     pytest.importorskip("torch", reason="the reference run needs PyTorch (pip install 'moetrace[torch]')")
     from moetrace.collect import ingest

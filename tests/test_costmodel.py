@@ -16,7 +16,7 @@ from moetrace.costmodel.a2a import A2AParams, low_latency_terms, routing_counts
 from moetrace.costmodel.gemm import GemmParams, gemm_terms, tile_config
 from moetrace.costmodel.hardware import GPUS
 
-from .conftest import invoke
+from .helpers import invoke
 
 H800 = GPUS["H800"]
 ROWS = F.load_rows()

@@ -14,6 +14,8 @@ import moetrace
 from moetrace.errors import StoreError
 from moetrace.run import Run, Shape
 
+from .helpers import module_fixture
+
 # 2 layers, 8 experts, 3 steps; a recorded placement puts expert e on rank e // 2 (4 ranks),
 # and runs.num_ranks is NOT given: the shape must come from the recorded placement.
 E, L, T, R = 8, 2, 3, 4
@@ -22,7 +24,7 @@ LOAD = RNG.integers(0, 20, size=(T, L, E))
 LOAD[1, 1] = 0   # an idle (step, layer): imbalance undefined
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     st = moetrace.open_store(tmp_path_factory.mktemp("facade") / "st", create=True)
     t, la, e = np.nonzero(LOAD >= 0)

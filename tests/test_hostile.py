@@ -24,8 +24,8 @@ import pytest
 from moetrace.errors import StoreError
 from moetrace.storage.store import Store
 
-from .conftest import REPO, tree_hash
-from .test_bad_input import _seed_store as _seeded  # a store holding one run (seed-store)
+from .helpers import REPO, tree_hash
+from .helpers.seed_store import _seed_store as _seeded  # a store holding one run (seed-store)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -376,7 +376,7 @@ def test_internal_error_is_one_line_exit_1_and_debug_shows_it(runner, cli, store
 
 # ----------------------------------------------------------------------------- Nsight exports: URI, WAL, views, bombs
 def _nsys_export(path: Path) -> Path:
-    from .test_nsys import make_export
+    from .helpers.nsys_export import make_export
 
     return make_export(path)
 

@@ -14,7 +14,8 @@ import pytest
 
 from moetrace.collect import generic
 from moetrace.storage.store import Store
-from tests.conftest import tree_hash
+
+from .helpers import tree_hash
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from moetrace.collect._launch_context import launch_context
 from moetrace.domain.kernels import Classifier
 from moetrace.run import Store
 
-from .test_kineto import ev_x, kernel, launch, write_trace
+from .helpers.kineto_trace import ev_x, kernel, launch, write_trace
 
 BMM_FP4 = ("bmm_MxE4m3_MxE2m1MxE4m3_Fp32_t128x8x512u2_s3_et128x8_m128x8x32_cga1x1x1_16dp256b_rM_TN_transOut_schedS_"
            "biasM_bN_tma_ldgstsSf_rgTma_clmp_dynB_sm100f")

@@ -9,7 +9,7 @@ import pytest
 
 from moetrace.run import Store
 
-from .conftest import invoke
+from .helpers import invoke
 
 CSV = "step,layer,expert,tokens\n" + "".join(f"{s},0,{e},{(s + 1) * (e + 1)}\n" for s in range(3) for e in range(4))
 

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from moetrace.cli import cli
 from moetrace.run import Store
-from tests.conftest import shared_data
+
+from .helpers import shared_data
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 LOAD_SCHEMA = pa.schema([("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
@@ -196,7 +197,7 @@ def _no_groups_store(path):
 def test_settings_known_or_asked_for(tmp_path):
     path = tmp_path / "ng"
     _no_groups_store(path)
-    from tests.test_replay import store_files
+    from .helpers.slot_store import store_files
 
     before = store_files(path)
     for args, needle in [

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 from moetrace.cli import cli
 from moetrace.run import Store
 
+from .helpers import module_fixture
+
 T, L, E, R = 20, 2, 8, 4
 LOAD_SCHEMA = pa.schema([("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
                          ("src_rank", pa.int32()), ("tokens", pa.int64())])
@@ -25,7 +27,7 @@ def _load():
     return base[None, None, :] + rng.integers(0, 30, (T, L, E))
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("exact") / "st"
     tok = _load()

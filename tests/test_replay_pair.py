@@ -11,7 +11,8 @@ import pytest
 from moetrace.placement.planners import Plan
 from moetrace.replay import engine
 from moetrace.replay.cost import CostModel, preset
-from tests.test_replay_kernel import _reference
+
+from .helpers.replay_reference import _reference
 
 
 def _one_slot_plan(rng, L, E, R, rpn, plan_id):

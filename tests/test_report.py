@@ -13,8 +13,10 @@ from moetrace.produce.synth import SynthConfig, synth
 from moetrace.report import build as rbuild
 from moetrace.run import Store
 
+from .helpers import module_fixture
 
-@pytest.fixture(scope="module")
+
+@module_fixture
 def synth_store(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("rep") / "st", create=True)
     cfg = SynthConfig(layers=3, experts=32, top_k=4, ranks=8, ranks_per_node=4, steps=16, tokens_per_step=128,
@@ -23,7 +25,7 @@ def synth_store(tmp_path_factory):
     return st, rid, cfg
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def synth_report(synth_store, tmp_path_factory):
     """The report of synth_store, built once, by ``moetrace report STORE --out OUT`` (the CLI
     test reads its output and files), for the tests that read it: (the Report the command

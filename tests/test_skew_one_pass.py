@@ -10,7 +10,7 @@ import pytest
 from moetrace.analyze import cache, frames, materialize
 from moetrace.run import Store
 
-from .test_dense import _run, _stores
+from .helpers.dense_runs import _run, _stores
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from moetrace.cli import cli
 
-from .conftest import REPO
+from .helpers import REPO, module_fixture
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -27,7 +27,7 @@ def _cli(args, code=0):
     return r
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory, spark_session):
     root = tmp_path_factory.mktemp("sparkcli") / "st"
     _cli(["ingest", str(root), str(SAMPLES / "refrun"), "--run-id", "refrun"])

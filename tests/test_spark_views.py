@@ -23,7 +23,7 @@ import pytest
 from moetrace.run import Store
 from moetrace.storage import schema
 
-from .conftest import REPO
+from .helpers import REPO, module_fixture
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -106,7 +106,7 @@ def _run_without_ranks(store: Store) -> None:
     store.write_run(run, {"expert_load": load}, run_id="noranks")
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("spark") / "st"
     run_cli(["ingest", str(SAMPLES / "dsv3_synth_expert_load.parquet"), "--store", str(root), "--run-id", "dsv3",
@@ -126,7 +126,7 @@ def store(tmp_path_factory):
     return st
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def spark(store, spark_session):
     from moetrace.storage import spark as ms
 
@@ -136,7 +136,7 @@ def spark(store, spark_session):
     return spark_session
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def spark_views(spark):
     """Each metric view computed once on Spark, in definition order (every view after the
     views it reads): its rows are checkpointed and the view is replaced by them, so a view

@@ -12,7 +12,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from .conftest import REPO, tree_hash
+from .helpers import REPO, module_fixture, tree_hash
 
 
 class _Result:
@@ -35,7 +35,7 @@ def _run(*args, cwd, timeout=None):
         os.chdir(old)
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("sb")
     r = _run("synth", "st", "--steps", "4", "--layers", "2", "--experts", "16", "--ranks", "4", "--ranks-per-node", "4", cwd=root)

@@ -13,7 +13,7 @@ import moetrace
 from moetrace.errors import StoreError
 from moetrace.run import Store
 
-from .conftest import tree_hash
+from .helpers import tree_hash
 
 
 def _run(sha="abc"):

@@ -25,9 +25,9 @@ from moetrace.cli import cli
 from moetrace.storage import schema
 from moetrace.storage.store import Store
 
-from .conftest import REPO, SIGKILL_AT_REPLACE, tree_hash
-from .test_replay import slot_store  # noqa: F401  (fixture: 2 layers x 12 slots, 6 steps)
-from .test_store_atomic import _ForkedWriters
+from .helpers import REPO, SIGKILL_AT_REPLACE, module_fixture, tree_hash
+from .helpers.forked_writers import _ForkedWriters
+from .helpers.slot_store import build_slot_store
 
 L, S = 2, 12  # the slot_store's shape: a plan is L * S placement rows
 
@@ -109,11 +109,11 @@ def _snapshot_points(monkeypatch, store, snaps) -> list[int]:
     return n
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def slot_template(tmp_path_factory):
     """test_replay's slot_store with a catalog.duckdb (so every write also replaces it: one
     more crash point), built once: read-only, a test copies it."""
-    template, _ = slot_store.__wrapped__(tmp_path_factory.mktemp("slots"))
+    template, _ = build_slot_store(tmp_path_factory.mktemp("slots"))
     Store(template, create=True).write_catalog()
     return template
 

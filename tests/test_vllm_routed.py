@@ -12,7 +12,7 @@ import pytest
 from moetrace.collect import collect, detect
 from moetrace.run import Store
 
-from .conftest import invoke, tree_hash
+from .helpers import invoke, tree_hash
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 

@@ -78,3 +78,19 @@ def live_views(path, rids: list[str]) -> dict[str, dict[str, pl.DataFrame]]:
         return {rid: {v: plain(st, v, rid) for v in KEYS} for rid in rids}
     finally:
         st.close()
+
+
+def _assert_same(got: pl.DataFrame, want: pl.DataFrame, what: str):
+    assert got.columns == want.columns, what
+    assert got.height == want.height, f"{what}: {got.height} rows, view has {want.height}"
+    assert got.height > 0, what
+    for c in want.columns:
+        g, w = got[c], want[c]
+        assert g.dtype == w.dtype, f"{what}.{c}: {g.dtype} vs {w.dtype}"
+        assert g.null_count() == w.null_count() and (g.is_null() == w.is_null()).all(), f"{what}.{c} nulls"
+        if w.dtype.is_float():
+            # sums of fractional replica loads may be added in another order: last-bit differences only
+            np.testing.assert_allclose(g.drop_nulls().to_numpy(), w.drop_nulls().to_numpy(), rtol=1e-12,
+                                       atol=0, err_msg=f"{what}.{c}")
+        else:
+            assert g.to_list() == w.to_list(), f"{what}.{c}"
