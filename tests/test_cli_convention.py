@@ -1,4 +1,4 @@
-"""One meaning per option name across every command (#25; CONTRIBUTING.md "Command-line
+"""One meaning per option name across every command (CONTRIBUTING.md "Command-line
 convention"): the click tree is walked, every command's --help rendered, and each visible
 option checked against the convention. Old spellings may remain as unlisted aliases."""
 from __future__ import annotations

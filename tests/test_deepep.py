@@ -1,4 +1,4 @@
-"""DeepEP diagnosis counters (#24): the samples ingest with counts equal to numpy over the raw
+"""DeepEP diagnosis counters: the samples ingest with counts equal to numpy over the raw
 arrays, the wait matrix sits beside the timeline's, bad files are one-line exit-2 refusals."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The hostile-input audit's families (issue 27), one parametrized case per member.
+"""The hostile-input audit's families, one parametrized case per member.
 
 Every case is generated in tmp_path (nothing large is committed) and must end in: exit
 code 2, exactly one line on stderr naming the file, no traceback, the store byte-for-byte

@@ -1,4 +1,4 @@
-"""Kernels classified by what launched them (issue 23): crafted Kineto traces shaped like
+"""Kernels classified by what launched them: crafted Kineto traces shaped like
 recent vLLM ones (TRT-LLM-gen bmm kernels inside vllm::moe_forward, nvjet GEMMs inside
 expert_ffn ranges, a multimem all-reduce), a CPU-only gloo trace, a crafted Nsight
 export with NVTX ranges around the launches; the "no expert GEMM found" line; and the

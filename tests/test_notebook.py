@@ -1,4 +1,4 @@
-"""The facade's results in a notebook (#25): ``Run`` and the replay, drift and sweep results
+"""The facade's results in a notebook: ``Run`` and the replay, drift and sweep results
 render as a title, the answer in words and a short table (``_repr_markdown_`` and
 ``_repr_html_``, what Jupyter calls), with the numbers of the result itself."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A performance engineer's own CSV (#25): ingest says what it could not know, runs/skew say
+"""A performance engineer's own CSV: ingest says what it could not know, runs/skew say
 why a value is null, re-ingesting with a corrected shape is explicit, every CSV/JSONL value
 error names its row, and a missing optional dependency is one line with its install command."""
 from __future__ import annotations

@@ -330,7 +330,7 @@ def test_dispatch_traffic_matrix_per_rank_pair(tmp_path):
 
 # ----------------------------------------------------------------------------- re-ingest
 def test_reingest_with_other_options_needs_a_run_id(tmp_path):
-    """The same source with corrected options is never a silent second run (#25): refused
+    """The same source with corrected options is never a silent second run: refused
     (one line, exit 2, store unchanged) unless --run-id names the new run."""
     path = tmp_path / "st"
     src = SAMPLES / "dsv3_synth_expert_load.parquet"

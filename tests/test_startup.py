@@ -1,4 +1,4 @@
-"""Start-up (issue #26): the store module imports neither duckdb nor polars, and the
+"""Start-up (under 0.3 s): the store module imports neither duckdb nor polars, and the
 store's connection defines only the views of sql/ a statement names (plus what they read)."""
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _cli_in_fresh_python(*args: str) -> dict:
 def test_runs_and_skew_import_neither_polars_nor_arrow_nor_numpy(tmp_path, runner, cli):
     """`moetrace runs` and `moetrace skew` print DuckDB's rows: polars, pyarrow (and its
     pandas), numpy and the duckdb package's Python layer (moetrace.storage.engine: only its
-    C extension) are not imported on their path (issue #26: start-up under 0.3 s).
+    C extension) are not imported on their path (start-up under 0.3 s).
     Not a timing test: it fails when one of them comes back on the path."""
     st = tmp_path / "tiny"
     res = runner.invoke(cli, ["synth", str(st), "--layers", "2", "--steps", "3", "--tokens-per-step", "64",

@@ -1,5 +1,5 @@
 """Store.con.temp_table: a view's rows of one run as a TEMP table, the views it reads
-inlined as CTEs instead of created (start-up, issue #26), and the connection still
+inlined as CTEs instead of created (a command's start-up), and the connection still
 answering every view the same once the TEMP table is dropped."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every write is one transaction (issue 27): plans, replays, sweeps, calibrations, catalogs
+"""Every write is one transaction: plans, replays, sweeps, calibrations, catalogs
 and ingests, killed between each pair of renames, leave the store exactly as before or
 exactly as after, for a reader that opens it right away (no recovery) and after the next
 writer's recovery; a reader opened before a table's first file sees it after the write.

@@ -1,5 +1,5 @@
 """vLLM routed-experts arrays ([tokens, layers, top_k] per request, .npy or JSON lists) and
-routing JSONL with metadata header lines (#23, #24)."""
+routing JSONL with metadata header lines."""
 from __future__ import annotations
 
 import json

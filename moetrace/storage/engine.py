@@ -5,7 +5,7 @@ its version from the installed distribution's metadata) over the C extension ``_
 which it re-exports unchanged: ``duckdb.connect is _duckdb.connect`` and
 ``duckdb.Error is _duckdb.Error``. Importing the package costs about 0.1 s here; the
 extension about 0.02 s. ``moetrace runs`` and ``moetrace skew`` on a small store only
-connect, ``execute`` and ``fetchall`` (start-up goal of issue #26), so they take
+connect, ``execute`` and ``fetchall`` (their start-up is most of their time), so they take
 :data:`duckdb` from here: the extension when it can be imported on its own, else the
 package.
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import SchemaError
 
-if TYPE_CHECKING:   # pyarrow is imported where a path needs it: readers need only names (issue #26)
+if TYPE_CHECKING:   # pyarrow is imported where a path needs it: readers need only names (start-up)
     import pyarrow as pa
 
 #: the contract's type names (their Arrow types: :func:`arrow_types`)
@@ -187,7 +187,7 @@ def one_row(row: dict) -> pa.Table:
     """A one-row table of Python values (str, int, bool, float, None; other values as
     ``pa.array`` makes them), column types as ``pa.Table.from_pylist([row])`` infers them.
     Built from buffers: pyarrow imports pandas the first time ``pa.array`` is called, a
-    third of a second of every ``moetrace ingest`` (issue #26)."""
+    third of a second of every ``moetrace ingest`` (start-up)."""
     import struct
 
     import pyarrow as pa

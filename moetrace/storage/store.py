@@ -45,7 +45,7 @@ from . import schema
 from .paths import GLOB_CHARS, STORE_FORMAT, STORE_MARKER, check_store_path
 from .txn import Transactions
 
-if TYPE_CHECKING:   # duckdb, pyarrow and polars are imported where a path needs them (start-up: issue #26)
+if TYPE_CHECKING:   # duckdb, pyarrow and polars are imported where a path needs them (a command's start-up)
     import duckdb
     import polars as pl
     import pyarrow as pa
@@ -242,7 +242,7 @@ class Store(Transactions):
         from .check import footer_columns
         from .engine import duckdb
 
-        try:   # every footer in one DuckDB query (no pyarrow: start-up, issue #26)
+        try:   # every footer in one DuckDB query (no pyarrow: a command's start-up)
             held = footer_columns(self._scratch(), files, self._footers)
         except duckdb.Error:
             held = None
@@ -395,7 +395,7 @@ class Store(Transactions):
         """A DuckDB connection for reads that need no view (footers, the runs files): the
         store's own connection once it has one, else one that :attr:`con` later takes as
         its own, so a command opens one DuckDB database, not several (each costs tens of
-        milliseconds: start-up, issue #26)."""
+        milliseconds of a command's start-up)."""
         if self._con is not None:
             return self._con.raw if isinstance(self._con, _LazyViews) else self._con
         if self._scratch_con is None:
@@ -409,7 +409,7 @@ class Store(Transactions):
     def con(self) -> duckdb.DuckDBPyConnection:
         """The store's connection. Its views of ``sql/`` are defined when a statement
         first names them (with the views they read): defining all of them costs more than
-        a small query (issue #26); :meth:`connect` and the catalog define every view.
+        a small query (start-up); :meth:`connect` and the catalog define every view.
         The tables' views read the committed files as of the last access: each access
         looks again (two folder scans and the journals, no file is opened) and defines the
         views again when another writer committed since, so a reader sees new runs, plans
@@ -449,7 +449,7 @@ class Store(Transactions):
     def rows(self, query: str, params=None) -> Rows:
         """Run SQL over the store's views and return its rows as DuckDB gives them
         (:class:`moetrace.output.Rows`: no polars, no Arrow; what ``moetrace runs`` and
-        ``moetrace skew`` print, issue #26)."""
+        ``moetrace skew`` print: start-up)."""
         from ..output import Rows
         from .engine import duckdb
 
@@ -476,7 +476,7 @@ class Store(Transactions):
 
     def numpy(self, query: str, params=None) -> dict:
         """Run SQL over the store's views and return its columns as numpy arrays (DuckDB's
-        ``fetchnumpy``: no polars, no Arrow, no pandas; the replay's path, issue #26)."""
+        ``fetchnumpy``: no polars, no Arrow, no pandas; the replay's path: start-up)."""
         import duckdb
 
         try:
@@ -501,7 +501,7 @@ class Store(Transactions):
 
     def runs_rows(self) -> Rows:
         """:meth:`runs` as :class:`moetrace.output.Rows`, read by DuckDB from the runs
-        partitions (no view is built, no polars, no Arrow: ``moetrace runs``, issue #26)."""
+        partitions (no view is built, no polars, no Arrow: ``moetrace runs``: start-up)."""
         from ..output import Rows
         from .check import footer_columns
         from .engine import duckdb
@@ -740,7 +740,7 @@ def main_schema(con) -> str:
 class _LazyViews:
     """A DuckDB connection of a store whose views (of the tables and of ``sql/``) are
     created when a statement run through it (``execute``, ``sql``) first names them, with
-    the views they read: defining all of them costs more than a small query (issue #26);
+    the views they read: defining all of them costs more than a small query (start-up);
     anything else is the connection's own."""
 
     def __init__(self, store: Store, con):
@@ -776,7 +776,7 @@ class _LazyViews:
         and the views it reads that are not defined yet inlined as CTEs (NOT MATERIALIZED:
         planned as the views are) instead of being created first. DuckDB then binds the
         chain once: creating each view binds every view below it again (a tiny run's
-        layer_skew: the definitions cost several times the query; start-up, issue #26).
+        layer_skew: the definitions cost several times the query; a command's start-up).
         The TEMP table shadows the view until :meth:`unshadow`."""
         from .views import _VIEW_RE
 

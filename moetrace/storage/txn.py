@@ -35,7 +35,7 @@ def _txid_of(rel: str) -> str | None:
 
 
 def _is_polars(obj) -> bool:
-    """A polars DataFrame (polars is imported only where one exists: start-up, issue #26)."""
+    """A polars DataFrame (polars is imported only where one exists: a command's start-up)."""
     pl = sys.modules.get("polars")
     return pl is not None and isinstance(obj, pl.DataFrame)
 
