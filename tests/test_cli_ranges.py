@@ -61,7 +61,7 @@ def _base(cmd: str, store: str, tmp_path) -> list[str]:
     if cmd in ("replay", "plan", "sweep"):
         return [store, "--policy", "eplb-global"]
     if cmd == "calibrate":
-        return [store, "--fit", "x"]
+        return [store, "--run", "x"]
     return [store]
 
 

@@ -98,7 +98,7 @@ def test_collectives_without_a_cpu_op_are_counted_not_dropped(tmp_path, runner, 
     pres = st.sql("SELECT * FROM a2a_presence").row(0, named=True)
     assert (pres["unlabelled_comm_spans"], pres["unlabelled_comm_ns"], pres["unlabelled_comm_max_ns"]) == \
         (2, 30_000, 25_000)
-    res = runner.invoke(cli, ["report", str(tmp_path / "st"), "--out", str(tmp_path / "rep")])
+    res = runner.invoke(cli, ["report", str(tmp_path / "st"), "--out-dir", str(tmp_path / "rep")])
     assert res.exit_code == 0, res.output
     assert "2 collective kernel(s) (0.03 ms in all, the longest 0.03 ms) have no CPU-side collective op" in res.output
 

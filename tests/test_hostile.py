@@ -833,7 +833,7 @@ def test_report_out_that_cannot_be_created_and_failed_sections(runner, cli, tmp_
                 "--ranks-per-node", 4, "--top-k", 2).exit_code == 0
     (tmp_path / "file").write_text("x")
     before = tree_hash(st)
-    one_line_error(_cli(runner, cli, "report", st, "--out", tmp_path / "file" / "sub", "--quiet"), 2,
+    one_line_error(_cli(runner, cli, "report", st, "--out-dir", tmp_path / "file" / "sub", "--quiet"), 2,
                    str(tmp_path / "file" / "sub"), "cannot create the report folder")
     assert tree_hash(st) == before
     from moetrace.report import build as rb
@@ -852,6 +852,6 @@ def test_report_out_that_cannot_be_created_and_failed_sections(runner, cli, tmp_
         return [Broken, *real()]
 
     monkeypatch.setattr(rb, "discover_sections", with_a_broken_one)
-    res = _cli(runner, cli, "report", st, "--out", tmp_path / "rep", "--quiet")
+    res = _cli(runner, cli, "report", st, "--out-dir", tmp_path / "rep", "--quiet")
     assert res.exit_code == 1, res.output
     assert "section(s) Broken failed" in res.output and (tmp_path / "rep" / "report.md").exists()

@@ -191,7 +191,7 @@ def test_report_reads_the_reference_run(runs, runner, tmp_path):
     from moetrace.cli import cli
 
     root, st, ra, _ = runs
-    res = runner.invoke(cli, ["report", str(root / "st"), "--run", ra, "--out", str(tmp_path / "rep")])
+    res = runner.invoke(cli, ["report", str(root / "st"), "--run", ra, "--out-dir", str(tmp_path / "rep")])
     assert res.exit_code == 0, res.output
     out = res.output
     # dummy steps: one of STEPS * R (step, rank) pairs had no tokens

@@ -467,7 +467,7 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     bad = run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "20:30", "--plan-id", "m")
     assert bad.exit_code == 2 and "holds no recorded steps" in bad.output
     assert run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "8:40", "--plan-id", "m").exit_code == 0
-    assert run_cli("plan", path, "--plan", "w", "--out", tmp_path / "w.json", "--no-store").exit_code == 0
+    assert run_cli("plan", path, "--plan", "w", "--export", tmp_path / "w.json", "--no-store").exit_code == 0
     assert run_cli("plan", path, "--import", tmp_path / "w.json", "--plan-id", "imp").exit_code == 0
     st = Store(path)
     meta = st.sql("SELECT plan_id, policy, start_plan_id, fit_start, fit_end, fit_steps FROM plans ORDER BY plan_id")

@@ -27,7 +27,7 @@ def synth_store(tmp_path_factory):
 
 @module_fixture
 def synth_report(synth_store, tmp_path_factory):
-    """The report of synth_store, built once, by ``moetrace report STORE --out OUT`` (the CLI
+    """The report of synth_store, built once, by ``moetrace report STORE --out-dir OUT`` (the CLI
     test reads its output and files), for the tests that read it: (the Report the command
     built, its figures' axis labels as drawn: (file name, x label, y label, title) each, the
     command's result, OUT)."""
@@ -53,7 +53,7 @@ def synth_report(synth_store, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plots, "save", spy)
         mp.setattr(rbuild, "build_report", build)
-        res = CliRunner().invoke(cli, ["report", str(st.path), "--out", str(out)])
+        res = CliRunner().invoke(cli, ["report", str(st.path), "--out-dir", str(out)])
     assert len(built) == 1 and built[0].run_id == rid, res.output
     return built[0], seen, res, out
 
@@ -93,7 +93,7 @@ def _sections(st, rid, out, *names):
 
 def test_report_cli_writes_self_contained_html_md_and_pngs(synth_store, synth_report):
     st, rid, cfg = synth_store
-    _, _, res, out = synth_report                # moetrace report STORE --out OUT
+    _, _, res, out = synth_report                # moetrace report STORE --out-dir OUT
     assert res.exit_code == 0, res.output
     pngs = sorted(out.glob("*.png"))
     names = {p.name for p in pngs}
@@ -194,9 +194,9 @@ def test_report_needs_run_when_store_has_several(synth_store, runner, cli, tmp_p
     for seed in (1, 2):
         synth(st, SynthConfig(layers=1, experts=8, top_k=2, ranks=2, ranks_per_node=2, steps=2,
                               tokens_per_step=16, seed=seed))
-    res = runner.invoke(cli, ["report", str(st.path), "--out", str(tmp_path / "o")])
+    res = runner.invoke(cli, ["report", str(st.path), "--out-dir", str(tmp_path / "o")])
     assert res.exit_code != 0 and "--run" in res.output
-    res = runner.invoke(cli, ["report", str(st.path), "--run", "synth-s2", "--out", str(tmp_path / "o"), "--quiet"])
+    res = runner.invoke(cli, ["report", str(st.path), "--run", "synth-s2", "--out-dir", str(tmp_path / "o"), "--quiet"])
     assert res.exit_code == 0, res.output
     assert "run `synth-s2`" in (tmp_path / "o" / "report.md").read_text()
 

@@ -264,8 +264,8 @@ def test_out_inside_a_store_is_refused(slot_store, tmp_path):  # noqa: F811
     path, _ = slot_store
     before = tree_hash(path)
     for args in (["runs", path, "-o", path / "runs.csv"], ["runs", path, "-o", path / "placement" / "x.parquet"],
-                 ["plan", path, "--policy", "greedy", "--replicas", "4", "--no-store", "-o", path / "plan.json"],
-                 ["report", path, "-o", path / "rep"]):
+                 ["plan", path, "--policy", "greedy", "--replicas", "4", "--no-store", "--export", path / "plan.json"],
+                 ["report", path, "--out-dir", path / "rep"]):
         r = CliRunner().invoke(cli, [str(a) for a in args])
         assert r.exit_code == 2, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1 and "inside the store" in r.output, r.output

@@ -91,7 +91,7 @@ def test_overlap_on_a_crafted_trace_through_the_command(tmp_path, runner, cli):
     from .helpers.waits_trace import _three_ranks, ingest
 
     ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
-    res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "overlap", "--a2a-latency-us", "0", "--trace",
+    res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "overlap", "--a2a-latency-us", "0", "--chrome-trace",
                               str(tmp_path / "ov.json")])
     assert res.exit_code == 0, res.output
     # step 0 on each rank: first kernel to last (no launches inside the ProfilerStep range):
