@@ -17,6 +17,8 @@ BENCHMARKS = sorted(p.stem[len("bench_"):] for p in (REPO / "benchmarks").glob("
 #: benchmarks that read a real trace under ../shared/data: absent in a fresh clone, they
 #: are skipped (benchmarks.common.Skipped), never failed
 NEEDS_SHARED_DATA = {"ingest_kineto": "deepseek_ep64_train_rank0.json.gz"}
+#: the module fixture runs every benchmark (the suite's longest work unit, over a minute on 2 cores)
+pytestmark = pytest.mark.slow
 
 
 @module_fixture

@@ -59,6 +59,7 @@ def _visible_new_rows(store: Path) -> int:
     return Store(store).sql("SELECT count(*) AS n FROM expert_load WHERE run_id = 'new'")["n"][0]
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_rename_leaves_old_store_or_whole_run(tmp_path, seed, writer):
     # how many renames a full write does: run it once without a kill
     # (each write starts from a byte-for-byte copy of one seeded store)
