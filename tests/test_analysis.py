@@ -7,7 +7,6 @@ from np.median over all experts, rank loads from bincount / explicit loops).
 from __future__ import annotations
 
 import math
-import uuid
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 
-from .helpers import module_fixture
+from .helpers import module_fixture, run_row
 
 
 # ----------------------------------------------------------------------------- reference
@@ -60,8 +59,7 @@ def skew_rows(st: Store, run_id: str) -> dict:
 
 
 def write(st: Store, run: dict, load: dict, **tables) -> str:
-    base = {"source": run.pop("source", "test"), "collector": "test", "time_base": "none",
-            "source_sha256": uuid.uuid4().hex}
+    base = run_row(source=run.pop("source", "test"))
     base.update(run)
     return st.write_run(base, {"expert_load": load, **tables}, run_id=run.get("run_id", "r")).run_id
 

@@ -13,7 +13,7 @@ from moetrace.replay import calibrate as cal
 from moetrace.replay import calibrate_fit as calfit
 from moetrace.run import Store
 
-from .helpers import module_fixture, tree_hash
+from .helpers import module_fixture, run_row, tree_hash
 
 R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2
 SPR = E // R
@@ -106,9 +106,9 @@ def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True, wha
                     add(r, "dispatch", t0 + 2 * 10**7, d // 3, s, layer)
                     add(r, "combine", t0 + 3 * 10**7, d - d // 3, s, layer)
                 add(r, "attention", t0 + 4 * 10**7, 999, s, layer)   # not expert time: must be ignored
-    run = {"source": f"test {run_id}", "source_sha256": run_id * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": E, "top_k": K, "hidden": H, "dtype_bytes": DB, "expert_bytes": 1000,
-           "num_ranks": R, "ranks_per_node": RPN, "num_slots": S, "num_groups": 1}
+    run = run_row(source=f"test {run_id}", source_sha256=run_id * 64, num_layers=L, num_experts=E, top_k=K,
+                  hidden=H, dtype_bytes=DB, expert_bytes=1000, num_ranks=R, ranks_per_node=RPN,
+                  num_slots=S, num_groups=1)
     tables = {"routing": routing, "expert_load": load, "placement": placement, "spans": spans}
     if what == "spans":
         tables = {"spans": spans}

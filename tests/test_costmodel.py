@@ -8,7 +8,6 @@ from math import comb
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from moetrace import costmodel
 from moetrace.costmodel import fit as F
@@ -16,7 +15,7 @@ from moetrace.costmodel.a2a import A2AParams, low_latency_terms, routing_counts
 from moetrace.costmodel.gemm import GemmParams, gemm_terms, tile_config
 from moetrace.costmodel.hardware import GPUS
 
-from .helpers import invoke
+from .helpers import run_cli
 
 H800 = GPUS["H800"]
 ROWS = F.load_rows()
@@ -144,8 +143,7 @@ def test_preset_has_bands():
 
 
 def _cli(*args):
-    from moetrace.cli import cli
-    return invoke(CliRunner(), cli, "cost", *args)
+    return run_cli("cost", *args, catch_exceptions=True)
 
 
 def test_cli_expert_json():

@@ -25,6 +25,7 @@ from moetrace.errors import StoreError
 from moetrace.storage.store import Store
 
 from .helpers import REPO, tree_hash
+from .helpers import invoke as _cli
 from .helpers.seed_store import _seed_store as _seeded  # a store holding one run (seed-store)
 
 
@@ -39,10 +40,6 @@ def _csv_text(steps=2, layers=2, experts=4, scale=1) -> str:
 @pytest.fixture
 def store(tmp_path):
     return _seeded(tmp_path / "store")
-
-
-def _cli(runner, cli, *args):
-    return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
 
 
 def one_line_error(res, code: int, *needles: str) -> str:

@@ -13,12 +13,8 @@ from moetrace.produce.synth import SynthConfig, synth
 from moetrace.replay import cost as costmod
 from moetrace.run import Store
 
+from .helpers import run_cli, run_row
 from .helpers.slot_store import DTYPE, HIDDEN, RECORDED, store_files
-
-
-def run_cli(*args):
-    r = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return r
 
 
 def _rank_rows(st, replay_id):
@@ -375,9 +371,9 @@ def _constant_load_store(path, T=12, L=2, E=16, R=4, rpn=2):
     rows = {"step": np.repeat(np.arange(T), L * E), "layer": np.tile(np.repeat(np.arange(L), E), T),
             "expert": np.tile(np.arange(E), T * L), "slot": [None] * (T * L * E), "src_rank": [None] * (T * L * E),
             "tokens": np.tile(per.ravel(), T)}
-    run = {"source": "test", "source_sha256": "x" * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": E, "top_k": 2, "hidden": HIDDEN, "dtype_bytes": DTYPE,
-           "expert_bytes": 1000, "num_ranks": R, "ranks_per_node": rpn, "num_slots": E, "num_groups": 1}
+    run = run_row(source_sha256="x" * 64, num_layers=L, num_experts=E, top_k=2, hidden=HIDDEN,
+                  dtype_bytes=DTYPE, expert_bytes=1000, num_ranks=R, ranks_per_node=rpn, num_slots=E,
+                  num_groups=1)
     st = Store(path, create=True)
     st.write_run(run, {"expert_load": pa.table(rows, schema=pa.schema([
         ("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),

@@ -8,20 +8,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from click.testing import CliRunner
 
-from moetrace.cli import cli
 from moetrace.run import Store
 
-from .helpers import shared_data
+from .helpers import run_cli, run_row, shared_data
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 LOAD_SCHEMA = pa.schema([("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
                          ("src_rank", pa.int32()), ("tokens", pa.int64())])
-
-
-def run_cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
 def _assert_recorded_equals_skew_summary(st: Store, rid: str, per_layer: bool = True, run: dict | None = None):
@@ -97,9 +91,8 @@ def test_recorded_replay_equals_skew_summary_with_idle_steps(tmp_path):
     placement = {"plan_id": ["recorded"] * 24, "layer": np.repeat([0, 1], 12).tolist(), "slot": list(range(12)) * 2,
                  "rank": (np.arange(24) % 12 // 3).tolist(), "node": (np.arange(24) % 12 // 6).tolist(),
                  "expert": p2l.ravel().tolist()}
-    run = {"source": "idle", "source_sha256": "i" * 64, "collector": "test", "time_base": "none", "num_layers": L,
-           "num_experts": E, "top_k": 2, "hidden": 16, "dtype_bytes": 2, "expert_bytes": 1000, "num_ranks": 4,
-           "ranks_per_node": 2, "num_slots": 12}
+    run = run_row(source="idle", source_sha256="i" * 64, num_layers=L, num_experts=E, top_k=2, hidden=16,
+                  dtype_bytes=2, expert_bytes=1000, num_ranks=4, ranks_per_node=2, num_slots=12)
     st = Store(tmp_path / "st", create=True)
     st.write_run(run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA), "placement": placement}, run_id="idle")
     res = _assert_recorded_equals_skew_summary(st, "idle")
@@ -186,9 +179,8 @@ def _no_groups_store(path):
     rows = {"step": np.repeat(np.arange(T), L * E), "layer": np.tile(np.repeat(np.arange(L), E), T),
             "expert": np.tile(np.arange(E), T * L), "slot": [None] * (T * L * E), "src_rank": [None] * (T * L * E),
             "tokens": tok.ravel()}
-    run = {"source": "ng", "source_sha256": "n" * 64, "collector": "test", "time_base": "none", "num_layers": L,
-           "num_experts": E, "top_k": 2, "hidden": 16, "dtype_bytes": 2, "expert_bytes": 1000, "num_ranks": 4,
-           "ranks_per_node": 2, "num_slots": E}
+    run = run_row(source="ng", source_sha256="n" * 64, num_layers=L, num_experts=E, top_k=2, hidden=16,
+                  dtype_bytes=2, expert_bytes=1000, num_ranks=4, ranks_per_node=2, num_slots=E)
     st = Store(path, create=True)
     st.write_run(run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA)}, run_id="ng")
     return st

@@ -13,7 +13,7 @@ from moetrace.produce.synth import SynthConfig, synth
 from moetrace.report import build as rbuild
 from moetrace.run import Store
 
-from .helpers import module_fixture
+from .helpers import module_fixture, run_row
 
 
 @module_fixture
@@ -178,8 +178,7 @@ def test_unknown_ranks_and_zero_steps_are_visible_in_report(tmp_path):
             rows["tokens"].append(0 if s == 2 else e + 1)
             rows["slot"].append(None)
             rows["src_rank"].append(None)
-    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "x1",
-                  "num_experts": 8, "top_k": 2}, {"expert_load": rows}, run_id="noranks")
+    st.write_run(run_row(source="t", source_sha256="x1", num_experts=8, top_k=2), {"expert_load": rows}, run_id="noranks")
     rep = rbuild.build_report(st, None, tmp_path / "r")
     text = rep.terminal()
     assert "number of ranks is unknown" in text and "--ranks" in text
@@ -251,8 +250,7 @@ def test_single_pseudo_step_run_gets_expert_bars_and_no_fake_decomposition(tmp_p
     x = np.array([50, 1, 2, 3, 4, 5, 6, 7])
     rows = {"step": [0] * 8, "layer": [1] * 8, "expert": list(range(8)), "tokens": x.tolist(),
             "slot": [None] * 8, "src_rank": [None] * 8}
-    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "agg",
-                  "num_experts": 8, "num_ranks": 4, "top_k": 2}, {"expert_load": rows}, run_id="agg")
+    st.write_run(run_row(source="t", source_sha256="agg", num_experts=8, num_ranks=4, top_k=2), {"expert_load": rows}, run_id="agg")
     secs = _sections(st, "agg", tmp_path / "r", "skew", "batch")
     assert "single step" in secs["batch"].markdown and not secs["batch"].figures
     names = [Path(f.path).name for f in secs["skew"].figures]
@@ -298,8 +296,7 @@ def test_unknown_ranks_alone_is_not_called_empty_steps(tmp_path):
                 for k, v in (("step", s), ("layer", layer), ("expert", e), ("tokens", t), ("slot", None),
                              ("src_rank", None)):
                     rows[k].append(v)
-    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "x2",
-                  "num_experts": 8, "top_k": 2}, {"expert_load": rows}, run_id="noranks")
+    st.write_run(run_row(source="t", source_sha256="x2", num_experts=8, top_k=2), {"expert_load": rows}, run_id="noranks")
     rep = rbuild.build_report(st, None, tmp_path / "r")
     text = rep.terminal()
     assert "number of ranks is unknown" in text

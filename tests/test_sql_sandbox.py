@@ -12,7 +12,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from .helpers import REPO, module_fixture, tree_hash
+from .helpers import REPO, module_fixture, run_cli, tree_hash
 
 
 class _Result:
@@ -23,14 +23,10 @@ class _Result:
 
 def _run(*args, cwd, timeout=None):
     """The CLI in this process (a subprocess per call costs seconds on a loaded machine)."""
-    from click.testing import CliRunner
-
-    from moetrace.cli import cli
-
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        return _Result(CliRunner().invoke(cli, [str(a) for a in args]))
+        return _Result(run_cli(*args, catch_exceptions=True))
     finally:
         os.chdir(old)
 

@@ -8,6 +8,8 @@ import sys
 
 from moetrace.storage import views
 
+from .helpers import run_row
+
 
 def test_store_import_is_lazy():
     code = ("import sys, moetrace.storage.store, moetrace.storage.txn; "
@@ -40,8 +42,8 @@ def test_lazy_connection_matches_every_view(tmp_path):
     from moetrace.storage.store import Store
 
     st = Store(tmp_path / "s", create=True)
-    st.write_run({"source": "unit", "source_sha256": "a" * 64, "collector": "test", "time_base": "none",
-                  "num_layers": 1, "num_experts": 4, "top_k": 1, "num_ranks": 2, "ranks_per_node": 2},
+    st.write_run(run_row(source="unit", source_sha256="a" * 64, num_layers=1, num_experts=4, top_k=1,
+                         num_ranks=2, ranks_per_node=2),
                  {"expert_load": pa.table({"step": [0, 0, 0, 0], "layer": [0, 0, 0, 0], "expert": [0, 1, 2, 3],
                                            "slot": pa.nulls(4, pa.int32()), "src_rank": pa.nulls(4, pa.int32()),
                                            "tokens": [6, 2, 1, 1]})}, run_id="r")

@@ -94,9 +94,10 @@ def invoke(runner, cli, *args):
     return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
 
 
-def run_cli(*args, catch_exceptions: bool = True):
+def run_cli(*args, catch_exceptions: bool = False):
     """The ``moetrace`` command group through a fresh click runner, every argument as
-    text (the one CLI runner of the test modules that take no ``runner``/``cli`` fixture)."""
+    text (the one CLI runner of the test modules that take no ``runner``/``cli`` fixture);
+    an exception propagates unless ``catch_exceptions``."""
     from click.testing import CliRunner
 
     from moetrace.cli import cli

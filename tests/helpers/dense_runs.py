@@ -7,10 +7,12 @@ import pyarrow as pa
 from moetrace.run import Store
 from moetrace.storage import dense
 
+from . import run_row
+
 
 def _run(E, R, L, **kw):
-    run = {"source": "t", "source_sha256": f"t-{np.random.default_rng().integers(1 << 60)}", "collector": "t",
-           "time_base": "none", "num_layers": L, "num_experts": E, "num_ranks": R, "top_k": 2}
+    run = run_row(source="t", source_sha256=f"t-{np.random.default_rng().integers(1 << 60)}", collector="t",
+                  num_layers=L, num_experts=E, num_ranks=R, top_k=2)
     run.update(kw)
     return run
 

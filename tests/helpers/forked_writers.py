@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import REPO
+from . import REPO, run_row
 
 # a writer: kills itself with SIGKILL at the N-th os.replace, or after chunk K of expert_load
 WRITER = textwrap.dedent("""
@@ -119,5 +119,4 @@ def _chunk(i: int) -> pa.Table:
 
 
 def _run(sha: str) -> dict:
-    return {"source": "unit", "source_sha256": sha, "collector": "test", "time_base": "none", "num_layers": 5,
-            "num_experts": 50, "top_k": 2}
+    return run_row(source="unit", source_sha256=sha, num_layers=5, num_experts=50, top_k=2)

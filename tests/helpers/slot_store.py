@@ -4,6 +4,8 @@ import pyarrow as pa
 
 from moetrace.run import Store
 
+from . import run_row
+
 RECORDED = np.array([[0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 3],
                      [7, 6, 5, 4, 3, 2, 1, 0, 7, 7, 2, 5]])
 
@@ -29,9 +31,9 @@ def build_slot_store(tmp_path):
     placement = {"plan_id": ["recorded"] * (L * S), "layer": np.repeat(np.arange(L), S).tolist(),
                  "slot": np.tile(np.arange(S), L).tolist(), "rank": np.tile(np.arange(S) // 3, L).tolist(),
                  "node": np.tile(np.arange(S) // 6, L).tolist(), "expert": RECORDED.ravel().tolist()}
-    run = {"source": "test", "source_sha256": "x" * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": 8, "top_k": 2, "hidden": HIDDEN, "dtype_bytes": DTYPE,
-           "expert_bytes": 1000, "num_ranks": 4, "ranks_per_node": 2, "num_slots": S, "num_groups": 1}
+    run = run_row(source_sha256="x" * 64, num_layers=L, num_experts=8, top_k=2, hidden=HIDDEN,
+                  dtype_bytes=DTYPE, expert_bytes=1000, num_ranks=4, ranks_per_node=2, num_slots=S,
+                  num_groups=1)
     st = Store(tmp_path / "st", create=True)
     st.write_run(run, {"expert_load": pa.table(rows, schema=pa.schema([
         ("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),

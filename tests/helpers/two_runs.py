@@ -8,10 +8,11 @@ into a byte-for-byte copy of it."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import numpy as np
 import polars as pl
+
+from . import run_row
 
 #: sort keys of the views compared row by row
 KEYS = {"run_shape": ["run_id"], "layer_placement": ["layer"], "layer_skew": ["step", "layer"],
@@ -46,9 +47,7 @@ def write_recorded_run(st) -> str:
                 rows["tokens"].append(int(x[e]))
                 rows["slot"].append(None)
                 rows["src_rank"].append(None)
-    run = {"source": "t", "collector": "test", "time_base": "none", "source_sha256": uuid.uuid4().hex,
-           "num_experts": E, "num_ranks": R, "num_slots": S, "top_k": 2,
-           "approximations": json.dumps([])}
+    run = run_row(source="t", num_experts=E, num_ranks=R, num_slots=S, top_k=2, approximations=json.dumps([]))
     return st.write_run(run, {"expert_load": rows, "placement": placement}, run_id="rec").run_id
 
 
