@@ -15,44 +15,18 @@ from .helpers.forked_ranks import forked_ranks as _forked_ranks
 # ------------------------------------------------------------------- pytest-xdist workers
 # The README's command runs the suite on 3 workers (``-n 3 --dist loadgroup``) on a 2-core
 # machine: two would leave a quarter of the cores idle while tests wait on the subprocesses
-# they start. Each worker is at most one core's worth of work: its polars, BLAS/OpenMP (torch) and
-# DuckDB thread pools are capped at one thread, so the workers do not fight over the
-# cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set before polars or
-# torch is imported (they read these once); the subprocesses a test starts inherit them.
-# DuckDB reads no environment variable and the Store has no threads setting yet, so its
-# in-process connections get ``threads=1`` by wrapping ``connect`` (``_duckdb_one_thread``,
-# also for moetrace.storage.engine's connections through ``_duckdb``); the CLI subprocesses
-# keep DuckDB's default. Replace it with the Store's setting once there is one.
+# they start. Each worker is at most one core's worth of work: its polars, BLAS/OpenMP (torch)
+# and DuckDB thread pools are capped at one thread, so the workers do not fight over the
+# cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set
+# before polars or torch is imported (they read these once); the subprocesses a test starts
+# inherit them. DuckDB reads no environment variable of its own: a Store's connections take
+# their thread count from MOETRACE_DUCKDB_THREADS.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     for _var in ("POLARS_MAX_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "RAYON_NUM_THREADS"):
+                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "RAYON_NUM_THREADS",
+                 "MOETRACE_DUCKDB_THREADS"):
         os.environ.setdefault(_var, "1")
-
-
-def _duckdb_one_thread() -> None:
-    import duckdb
-
-    real = duckdb.connect
-    if getattr(real, "_moetrace_one_thread", False):
-        return
-
-    def connect(database=":memory:", read_only=False, config=None, **kw):
-        config = dict(config or {})
-        config.setdefault("threads", 1)
-        return real(database, read_only, config, **kw)
-
-    connect._moetrace_one_thread = True
-    duckdb.connect = connect
-    # moetrace.storage.engine connects through the C extension the package re-exports
-    import _duckdb
-
-    _duckdb.connect = connect
-    duckdb.execute("SET threads=1")   # the module-level connection (duckdb.sql, duckdb.execute)
-
-
-if XDIST_WORKER:
-    _duckdb_one_thread()
 
 #: fixtures several modules take, and the xdist group of those modules' tests (with their
 #: module-scoped ones): one worker builds the fixture once. two_runs_template: a session
