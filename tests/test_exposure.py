@@ -12,22 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from moetrace.run import Store
-
 from .helpers import shared_data
 from .helpers.intervals import overlap, union
-from .helpers.kineto_trace import ev_x, kernel, launch, write_trace
+from .helpers.kineto_trace import COMBINE, DISPATCH, GEMM, ev_x, ingest, kernel, launch, write_trace
 
-DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
-COMBINE = "void deep_ep::intranode::combine<8>(int4*)"
-GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
 OTHER = "void at::native::elementwise_kernel<128>(int)"
-
-
-def ingest(runner, cli, st, *paths):
-    res = runner.invoke(cli, ["ingest", *map(str, paths), "--store", str(st)])
-    assert res.exit_code == 0, res.output
-    return Store(st)
 
 
 def test_closed_form_exposure(tmp_path, runner, cli):

@@ -13,8 +13,8 @@ from moetrace.analyze.waits import wait_result
 from moetrace.run import Store
 
 from .helpers import shared_data
-from .helpers.kineto_trace import ev_x, kernel, launch, write_trace
-from .helpers.waits_trace import DISPATCH, GEMM, _three_ranks, ingest
+from .helpers.kineto_trace import DISPATCH, GEMM, ev_x, ingest, kernel, launch, write_trace
+from .helpers.waits_trace import _three_ranks
 
 
 def test_hand_worked_waits_matrix_and_split(tmp_path, runner, cli):

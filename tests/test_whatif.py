@@ -88,7 +88,8 @@ def test_overlap_on_a_crafted_trace_through_the_command(tmp_path, runner, cli):
 
     from moetrace.run import Store
 
-    from .helpers.waits_trace import _three_ranks, ingest
+    from .helpers.kineto_trace import ingest
+    from .helpers.waits_trace import _three_ranks
 
     ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
     res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "overlap", "--a2a-latency-us", "0", "--chrome-trace",
@@ -138,7 +139,8 @@ def test_report_section_shows_the_whatif_table(tmp_path, runner, cli):
     from moetrace.report.base import ReportContext
     from moetrace.report.sections import timeline_whatif as whatif
 
-    from .helpers.waits_trace import _three_ranks, ingest
+    from .helpers.kineto_trace import ingest
+    from .helpers.waits_trace import _three_ranks
 
     st = ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
     rid = st.resolve_run(None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "moetrace"
+PKG = Path(__file__).resolve().parents[2] / "moetrace"
 
 
 def _modules() -> dict[str, Path]:

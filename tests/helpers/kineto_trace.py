@@ -42,6 +42,8 @@ SENDRECV = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
 
 
 GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
+DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
+COMBINE = "void deep_ep::intranode::combine<8>(int4*)"
 
 
 def annotated_events() -> list[str]:
@@ -71,3 +73,12 @@ def annotated_events() -> list[str]:
         kernel(SENDRECV, 2100, 50, 5, stream=20),
         kernel(SENDRECV, 2200, 60, 6, stream=20),
     ]
+
+
+def ingest(runner, cli, st, *paths):
+    """``moetrace ingest PATHS --store st`` through the click runner (exit 0), the Store."""
+    from moetrace.run import Store
+
+    res = runner.invoke(cli, ["ingest", *map(str, paths), "--store", str(st)])
+    assert res.exit_code == 0, res.output
+    return Store(st)

@@ -1,25 +1,9 @@
-"""Three crafted Kineto ranks with dispatch/combine waits, and their ingest through the CLI."""
+"""Three crafted Kineto ranks with dispatch/combine waits."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from moetrace.run import Store
-
-from .kineto_trace import ev_x, kernel, write_trace
-
-DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
-
-
-COMBINE = "void deep_ep::intranode::combine<8>(int4*)"
-
-
-GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
-
-
-def ingest(runner, cli, st, *paths):
-    res = runner.invoke(cli, ["ingest", *map(str, paths), "--store", str(st)])
-    assert res.exit_code == 0, res.output
-    return Store(st)
+from .kineto_trace import COMBINE, DISPATCH, GEMM, ev_x, kernel, write_trace
 
 
 def _three_ranks(folder: Path, extra_rank0: bool = False) -> Path:
