@@ -89,7 +89,7 @@ def fit(rows: list[dict], tile: int | None = None) -> dict:
 
 
 def preset_ab(name: str, hidden: int, inter: int) -> tuple[float, float]:
-    from moetrace.replay.cost import preset
+    from moetrace.costmodel.step_cost import preset
 
     p = preset(name, hidden, 3 * hidden * inter, inter)
     return p.a_ns, p.b_ns

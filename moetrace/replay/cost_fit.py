@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import cost as costmod
+from ..costmodel import step_cost as costmod
 from .calibrate import error_band, fit_from_cell_times, run_hardware
 from .load import RunShape, read_load
 from .plan_store import recorded_plan

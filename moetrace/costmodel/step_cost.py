@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..costmodel.hardware import GPUS
 from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN, default_expert_bytes
-from . import gpu_cost
+from . import replay_gpu as gpu_cost
+from .hardware import GPUS
 
 #: the hardware presets: every GPU the GPU cost model (moetrace.costmodel) knows, with its
 #: datasheet source; their times come from that model (:mod:`.gpu_cost`)
