@@ -311,3 +311,22 @@ def test_gpu_check_without_gpu_skips(capsys):
     finally:
         sys.argv = argv
     assert capsys.readouterr().out.strip() == "skipped: no GPU"
+
+
+def test_verdict_uses_the_applied_models_band_and_says_when_unvalidated():
+    from moetrace.costmodel.step_cost import error_band, preset
+    from moetrace.replay.strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, verdict
+
+    h800, h200 = preset("H800"), preset("H200")
+    b800 = max(FITTED["bands"]["H800/gemm_grouped"]["band"], FITTED["bands"]["H800/normal"]["band"])
+    b200 = max(FITTED["bands"]["H200/gemm_grouped"]["band"], FITTED["bands"]["H200/normal"]["band"])
+    assert error_band(h800).rel_error == b800 and error_band(h200).rel_error == b200 > b800
+    assert error_band(h800).unvalidated() is None
+    # a difference between the two bands: decided on H800, not on H200 (whose band was not measured there)
+    diff = (b800 + b200) / 2
+    v, why = verdict(100.0 * (1 - diff), 100.0, 50, h800)
+    assert v == PAYS_OFF and "not validated" not in why
+    v, why = verdict(100.0 * (1 - diff), 100.0, 50, h200)
+    assert v == NOT_ENOUGH and "not validated on H200/normal" in why
+    v, why = verdict(100.0 * (1 + b200 + 0.05), 100.0, 50, h200)
+    assert v == DOES_NOT and "not validated on H200/gemm_grouped" in why

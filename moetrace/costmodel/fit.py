@@ -24,8 +24,9 @@ two GEMM regimes:
   held out by group or fitted, rounded up to 0.01 (where none of them can be held out, no
   smaller than the regime's cross-hardware error);
 * **not validated on this GPU**: the regime's cross-hardware error (its rows predicted with
-  their whole GPU held out); a regime with rows on one GPU only takes the largest
-  cross-hardware error of any regime;
+  their whole GPU held out; a regime with rows on one GPU only takes the largest
+  cross-hardware error of any regime), and never less than the regime's widest validated
+  band;
 * **a kernel with no published row** (pplx, NCCL, ...): the cross-family error (every
   fitted all-to-all family's rows predicted with another family's parameters), or the
   cross-hardware error of the family it borrows from when that is larger.
@@ -333,6 +334,7 @@ def bands(out: dict) -> dict:
             fitted_here = FAMILIES.get(kern, {}).get("regime", base) is not None
             h = reg["hardware"].get(hw)
             xhw = reg["cross_hardware"] if reg["cross_hardware"] is not None else out["cross_hardware_any"]
+            xhw = max(xhw, reg["band"])     # never narrower than where the regime was measured
             if fitted_here and h and h["logo_rows"]:
                 res[f"{hw}/{kern}"] = {"band": h["band"], "validated": True, "rows": h["rows"],
                                        "how": f"largest |error| on {h['rows']} published {hw} rows of {base}, "
@@ -345,7 +347,8 @@ def bands(out: dict) -> dict:
             elif fitted_here:
                 res[f"{hw}/{kern}"] = {"band": _ceil(xhw), "validated": False, "rows": 0,
                                        "how": f"not validated on {hw}/{kern}: no published {hw} row; the band is "
-                                              f"{base}'s error on rows of a whole GPU held out (cross-hardware)"}
+                                              f"{base}'s error on rows of a whole GPU held out (cross-hardware) or "
+                                              f"its widest validated band, the larger"}
             else:
                 b = out["cross_family"] if h else max(out["cross_family"], xhw)
                 res[f"{hw}/{kern}"] = {"band": _ceil(b), "validated": False, "rows": 0,

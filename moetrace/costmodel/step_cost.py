@@ -209,6 +209,16 @@ class ErrorBand(NamedTuple):
         return (f"±{100 * self.rel_error:.1f}% ({self.source})" if self.rel_error is not None
                 else self.source)
 
+    def unvalidated(self) -> str | None:
+        """The "not validated on <GPU>/<kernel>" clause of a band carried over from rows of
+        another GPU or kernel (None: measured where it is used). A verdict on such a band
+        says so, and decides only beyond it."""
+        i = self.source.find("not validated on ")
+        if i < 0:
+            return None
+        j = min((k for k in (self.source.find(":", i), len(self.source)) if k >= 0))
+        return self.source[i:j]
+
     def within(self, relative_difference: float) -> bool:
         """A predicted relative difference this small is within the model's error (not a win)."""
         return self.rel_error is not None and abs(relative_difference) <= self.rel_error
