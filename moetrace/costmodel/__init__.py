@@ -19,6 +19,7 @@ import json
 import math
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
 from .a2a import FAMILIES, A2AParams, link_bytes, time_terms
@@ -62,17 +63,18 @@ def regime_params(kernel: str) -> dict:
 def preset(hardware: str) -> dict:
     """One GPU's cost parameters: peaks, and every kernel's parameters with its band."""
     hw = gpu(hardware)
-    out = {"hardware": hw.name, "peaks": {"sms": hw.sms, "tensor_flops": hw.tensor_flops, "hbm_Bps": hw.hbm_Bps,
+    kernels: dict[str, dict] = {}
+    out: dict[str, Any] = {"hardware": hw.name, "peaks": {"sms": hw.sms, "tensor_flops": hw.tensor_flops, "hbm_Bps": hw.hbm_Bps,
                                           "nvlink_Bps": hw.nvlink_Bps, "rdma_Bps": hw.rdma_Bps,
                                           "nvlink_domain": hw.domain},
-           "peaks_source": hw.source, "kernels": {}, "regimes": {}}
+           "peaks_source": hw.source, "kernels": kernels, "regimes": {}}
     for kern in ("gemm_grouped", "gemm_dense", *KERNELS):
         b = band(hw.name, kern)
-        out["kernels"][kern] = {"params": regime_params(kern), "band": b["band"], "validated": b["validated"],
+        kernels[kern] = {"params": regime_params(kern), "band": b["band"], "validated": b["validated"],
                                 "band_source": b["how"]}
     for reg in fitted()["regimes"]:     # by fitted regime (the kernel that owns it)
         kern = reg if reg.startswith("gemm") else next(k for k, v in FAMILIES.items() if v["regime"] == reg)
-        out["regimes"][reg] = out["kernels"][kern]
+        out["regimes"][reg] = kernels[kern]
     return out
 
 
@@ -155,7 +157,7 @@ def comm_ns(hardware: str, hidden: int, ep: int, ranks_per_node: int | None, tok
     max_nodes = fam["max_nodes"] if topk_groups is None else (topk_groups or None)
     used_sms = (sms or fam["sms"]) if fam["sms"] is not None else None
     params = A2AParams(**regime_params(kernel))
-    common = dict(ep=int(ep), ranks_per_node=int(min(rpn, ep)), tokens=int(tokens), top_k=int(top_k),
+    common: dict[str, Any] = dict(ep=int(ep), ranks_per_node=int(min(rpn, ep)), tokens=int(tokens), top_k=int(top_k),
                   hidden=int(hidden), num_experts=int(num_experts), max_nodes=max_nodes)
     d = time_terms(hw, params, link_bytes(fam["style"], dtype=dispatch_dtype, direction="dispatch", **common), used_sms)
     c = time_terms(hw, params, link_bytes(fam["style"], dtype=combine_dtype, direction="combine", **common), used_sms)

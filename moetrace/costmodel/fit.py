@@ -210,6 +210,7 @@ def fit_regime(regime: str, rows: list[dict], prep: Prepared | None = None) -> n
         x, v = nelder_mead(loss, x)     # restart from the end point (Nelder-Mead stalls)
         if best is None or v < best[1]:
             best = (x, v)
+    assert best is not None
     x = best[0]
     if fam == "a2a" and not uses_sm(regime):
         x = x.copy()

@@ -70,6 +70,7 @@ def _tile_config(ms: tuple, n: int, sms: int, contiguous: bool) -> tuple[int, in
                           or (bm != b_bm and bn > b_bn))
             if better:
                 best = (bm, bn, tiles, waves, last)
+    assert best is not None     # bms and bns are never empty
     bm, bn, tiles, waves, _ = best
     return bm, bn, tiles, waves
 

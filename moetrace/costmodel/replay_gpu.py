@@ -111,7 +111,7 @@ class _MlpTable:
                 self.vals[g, col] = _mlp_ns(hw, h, i, dt, g, int(self.qval[col]))
             self.filled[g] = max(int(self.filled[g]), col_max + 1)
 
-    def lookup(self, g: np.ndarray, m: np.ndarray, g_max: int, m_max: int) -> np.ndarray:
+    def lookup(self, g: np.ndarray | None, m: np.ndarray, g_max: int, m_max: int) -> np.ndarray:
         """Times of integer arrays ``g`` (slots touched) and ``m`` (tokens per expert, >= 0;
         0 where g is 0), whose maxima are ``g_max`` and ``m_max``."""
         with self._lock:    # replay threads share the table: it grows under the lock, is read from a snapshot
@@ -124,6 +124,7 @@ class _MlpTable:
         if g_max <= 1:      # m is 0 where g is 0, and every g's time of m = 0 is 0: row 1 serves both
             # one gather: the row's time of every count up to m_max (qcol composed with the row)
             return np.take(np.take(vals[min(g_max, 1)], qcol[:m_max + 1]), m)
+        assert g is not None        # g_max > 1: the slots touched were given
         idx = np.take(qcol, m)
         idx += g * vals.shape[1]
         return np.take(vals.reshape(-1), idx)
@@ -147,7 +148,8 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     tok = np.asarray(tokens, np.float64)
     hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
     if touched is None:     # at most one slot touched per rank: no pass over g for its maximum
-        g, g_max = None, 1
+        g: np.ndarray | None = None
+        g_max = 1
     else:
         t = np.asarray(touched)
         if t.dtype.kind not in "iu":
@@ -164,12 +166,14 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
             g = np.greater(tok, 0).astype(np.int64)
         m = np.ceil(tok)
     else:
+        assert g is not None        # more than one slot touched: touched was given
         m = np.divide(tok, np.maximum(g, 1))
         np.ceil(m, out=m)
         m[g <= 0] = 0.0
         m_max = float(m.max(initial=0.0))
     if m_max < TABLE_MAX_TOKENS:
         return _table(hw, h, i, dt).lookup(g, m.astype(np.int64), g_max, int(m_max))
+    assert g is not None
     mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
     key = g.astype(np.int64) * (1 << 32) + mq
     uniq, inv = np.unique(key.ravel(), return_inverse=True)

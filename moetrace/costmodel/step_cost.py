@@ -180,9 +180,9 @@ def fit_expert_time(tokens, touched, duration_ns, base: CostModel) -> CostModel 
     a, b = (float(c) for c in coef)
     if a < 0 or b < 0:  # fall back to a one-parameter fit on the dominant term
         if a < 0:
-            a, b = 0.0, float((x2 @ y) / max(x2 @ x2, 1e-12))
+            a, b = 0.0, float((x2 @ y) / max(float(x2 @ x2), 1e-12))
         else:
-            a, b = float((x1 @ y) / max(x1 @ x1, 1e-12)), 0.0
+            a, b = float((x1 @ y) / max(float(x1 @ x1), 1e-12)), 0.0
     pred = a * x1 + b * x2
     ss = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None
