@@ -330,3 +330,28 @@ def test_verdict_uses_the_applied_models_band_and_says_when_unvalidated():
     assert v == NOT_ENOUGH and "not validated on H200/normal" in why
     v, why = verdict(100.0 * (1 + b200 + 0.05), 100.0, 50, h200)
     assert v == DOES_NOT and "not validated on H200/gemm_grouped" in why
+
+
+def test_fit_from_spans_recovers_known_terms():
+    from moetrace.costmodel.choose import choose, fit_from_spans
+    from moetrace.costmodel.step_cost import ErrorBand, preset
+
+    rng = np.random.default_rng(4)
+    T, L, E, R = 12, 2, 4, 2
+    dense = rng.integers(0, 50, size=(T, L, E)).astype(float)
+    share = np.zeros((L, E, R))
+    share[:, :2, 0] = share[:, 2:, 1] = 1.0          # experts 0-1 on rank 0, 2-3 on rank 1
+    ids, layers = np.arange(100, 100 + T), np.array([3, 7])
+    st, ly, rk, dur = [], [], [], []
+    for t in range(T):
+        for li in range(L):
+            for r in range(R):
+                own = dense[t, li, 2 * r:2 * r + 2]
+                st.append(ids[t]), ly.append(layers[li]), rk.append(r)
+                dur.append(3.0 * own.sum() + 5.0 * (own > 0).sum())       # a = 3 ns/token, b = 5 ns/slot
+    base = preset("H800")
+    m = fit_from_spans(ids, layers, dense, share, share, np.array(st), np.array(ly), np.array(rk), np.array(dur), base)
+    assert m.a_ns == pytest.approx(3.0) and m.b_ns == pytest.approx(5.0)
+    # a measured calibration band replaces the one stated; without one the preset keeps its own
+    assert choose(base, None, None).rel_error == base.rel_error
+    assert choose(base, m, ErrorBand(0.07, "calibration x")).rel_error == 0.07
