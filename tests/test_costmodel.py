@@ -355,3 +355,12 @@ def test_fit_from_spans_recovers_known_terms():
     # a measured calibration band replaces the one stated; without one the preset keeps its own
     assert choose(base, None, None).rel_error == base.rel_error
     assert choose(base, m, ErrorBand(0.07, "calibration x")).rel_error == 0.07
+
+
+@pytest.mark.parametrize("regime", F.REGIMES)
+def test_vectorized_fit_model_is_the_model(regime):
+    # the fit's array form of each row's time equals the scalar model used everywhere else
+    rows = [r for r in ROWS if r["regime"] == regime]
+    p = F.make_params(regime, FITTED["regimes"][regime]["params"])
+    vec = F.Prepared(regime, rows).predict(p)
+    assert np.allclose(vec, [F.predict_s(r, p) for r in rows], rtol=1e-9)

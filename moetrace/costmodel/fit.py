@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .a2a import FAMILIES, A2AParams, link_bytes, time_terms
+from .a2a import FAMILIES, SM_NORM, A2AParams, link_bytes, time_terms
 from .gemm import GemmParams, gemm_terms, tile_config
 from .hardware import DTYPE_BYTES, GPUS
 from .published import PUBLISHED, load_rows
@@ -149,8 +149,7 @@ class Prepared:
         tl = np.maximum(self.rb / (params.eff_rdma * self.R), self.nb / (params.eff_nvl * self.N))
         if params.sm_gbps > 0:
             ts = np.where(self.sms > 0, (self.rb + self.nb) / (np.maximum(self.sms, 1) * params.sm_gbps * 1e9), 0.0)
-            p = 3.0
-            tl = np.where(ts > 0, (tl ** p + ts ** p) ** (1.0 / p), tl)
+            tl = np.where(ts > 0, (tl ** SM_NORM + ts ** SM_NORM) ** (1.0 / SM_NORM), tl)
         return params.latency_us * 1e-6 + tl
 
     def needs(self, i: int) -> set:
