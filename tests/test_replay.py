@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import cli
+from moetrace.costmodel import step_cost as costmod
 from moetrace.produce.synth import SynthConfig, synth
-from moetrace.replay import cost as costmod
 from moetrace.run import Store
 
 from .helpers import run_cli, run_row

@@ -145,7 +145,7 @@ RACE_SERVER = textwrap.dedent("""
         print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]), flush=True)
 """)
 RACE_PRELOAD = ("duckdb", "polars", "numpy", "pyarrow", "pyarrow.parquet", "moetrace.cli", "moetrace.commands.store_cmds",
-                "moetrace.storage.store", "moetrace.storage.txn", "moetrace.storage.dense", "moetrace.collect.generic",
+                "moetrace.storage.store", "moetrace.storage.writer", "moetrace.storage.dense", "moetrace.collect.generic",
                 "moetrace.collect.checks", "moetrace.collect.conservation")
 
 

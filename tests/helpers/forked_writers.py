@@ -49,7 +49,7 @@ FORK_SERVER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import pyarrow as pa
     from moetrace.storage.store import Store
-    import duckdb, polars, moetrace.storage.engine, moetrace.storage.txn, moetrace.storage.views, moetrace.storage.dense
+    import duckdb, polars, moetrace.storage.duck, moetrace.storage.writer, moetrace.storage.views, moetrace.storage.dense
     for name in sys.argv[2].split(","):
         importlib.import_module(name)
     code = compile(sys.argv[1], "<writer>", "exec")
