@@ -13,7 +13,7 @@ from moetrace.costmodel import step_cost as costmod
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 
-from .helpers import run_cli, run_row
+from .helpers import make_store, run_cli, run_row
 from .helpers.slot_store import DTYPE, HIDDEN, RECORDED, store_files
 
 
@@ -248,8 +248,7 @@ def test_cost_fitted_from_spans(tmp_path):
                              ("process_group", None), ("classified_by", None), ("moe_context", None)):
                     rows[k].append(v)
     tables["spans"] = rows
-    st = Store(tmp_path / "c", create=True)
-    st.write_run(run, tables, run_id="c")
+    make_store(tmp_path / "c", run, tables, run_id="c")
     s = json.loads(run_cli("replay", tmp_path / "c", "--plan", "recorded", "--json").output)
     assert "fitted" in s["cost"]["source"]
     assert s["cost"]["a_ns"] == pytest.approx(40, rel=1e-3) and s["cost"]["b_ns"] == pytest.approx(900, rel=1e-3)
@@ -317,8 +316,7 @@ def test_recorded_routing_slots_are_used_exactly(tmp_path):
     tables["placement"] = {"plan_id": ["recorded"] * 24, "layer": np.repeat([0, 1], 12).tolist(),
                            "slot": list(range(12)) * 2, "rank": (np.arange(24) % 12 // 3).tolist(),
                            "node": (np.arange(24) % 12 // 6).tolist(), "expert": p2l.ravel().tolist()}
-    st = Store(tmp_path / "rs", create=True)
-    st.write_run(run, tables, run_id="rs")
+    st = make_store(tmp_path / "rs", run, tables, run_id="rs")
     s = json.loads(run_cli("replay", tmp_path / "rs", "--plan", "recorded", "--json").output)
     assert s["split"] == "recorded" and s["exact_bytes"] is True
     got = _rank_rows(st, s["replay_id"])
@@ -374,8 +372,7 @@ def _constant_load_store(path, T=12, L=2, E=16, R=4, rpn=2):
     run = run_row(source_sha256="x" * 64, num_layers=L, num_experts=E, top_k=2, hidden=HIDDEN,
                   dtype_bytes=DTYPE, expert_bytes=1000, num_ranks=R, ranks_per_node=rpn, num_slots=E,
                   num_groups=1)
-    st = Store(path, create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=pa.schema([
+    st = make_store(path, run, {"expert_load": pa.table(rows, schema=pa.schema([
         ("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
         ("src_rank", pa.int32()), ("tokens", pa.int64())]))},
         run_id="c")

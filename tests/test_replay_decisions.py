@@ -11,7 +11,7 @@ import pytest
 
 from moetrace.run import Store
 
-from .helpers import run_cli, run_row, shared_data
+from .helpers import make_store, run_cli, run_row, shared_data
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 LOAD_SCHEMA = pa.schema([("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
@@ -93,8 +93,7 @@ def test_recorded_replay_equals_skew_summary_with_idle_steps(tmp_path):
                  "expert": p2l.ravel().tolist()}
     run = run_row(source="idle", source_sha256="i" * 64, num_layers=L, num_experts=E, top_k=2, hidden=16,
                   dtype_bytes=2, expert_bytes=1000, num_ranks=4, ranks_per_node=2, num_slots=12)
-    st = Store(tmp_path / "st", create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA), "placement": placement}, run_id="idle")
+    st = make_store(tmp_path / "st", run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA), "placement": placement}, run_id="idle")
     res = _assert_recorded_equals_skew_summary(st, "idle")
     assert res.judged.summary.undefined_cells == 2 * 2 + 1
     # and by hand: max/mean of the even split over the recorded copies, idle cells left out
@@ -181,8 +180,7 @@ def _no_groups_store(path):
             "tokens": tok.ravel()}
     run = run_row(source="ng", source_sha256="n" * 64, num_layers=L, num_experts=E, top_k=2, hidden=16,
                   dtype_bytes=2, expert_bytes=1000, num_ranks=4, ranks_per_node=2, num_slots=E)
-    st = Store(path, create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA)}, run_id="ng")
+    st = make_store(path, run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA)}, run_id="ng")
     return st
 
 

@@ -36,15 +36,14 @@ def run_row(**fields) -> dict:
 
 
 def make_store(path, run: dict | None = None, tables: dict | None = None, run_id: str | None = None):
-    """A ``Store`` at ``path`` (created); with ``tables``, one run written (``run`` defaults
-    to :func:`run_row`). Returns the store, or ``(store, run id)`` when a run was written."""
-    from moetrace.storage.store import Store
+    """A new ``Store`` at ``path``; with ``tables``, one run written in it (``run`` defaults
+    to :func:`run_row`) under ``run_id``. Returns the store."""
+    from moetrace.run import Store
 
-    st = Store(path)
-    if tables is None:
-        return st
-    kw = {"run_id": run_id} if run_id is not None else {}
-    return st, st.write_run(run if run is not None else run_row(), tables, **kw)
+    st = Store(path, create=True)
+    if tables is not None:
+        st.write_run(run if run is not None else run_row(), tables, run_id=run_id)
+    return st
 
 
 def shared_data(*parts: str) -> Path:
