@@ -33,7 +33,7 @@ from ..streams import Rereadable, prefetched
 from . import Collector, RunData, head, register
 from .checks import MAX_COUNT
 
-if TYPE_CHECKING:   # polars is imported where a path needs it (start-up: issue #26)
+if TYPE_CHECKING:   # polars is imported where a path needs it (a command's start-up)
     import polars as pl
 
 LOAD_REQ = ["step", "layer", "expert", "tokens"]

@@ -9,7 +9,6 @@ from ..replay.results import load_answer, load_lines
 from ..run import ClusterSpec, Store
 from ..units import gib
 from ._options import (
-    alias_option,
     chrome_trace_option,
     fit_steps_option,
     hardware_option,
@@ -120,9 +119,9 @@ def _print_replay(res):
 @click.option("--target-imbalance", type=float, default=None, help="Move-aware re-plan: stop at this max/mean.")
 @click.option("--plan-id", default=None, help="Id to store the plan under (default: the policy name).")
 @click.option("--no-store", is_flag=True, help="Do not write the plan into the store.")
-@alias_option("--export", "out_file", aliases=("-o", "--out"), type=click.Path(dir_okay=False), default=None,
+@click.option("--export", "out_file", type=click.Path(dir_okay=False), default=None,
               callback=check_out_path, metavar="FILE", help="Export the plan to FILE in --export-format.")
-@alias_option("--export-format", "out_format", aliases=("--out-format",),
+@click.option("--export-format", "out_format",
               type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
               show_default=True, help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON; "
               "trtllm: TensorRT-LLM moe_config.load_balancer YAML; vllm-ascend: expert map JSON (expert_map_path).")
@@ -286,7 +285,7 @@ def _print_drift(d, plot):
                f"judged on {d.steps.size} steps against the recorded placement")
     st = d.results["static"]
     click.echo(f"  plan: {st.plan.describe()}")
-    from ..replay.cost import error_band
+    from ..costmodel.step_cost import error_band
 
     band, src = error_band(d.cost)
     click.echo(f"  time error band ±{band:.0%} ({src}): a predicted difference within it is not a win")

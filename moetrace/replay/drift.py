@@ -5,12 +5,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..costmodel import step_cost as costmod
 from ..domain.shape import Shape, Timing
 from ..errors import InputError
 from ..notebook import NotebookView
 from ..placement.planners import PlanShape, make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .cost_fit import _cost
 from .judge import _in_memory, _too_short
 from .results import (

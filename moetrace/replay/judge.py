@@ -8,13 +8,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..costmodel import step_cost as costmod
 from ..domain.shape import ClusterSpec, Shape, Timing
 from ..domain.windows import first_half
 from ..errors import InputError
 from ..placement.plan_store import recorded_plan
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .cost_fit import _cost
 from .engine import (
     Block,

@@ -32,7 +32,7 @@ def read_shape(store, run_id: str) -> Shape:
     :mod:`moetrace.domain.model_shape`), each assumption a line of ``shape.notes``."""
     run = store.run_row(run_id)
     notes = []
-    # DuckDB's rows and Arrow columns, not polars frames (start-up: issue #26)
+    # DuckDB's rows and Arrow columns, not polars frames (a command's start-up)
     sh = store.rows("SELECT * FROM run_shape WHERE run_id = ?", [run_id]).dicts()
     # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
     st = store.rows("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,

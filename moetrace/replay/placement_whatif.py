@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..costmodel import step_cost as costmod
 from ..domain.shape import ClusterSpec, Shape, Timing
 from ..errors import InputError
 from ..placement.planners import make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .judge import _in_memory
 from .results import LoadAnswer, _time_note, load_answer
 from .strategies import Fixed, Judged, MoveCost, fastest, judge

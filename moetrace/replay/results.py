@@ -9,13 +9,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from ..costmodel import step_cost as costmod
 from ..domain.budget import STREAMED_STEPS
 from ..domain.ranks import node_of
 from ..domain.shape import Shape, Timing
 from ..notebook import NotebookView
 from ..placement.planners import Plan
 from ..storage.schema import repeated_string
-from . import cost as costmod
 from .accumulate import LoadTotals, rel_error_text
 from .engine import Block
 from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, compare_text
@@ -287,7 +287,7 @@ def _int(x):
 def _arr(a: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
     """``pa.array(a, mask=mask)`` of a numeric numpy array, over the same buffer (null where
     ``mask``), built from buffers: pyarrow imports pandas the first time ``pa.array`` is
-    called (0.2-0.3 s of every replay, issue #26)."""
+    called (0.2-0.3 s of every replay's start-up)."""
     a = np.ascontiguousarray(a).ravel()
     validity, nulls = None, 0
     if mask is not None:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ..costmodel import step_cost as costmod
 from ..domain.budget import check_sweep_cells
 from ..domain.shape import ClusterSpec, Shape
 from ..errors import InputError
@@ -13,7 +14,6 @@ from ..notebook import NotebookView
 from ..placement.plan_store import recorded_plan
 from ..placement.planners import PlanShape, check_shape, make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .cost_fit import _cost
 from .judge import _in_memory, _InMemory, _too_short
 from .results import (
