@@ -14,7 +14,7 @@ from moetrace.run import Store
 
 pytestmark = pytest.mark.slow
 
-# what docs/scale.md shows: rank load from the recorded placement (an expert's tokens split
+# what docs/how-to/spark-trino-dask.md shows: rank load from the recorded placement (an expert's tokens split
 # evenly over its copies), then max / mean over num_ranks per (step, layer)
 PORTABLE_IMBALANCE = """
 WITH copies AS (

@@ -346,7 +346,7 @@ class Store(Transactions):
         present = present or {}
         tables = sorted(schema.load_all() if tables is None else tables, key=lambda t: t != "runs")
         stmts = [self._view_sql(t, relative, present.get(t), files) for t in tables]
-        # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
+        # expert_load = its long rows + the dense expert_counts rows unnested (docs/explanation/fleet-scale.md)
         if "expert_load" in tables:
             stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load"), files))
         return stmts if tables_only else stmts + analysis_views()
