@@ -202,6 +202,8 @@ def test_the_tutorial_runs_and_says_what_the_page_quotes(tmp_path):
     report = (tmp_path / "moetrace-demo/report-dsv3/report.md").read_text().replace("**", "")
     quoted = [b for lang, b in FENCE.findall(page) if lang == "text"]
     assert quoted
+    # the README's example output is the tutorial's replay too
+    quoted += [b for lang, b in FENCE.findall((REPO / "README.md").read_text()) if lang == ""][:1]
     for block in quoted:
         for number in re.findall(r"\d[\d,]*\.?\d*", block):
             assert number in out or number in report, number
@@ -213,8 +215,10 @@ def test_the_tutorial_runs_and_says_what_the_page_quotes(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-# own-csv.md's block runs in tests/test_own_data.py, which also checks its output
-HOW_TO = sorted(p.name for p in (REPO / "docs/how-to").glob("*.md") if p.name != "own-csv.md")
+# the how-to pages that show commands on the samples (own-csv.md's block runs in
+# tests/test_own_data.py, which also checks its output)
+HOW_TO = sorted(p.name for p in (REPO / "docs/how-to").glob("*.md")
+                if p.name != "own-csv.md" and _bash_commands(p.read_text()))
 
 
 @pytest.mark.slow
@@ -225,6 +229,5 @@ def test_shown_commands_run_on_the_samples(page, tmp_path):
         commands = re.findall(r"`(moetrace ingest st sample_traces/[^`]+)`", text)
     else:
         commands = _bash_commands(text)
-    if not commands:
-        pytest.skip(f"{page} shows no runnable command")
+    assert commands, page
     _run(commands, tmp_path)
