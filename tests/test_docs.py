@@ -195,18 +195,30 @@ def _run(commands: list[str], cwd: Path) -> str:
     return res.stdout
 
 
+def _check_quoted(page: str, out: str, report: str, extra: list[str] = ()) -> None:
+    """Every number in the page's ```text blocks is in what the commands printed or wrote."""
+    quoted = [b for lang, b in FENCE.findall(page) if lang == "text"] + list(extra)
+    assert quoted
+    for block in quoted:
+        for number in re.findall(r"\d[\d,]*\.?\d*", block):
+            assert number in out or number in report, number
+
+
+@pytest.mark.slow
+def test_the_metrics_page_example_runs_and_says_what_it_quotes(tmp_path):
+    page = (REPO / "docs/explanation/metrics.md").read_text()
+    out = _run(_bash_commands(page), tmp_path)
+    _check_quoted(page, out, (tmp_path / "demo-report/report.md").read_text().replace("**", ""))
+
+
 @pytest.mark.slow
 def test_the_tutorial_runs_and_says_what_the_page_quotes(tmp_path):
     page = (REPO / "docs/tutorial.md").read_text()
     out = _run(_bash_commands(page), tmp_path)
     report = (tmp_path / "moetrace-demo/report-dsv3/report.md").read_text().replace("**", "")
-    quoted = [b for lang, b in FENCE.findall(page) if lang == "text"]
-    assert quoted
     # the README's example output is the tutorial's replay too
-    quoted += [b for lang, b in FENCE.findall((REPO / "README.md").read_text()) if lang == ""][:1]
-    for block in quoted:
-        for number in re.findall(r"\d[\d,]*\.?\d*", block):
-            assert number in out or number in report, number
+    readme = [b for lang, b in FENCE.findall((REPO / "README.md").read_text()) if lang == ""][:1]
+    _check_quoted(page, out, report, readme)
     # the Python API page's example, on the store the tutorial made
     api = (REPO / "docs/reference/python-api.md").read_text()
     example = next(b for lang, b in FENCE.findall(api) if lang == "python")
