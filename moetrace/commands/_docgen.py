@@ -84,8 +84,11 @@ def _view_rows() -> dict[str, tuple[str, list[dict]]]:
     built by the same helpers, with every view described over one empty store (one
     ``moetrace tables VIEW`` per view would define all the views each time)."""
     from ..storage.views import view_docs
-    from .store_cmds import _column_meaning, _views_columns
 
+    try:
+        from .store_cmds import _column_meaning, _views_columns
+    except ImportError:     # the helpers moved: one `moetrace tables VIEW` per view (slower, same text)
+        return {v: (d["doc"], _tables_json(v)) for v, d in view_docs().items()}
     docs = view_docs()
     cols = _views_columns(list(docs))
     return {v: (d["doc"], [{"column": c, "type": ty, "meaning": _column_meaning(v, d["doc"], c)}
