@@ -32,15 +32,16 @@ def _walk(cmd: click.Command, ctx: click.Context):
             sub = cmd.get_command(ctx, name)
             if sub is None or sub.hidden:
                 continue
-            yield from _walk(sub, click.Context(sub, info_name=name, parent=ctx,
-                                                terminal_width=WIDTH, max_content_width=WIDTH))
+            yield from _walk(sub, sub.make_context(name, [], parent=ctx, resilient_parsing=True,
+                                                   terminal_width=WIDTH, max_content_width=WIDTH))
 
 
 def cli_reference() -> str:
     from ..cli import cli
 
     cli.load_all()
-    root = click.Context(cli, info_name="moetrace", terminal_width=WIDTH, max_content_width=WIDTH)
+    # make_context applies the group's context_settings (-h as well as --help), as a real run does
+    root = cli.make_context("moetrace", [], resilient_parsing=True, terminal_width=WIDTH, max_content_width=WIDTH)
     parts = ["# Command-line reference", "",
              f"Generated from every command's `--help` by `{REGENERATE}`; do not edit by hand.",
              "Each command's help ends with an example; `moetrace COMMAND --help` prints the same text.",
