@@ -320,16 +320,16 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     verbose = sum(i["verbose"] for i in infos)
     cols = ["rank", "source", "entry", "grp", "group_desc", "group_rank", "group_size", "op", "op_name", "is_p2p",
             "seq", "p2p_seq", "record_id", "peer", "msg_bytes", "input_sizes", "output_sizes", "input_dtypes",
-            "output_dtypes", "state", "created_ns", "started_ns", "completed_ns", "duration_ns", "timing_source",
+            "output_dtypes", "state", "retired", "created_ns", "started_ns", "completed_ns", "duration_ns", "timing_source",
             "algo_bw_gbps", "bus_bw_gbps"]
     schema = {"rank": pl.Int32, "source": pl.Utf8, "entry": pl.Int64, "grp": pl.Utf8, "group_desc": pl.Utf8,
               "group_rank": pl.Int32, "group_size": pl.Int32, "op": pl.Utf8, "op_name": pl.Utf8,
               "is_p2p": pl.Boolean, "seq": pl.Int64, "p2p_seq": pl.Int64, "record_id": pl.Int64, "peer": pl.Int32,
               "msg_bytes": pl.Int64, "input_sizes": pl.Utf8, "output_sizes": pl.Utf8, "input_dtypes": pl.Utf8,
-              "output_dtypes": pl.Utf8, "state": pl.Utf8, "created_ns": pl.Int64, "started_ns": pl.Int64,
+              "output_dtypes": pl.Utf8, "state": pl.Utf8, "retired": pl.Boolean, "created_ns": pl.Int64, "started_ns": pl.Int64,
               "completed_ns": pl.Int64, "duration_ns": pl.Int64, "timing_source": pl.Utf8,
               "algo_bw_gbps": pl.Float64, "bus_bw_gbps": pl.Float64}
-    coll = pl.DataFrame([{c: r[c] for c in cols} for r in rows], schema=schema, orient="row")
+    coll = pl.DataFrame([{c: r.get(c) for c in cols} for r in rows], schema=schema, orient="row")
     # a communicator's size must agree wherever it is recorded
     sizes = coll.group_by("grp").agg(pl.col("group_size").n_unique().alias("n"), pl.col("group_size").min().alias("a"),
                                      pl.col("group_size").max().alias("b")).filter(pl.col("n") > 1)
