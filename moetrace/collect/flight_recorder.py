@@ -33,7 +33,7 @@ from ..domain.kernels import normalize_collective
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, json_loads, limit, limit_error
 from ..safety_pickle import is_pickle, load_plain
-from . import Collector, RunData, register
+from . import Collector, RunData, register, source_label
 from ._polars import Dtypes, pl
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -334,7 +334,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     meta = {"format": "flight_recorder", "version": versions, "encoding": sorted({i["kind"] for i in infos}),
             "comm_lib_version": sorted({i["comm_lib_version"] for i in infos if i["comm_lib_version"]}),
             "files": [p.name for p in paths], "ranks": ranks}
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+    run = {"source": source_label(paths),
            "source_sha256": h, "time_base": "epoch", "num_ranks": options.get("num_ranks") or len(set(ranks)),
            "ranks_per_node": options.get("ranks_per_node"), "approximations": json.dumps(approx),
            "meta_json": json.dumps(meta)}

@@ -30,7 +30,7 @@ import msgspec
 from ..domain.kernels import normalize_collective
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, limit, limit_error
-from . import Collector, RunData, register
+from . import Collector, RunData, register, source_label
 from ._polars import pl
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -406,7 +406,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     meta = {"format": "nccl_inspector", "inspector_output_format_version": versions, "files": [p.name for p in paths],
             "hostnames": sorted(set().union(*(i["hosts"] for i in infos))), "verbose_records": verbose,
             "records": coll.height, "timing_sources": srcs, "other_records": other}
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+    run = {"source": source_label(paths),
            "source_sha256": h.hexdigest(), "time_base": "epoch" if verbose else "none",
            "num_ranks": options.get("num_ranks") or R, "ranks_per_node": options.get("ranks_per_node"),
            "approximations": json.dumps(approx) if approx else None, "meta_json": json.dumps(meta)}

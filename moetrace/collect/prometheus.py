@@ -277,7 +277,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     rows.sort(key=lambda r: (r["ts_ns"] or 0, r["file"], r["line"]))
     table = pa.table({c: pa.array([r.get(c) for r in rows], _TYPES.get(c, pa.float64())) for c in COLUMNS})
     srcs = [p for _, p, _ in scrapes]
-    run = {"source": srcs[0].name if single else f"{srcs[0].parent.name}/ ({len(srcs)} scrapes)",
+    run = {"source": srcs[0].name if single else f"{srcs[0].resolve().parent.name}/ ({len(srcs)} scrapes)",
            "source_sha256": sha256_files(srcs), "collector": "prometheus", "time_base": "epoch",
            "num_layers": options.get("num_layers"), "num_experts": options.get("num_experts"),
            "top_k": options.get("top_k"), "num_ranks": options.get("num_ranks"),

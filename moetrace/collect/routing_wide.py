@@ -14,9 +14,12 @@ IPC (``.arrow`` / ``.feather`` / ``.ipc``). Columns:
 - gates (optional): a list column named one of :data:`GATE_COLS`, same lengths.
 - layer: a ``layer`` (or ``layer_id``) column, else the file name (``layer_7.parquet``,
   ``layer-07``, ``layers.7``, ``l7_...``), else refused; not both for nested lists.
-- step: a ``step`` column; else ``--set tokens_per_step=N`` cuts the rows into steps of N
-  tokens in file order; else the whole file is one pseudo-step (said).
-- token: a ``token`` column, else the row order within (step, layer) (said);
+- step: a ``step`` column; else, in a per-token log with a ``token_idx`` column (vLLM
+  route-logging patches: req_id, token_idx, layer), a step starts wherever token_idx does
+  not grow within a layer's rows (said); else ``--set tokens_per_step=N`` cuts the rows
+  into steps of N tokens in file order; else the whole file is one pseudo-step (said).
+- token: a ``token`` column, else ``token_idx``, else the row order within (step, layer)
+  (said);
   src_rank: a ``src_rank`` / ``rank`` / ``dp_rank`` column when present.
 
 Serving-API responses saved as JSON lines are read directly: SGLang ``/generate``
@@ -40,12 +43,16 @@ import pyarrow.compute as pc
 
 from ..domain.hashing import sha256_files
 from ..errors import InputError
-from . import Collector, RunData, register
+from . import Collector, RunData, register, source_label
 from .sglang import _ranges
 
 EXPERT_COLS = ("indices", "experts", "expert_ids", "topk_ids", "topk_indices", "routed_experts", "selected_experts")
 GATE_COLS = ("scores", "gates", "gate", "weights", "topk_weights", "routing_weights", "probs")
 RANK_COLS = ("src_rank", "rank", "dp_rank")
+#: a request id column (counted and said)
+REQUEST_COLS = ("req_id", "request_id", "rid")
+#: a token's index within its forward pass, where there is no token column
+TOKEN_COLS = ("token_idx", "token_index")
 _LAYER_NAME = re.compile(r"(?:^|[^a-z])(?:layers?|l)[_\-.]?(\d+)(?:[^0-9]|$)", re.I)
 _ARROW_EXT = (".arrow", ".feather", ".ipc")
 _PQ_MAGIC = b"PAR1"
@@ -476,10 +483,40 @@ def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
            "k": int(k_of.max()) if k_of.size else 0}
     for c in ("step", "token"):
         out[c] = _int_column(t, c, path)[rows] if c in t.column_names else None
+    if out["token"] is None:
+        tcol = next((c for c in TOKEN_COLS if c in t.column_names), None)
+        if tcol is not None:
+            out["token"] = _steps_from_token_index(t, tcol, path, out, approx)
     rc = next((c for c in RANK_COLS if c in t.column_names), None)
     out["src_rank"] = _int_column(t, rc, path)[rows] if rc else None
     out["nrows"] = n
     return out
+
+
+def _steps_from_token_index(t: pa.Table, tcol: str, path: Path, out: dict, approx: set[str]) -> np.ndarray:
+    """Tokens (per entry) from a per-request log's token index; without a step column, the
+    steps too: a step (one forward pass) starts wherever, in one layer's rows in file
+    order, the token index does not grow (the logger counts tokens within a pass: vLLM
+    route-logging patches write req_id, token_idx, layer per token)."""
+    tok_rows = _int_column(t, tcol, path)
+    req = next((c for c in REQUEST_COLS if c in t.column_names), None)
+    nreq = len(pc.unique(t.column(req))) if req is not None else None
+    if out["step"] is None:
+        layer_rows = np.zeros(t.num_rows, np.int64)
+        lc = next((c for c in ("layer", "layer_id") if c in t.column_names), None)
+        if lc is not None:
+            layer_rows = _int_column(t, lc, path)
+        step_rows = np.zeros(t.num_rows, np.int64)
+        for lay in np.unique(layer_rows):
+            idx = np.flatnonzero(layer_rows == lay)
+            tk = tok_rows[idx]
+            new = np.ones(idx.size, bool)
+            new[1:] = tk[1:] <= tk[:-1]
+            step_rows[idx] = np.cumsum(new) - 1
+        out["step"] = step_rows[out["row"]]
+        approx.add(f"no step column: a step starts wherever {tcol} does not grow (one forward pass per run of "
+                   f"growing {tcol}, per layer in file order)" + (f"; {nreq} request(s) ({req})" if nreq else ""))
+    return tok_rows[out["row"]]
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
@@ -590,7 +627,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     if not options.get("num_layers"):
         approx.add("num_layers inferred from the highest layer id")
     ks = sorted(approx)
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+    run = {"source": source_label(paths),
            "source_sha256": sha256_files(paths), "collector": "routing_wide", "time_base": "none",
            "num_layers": L, "num_experts": E, "top_k": options.get("top_k") or k,
            "num_ranks": options.get("num_ranks"), "ranks_per_node": options.get("ranks_per_node"),
