@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from moetrace.collect import collect
-from moetrace.collect._chrome_json import rank_from_name, ts_to_ns
+from moetrace.collect._chrome_json import rank_from_name
+from moetrace.collect._chrome_ts import ts_to_ns
 from moetrace.run import Store
 
 from .conftest import shared_data, tree_hash
