@@ -106,3 +106,57 @@ def test_timing_on_reads_the_same(tmp_path, runner, cli):
     assert s.sql("SELECT count(*) AS n FROM collectives WHERE duration_ns IS NOT NULL")["n"][0] == 0
     h = s.run().hang()
     assert h.never_reached("0") == [2]
+
+
+# ----------------------------------------------------------------------------- schema versions
+# The entry fields of each dump version as PyTorch's writer emits them (NCCL backend):
+# version 2.3: torch/csrc/distributed/c10d/TraceUtils.h (NCCLTraceBuffer::dump: record_id,
+# pg_id, process_group, collective_seq_id, p2p_seq_id, op_id, profiling_name,
+# time_created_ns, duration_ms when timed, input/output sizes and dtypes, state,
+# time_discovered_*_ns, retired, timeout_ms, is_p2p, frames); 2.10 (torch 2.13:
+# FlightRecorder.hpp version_val "2.10", FlightRecorderDetail.hpp getCollectiveTrace) adds
+# thread_name and thread_id and the dump's comm_lib_version. pg_status values are ints in the
+# pickle (-1 for nothing yet), text in dump_json.
+def _nccl_entry(version, rid, seq, state, timed):
+    e = {"frames": [], "record_id": rid, "pg_id": 0, "process_group": ("0", "default_pg"),
+         "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": "nccl:all_reduce",
+         "time_created_ns": 10**18 + 1000 * rid, "input_sizes": [[1024]], "input_dtypes": ["BFloat16"],
+         "output_sizes": [[1024]], "output_dtypes": ["BFloat16"], "state": state,
+         "time_discovered_started_ns": 10**18 + 1000 * rid + 5 if state != "scheduled" and timed else None,
+         "time_discovered_completed_ns": 10**18 + 1000 * rid + 9 if state == "completed" and timed else None,
+         "retired": state == "completed", "timeout_ms": 600000, "is_p2p": False}
+    if timed and state == "completed":
+        e["duration_ms"] = 0.25
+    if version == "2.10":
+        e["thread_name"], e["thread_id"] = "pt_nccl_watchdg", "140000"
+    return e
+
+
+@pytest.mark.parametrize("version", ["2.3", "2.4", "2.7", "2.10"])
+@pytest.mark.parametrize("timed", [False, True])
+def test_nccl_dumps_of_every_version(version, timed, tmp_path, runner, cli):
+    """Two NCCL ranks: rank 0 completed #1..#3 and started #4; rank 1 completed #1..#3 only."""
+    import pickle
+
+    d = tmp_path / "dumps"
+    d.mkdir()
+    for r in (0, 1):
+        last = 4 if r == 0 else 3
+        ents = [_nccl_entry(version, s - 1, s, "completed" if s < 4 else ("started" if timed else "scheduled"), timed)
+                for s in range(1, last + 1)]
+        dump = {"version": version, "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+                "pg_status": {"0": {"last_enqueued_collective": last, "last_started_collective": last if timed else -1,
+                                    "last_completed_collective": 3}},
+                "entries": ents}
+        if version == "2.10":
+            dump["comm_lib_version"] = "2.27.5"
+        (d / f"nccl_trace_rank_{r}").write_bytes(pickle.dumps(dump, protocol=2))
+    st = tmp_path / "st"
+    res = invoke(runner, cli, "ingest", d, "--store", st)
+    assert res.exit_code == 0, res.output
+    s = Store(st)
+    assert s.sql("SELECT count(*) AS n FROM collectives")["n"][0] == 7
+    timed_n = s.sql("SELECT count(*) AS n FROM collectives WHERE duration_ns = 250000")["n"][0]
+    assert timed_n == (6 if timed else 0)
+    row = s.run().hang().groups.row(0, named=True)
+    assert (row["stuck_seq"], row["waiting"], row["never_reached"]) == (4, [0], [1])
