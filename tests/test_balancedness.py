@@ -1,4 +1,4 @@
-"""One balancedness, every engine's name for it (#24), and the two log defects of #23:
+"""One balancedness, every engine's name for it, and two log defects:
 an empty vLLM EPLB window is undefined (not 0) and SGLang timestamps are only said to be
 UTC when there is one."""
 from __future__ import annotations

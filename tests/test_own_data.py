@@ -1,4 +1,4 @@
-"""A performance engineer's own CSV (#25): ingest says what it could not know, runs/skew say
+"""A performance engineer's own CSV: ingest says what it could not know, runs/skew say
 why a value is null, re-ingesting with a corrected shape is explicit, every CSV/JSONL value
 error names its row, and a missing optional dependency is one line with its install command."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from moetrace.run import Store
 
-from .conftest import invoke
+from .helpers import invoke
 
 CSV = "step,layer,expert,tokens\n" + "".join(f"{s},0,{e},{(s + 1) * (e + 1)}\n" for s in range(3) for e in range(4))
 

@@ -12,7 +12,7 @@ from moetrace.collect import collect, ingest
 from moetrace.errors import InputError
 from moetrace.run import Store
 
-from .conftest import shared_data, tree_hash
+from .helpers import shared_data, tree_hash
 
 
 def _torch():

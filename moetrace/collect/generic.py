@@ -39,7 +39,7 @@ from ._generic_read import (
 )
 from .checks import MAX_COUNT
 
-if TYPE_CHECKING:   # polars is imported where a path needs it (start-up: issue #26)
+if TYPE_CHECKING:   # polars is imported where a path needs it (a command's start-up)
     import polars as pl
 
 LOAD_REQ = ["step", "layer", "expert", "tokens"]

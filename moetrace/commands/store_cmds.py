@@ -153,7 +153,7 @@ def runs(store, fmt, output):
     from ..output import Rows, emit_rows
 
     st = open_store(store)
-    runs = st.runs_rows()   # DuckDB rows: no polars, no Arrow (start-up, issue #26)
+    runs = st.runs_rows()   # DuckDB rows: no polars, no Arrow (a command's start-up)
     if runs.height == 0:
         click.echo("no runs")
         return

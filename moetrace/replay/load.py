@@ -93,7 +93,7 @@ class RunShape:
     def from_store(cls, store, run_id: str) -> "RunShape":
         run = store.run_row(run_id)
         notes = []
-        # DuckDB's rows and Arrow columns, not polars frames (start-up: issue #26)
+        # DuckDB's rows and Arrow columns, not polars frames (a command's start-up)
         sh = store.rows("SELECT * FROM run_shape WHERE run_id = ?", [run_id]).dicts()
         # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
         st = store.rows("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
