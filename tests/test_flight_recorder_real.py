@@ -1,5 +1,5 @@
 """Flight Recorder dumps written by real PyTorch (the installed torch, CPU, gloo, four ranks:
-tests/_fr_writer.py), ingested without --format, and the hang post-mortem on them. Every
+tests/helpers/fr_writer.py), ingested without --format, and the hang post-mortem on them. Every
 expected number is the hand count of what the writer's ranks run (its docstring), not read
 back from the dumps."""
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 from moetrace.run import Store
 from moetrace.safety_pickle import load_plain
 
-from . import _fr_writer as W
-from .conftest import REPO, invoke
+from .helpers import REPO, invoke
+from .helpers import fr_writer as W
 
 DEFAULT = W.N_ALL_REDUCE + 2          # all_reduce x12, barrier, all_gather
 STUCK = DEFAULT + 1                   # the all_reduce rank 2 never calls
 
 
 def _write(out, *flags):
-    res = subprocess.run([sys.executable, "-m", "tests._fr_writer", str(out), *flags], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "tests.helpers.fr_writer", str(out), *flags], cwd=REPO,
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     return out

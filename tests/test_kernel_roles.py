@@ -14,8 +14,8 @@ import pytest
 from moetrace.domain.kernels import Classifier, base_name, normalize_name
 from moetrace.run import Store
 
-from .conftest import shared_data
-from .test_kineto import ev_x, kernel, launch, write_trace
+from .helpers import shared_data
+from .helpers.kineto_trace import ev_x, kernel, launch, write_trace
 
 FINALIZE = ("void moe::dev::finalize::finalizeKernelVecLoad<moe::dev::finalize::KernelParams<cutlass::bfloat16_t, "
             "float, 8>>(moe::dev::finalize::KernelParams<cutlass::bfloat16_t, float, 8>)")

@@ -11,8 +11,8 @@ import pytest
 
 from moetrace.run import Store
 
-from .conftest import REPO, invoke
-from .conftest import one_line_error as _one_line_error
+from .helpers import REPO, invoke
+from .helpers import one_line_error as _one_line_error
 
 FIX = REPO / "tests" / "fixtures" / "nccl_inspector_v4"
 # per rank r: AllReduce 100+r, 200+r, 300+r us; AllGather 0 us; one P2P of 50 us

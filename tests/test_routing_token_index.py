@@ -10,7 +10,7 @@ import os
 
 from moetrace.run import Store
 
-from .conftest import invoke, shared_data
+from .helpers import invoke, shared_data
 
 
 def _lines(tokens_per_pass, layers=(0,), req="r1"):

@@ -17,7 +17,7 @@ import pytest
 
 from moetrace.run import Store
 
-from .conftest import invoke
+from .helpers import invoke
 
 L, K, E = 2, 2, 8      # tiny-mixtral, as the vLLM test runs it: 2 layers, top-2 of 8 experts
 

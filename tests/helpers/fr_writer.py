@@ -15,7 +15,7 @@ What the ranks run (the hand count the tests compare with):
   rank 2 never calls it. Every rank dumps while that all_reduce is pending, so the dumps
   show a hang in default-group collective #15 that rank 2 never reached.
 
-Run: ``python -m tests._fr_writer OUT [--timing]``; ``--timing`` sets TORCH_NCCL_ENABLE_TIMING=1
+Run: ``python -m tests.helpers.fr_writer OUT [--timing]``; ``--timing`` sets TORCH_NCCL_ENABLE_TIMING=1
 (gloo records no duration either way: the dumps must read the same). The ranks meet through a
 FileStore in OUT, so nothing listens on a port. Each rank waits until all four have dumped
 before it exits, so no rank's exit can fail the pending all_reduce before it is dumped.
