@@ -214,7 +214,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
-                   "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/timeline.md).")
+                   "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
            window, max_moves, split, hardware, no_fit, stall_ms, move_overlap, passes, chrome_trace, trace_steps,
            plot, no_rank_rows, as_json, timeline_whatif):

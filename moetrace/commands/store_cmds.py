@@ -190,7 +190,7 @@ def runs(store, fmt, output):
 def sql(store, query, engine, master, remote, fmt, output, timeout, memory_limit, allow_paths, unsafe):
     """Run SQL over the store's tables and metric views (expert_load, routing, steps, spans,
     layer_skew, ...): DuckDB SQL here, or Spark SQL with --engine spark (the same views,
-    transpiled from their DuckDB definitions; see docs/scale.md).
+    transpiled from their DuckDB definitions; see docs/how-to/spark-trino-dask.md).
 
     DuckDB runs sandboxed: one SELECT (or EXPLAIN) statement, reading only the store's files
     (and --allow-path ones); COPY, ATTACH, INSTALL, SET and reads of other files are refused
