@@ -105,9 +105,9 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
     run_id = load_run or run_id
     from dataclasses import replace
 
+    from ..placement.plan_store import recorded_plan
     from .engine import replay_load
-    from .load import RunShape, iter_load, routing_block, routing_has_slots
-    from .plan_store import recorded_plan
+    from .load import iter_load, read_shape, routing_block, routing_has_slots
 
     timed = store.has_files("cell_times") and store.sql(
         "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [spans_run])["n"][0] > 0
@@ -115,7 +115,7 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
             "SELECT count(*) AS n FROM spans WHERE run_id = ?", [spans_run])["n"][0] == 0):
         raise InputError(None, f"run {spans_run!r} has no profiler spans: calibration needs a Kineto or Nsight trace "
                                "(or a refrun) ingested into the same run")
-    shape = RunShape.from_store(store, run_id)
+    shape = read_shape(store, run_id)
     plan = recorded_plan(store, run_id, shape)
     notes = list(shape.notes)
     if load_run and load_run != spans_run:
@@ -387,7 +387,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     every judged run have it (refrun timed passes) and on the wall clock otherwise. On the
     CPU basis the same fit and judgement on the wall clock come beside it (``wall_clock``,
     not stored) with each run's host slowdown (``host_slowdown``)."""
-    from .load import RunShape
+    from .load import read_shape
 
     cid = calibration_id or new_calibration_id()
     now = time.time_ns()
@@ -398,7 +398,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     else:
         for r in runs:
             resolve_basis(store, r, basis)
-    shape = RunShape.from_store(store, load_runs.get(fit_run) or fit_run)
+    shape = read_shape(store, load_runs.get(fit_run) or fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     out = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
                         basis, cid, now)
