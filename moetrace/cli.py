@@ -66,6 +66,21 @@ def scan_commands(folder: Path = COMMANDS_DIR) -> dict[str, tuple[str, str]]:
     return index
 
 
+def _where(ctx, e: MoetraceError) -> str:
+    """"store st, run r: " in front of an input error that names no file: the store and run
+    the command was asked about (kept by the STORE and --run callbacks)."""
+    from .errors import InputError
+
+    if not isinstance(e, InputError) or e.file is not None:
+        return ""
+    store, run = ctx.meta.get("moetrace.store"), ctx.meta.get("moetrace.run")
+    text = str(e)
+    parts = [f"store {store}" if store and str(store) not in text else None,
+             f"run {run}" if run and str(run) not in text else None]
+    parts = [p for p in parts if p]
+    return ", ".join(parts) + ": " if parts else ""
+
+
 class MoetraceGroup(click.Group):
     """Loads command modules on demand and turns MoetraceError into a one-line message
     and its exit code (2 for bad input)."""
@@ -102,7 +117,7 @@ class MoetraceGroup(click.Group):
         try:
             return super().invoke(ctx)
         except MoetraceError as e:
-            click.echo(f"moetrace: error: {e}", err=True)
+            click.echo(f"moetrace: error: {_where(ctx, e)}{e}", err=True)
             ctx.exit(e.exit_code)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
             raise

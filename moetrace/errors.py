@@ -24,10 +24,12 @@ class InputError(MoetraceError):
         self.file = str(file) if file is not None else None
         self.message = message
         self.position = position
-        where = self.file or "<input>"
+        # no file: the message names what it is about (a run, a plan, an option); the CLI
+        # puts the store and run it was asked about in front (cli.MoetraceGroup.invoke)
+        where = self.file or ""
         if position:
-            where = f"{where} ({position})"
-        super().__init__(f"{where}: {message}")
+            where = f"{where} ({position})" if where else position
+        super().__init__(f"{where}: {message}" if where else message)
 
 
 class SchemaError(InputError):

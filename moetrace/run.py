@@ -291,7 +291,7 @@ class Run(NotebookView):
         from .placement.plans import make_run_plan
         from .replay.load import read_load_total
 
-        shape = self._replay_shape
+        shape = self._replay_shape.with_cluster(cluster)
         return make_run_plan(self.store, self.id, shape, partial(read_load_total, self.store, self.id, shape),
                              policy, cluster, options)
 
@@ -309,7 +309,8 @@ class Run(NotebookView):
         (``.to_dict()`` is ``replay --json``)."""
         from .replay.judge import replay_run
 
-        return replay_run(self.store, self.id, self._replay_shape, self._replay_opts(**opts), plan, policy=policy,
+        return replay_run(self.store, self.id, self._replay_shape.with_cluster(cluster), self._replay_opts(**opts),
+                          plan, policy=policy,
                           cluster=cluster, fit_window=fit_window, in_sample=in_sample, write=write,
                           trace_steps=trace_steps, chrome_trace=chrome_trace, params=opts)
 
@@ -323,8 +324,9 @@ class Run(NotebookView):
         Returns a :class:`moetrace.replay.drift.DriftResult`."""
         from .replay.drift import drift
 
-        ps = self._replay_shape.plan_shape(cluster)
-        return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
+        shape = self._replay_shape.with_cluster(cluster)
+        ps = shape.plan_shape(cluster)
+        return drift(self.store, self.id, shape, policy, ps, every, window or every,
                      self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
@@ -349,7 +351,7 @@ class Run(NotebookView):
         :class:`moetrace.replay.sweep.SweepJob`; :func:`sweep_runs` judges them)."""
         from .replay.sweep import plan_sweep
 
-        return plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
+        return plan_sweep(self.store, self.id, self._replay_shape.with_cluster(cluster), policy, list(replicas), list(intervals),
                           windows, self._replay_opts(**opts), cluster, write=write, sweep_id=sweep_id)
 
     @property

@@ -81,15 +81,31 @@ def int_list(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
 
 
+def _said(key: str):
+    """click callback: keep the value in ``ctx.meta`` (shared by every context of one
+    command line), so that an error without a file can name the store and run it was
+    about (:meth:`moetrace.cli.MoetraceGroup.invoke`)."""
+    def cb(ctx, param, value):
+        if value is not None:
+            ctx.meta[f"moetrace.{key}"] = value
+        return value
+    return cb
+
+
 def store_argument(f):
     """The STORE positional argument every store command takes first."""
-    return click.argument("store", type=click.Path(file_okay=False))(f)
+    return click.argument("store", type=click.Path(file_okay=False), callback=_said("store"))(f)
 
 
-def run_option(f=None, *, help="Run id (default: the store's only run)."):
-    """--run RUN_ID."""
+#: what --run means in every command: one run of the store, by id; left out, the store's
+#: only run (a command that can show every run, ``skew``, shows them all when it is left out)
+RUN_HELP = "Run id (default: the store's only run)."
+
+
+def run_option(f=None, *, help=RUN_HELP):
+    """--run RUN_ID: one run of the store, in every command."""
     def deco(g):
-        return click.option("--run", "run_id", default=None, metavar="RUN_ID", help=help)(g)
+        return click.option("--run", "run_id", default=None, metavar="RUN_ID", callback=_said("run"), help=help)(g)
     return deco(f) if f is not None else deco
 
 
