@@ -75,8 +75,8 @@ def _where(ctx, e: MoetraceError) -> str:
         return ""
     store, run = ctx.meta.get("moetrace.store"), ctx.meta.get("moetrace.run")
     text = str(e)
-    parts = [f"store {store}" if store and str(store) not in text else None,
-             f"run {run}" if run and str(run) not in text else None]
+    parts = [f"store {store}" if store and f"store {store}" not in text else None,
+             f"run {run}" if run and f"run {run}" not in text and f"run {run!r}" not in text else None]
     parts = [p for p in parts if p]
     return ", ".join(parts) + ": " if parts else ""
 

@@ -47,8 +47,9 @@ def _one_line(res):
 def test_replay_on_a_store_without_a_shape_takes_the_ranks_from_the_flag(runner, cli, noshape):
     res = invoke(runner, cli, "replay", noshape, "--ranks", "16", "--policy", "eplb-global", "--replicas", "16")
     assert res.exit_code == 0, res.output
-    assert "16 ranks x 5 slots" in res.stdout           # (64 + 16) / 16 = 5 slots per rank
-    assert "--ranks 16 used" in res.stdout and "contiguous" in res.stdout   # the assumption is said
+    flat = " ".join(res.stdout.split())
+    assert "16 ranks x 5 slots" in flat           # (64 + 16) / 16 = 5 slots per rank
+    assert "--ranks 16 used" in flat and "contiguous" in flat   # the assumption is said
     res = invoke(runner, cli, "sweep", noshape, "--ranks", "16", "--policy", "eplb-global", "--replicas", "0,16")
     assert res.exit_code == 0, res.output
     res = invoke(runner, cli, "plan", noshape, "--ranks", "16", "--policy", "eplb-global", "--replicas", "16",
@@ -91,3 +92,71 @@ def test_every_refusal_on_the_path_is_one_actionable_line(runner, cli, noshape, 
     assert res.exit_code == 2
     line = _one_line(res)
     assert "--ranks" in line or "--groups" in line
+
+
+def test_sql_errors_keep_the_caret_under_the_query(runner, cli, noshape):
+    res = invoke(runner, cli, "sql", noshape, "SELECT *\nFROM expert_load WHERE")
+    assert res.exit_code != 0
+    lines = res.output.rstrip("\n").splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("LINE 2: "))
+    caret = lines[at + 1]
+    # the carets sit under WHERE, as DuckDB aligned them
+    assert lines[at][caret.index("^"):].startswith("WHERE") and set(caret.strip()) == {"^"}
+
+
+@module_fixture
+def sample(tmp_path_factory):
+    """The shipped DeepSeek-V3-shaped sample, ingested with its shape."""
+    from click.testing import CliRunner
+
+    from moetrace.cli import cli
+
+    from .helpers import REPO
+
+    d = tmp_path_factory.mktemp("sample")
+    res = CliRunner().invoke(cli, ["ingest", str(REPO / "sample_traces" / "dsv3_synth_expert_load.parquet"),
+                                   "--store", str(d / "st"), "--ranks", "32", "--top-k", "8", "--groups", "8"])
+    assert res.exit_code == 0, res.output
+    return d / "st"
+
+
+@pytest.mark.parametrize("args", [
+    ("replay", "--policy", "eplb", "--replicas", "32"),
+    ("replay", "--policy", "eplb", "--replicas", "32", "--replan-every", "25"),
+    ("sweep", "--replicas", "0,32", "--replan-every", "25"),
+    ("skew",),
+])
+def test_answers_fit_120_columns_and_say_the_band_once(args, sample, monkeypatch):
+    from click.testing import CliRunner
+
+    from moetrace.cli import cli
+    from moetrace.costmodel.step_cost import error_band
+    from moetrace.run import Store
+
+    monkeypatch.setenv("COLUMNS", "120")
+    res = CliRunner().invoke(cli, [args[0], str(sample), *args[1:]])
+    assert res.exit_code == 0, res.output
+    text = res.stdout + res.stderr
+    assert max(len(x) for x in text.splitlines()) <= 120, max(text.splitlines(), key=len)
+    _, src = error_band(Store(sample).run(None).cost_model())
+    flat, key = " ".join(text.split()), " ".join(src.split())[:60]
+    assert flat.count(key) == (0 if args[0] == "skew" else 1), flat.count(key)
+
+
+def test_skew_names_the_worst_layer_and_says_when_the_straggler_moved(runner, cli, tmp_path):
+    # 2 layers, 8 experts on 4 ranks (2 each); layer 1 is the skewed one: expert 0 (rank 0)
+    # is hot in steps 0-9, expert 7 (rank 3) in steps 10-19
+    rows = ["step,layer,expert,tokens"]
+    for s in range(20):
+        for e in range(8):
+            rows.append(f"{s},0,{e},{10 + (e == 3)}")
+            hot = (e == 0) if s < 10 else (e == 7)
+            rows.append(f"{s},1,{e},{100 if hot else 10}")
+    (tmp_path / "m.csv").write_text("\n".join(rows) + "\n")
+    assert invoke(runner, cli, "ingest", tmp_path / "m.csv", "--store", tmp_path / "st", "--ranks", "4",
+                  "--top-k", "1").exit_code == 0
+    res = invoke(runner, cli, "skew", tmp_path / "st")
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.stdout.split())
+    assert "layer 1 is the most skewed" in flat
+    assert "rank 0 in steps 0-9, rank 3 in steps 10-19" in flat

@@ -65,9 +65,23 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
         click.get_current_context().exit(1)
 
 
+#: the skew table a terminal shows: the columns that say which layer and which rank, first
+_SKEW_FIRST = ("run_id", "step", "layer", "imbalance_mean", "imbalance", "imbalance_p99", "efficiency_mean",
+               "efficiency", "straggler_rank_mode", "straggler_rank", "hottest_expert_mode", "hottest_expert",
+               "gini_mean", "gini", "steps")
+
+
+def _skew_table(rows: Rows, nruns: int) -> Rows:
+    """Skew rows in the terminal's column order (run_id only when several runs)."""
+    first = [c for c in _SKEW_FIRST if c in rows.columns and (c != "run_id" or nruns > 1)]
+    order = first + [c for c in rows.columns if c not in first and (c != "run_id" or nruns > 1)]
+    idx = [rows.columns.index(c) for c in order]
+    return Rows(order, [rows.types[i] for i in idx], [tuple(r[i] for i in idx) for r in rows.rows])
+
+
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@run_option(help="Only this run (default: every run).")
+@run_option(help="Run id (default: every run of the store, one run_id column when there are several).")
 @click.option("--by", type=click.Choice(SKEW_BY), default="layer", show_default=True,
               help="layer: distribution over steps per layer; run: one line per run; step: every (step, layer).")
 @_heavy_options
@@ -104,7 +118,17 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
     else:   # DuckDB's rows, printed without polars (a command's start-up)
         parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
                  for r in runs]
-        emit_rows(Rows.concat([p for p in parts if p.height] or parts[:1]), fmt, output)
+        rows = Rows.concat([p for p in parts if p.height] or parts[:1])
+        table = fmt == "table" and not output
+        emit_rows(_skew_table(rows, len(runs)) if table else rows, fmt, output)
+        if table and by == "layer":
+            from ..analyze.glance import skew_sentence
+            from ..output import echo_wrapped
+
+            for r, p in zip(runs, parts):
+                said = skew_sentence(st, r.id, p.dicts())
+                if said:
+                    echo_wrapped(said)
     from ..domain.shape import gap_notes
 
     for r in runs:   # a null column always has its reason next to it
@@ -112,9 +136,23 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
             click.echo(f"note: {n}", err=True)
 
 
+#: the skew table a terminal shows: the columns that say which layer and which rank, first
+_SKEW_FIRST = ("run_id", "step", "layer", "imbalance_mean", "imbalance", "imbalance_p99", "efficiency_mean",
+               "efficiency", "straggler_rank_mode", "straggler_rank", "hottest_expert_mode", "hottest_expert",
+               "gini_mean", "gini", "steps")
+
+
+def _skew_table(rows: Rows, nruns: int) -> Rows:
+    """Skew rows in the terminal's column order (run_id only when several runs)."""
+    first = [c for c in _SKEW_FIRST if c in rows.columns and (c != "run_id" or nruns > 1)]
+    order = first + [c for c in rows.columns if c not in first and (c != "run_id" or nruns > 1)]
+    idx = [rows.columns.index(c) for c in order]
+    return Rows(order, [rows.types[i] for i in idx], [tuple(r[i] for i in idx) for r in rows.rows])
+
+
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@run_option(help="Only this run (default: every run).")
+@run_option(help="Run id (default: every run of the store, one run_id column when there are several).")
 @click.option("--force", is_flag=True, help="Compute and store again even when the stored results are fresh.")
 @click.option("--status", "status_only", is_flag=True, help="Only say, per run, whether its stored results are fresh.")
 @click.option("--clear", is_flag=True, help="Remove the stored results (of --run, else of every run).")

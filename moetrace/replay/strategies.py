@@ -157,12 +157,42 @@ def verdict(net_ns: float | None, recorded_ns: float | None, judged_steps: int, 
         return NOT_ENOUGH, "no predicted time per step (the counts aggregate many passes)"
     if judged_steps < min_steps:
         return NOT_ENOUGH, f"only {judged_steps} steps judged (fewer than {min_steps})"
-    band, src = error_band(cost)
-    diff = (net_ns - recorded_ns) / recorded_ns if recorded_ns else 0.0
-    d = f"{diff:+.1%}".replace("-", "−")
+    band, _ = error_band(cost)     # its source is said once per answer, with the cost model
+    word, _ = compare_word(net_ns, recorded_ns, band)
+    d = f"{(net_ns - recorded_ns) / recorded_ns if recorded_ns else 0.0:+.1%}".replace("-", "−")
+    where = "within" if word == NOT_ENOUGH else "beyond"
+    return word, f"net {d} vs recorded, {where} the model's ±{band:.0%} band"
+
+
+def compare_word(x_ns: float | None, ref_ns: float | None, band: float) -> tuple[str, float | None]:
+    """The one word for "``x`` against ``ref``" under a model whose times carry ±``band``
+    (a share): :data:`PAYS_OFF` when ``x`` is faster by more than the band,
+    :data:`DOES_NOT` when slower by more, :data:`NOT_ENOUGH` within it or unknown; with the
+    relative difference. Replay, drift, sweep and the report all say their comparisons
+    with it, so the same comparison reads the same everywhere."""
+    if x_ns is None or ref_ns is None or not ref_ns:
+        return NOT_ENOUGH, None
+    diff = (x_ns - ref_ns) / ref_ns
     if abs(diff) <= band:
-        return NOT_ENOUGH, f"net {d} vs recorded, within the model's ±{band:.0%} error ({src})"
-    return (PAYS_OFF if diff < 0 else DOES_NOT), f"net {d} vs recorded, beyond the model's ±{band:.0%} error ({src})"
+        return NOT_ENOUGH, diff
+    return (PAYS_OFF if diff < 0 else DOES_NOT), diff
+
+
+def fastest_text(nets: dict[str, float | None], band: float, bound: tuple[str, ...] = ("oracle",)) -> str:
+    """"fastest net: static" when it beats every other plan by more than ±``band``, else
+    what the band allows one to say ("static and replan within the ±10% band: no predicted
+    winner"); ``bound`` (the oracle) is left out: a bound, not a plan."""
+    known = {k: v for k, v in nets.items() if v is not None and k not in bound}
+    if not known:
+        return "fastest net: none (no predicted time per step)"
+    best = min(known, key=lambda k: known[k])
+    tied = [k for k, v in known.items() if k != best and compare_word(known[best], v, band)[0] == NOT_ENOUGH]
+    if tied:
+        return (f"fastest net: {best} predicted, but {', '.join(tied)} within the ±{band:.0%} band of it: "
+                "no predicted winner")
+    if len(known) == 1:
+        return f"fastest net: {best} (the only plan with a time)"
+    return f"fastest net: {best}, beyond the ±{band:.0%} band of the others"
 
 
 def change_cost(prev: Plan, new: Plan, expert_bytes: int, cost: CostModel, mc: MoveCost) -> tuple[int, int, int, float, float]:
