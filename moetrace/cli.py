@@ -244,7 +244,7 @@ class MoetraceGroup(click.Group):
 #: what another placement would do, write it up; the rest are tools
 SECTIONS = (
     ("Ingest and the store", ("ingest", "runs", "tables", "catalog", "check")),
-    ("Analysis", ("skew", "sql", "kernels", "exposure", "waits", "hang")),
+    ("Analysis", ("skew", "tokens", "sql", "kernels", "exposure", "waits", "hang")),
     ("Replay and planning", ("replay", "sweep", "plan", "whatif", "calibrate", "cost")),
     ("Reports", ("report", "materialize")),
     ("Tools: make data", ("synth", "capture", "refrun")),

@@ -35,6 +35,9 @@ def json_option(f=None, *, help="Print the summary as JSON."):
     """--json (the command's function gets ``as_json``) with --pretty to indent it; print with
     :func:`echo_json`."""
     def deco(g):
+        params = getattr(g, "__click_params__", None)
+        if params:   # the command's own --json summary replaces output_options' alias
+            params[:] = [p for p in params if p.name != "json_alias"]
         return click.option("--json", "as_json", is_flag=True, help=help)(pretty_option(g))
     return deco(f) if f is not None else deco
 

@@ -160,3 +160,21 @@ def test_skew_names_the_worst_layer_and_says_when_the_straggler_moved(runner, cl
     flat = " ".join(res.stdout.split())
     assert "layer 1 is the most skewed" in flat
     assert "rank 0 in steps 0-9, rank 3 in steps 10-19" in flat
+
+
+def test_tokens_per_expert_is_the_sum_of_the_rows(runner, cli, noshape, tmp_path):
+    import json
+
+    res = invoke(runner, cli, "tokens", noshape, "--format", "json")
+    assert res.exit_code == 0, res.output
+    got = {r["expert"]: r for r in json.loads(res.stdout)}
+    # independently: the CSV the store was ingested from, summed per expert with numpy
+    _csv(tmp_path / "again.csv")
+    a = np.loadtxt(tmp_path / "again.csv", delimiter=",", skiprows=1, dtype=np.int64)
+    want = np.bincount(a[:, 2], weights=a[:, 3], minlength=E)
+    assert [got[e]["tokens"] for e in range(E)] == pytest.approx(want)
+    assert got[5]["share_pct"] == pytest.approx(100 * want[5] / want.sum())
+    assert got[5]["mean_per_step_layer"] == pytest.approx(want[5] / (STEPS * LAYERS))
+    assert list(got)[0] == int(np.argmax(want))          # most loaded first
+    res = invoke(runner, cli, "tokens", noshape, "--by", "layer", "--json")
+    assert res.exit_code == 0 and len(json.loads(res.stdout)) == LAYERS

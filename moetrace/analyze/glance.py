@@ -44,3 +44,38 @@ def skew_sentence(store, run_id: str, layer_rows: list[dict]) -> str | None:
         else:
             text += ", in both halves of the steps"
     return text + "."
+
+
+#: ``moetrace tokens --by``: what one row is
+TOKENS_BY = ("expert", "layer", "step")
+
+
+def tokens_table(store, run_id: str, by: str = "expert", top: int | None = None):
+    """Tokens per expert as a table (a polars frame):
+
+    - ``expert``: one row per expert, its token-expert assignments summed over every step
+      and layer, the mean per (step, layer), and its share of all assignments, most loaded
+      first (``top``: only the first N);
+    - ``layer``: one row per layer, the per-expert distribution of a step (mean, min,
+      median, max over the steps of view ``tokens_per_expert``) and the experts a step
+      touched against the number expected if tokens picked experts uniformly;
+    - ``step``: the view ``tokens_per_expert`` itself, one row per (step, layer)."""
+    if by == "expert":
+        q = """SELECT expert, sum(tokens) AS tokens, sum(tokens) / count(DISTINCT (step, layer)) AS mean_per_step_layer,
+                      100 * sum(tokens) / (SELECT sum(tokens) FROM expert_load WHERE run_id = ?) AS share_pct
+               FROM expert_load WHERE run_id = ? GROUP BY expert ORDER BY tokens DESC, expert"""
+        params = [run_id, run_id]
+    elif by == "layer":
+        q = """SELECT layer, count(*) AS steps, avg(per_expert_mean) AS per_expert_mean,
+                      avg(per_expert_min) AS per_expert_min, avg(per_expert_median) AS per_expert_median,
+                      avg(per_expert_max) AS per_expert_max, avg(experts_hit) AS experts_hit,
+                      avg(experts_hit_expected) AS experts_hit_expected
+               FROM tokens_per_expert WHERE run_id = ? GROUP BY layer ORDER BY layer"""
+        params = [run_id]
+    elif by == "step":
+        q = "SELECT * EXCLUDE (run_id) FROM tokens_per_expert WHERE run_id = ? ORDER BY step, layer"
+        params = [run_id]
+    else:
+        raise ValueError(f"by must be one of {TOKENS_BY}")
+    df = store.sql(q, params)
+    return df.head(top) if top else df

@@ -109,11 +109,14 @@ def run_option(f=None, *, help=RUN_HELP):
     return deco(f) if f is not None else deco
 
 
-def hardware_option(f=None, *, help="Cost model preset (fitted from spans when the run has them)."):
-    """--hardware, a choice of the cost model's presets (H100, H200, ...)."""
+def hardware_option(f=None, *, help="Cost model preset (fitted from spans when the run has them).",
+                    required: bool = False):
+    """--hardware, one choice list in every command (``cost``, ``replay``, ``sweep``, ...):
+    the cost model's presets (H100, H200, ...), any case; default H200 unless ``required``."""
     def deco(g):
-        return click.option("--hardware", type=LazyChoice(_hardware_presets, case_sensitive=False), default="H200",
-                            show_default=True, callback=lambda ctx, p, v: v.upper() if v else v, help=help)(g)
+        return click.option("--hardware", type=LazyChoice(_hardware_presets, case_sensitive=False),
+                            default=None if required else "H200", required=required, show_default=not required,
+                            callback=lambda ctx, p, v: v.upper() if v else v, help=help)(g)
     return deco(f) if f is not None else deco
 
 

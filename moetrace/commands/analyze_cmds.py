@@ -27,7 +27,7 @@ def _heavy_options(f):
 
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@run_option(help="Run to report on (needed when the store holds several).")
+@run_option
 @out_dir_option(help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
 @click.option("--recompute", is_flag=True,
@@ -66,9 +66,9 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
 
 
 #: the skew table a terminal shows: the columns that say which layer and which rank, first
-_SKEW_FIRST = ("run_id", "step", "layer", "imbalance_mean", "imbalance", "imbalance_p99", "efficiency_mean",
-               "efficiency", "straggler_rank_mode", "straggler_rank", "hottest_expert_mode", "hottest_expert",
-               "gini_mean", "gini", "steps")
+_SKEW_FIRST = ("run_id", "step", "layer", "layers", "imbalance_mean", "imbalance", "imbalance_p99", "balancedness",
+               "efficiency_mean", "efficiency", "worst_layer", "worst_layer_imbalance", "straggler_rank_mode",
+               "straggler_rank", "hottest_expert_mode", "hottest_expert", "gini_mean", "gini", "steps")
 
 
 def _skew_table(rows: Rows, nruns: int) -> Rows:
@@ -137,9 +137,9 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
 
 
 #: the skew table a terminal shows: the columns that say which layer and which rank, first
-_SKEW_FIRST = ("run_id", "step", "layer", "imbalance_mean", "imbalance", "imbalance_p99", "efficiency_mean",
-               "efficiency", "straggler_rank_mode", "straggler_rank", "hottest_expert_mode", "hottest_expert",
-               "gini_mean", "gini", "steps")
+_SKEW_FIRST = ("run_id", "step", "layer", "layers", "imbalance_mean", "imbalance", "imbalance_p99", "balancedness",
+               "efficiency_mean", "efficiency", "worst_layer", "worst_layer_imbalance", "straggler_rank_mode",
+               "straggler_rank", "hottest_expert_mode", "hottest_expert", "gini_mean", "gini", "steps")
 
 
 def _skew_table(rows: Rows, nruns: int) -> Rows:
@@ -152,7 +152,7 @@ def _skew_table(rows: Rows, nruns: int) -> Rows:
 
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@run_option(help="Run id (default: every run of the store, one run_id column when there are several).")
+@run_option(help="Run id (default: every run of the store).")
 @click.option("--force", is_flag=True, help="Compute and store again even when the stored results are fresh.")
 @click.option("--status", "status_only", is_flag=True, help="Only say, per run, whether its stored results are fresh.")
 @click.option("--clear", is_flag=True, help="Remove the stored results (of --run, else of every run).")
@@ -203,7 +203,33 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
                                                                 if before.status == "stale" else ""))
 
 
+@click.command("tokens")
+@click.argument("store", type=click.Path(file_okay=False, exists=True))
+@run_option
+@click.option("--by", type=click.Choice(["expert", "layer", "step"]), default="expert", show_default=True,
+              help="expert: each expert's tokens over the run, most loaded first; layer: the per-expert "
+                   "distribution of a step, per layer; step: every (step, layer).")
+@click.option("--top", type=int, default=None, help="Only the first N rows (--by expert: the N most loaded experts).")
+@output_options
+def tokens(store, run_id, by, top, fmt, output):
+    """Tokens per expert: how many token-expert assignments each expert got, its share, and
+    per layer the spread over experts in a step (views expert_load, tokens_per_expert).
+
+    Example:
+
+    \b
+        moetrace tokens demo --top 10
+        moetrace tokens demo --by layer
+    """
+    from ..analyze.glance import tokens_table
+
+    st = open_store(store)
+    run = st.run(run_id)
+    emit(tokens_table(st, run.id, by, top), fmt, output)
+
+
 def register(cli):
     cli.add_command(report)
     cli.add_command(skew)
     cli.add_command(materialize)
+    cli.add_command(tokens)

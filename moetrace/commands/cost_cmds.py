@@ -8,6 +8,7 @@ import math
 import click
 
 from ..errors import UsageError
+from ._options import hardware_option
 
 #: the --kernel names (moetrace.costmodel.a2a.FAMILIES, listed here so --help needs no import of numpy)
 KERNEL_NAMES = ("normal", "low-latency", "deepep-v2", "hybrid-ep", "pplx", "nccl", "nvlink-one-sided", "uccl-normal",
@@ -33,7 +34,7 @@ def _table(rows) -> str:
 
 
 @click.command("cost")
-@click.option("--hardware", required=True, help="GPU: H800, H100, H200, H20, B200, B300, GB200, MI300X, MI355X.")
+@hardware_option(help="GPU whose published kernel measurements the model uses.", required=True)
 @click.option("--hidden", required=True, help="Model hidden size.")
 @click.option("--intermediate", default=None, help="Expert intermediate size (expert MLP mode).")
 @click.option("--weight-dtype", default="fp8", show_default=True, type=click.Choice(["fp8", "bf16", "fp4"]),
