@@ -289,3 +289,41 @@ def emit(df: "pl.DataFrame", fmt: str = "table", output: str | None = None, max_
         click.echo(dumps(df.to_dicts()))
     else:
         click.echo(render_table(df, max_rows=max_rows))
+
+
+class Progress:
+    """A progress bar on stderr (click's), for a command that can run longer than a few
+    seconds: call it with (done, total); silent when stderr is not a terminal (a pipe, a
+    log file, a test). Use as a context manager (the bar is closed on exit)."""
+
+    def __init__(self, label: str):
+        self.label, self.bar, self.shown = label, None, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
+            self.bar.__enter__()
+        self.bar.update(done - self.shown)
+        self.shown = done
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def times_in_ms(df: "pl.DataFrame") -> "pl.DataFrame":
+    """A table's ``*_ns`` columns as ``*_ms`` (nanoseconds are what the store keeps; a
+    person reads 191.9 ms, not 191896325): for terminal tables, never for csv/json."""
+    import polars as pl
+
+    from .units import ns_to_ms
+
+    ns = [c for c in df.columns if c.endswith("_ns") and df.schema[c].is_numeric()]
+    return df.with_columns([(pl.col(c).cast(pl.Float64) * ns_to_ms(1.0)).alias(c[:-3] + "_ms") for c in ns]) \
+        .select([c[:-3] + "_ms" if c in ns else c for c in df.columns])
+

@@ -331,7 +331,7 @@ class Run(NotebookView):
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
               cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None,
-              workers: int | None = None, scheduler: str | None = None, **opts):
+              workers: int | None = None, scheduler: str | None = None, progress=None, **opts):
         """The operator's decision table: replica budgets x re-plan intervals x fit windows,
         judged on the same steps against the recorded placement: net time, extra memory per
         rank, moved bytes per hour, verdict (``cluster``: ranks, groups, nodes, ranks per node;
@@ -343,7 +343,7 @@ class Run(NotebookView):
         :class:`moetrace.replay.sweep.SweepResult` (``.frame()``, ``.rows``, ``.notes``)."""
         return sweep_runs(self.store, [self.id], policy, replicas=replicas, intervals=intervals, windows=windows,
                           cluster=cluster, write=write, sweep_id=sweep_id, workers=workers, scheduler=scheduler,
-                          **opts)[0][0]
+                          progress=progress, **opts)[0][0]
 
     def plan_sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
                    cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None, **opts):
@@ -396,11 +396,12 @@ register_facade(Run, _clear_store_cache)
 
 
 def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = None, scheduler: str | None = None,
-               **kw) -> tuple[list, list[str]]:
+               progress=None, **kw) -> tuple[list, list[str]]:
     """The one sweep entry point: the sweep of every run in ``run_ids`` (keyword arguments
     as :meth:`Run.plan_sweep`), its cells judged in this process, or as independent tasks
     on a local Dask cluster of ``workers`` processes / the existing one at ``scheduler``
     (:mod:`moetrace.replay.distributed`); each stored sweep is written here, once per run.
+    ``progress(done, total)`` is told the cells judged so far (in this process).
     Returns (one :class:`moetrace.replay.sweep.SweepResult` per run that can be swept,
     notes naming the runs that cannot and why). All runs refused: the first run's error."""
     from .errors import InputError
@@ -417,7 +418,13 @@ def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = No
     if workers is None and scheduler is None:
         from .replay.sweep import finish_sweep, run_sweep_cells
 
-        return [finish_sweep(store, job, run_sweep_cells(store, job)) for job in jobs], skipped
+        total, done = sum(len(j.cells) for j in jobs), [0]
+
+        def tick():
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], total)
+        return [finish_sweep(store, job, run_sweep_cells(store, job, done=tick)) for job in jobs], skipped
     from .replay import distributed
 
     with distributed.client_for(workers, scheduler) as client:

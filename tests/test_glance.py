@@ -178,3 +178,36 @@ def test_tokens_per_expert_is_the_sum_of_the_rows(runner, cli, noshape, tmp_path
     assert list(got)[0] == int(np.argmax(want))          # most loaded first
     res = invoke(runner, cli, "tokens", noshape, "--by", "layer", "--json")
     assert res.exit_code == 0 and len(json.loads(res.stdout)) == LAYERS
+
+
+def test_one_colour_per_kind_in_every_figure():
+    """Every colour in the report's figures comes from the one palette (no hex literal
+    outside it), and the timeline draws each kind in the palette's colour."""
+    from moetrace.report import plots
+    from moetrace.report.sections.exposure import _lanes
+
+    from .helpers import REPO
+
+    for path in (REPO / "moetrace" / "report").rglob("*.py"):
+        text = path.read_text()
+        if path.name == "plots.py":
+            text = text.split("KIND_COLORS = {", 1)[0] + text.split("def color_of", 1)[1]
+        assert not re.findall(r"[\"']#[0-9A-Fa-f]{6}[\"']", text), path
+    lanes = {label: color for label, _, color, _ in _lanes()}
+    assert lanes["dispatch"] == plots.KIND_COLORS["dispatch"] and lanes["combine"] == plots.KIND_COLORS["combine"]
+    assert len(set(plots.KIND_COLORS[k] for k in ("dispatch", "combine", "exposed", "hidden", "expert_gemm"))) == 5
+
+
+def test_a_long_title_is_wrapped_to_fit_its_figure(tmp_path, monkeypatch):
+    from moetrace.report import plots
+
+    kept = []
+    monkeypatch.setattr(plots.plt, "close", lambda fig=None: kept.append(fig))
+    title = "All-to-all time per layer: exposed (dark blue) vs hidden behind compute (light grey), summed " * 2
+    plots.bars(tmp_path / "b.png", [0, 1, 2], [1.0, 2.0, 3.0], title=title, xlabel="x", ylabel="y")
+    fig = kept[-1]
+    fig.canvas.draw()
+    t = fig.axes[0].title
+    box, page = t.get_window_extent(fig.canvas.get_renderer()), fig.bbox
+    assert box.x0 >= page.x0 - 1 and box.x1 <= page.x1 + 1 and "\n" in t.get_text()
+    plots.plt.close(fig)

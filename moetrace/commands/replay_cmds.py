@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import click
 
-from ..output import check_out_path, echo_json, echo_wrapped, emit, json_option, output_options
+from ..output import (
+    Progress,
+    check_out_path,
+    echo_json,
+    echo_wrapped,
+    emit,
+    json_option,
+    output_options,
+)
 from ..replay.results import load_answer, load_lines
 from ..replay.strategies import fastest_text
 from ..run import ClusterSpec, Store
@@ -377,12 +385,14 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
         import polars as pl
 
         st = Store(store)
-        results, skipped = sweep_runs(st, st.run_ids(), policy, **kw)
+        with Progress("sweep: judging cells") as bar:
+            results, skipped = sweep_runs(st, st.run_ids(), policy, progress=bar, **kw)
         df = pl.concat([r.frame(brief=fmt in (None, "table") and not output).select(
             pl.lit(r.run_id).alias("run_id"), pl.all()) for r in results], how="diagonal_relaxed")
         notes = skipped + [f"{r.run_id}: {n}" for r in results for n in r.notes]
     else:
-        res = Store(store).run(run_id).sweep(policy, **kw)
+        with Progress("sweep: judging cells") as bar:
+            res = Store(store).run(run_id).sweep(policy, progress=bar, **kw)
         if plot:
             from ..report.plots import decision as decision_plot
 

@@ -224,10 +224,16 @@ def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
     return SweepCellResult(cell.index, row, j, layer_tbls)
 
 
-def run_sweep_cells(store, job: SweepJob, cells: list[SweepCell] | None = None) -> list[SweepCellResult]:
-    """Judge ``cells`` (default all of the job's) in this process."""
+def run_sweep_cells(store, job: SweepJob, cells: list[SweepCell] | None = None, done=None) -> list[SweepCellResult]:
+    """Judge ``cells`` (default all of the job's) in this process; ``done()`` is called
+    after each cell (a progress bar)."""
     m = sweep_context(store, job)
-    return [sweep_cell(m, job, c) for c in (job.cells if cells is None else cells)]
+    out = []
+    for c in (job.cells if cells is None else cells):
+        out.append(sweep_cell(m, job, c))
+        if done is not None:
+            done()
+    return out
 
 
 def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepResult:
