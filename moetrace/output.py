@@ -134,14 +134,19 @@ def _is_wide() -> bool:
 
 def _num_text(v: float, whole: bool) -> str:
     """A float as a person reads it: a whole-number column as integers (1735, not
-    1735.0000), else 4 significant digits, no exponent from 1000 up (193886, not 1.939e+05)."""
+    1735.0000), a value already rounded to at most 4 decimals as it is (0.152, not 0.1520),
+    else 4 significant digits; no exponent from 1000 up (193886, not 1.939e+05)."""
     if math.isnan(v):
         return "NaN"
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     if whole or abs(v) >= 1000:
         return f"{v:.0f}"
-    return "0" if v == 0 else f"{v:.4g}"
+    if v == 0:
+        return "0"
+    if round(v, 4) == v:          # already rounded (a query's round(x, 3)): as it is, no padding
+        return f"{v:.4f}".rstrip("0").rstrip(".")
+    return f"{v:.4g}"
 
 
 def _text(v, whole: bool) -> str:

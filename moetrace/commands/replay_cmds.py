@@ -267,7 +267,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         if as_json:
             echo_json(d.to_dict())
             return
-        _print_drift(d, plot)
+        _print_drift(d, plot, fit_window)
         return
     if plan_id and (fit_window or any(v is not None for v in shape_kw.values())):
         given = [f"--{k.replace('_', '-')}" for k, v in shape_kw.items() if v is not None]
@@ -294,9 +294,11 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         print_whatif(wi)
 
 
-def _print_drift(d, plot):
+def _print_drift(d, plot, fit_window=None):
+    fitted = (f"steps [{fit_window[0]}, {fit_window[1]})" if fit_window else f"the {d.window} steps before them")
+    first = f" (steps {int(d.steps[0])}-{int(d.steps[-1])})" if d.steps.size else ""
     _say(f"drift replay of run {d.run_id}: {d.policy}, re-plan every {d.every} from the last {d.window} steps; "
-               f"judged on {d.steps.size} steps against the recorded placement")
+         f"judged on {d.steps.size} steps{first} against the recorded placement; the static plan fitted on {fitted}")
     st = d.results["static"]
     _say(f"  plan: {st.plan.describe()}")
     from ..costmodel.step_cost import error_band
