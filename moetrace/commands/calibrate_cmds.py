@@ -56,7 +56,10 @@ def fit_lines(summary: dict) -> list[str]:
         f"{res.get('rmse_ns', 0) / 1e3:.1f} us, |error| p50 {res.get('p50_abs_pct', 0):.1f}% p90 "
         f"{res.get('p90_abs_pct', 0):.1f}%)",
     ]
-    if f["comm_points"]:
+    if f.get("method") == "layer":
+        lines.append(f"  all-to-all = {f['comm_latency_ns'] / 1e3:.1f} us latency per layer (the median of the layer "
+                     "time beyond the slowest rank's experts) + 2 x bytes / bandwidth (from the preset)")
+    elif f["comm_points"]:
         bw = lambda c: "not bytes-bound" if not c else f"{1 / c:.2f} GB/s"  # noqa: E731
         lines.append(f"  all-to-all = {f['comm_latency_ns'] / 1e3:.1f} us + bytes intra / {bw(f['comm_ns_per_byte_intra'])}"
                      f" + bytes inter / {bw(f['comm_ns_per_byte_inter'])}   (R^2 {r2(f['comm_r2'])} on "
@@ -95,6 +98,10 @@ def basis_line(summary: dict) -> str:
 @click.option("--loss", type=click.Choice(["l2", "mape"]), default="l2", show_default=True,
               help="l2: least squares (as replay fits); mape: minimize the mean absolute percentage error "
                    "(robust to preempted or warming-up cells).")
+@click.option("--method", type=click.Choice(["auto", "layer", "cells"]), default="auto", show_default=True,
+              help="layer: the fidelity basis (a, b from each rank's expert time, the all-to-all latency from the "
+                   "layer times); cells: each rank's expert and all-to-all spans fitted on their own; auto: layer "
+                   "for timed passes (refrun --repeats), cells for profiler kernels.")
 @click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
 @click.option("--basis", type=click.Choice(["auto", "cpu", "wall"]), default="auto", show_default=True,
@@ -103,8 +110,8 @@ def basis_line(summary: dict) -> str:
                    "has it, with the wall-clock errors and the host slowdown beside.")
 @json_option(help="Print the whole summary (fit, residuals, metrics) as JSON.")
 @output_options
-def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, calibration_id,
-              no_store, basis, as_json, fmt, output):
+def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, method,
+              calibration_id, no_store, basis, as_json, fmt, output):
     """Fit the replay cost model on a run's measured spans and judge it on another run.
 
     Per (step, layer, rank) the fit run's expert_gemm spans give the measured expert
@@ -135,7 +142,7 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         load_runs[st.resolve_run(a)] = st.resolve_run(b)
     summary = st.run(rid).calibrate(judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
                                     load_runs=load_runs, step_offset=step_offset,
-                                    write=not no_store, calibration_id=calibration_id, basis=basis)
+                                    write=not no_store, calibration_id=calibration_id, basis=basis, method=method)
     if as_json:
         echo_json(summary)
         return

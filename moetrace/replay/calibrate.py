@@ -42,7 +42,16 @@ import pyarrow as pa
 
 from ..errors import InputError
 from . import cost as costmod
-from .calibrate_fit import LAYER_TERMS, TIE_RTOL, Cells, Fit, fit, fit_layer_model
+from .calibrate_fit import (
+    LAYER_TERMS,
+    METHODS,
+    TIE_RTOL,
+    Cells,
+    Fit,
+    fit,
+    fit_layer,
+    fit_layer_model,
+)
 from .cost import ErrorBand
 
 # ----------------------------------------------------------------------------- observe
@@ -85,6 +94,12 @@ def resolve_basis(store, run_id: str, basis: str = "auto") -> str:
         raise InputError(None, f"run {run_id!r} has no CPU-basis times (timed passes of a refrun with --repeats): "
                                "calibrate it on the wall clock")
     return basis
+
+
+def _timed(store, run_id: str) -> bool:
+    """Whether ``run_id`` has timed passes (``cell_times``, a refrun with --repeats)."""
+    return bool(store.has_files("cell_times") and store.sql(
+        "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [run_id])["n"][0] > 0)
 
 
 def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_run: str | None = None,
@@ -378,7 +393,7 @@ def new_calibration_id() -> str:
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
               hardware: str = "H200", loss: str = "l2", write: bool = True,
               calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0,
-              basis: str = "auto") -> dict:
+              basis: str = "auto", method: str = "auto") -> dict:
     """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
     itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
     False. Returns a summary dict (fit parameters and one metrics dict per judged run).
@@ -386,8 +401,15 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     ``basis`` (see :func:`observe`): 'auto' judges on the CPU basis when the fit run and
     every judged run have it (refrun timed passes) and on the wall clock otherwise. On the
     CPU basis the same fit and judgement on the wall clock come beside it (``wall_clock``,
-    not stored) with each run's host slowdown (``host_slowdown``)."""
+    not stored) with each run's host slowdown (``host_slowdown``).
+
+    ``method`` (:data:`~.calibrate_fit.METHODS`): 'auto' fits on the fidelity basis
+    ('layer': per-rank expert times and the layer times) where the runs carry timed passes,
+    else each cell's expert and all-to-all spans on their own ('cells')."""
     from .load import RunShape
+
+    if method not in METHODS:
+        raise InputError(None, f"unknown method {method!r} (choose from {', '.join(METHODS)})")
 
     cid = calibration_id or new_calibration_id()
     now = time.time_ns()
@@ -398,16 +420,18 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     else:
         for r in runs:
             resolve_basis(store, r, basis)
+    if method == "auto":
+        method = "layer" if all(_timed(store, r) for r in runs) else "cells"
     shape = RunShape.from_store(store, load_runs.get(fit_run) or fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     out = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
-                        basis, cid, now)
+                        basis, cid, now, method)
     tables = out.pop("_tables")
     out["basis"] = basis
     out["host_slowdown"] = {r: host_slowdown(store, r) for r in runs}
     if basis == "cpu":
         wall = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
-                             "wall", cid, now)
+                             "wall", cid, now, method)
         out["wall_clock"] = {"fit": {"metrics": wall["fit"]["metrics"]},
                              "judged": [{"run_id": j["run_id"], "metrics": j["metrics"]} for j in wall["judged"]]}
     if write:
@@ -418,12 +442,12 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
 
 
 def _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset, basis,
-                  cid, now) -> dict:
+                  cid, now, method="cells") -> dict:
     cf = observe(store, fit_run, fit_steps, load_runs.get(fit_run), step_offset, basis)
-    f = fit(cf, base, loss)
+    f = fit_layer(cf, base) if method == "layer" else fit(cf, base, loss)
     ex, cm = f.predict(cf)
     fit_metrics = metrics(cf.step, cf.layer, cf.expert_ns, ex, cf.comm_ns, cm)
-    out = {"calibration_id": cid, "loss": loss, "fit": {**f.describe(), "steps": _steps_of(cf), "metrics": fit_metrics,
+    out = {"calibration_id": cid, "loss": loss, "method": method, "fit": {**f.describe(), "steps": _steps_of(cf), "metrics": fit_metrics,
                                           "input_notes": cf.notes}, "judged": []}
     tables = {fit_run: [cell_table(cf, f, cid, "fit", now)]}
     targets = list(judge_runs)

@@ -47,10 +47,14 @@ class Fit:
     comm_r2: float | None
     comm_resid: dict
     notes: list[str] = field(default_factory=list)
+    #: how it was fitted: 'cells' (each rank's expert and all-to-all time on its own) or
+    #: 'layer' (the fidelity basis: expert times per rank, the all-to-all latency from the
+    #: layer times; :func:`fit_layer`)
+    method: str = "cells"
 
     def predict(self, c: Cells) -> tuple[np.ndarray, np.ndarray]:
         """Predicted (expert ns, all-to-all ns) per cell."""
-        ex = self.model.a_ns * c.tokens + self.model.b_ns * c.touched
+        ex = self.model.fixed_ns + self.model.a_ns * c.tokens + self.model.b_ns * c.touched
         cm = (self.comm_latency_ns + self.comm_ns_per_byte_intra * c.bytes_intra
               + self.comm_ns_per_byte_inter * c.bytes_inter)
         return ex, cm
@@ -62,6 +66,7 @@ class Fit:
                 "comm_ns_per_byte_inter": self.comm_ns_per_byte_inter, "comm_points": self.comm_points,
                 "comm_r2": self.comm_r2, "comm_residuals": self.comm_resid,
                 "nvlink_Bps": self.model.nvlink_Bps, "internode_Bps": self.model.internode_Bps,
+                "fixed_ns": self.model.fixed_ns, "method": self.method,
                 "source": self.model.source, "notes": self.notes}
 
 
@@ -149,8 +154,9 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
         lat, cin, cout = (float(v) for v in coef)
         cp = lat + cin * c.bytes_intra[cm] + cout * c.bytes_inter[cm]
         comm_r2, comm_res = r2(c.comm_ns[cm], cp), _resid(c.comm_ns[cm], cp)
-        nv = 1e9 / cin if cin > 0 else base.nvlink_Bps
-        io = 1e9 / cout if cout > 0 else base.internode_Bps
+        # the replay's all-to-all is dispatch + combine = latency + 2 x bytes / bandwidth
+        nv = 2e9 / cin if cin > 0 else base.nvlink_Bps
+        io = 2e9 / cout if cout > 0 else base.internode_Bps
         if cin <= 0 and c.bytes_intra[cm].any():
             notes.append("intra-node all-to-all time does not grow with bytes in this run: fitted as a constant latency (the cost model keeps the preset NVLink bandwidth)")
         if not c.bytes_inter[cm].any():
@@ -158,7 +164,8 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
         model = costmod.CostModel(model.a_ns, model.b_ns, nv, io, source=(
             f"calibrated on run {c.run_id} ({loss}): a, b from {int(m.sum())} (step, layer, rank) expert times; "
             f"all-to-all latency and bandwidth from {int(cm.sum())} cells"),
-            fit={"points": int(m.sum()), "r2": r2(y, pred), "comm_latency_ns": lat, "comm_r2": comm_r2})
+            fit={"points": int(m.sum()), "r2": r2(y, pred), "comm_latency_ns": lat, "comm_r2": comm_r2},
+            latency_ns=lat)
     else:
         notes.append("fewer than 3 cells with all-to-all spans: all-to-all not fitted (preset bandwidths)")
         cin, cout = 1e9 / base.nvlink_Bps, 1e9 / base.internode_Bps
@@ -242,3 +249,56 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
 
 #: the terms the fidelity matrix (benchmarks/bench_fidelity.py) keeps: see docs/calibration.md
 LAYER_TERMS = ("tokens", "slot", "latency")
+#: how ``calibrate`` fits: 'layer' = the fidelity matrix's basis (:func:`fit_layer`), 'cells'
+#: = each cell's expert and all-to-all time on their own (:func:`fit`); 'auto' takes
+#: 'layer' where the measured all-to-all time of a rank is the layer time less its experts
+#: (timed passes of a reference run) and 'cells' where the profiler timed each rank's
+#: dispatch and combine kernels
+METHODS = ("auto", "layer", "cells")
+
+
+def layer_grids(c: Cells):
+    """The cells of a full (step, layer) x rank grid as [P, 1, R] arrays (a replay Block's
+    shape, one pseudo-layer per (step, layer) pair) and the measured layer time [P, 1]: the
+    slowest rank's expert + all-to-all time."""
+    from types import SimpleNamespace
+
+    ranks = np.unique(c.rank)
+    R = ranks.size
+    if R == 0 or c.size % R:
+        raise InputError(None, f"run {c.run_id!r}: the cells are not a full (step, layer) x rank grid")
+    P = c.size // R
+
+    def grid(v):
+        return np.asarray(v, np.float64).reshape(P, 1, R)     # observe's order: pair-major, rank-minor
+
+    blk = SimpleNamespace(tokens=grid(c.tokens), touched=grid(c.touched), bytes_intra=grid(c.bytes_intra),
+                          bytes_inter=grid(c.bytes_inter))
+    return blk, grid(c.expert_ns), (grid(c.expert_ns) + grid(c.comm_ns)).max(axis=2)
+
+
+def fit_layer(c: Cells, base: costmod.CostModel | None = None, terms=LAYER_TERMS) -> Fit:
+    """The fidelity matrix's fit (:func:`fit_layer_model` with ``terms``) as a :class:`Fit`:
+    a, b (and a fixed cost) from each rank's expert time, the all-to-all latency (and with
+    ``bytes`` a bandwidth) from the layer times. Its all-to-all prediction per cell is the
+    model's dispatch + combine: latency + 2 x bytes / bandwidth."""
+    base = base or costmod.preset("H200")
+    m = c.expert_ns > 0
+    if m.sum() < 8:
+        raise InputError(None, f"run {c.run_id!r}: {int(m.sum())} (step, layer, rank) cells with expert times; "
+                               "the fit needs at least 8")
+    blk, ex, lay = layer_grids(c)
+    model = fit_layer_model(blk, ex, lay, terms, base, c.run_id)
+    model.source = (f"calibrated on run {c.run_id} ({', '.join(terms)}; the fidelity basis): a, b from "
+                    f"{int(m.sum())} (step, layer, rank) expert times, all-to-all latency from {lay.size} layer times")
+    cin, cout = 2e9 / model.nvlink_Bps, 2e9 / model.internode_Bps
+    y = c.expert_ns[m]
+    pred = model.fixed_ns + model.a_ns * c.tokens[m] + model.b_ns * c.touched[m]
+    cm = c.comm_ns > 0
+    cp = model.latency_ns + cin * c.bytes_intra[cm] + cout * c.bytes_inter[cm]
+    notes = [f"method layer: the fidelity basis ({', '.join(terms)})"]
+    if "bytes" not in terms:
+        notes.append("all-to-all bandwidths from " + base.source.split(":")[0] + " (not fitted)")
+    return Fit(model, c.run_id, int(m.sum()), r2(y, pred), _resid(y, pred), model.latency_ns, cin, cout,
+               int(cm.sum()), r2(c.comm_ns[cm], cp) if cm.any() else None,
+               _resid(c.comm_ns[cm], cp) if cm.any() else {}, notes, method="layer")
