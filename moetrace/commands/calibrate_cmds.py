@@ -69,6 +69,14 @@ def fit_lines(summary: dict) -> list[str]:
     return lines
 
 
+def band_line(summary: dict) -> str:
+    """The model's band and where it was measured, in words."""
+    b = summary["band"]
+    if b["rel_error"] is None:
+        return f"band: none ({b['source']})"
+    return f"band: ±{100 * b['rel_error']:.1f}%, the {b['source']}; fitted on steps {b['fit_steps']}"
+
+
 def basis_line(summary: dict) -> str:
     """What the errors are measured on, and the host slowdown of every run."""
     sl = ", ".join(f"{r} {v:.2f}x" for r, v in (summary.get("host_slowdown") or {}).items() if v is not None)
@@ -102,6 +110,12 @@ def basis_line(summary: dict) -> str:
               help="layer: the fidelity basis (a, b from each rank's expert time, the all-to-all latency from the "
                    "layer times); cells: each rank's expert and all-to-all spans fitted on their own; auto: layer "
                    "for timed passes (refrun --repeats), cells for profiler kernels.")
+@click.option("--held-out", type=click.Choice(["auto", "blocks", "half", "none"]), default="auto", show_default=True,
+              help="Without --judge-run: judge the fit run on its own held-out steps. blocks: alternate whole blocks "
+                   "of --block steps (fit, judge, fit, ...); half: fit the first half, judge the second; none: "
+                   "the fit only (in-sample). auto: blocks unless --judge-run or --judge-steps is given.")
+@click.option("--block", type=click.IntRange(1, None), default=None, metavar="N",
+              help="Steps per block of --held-out blocks (default: a quarter of the steps).")
 @click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
 @click.option("--basis", type=click.Choice(["auto", "cpu", "wall"]), default="auto", show_default=True,
@@ -111,7 +125,7 @@ def basis_line(summary: dict) -> str:
 @json_option(help="Print the whole summary (fit, residuals, metrics) as JSON.")
 @output_options
 def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, method,
-              calibration_id, no_store, basis, as_json, fmt, output):
+              held_out, block, calibration_id, no_store, basis, as_json, fmt, output):
     """Fit the replay cost model on a run's measured spans and judge it on another run.
 
     Per (step, layer, rank) the fit run's expert_gemm spans give the measured expert
@@ -123,9 +137,15 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
     rank) time per (step, layer), and how often the predicted straggler rank is the
     measured one. The cells go to the `calibration` table (SQL, and the report).
 
+    With one run and no --judge-run, the run is judged on its own held-out steps (whole
+    blocks of steps, never a step it was fitted on), and that error is the band the model
+    is stored with: a replay, sweep or drift of the run then uses the fitted model and
+    says so.
+
     Example:
 
     \b
+        moetrace calibrate st --run gpu_trace --load gpu_trace=engine_dump
         moetrace refrun ra --ranks 4 --experts 16 --skew 1.2 --store st
         moetrace plan st --run ra --policy eplb --replicas 4 --export eplb4.json
         moetrace refrun rb --ranks 4 --experts 16 --skew 1.2 --placement eplb4.json --store st
@@ -142,7 +162,8 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         load_runs[st.resolve_run(a)] = st.resolve_run(b)
     summary = st.run(rid).calibrate(judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
                                     load_runs=load_runs, step_offset=step_offset,
-                                    write=not no_store, calibration_id=calibration_id, basis=basis, method=method)
+                                    write=not no_store, calibration_id=calibration_id, basis=basis, method=method,
+                                    held_out=held_out, block=block)
     if as_json:
         echo_json(summary)
         return
@@ -154,10 +175,13 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         for n in j["notes"]:
             if n not in summary["fit"].get("input_notes", []):
                 click.echo(f"note ({j['run_id']}): {n}")
+    click.echo(band_line(summary))
     if summary["stored"]:
-        judged = f", 'judge' on {', '.join(judges)}" if judges else ""
+        judged = [j["run_id"] for j in summary["judged"]]
+        judged_s = f", 'judge' on {', '.join(dict.fromkeys(judged))}" if judged else ""
         click.echo(f"stored as calibration_id '{summary['calibration_id']}' in table calibration "
-                   f"(role 'fit' on run {rid}{judged})")
+                   f"(role 'fit' on run {rid}{judged_s}); replay, sweep and drift of run {rid} use this model "
+                   f"(of other runs: --cost-model {rid})")
 
 
 def register(cli: click.Group) -> None:

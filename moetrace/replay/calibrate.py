@@ -43,14 +43,19 @@ import pyarrow as pa
 from ..errors import InputError
 from . import cost as costmod
 from .calibrate_fit import (
+    HELD_OUT,
     LAYER_TERMS,
     METHODS,
     TIE_RTOL,
     Cells,
     Fit,
+    band_of,
     fit,
     fit_layer,
     fit_layer_model,
+    split_steps,
+    steps_text,
+    take,
 )
 from .cost import ErrorBand
 
@@ -102,6 +107,29 @@ def _timed(store, run_id: str) -> bool:
         "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [run_id])["n"][0] > 0)
 
 
+def _check_trace(store, spans_run: str, load_run: str) -> None:
+    """Refuse, in one line saying what the trace has and what it lacks, a profiler trace
+    whose kernels cannot be put against the tokens they carried."""
+    has = lambda t: store.has_files(t) and store.sql(  # noqa: E731
+        f"SELECT count(*) AS n FROM {t} WHERE run_id = ?", [load_run])["n"][0] > 0
+    if has("expert_load") or has("routing"):
+        return
+    inv = store.sql("""SELECT kind, count(*) AS n, count(layer) AS with_layer, count(DISTINCT step) AS steps FROM spans
+                       WHERE run_id = ? AND kind IN ('dispatch', 'combine', 'expert_gemm') GROUP BY kind""",
+                    [spans_run])
+    got = {k: (n, la, st) for k, n, la, st in inv.iter_rows()}
+    kinds = ", ".join(f"{got[k][0]} {k}" for k in ("dispatch", "combine", "expert_gemm") if k in got) or "no MoE"
+    steps = max((v[2] for v in got.values()), default=0)
+    lacks = [f"no routing or expert load of run {load_run!r} says how many tokens they carried (ingest the "
+             f"engine's dump of the same steps and pass --load {spans_run}=LOAD_RUN)"]
+    if got.get("expert_gemm", (0, 1))[1] == 0:
+        lacks.append("its expert_gemm kernels carry no layer (no 'layer N' range around their launch)")
+    if steps < 2:
+        lacks.append(f"a held-out band needs 2 steps or more (it has {steps})")
+    raise InputError(None, f"run {spans_run!r}: cannot calibrate: its trace has {kinds} kernels in {steps} step(s), "
+                           f"but {'; '.join(lacks)}")
+
+
 def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_run: str | None = None,
             step_offset: int = 0, basis: str = "wall") -> Cells:
     """Per (step, layer, rank) model inputs and measured span times of ``run_id``.
@@ -130,6 +158,8 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
             "SELECT count(*) AS n FROM spans WHERE run_id = ?", [spans_run])["n"][0] == 0):
         raise InputError(None, f"run {spans_run!r} has no profiler spans: calibration needs a Kineto or Nsight trace "
                                "(or a refrun) ingested into the same run")
+    if not timed:
+        _check_trace(store, spans_run, run_id)
     shape = RunShape.from_store(store, run_id)
     plan = recorded_plan(store, run_id, shape)
     notes = list(shape.notes)
@@ -361,7 +391,8 @@ def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted
     return out
 
 
-def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: int) -> pa.Table:
+def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: int,
+               model_json: str | None = None) -> pa.Table:
     ex, cm = f.predict(c)
     mf, pf = straggler_flags(c.step, c.layer, c.expert_ns, ex)
     n = c.size
@@ -383,6 +414,7 @@ def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: 
         "comm_ns_per_byte_intra": const(f.comm_ns_per_byte_intra, pa.float64()),
         "comm_ns_per_byte_inter": const(f.comm_ns_per_byte_inter, pa.float64()),
         "expert_r2": const(f.expert_r2, pa.float64()), "comm_r2": const(f.comm_r2, pa.float64()),
+        "model_json": const(model_json, pa.string()),
     })
 
 
@@ -393,10 +425,13 @@ def new_calibration_id() -> str:
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
               hardware: str = "H200", loss: str = "l2", write: bool = True,
               calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0,
-              basis: str = "auto", method: str = "auto") -> dict:
-    """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
-    itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
-    False. Returns a summary dict (fit parameters and one metrics dict per judged run).
+              basis: str = "auto", method: str = "auto", held_out: str = "auto", block: int | None = None) -> dict:
+    """Fit on ``fit_run``, judge on each of ``judge_runs``; with none, on held-out steps of
+    the fit run itself (``held_out``, :data:`~.calibrate_fit.HELD_OUT`: 'auto' = 'blocks',
+    alternating whole blocks of ``block`` steps; 'none' = the fit only, in-sample). Stores
+    the cells in ``calibration`` unless ``write`` is False, the fitted model (with the band
+    it was judged at) on the fit rows, for replays to use. Returns a summary dict (fit
+    parameters, one metrics dict per judged run, the band).
 
     ``basis`` (see :func:`observe`): 'auto' judges on the CPU basis when the fit run and
     every judged run have it (refrun timed passes) and on the wall clock otherwise. On the
@@ -410,7 +445,13 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
 
     if method not in METHODS:
         raise InputError(None, f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-
+    if held_out not in HELD_OUT:
+        raise InputError(None, f"unknown held-out scheme {held_out!r} (choose from {', '.join(HELD_OUT)})")
+    if held_out == "auto":
+        held_out = "none" if judge_runs or judge_steps else "blocks"
+    elif held_out != "none" and (judge_runs or judge_steps):
+        raise InputError(None, f"--held-out {held_out} judges the fit run's own steps: leave out --judge-run and "
+                               "--judge-steps")
     cid = calibration_id or new_calibration_id()
     now = time.time_ns()
     load_runs = load_runs or {}
@@ -422,16 +463,20 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
             resolve_basis(store, r, basis)
     if method == "auto":
         method = "layer" if all(_timed(store, r) for r in runs) else "cells"
+    for r in runs:
+        if not _timed(store, r) and store.has_files("spans"):
+            _check_trace(store, r, load_runs.get(r) or r)
     shape = RunShape.from_store(store, load_runs.get(fit_run) or fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
-    out = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
-                        basis, cid, now, method)
+    ctx = dict(store=store, fit_run=fit_run, judge_runs=list(judge_runs), fit_steps=fit_steps, judge_steps=judge_steps,
+               base=base, loss=loss, load_runs=load_runs, step_offset=step_offset, cid=cid, now=now, method=method,
+               held_out=held_out, block=block)
+    out = _calibrate_on(basis=basis, **ctx)
     tables = out.pop("_tables")
     out["basis"] = basis
     out["host_slowdown"] = {r: host_slowdown(store, r) for r in runs}
     if basis == "cpu":
-        wall = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
-                             "wall", cid, now, method)
+        wall = _calibrate_on(basis="wall", **ctx)
         out["wall_clock"] = {"fit": {"metrics": wall["fit"]["metrics"]},
                              "judged": [{"run_id": j["run_id"], "metrics": j["metrics"]} for j in wall["judged"]]}
     if write:
@@ -441,32 +486,79 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     return out
 
 
-def _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset, basis,
-                  cid, now, method="cells") -> dict:
+def _calibrate_on(*, store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset, basis,
+                  cid, now, method, held_out, block) -> dict:
     cf = observe(store, fit_run, fit_steps, load_runs.get(fit_run), step_offset, basis)
+    held = None
+    if held_out != "none":
+        fs, js = split_steps(cf.step, held_out, block)
+        held = take(cf, np.isin(cf.step, js))
+        cf = take(cf, np.isin(cf.step, fs))
     f = fit_layer(cf, base) if method == "layer" else fit(cf, base, loss)
     ex, cm = f.predict(cf)
     fit_metrics = metrics(cf.step, cf.layer, cf.expert_ns, ex, cf.comm_ns, cm)
-    out = {"calibration_id": cid, "loss": loss, "method": method, "fit": {**f.describe(), "steps": _steps_of(cf), "metrics": fit_metrics,
-                                          "input_notes": cf.notes}, "judged": []}
-    tables = {fit_run: [cell_table(cf, f, cid, "fit", now)]}
-    targets = list(judge_runs)
-    for rid in targets:
-        same = rid == fit_run
-        cj = observe(store, rid, judge_steps, load_runs.get(rid), step_offset, basis)
-        if same and not judge_steps:
+    out = {"calibration_id": cid, "loss": loss, "method": method, "held_out": held_out,
+           "fit": {**f.describe(), "steps": _steps_of(cf), "steps_text": steps_text(cf.step),
+                   "metrics": fit_metrics, "input_notes": cf.notes}, "judged": []}
+    judged = [(rid, observe(store, rid, judge_steps, load_runs.get(rid), step_offset, basis)) for rid in judge_runs]
+    if held is not None:
+        judged.append((fit_run, held))
+    cells = {}
+    for rid, cj in judged:
+        if held is not None and cj is held:
+            note = (f"held out: steps {steps_text(cj.step)} of the fit run (whole "
+                    + (f"blocks of {_block_size(cf, cj)} steps" if held_out == "blocks" else "second half")
+                    + f"), fitted on steps {steps_text(cf.step)}")
+        elif rid == fit_run and not judge_steps:
             note = "judged on the fit run itself (in-sample)"
-        elif same:
+        elif rid == fit_run:
             note = f"judged on steps [{judge_steps[0]}, {judge_steps[1]}) of the fit run"
         else:
             note = None
         pe, pc = f.predict(cj)
         mt = metrics(cj.step, cj.layer, cj.expert_ns, pe, cj.comm_ns, pc)
-        out["judged"].append({"run_id": rid, "steps": _steps_of(cj), "metrics": mt,
-                              "notes": cj.notes + ([note] if note else [])})
-        tables.setdefault(rid, []).append(cell_table(cj, f, cid, "judge", now))
+        out["judged"].append({"run_id": rid, "steps": _steps_of(cj), "steps_text": steps_text(cj.step),
+                              "held_out": cj is held, "metrics": mt, "notes": cj.notes + ([note] if note else [])})
+        cells[rid] = cells.get(rid, []) + [cj]
+    out["band"] = _band(out, cid, load_runs.get(fit_run), basis)
+    if out["band"]["rel_error"] is not None:
+        f.model.rel_error, f.model.rel_error_source = out["band"]["rel_error"], out["band"]["source"]
+    model_json = json.dumps({**f.model.describe(), "calibration": {
+        k: out["band"][k] for k in ("calibration_id", "fit_run_id", "load_run_id", "fit_steps", "judged", "rel_error",
+                                    "what", "method", "basis")}}, sort_keys=True, default=float)
+    tables = {fit_run: [cell_table(cf, f, cid, "fit", now, model_json)]}
+    for rid, cs in cells.items():
+        for cj in cs:
+            tables.setdefault(rid, []).append(cell_table(cj, f, cid, "judge", now))
     out["_tables"] = tables
     return out
+
+
+def _block_size(cf: Cells, cj: Cells) -> int:
+    """The block length of an alternating split: the first run of consecutive fit steps."""
+    s = np.unique(np.concatenate([cf.step, cj.step]))
+    first = np.isin(s, np.unique(cj.step)).argmax()
+    return int(first) if first else 1
+
+
+def _band(out: dict, cid: str, load_run: str | None, basis: str) -> dict:
+    """The band the fitted model is stated with: its worst judged error (held-out steps of
+    the fit run, or the other runs it was judged on); None when it was judged on nothing."""
+    fit_run = out["fit"]["fit_run_id"]
+    cands = [(*band_of(j["metrics"]), j) for j in out["judged"]]
+    cands = [c for c in cands if c[0] is not None]
+    band = {"calibration_id": cid, "fit_run_id": fit_run, "load_run_id": load_run, "fit_steps": out["fit"]["steps_text"],
+            "method": out["method"], "basis": basis, "judged": [], "rel_error": None, "what": None,
+            "source": "not judged out of sample: no band (run calibrate with held-out steps or --judge-run)"}
+    if not cands:
+        return band
+    rel, what, j = max(cands, key=lambda c: c[0])
+    where = (f"held-out steps {j['steps_text']} of run {fit_run}" if j["held_out"] else
+             f"run {j['run_id']} (steps {j['steps_text']})")
+    band.update(rel_error=rel, what=what, judged=[{"run_id": x["run_id"], "steps": x["steps_text"],
+                                                    "held_out": x["held_out"]} for x in out["judged"]],
+                source=f"{what} error {100 * rel:.1f}% measured on {where} (calibration {cid}, {basis} basis)")
+    return band
 
 
 def _steps_of(c: Cells) -> list[int]:

@@ -302,3 +302,56 @@ def fit_layer(c: Cells, base: costmod.CostModel | None = None, terms=LAYER_TERMS
     return Fit(model, c.run_id, int(m.sum()), r2(y, pred), _resid(y, pred), model.latency_ns, cin, cout,
                int(cm.sum()), r2(c.comm_ns[cm], cp) if cm.any() else None,
                _resid(c.comm_ns[cm], cp) if cm.any() else {}, notes, method="layer")
+
+
+# ----------------------------------------------------------------------------- held-out steps
+#: how one run's steps are split when it is judged on itself: 'blocks' alternates whole
+#: blocks of steps (fit, judge, fit, ...: slow drifts of the host or the traffic hit both
+#: sides), 'half' fits on the first half and judges on the second, 'none' judges in-sample
+HELD_OUT = ("auto", "blocks", "half", "none")
+
+
+def take(c: Cells, mask: np.ndarray) -> Cells:
+    """The cells of ``c`` where ``mask`` holds (same run, same notes)."""
+    return Cells(c.run_id, c.step[mask], c.layer[mask], c.rank[mask], c.tokens[mask], c.touched[mask],
+                 c.bytes_intra[mask], c.bytes_inter[mask], c.expert_ns[mask], c.comm_ns[mask], list(c.notes))
+
+
+def split_steps(steps: np.ndarray, scheme: str = "blocks", block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(fit steps, held-out steps) of the distinct sorted ``steps``, in whole blocks.
+
+    'blocks': blocks of ``block`` consecutive steps (default: a quarter of the steps, at
+    least 1), even blocks fitted, odd blocks held out; 'half': the first half fitted."""
+    s = np.unique(np.asarray(steps, np.int64))
+    if s.size < 2:
+        raise InputError(None, f"{s.size} step(s) with measured times: a held-out band needs at least 2 "
+                               "(profile more steps, or judge on another run)")
+    if scheme == "half":
+        cut = s.size // 2
+        return s[:cut], s[cut:]
+    if scheme != "blocks":
+        raise InputError(None, f"unknown held-out scheme {scheme!r} (choose from blocks, half)")
+    size = max(1, int(block) if block else s.size // 4)
+    if size >= s.size:
+        raise InputError(None, f"blocks of {size} steps leave nothing to hold out of {s.size} steps")
+    odd = (np.arange(s.size) // size) % 2 == 1
+    return s[~odd], s[odd]
+
+
+def steps_text(steps) -> str:
+    """Sorted steps as ranges: '0–3, 8–11'."""
+    s = np.unique(np.asarray(steps, np.int64))
+    if s.size == 0:
+        return "none"
+    cuts = np.flatnonzero(np.diff(s) != 1) + 1
+    return ", ".join(f"{int(g[0])}" if g.size == 1 else f"{int(g[0])}–{int(g[-1])}" for g in np.split(s, cuts))
+
+
+def band_of(m: dict) -> tuple[float | None, str]:
+    """The judged error a band is stated from: the layer time where the all-to-all was
+    measured, else the straggler time, else the per-rank expert time."""
+    for key, what in (("layer_mape", "layer-time"), ("straggler_mape", "straggler-time"),
+                      ("expert_mape", "expert-time")):
+        if m.get(key) is not None:
+            return float(m[key]), what
+    return None, "none"
