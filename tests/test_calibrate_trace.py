@@ -256,3 +256,38 @@ def test_calibrate_on_the_real_deepseek_trace_says_what_it_lacks(tmp_path, runne
             "kernels in 1 step(s)") in msg
     assert "no routing or expert load" in msg and "carry no layer" in msg and "needs 2 steps" in msg
     assert tree_hash(st) == before
+
+
+# ----------------------------------------------------------------------------- replay uses it
+def test_replay_of_a_run_with_its_own_trace_uses_that_model_and_says_so(gpu_store, runner, cli):
+    st, (tok, tch, bi, bo), _ = gpu_store
+    r = runner.invoke(cli, ["calibrate", str(st), "--run", "prof", "--load", "prof=eng", "--block", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    f, band = out["fit"], out["band"]["rel_error"]
+    r = runner.invoke(cli, ["replay", str(st), "--run", "eng", "--policy", "eplb-global", "--json", "--no-rank-rows"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    cost = rep["cost"]
+    assert cost["source"].startswith("fitted on this run's trace, steps 0–3, 8–11, band "
+                                     f"±{100 * band:.1f}% measured on steps 4–7, 12–15")
+    assert rep["error_band"]["rel"] == pytest.approx(band)
+    assert (cost["a_ns"], cost["b_ns"], cost["latency_ns"]) == pytest.approx((f["a_ns"], f["b_ns"],
+                                                                             f["comm_latency_ns"]))
+    # the replay's all-to-all (latency + 2 x bytes / bandwidth) is what calibrate fitted per byte
+    assert 2e9 / cost["nvlink_Bps"] == pytest.approx(f["comm_ns_per_byte_intra"])
+    assert 2e9 / cost["internode_Bps"] == pytest.approx(f["comm_ns_per_byte_inter"])
+    # the recorded placement's predicted step time, by hand from the fitted terms and the exact bytes
+    judged = np.arange(T // 2, T)            # the plan is fitted on the first half, judged on the rest
+    lay = (f["a_ns"] * tok + f["b_ns"] * tch + f["comm_latency_ns"] + f["comm_ns_per_byte_intra"] * bi
+           + f["comm_ns_per_byte_inter"] * bo)[judged].max(axis=2)
+    assert rep["recorded_step_ns"] == pytest.approx(lay.sum(axis=1).mean(), abs=1)      # integer ns
+    r = runner.invoke(cli, ["replay", str(st), "--run", "eng", "--policy", "eplb-global"])
+    assert r.exit_code == 0, r.output
+    assert "cost model: fitted on this run's trace, steps 0–3, 8–11" in r.output
+    # --no-fit: the preset, not the trace's model; --cost-model names a run without one: refused
+    r = runner.invoke(cli, ["replay", str(st), "--run", "eng", "--policy", "eplb-global", "--no-fit", "--json",
+                            "--no-rank-rows"])
+    assert json.loads(r.output)["cost"]["source"].startswith("preset H200")
+    r = runner.invoke(cli, ["sweep", str(st), "--run", "eng", "--replicas", "0", "--cost-model", "eng2"])
+    assert r.exit_code == 2 and "no cost model fitted on run 'eng2'" in r.output

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import cost as costmod
-from .calibrate import error_band, fit_from_cell_times, run_hardware
+from .calibrate import error_band, fit_from_cell_times, run_hardware, stored_model
 from .load import RunShape, read_load
 from .plan_store import recorded_plan
 
@@ -61,10 +61,15 @@ def _cost(store, run_id, shape: RunShape, opts) -> costmod.CostModel:
     return opts.cost if opts.cost is not None else cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
 
 
-def run_cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
-    """What the run facade passes in as ``ReplayOptions.cost``: the timed-pass fit of
-    :mod:`.calibrate`, else the spans fit, else the preset, carrying the error band of the
-    newest out-of-sample calibration on the run's hardware."""
+def run_cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True,
+                   cost_model_run: str | None = None) -> costmod.CostModel:
+    """What the run facade passes in as ``ReplayOptions.cost``: the model ``calibrate``
+    stored for this run (or, ``cost_model_run``, for that run) with its held-out band; else
+    the timed-pass fit of :mod:`.calibrate`, else the spans fit, else the preset, carrying
+    the error band of the newest out-of-sample calibration on the run's hardware."""
+    stored = stored_model(store, run_id, cost_model_run) if (fit or cost_model_run) else None
+    if stored is not None:
+        return stored
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     fitted = (fit_from_cell_times(store, run_id, base) or fit_cost_from_store(store, run_id, base, shape)) if fit else None
     cost = fitted if fitted is not None else base
