@@ -26,10 +26,9 @@ slowest rank. This module checks those predictions against what a profiler measu
    among them), the all-to-all error per cell, and the layer time (the slowest rank's
    expert + all-to-all time, the model's layer time) per (step, layer).
 
-Metric definitions, exactly as :func:`metrics` computes them from the stored rows, so SQL
-over the ``calibration`` table reproduces them: a cell enters the expert metrics when its
-measured expert time is > 0; a (step, layer) enters the straggler metrics when any of its
-cells does; a cell enters the all-to-all metrics when its measured all-to-all time is > 0.
+The arithmetic on the cells (metrics, held-out split, band) is
+:mod:`moetrace.costmodel.calibrate`; the fits are :mod:`.calibrate_fit`. This module is the
+adapter that reads the store and writes the ``calibration`` table.
 """
 from __future__ import annotations
 
@@ -40,23 +39,20 @@ import uuid
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InputError
-from . import cost as costmod
-from .calibrate_fit import (
+from ..costmodel.calibrate import (
     HELD_OUT,
-    LAYER_TERMS,
-    METHODS,
-    TIE_RTOL,
     Cells,
-    Fit,
-    band_of,
-    fit,
-    fit_layer,
-    fit_layer_model,
+    block_size,
+    metrics,
+    model_band,
     split_steps,
     steps_text,
+    straggler_flags,
     take,
 )
+from ..errors import InputError
+from . import cost as costmod
+from .calibrate_fit import LAYER_TERMS, METHODS, Fit, fit, fit_layer, fit_layer_model
 from .cost import ErrorBand
 
 # ----------------------------------------------------------------------------- observe
@@ -319,78 +315,6 @@ def fit_from_cell_times(store, run_id: str, base: costmod.CostModel | None = Non
     return m
 
 
-# ----------------------------------------------------------------------------- judge
-def straggler_flags(step, layer, measured, predicted):
-    """Per cell: is it the measured straggler of its (step, layer) (the argmax, lowest rank
-    on ties), is it among the predicted stragglers (every rank within TIE_RTOL of the max)."""
-    key = np.unique(np.stack([step, layer], axis=1), axis=0, return_inverse=True)[1].ravel()
-    n = int(key.max()) + 1 if key.size else 0
-    mmax = np.full(n, -np.inf)
-    np.maximum.at(mmax, key, measured)
-    pmax = np.full(n, -np.inf)
-    np.maximum.at(pmax, key, predicted)
-    is_m = measured == mmax[key]
-    # first (lowest index: cells are ordered by rank within a pair) measured max only
-    first = np.zeros(n, np.int64) - 1
-    for i in np.flatnonzero(is_m)[::-1]:
-        first[key[i]] = i
-    meas_flag = np.zeros(measured.size, bool)
-    meas_flag[first[first >= 0]] = True
-    pred_flag = predicted >= pmax[key] - TIE_RTOL * np.abs(pmax[key])
-    return meas_flag, pred_flag
-
-
-def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted=None) -> dict:
-    """The judged errors (module docstring). Percentages are fractions (0.1 = 10%)."""
-    out: dict = {}
-    m = measured > 0
-    out["cells"] = int(step.size)
-    out["cells_measured"] = int(m.sum())
-    if m.any():
-        rel = (predicted[m] - measured[m]) / measured[m]
-        out["expert_mape"] = float(np.abs(rel).mean())
-        out["expert_bias"] = float(rel.mean())
-        out["expert_total_ratio"] = float(predicted[m].sum() / measured[m].sum())
-    mf, pf = straggler_flags(step, layer, measured, predicted)
-    key, inv = np.unique(np.stack([step, layer], axis=1), axis=0, return_inverse=True)
-    inv = inv.ravel()
-    n = key.shape[0]
-    mmax = np.zeros(n)
-    np.maximum.at(mmax, inv, measured)
-    pmax = np.full(n, -np.inf)
-    np.maximum.at(pmax, inv, predicted)
-    hit = np.zeros(n, bool)
-    np.logical_or.at(hit, inv, mf & pf)
-    ok = mmax > 0
-    out["pairs"] = int(ok.sum())
-    if ok.any():
-        srel = (pmax[ok] - mmax[ok]) / mmax[ok]
-        out["straggler_mape"] = float(np.abs(srel).mean())
-        out["straggler_bias"] = float(srel.mean())
-        out["straggler_hit_rate"] = float(hit[ok].mean())
-        out["straggler_chance"] = float((1.0 / np.bincount(inv, minlength=n)[ok]).mean())   # a random guess
-    if comm_measured is not None and comm_predicted is not None:
-        # layer time: the slowest rank's expert + all-to-all time (the model's rank time)
-        lm = np.zeros(n)
-        np.maximum.at(lm, inv, measured + comm_measured)
-        lp = np.full(n, -np.inf)
-        np.maximum.at(lp, inv, predicted + comm_predicted)
-        has_comm = np.zeros(n, bool)
-        np.logical_or.at(has_comm, inv, comm_measured > 0)
-        lok = ok & has_comm
-        if lok.any():
-            lrel = (lp[lok] - lm[lok]) / lm[lok]
-            out["layer_mape"] = float(np.abs(lrel).mean())
-            out["layer_bias"] = float(lrel.mean())
-        cm = comm_measured > 0
-        out["comm_cells"] = int(cm.sum())
-        if cm.any():
-            crel = (comm_predicted[cm] - comm_measured[cm]) / comm_measured[cm]
-            out["comm_mape"] = float(np.abs(crel).mean())
-            out["comm_bias"] = float(crel.mean())
-    return out
-
-
 def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: int,
                model_json: str | None = None) -> pa.Table:
     ex, cm = f.predict(c)
@@ -507,7 +431,7 @@ def _calibrate_on(*, store, fit_run, judge_runs, fit_steps, judge_steps, base, l
     for rid, cj in judged:
         if held is not None and cj is held:
             note = (f"held out: steps {steps_text(cj.step)} of the fit run (whole "
-                    + (f"blocks of {_block_size(cf, cj)} steps" if held_out == "blocks" else "second half")
+                    + (f"blocks of {block_size(cf, cj)} steps" if held_out == "blocks" else "second half")
                     + f"), fitted on steps {steps_text(cf.step)}")
         elif rid == fit_run and not judge_steps:
             note = "judged on the fit run itself (in-sample)"
@@ -520,7 +444,7 @@ def _calibrate_on(*, store, fit_run, judge_runs, fit_steps, judge_steps, base, l
         out["judged"].append({"run_id": rid, "steps": _steps_of(cj), "steps_text": steps_text(cj.step),
                               "held_out": cj is held, "metrics": mt, "notes": cj.notes + ([note] if note else [])})
         cells[rid] = cells.get(rid, []) + [cj]
-    out["band"] = _band(out, cid, load_runs.get(fit_run), basis)
+    out["band"] = model_band(out, cid, load_runs.get(fit_run), basis)
     if out["band"]["rel_error"] is not None:
         f.model.rel_error, f.model.rel_error_source = out["band"]["rel_error"], out["band"]["source"]
     model_json = json.dumps({**f.model.describe(), "calibration": {
@@ -534,40 +458,9 @@ def _calibrate_on(*, store, fit_run, judge_runs, fit_steps, judge_steps, base, l
     return out
 
 
-def _block_size(cf: Cells, cj: Cells) -> int:
-    """The block length of an alternating split: the first run of consecutive fit steps."""
-    s = np.unique(np.concatenate([cf.step, cj.step]))
-    first = np.isin(s, np.unique(cj.step)).argmax()
-    return int(first) if first else 1
-
-
-def _band(out: dict, cid: str, load_run: str | None, basis: str) -> dict:
-    """The band the fitted model is stated with: its worst judged error (held-out steps of
-    the fit run, or the other runs it was judged on); None when it was judged on nothing."""
-    fit_run = out["fit"]["fit_run_id"]
-    cands = [(*band_of(j["metrics"]), j) for j in out["judged"]]
-    cands = [c for c in cands if c[0] is not None]
-    band = {"calibration_id": cid, "fit_run_id": fit_run, "load_run_id": load_run, "fit_steps": out["fit"]["steps_text"],
-            "method": out["method"], "basis": basis, "judged": [], "rel_error": None, "what": None,
-            "source": "not judged out of sample: no band (run calibrate with held-out steps or --judge-run)"}
-    if not cands:
-        return band
-    rel, what, j = max(cands, key=lambda c: c[0])
-    where = (f"held-out steps {j['steps_text']} of run {fit_run}" if j["held_out"] else
-             f"run {j['run_id']} (steps {j['steps_text']})")
-    band.update(rel_error=rel, what=what, judged=[{"run_id": x["run_id"], "steps": x["steps_text"],
-                                                    "held_out": x["held_out"]} for x in out["judged"]],
-                source=f"{what} error {100 * rel:.1f}% measured on {where} (calibration {cid}, {basis} basis)")
-    return band
-
-
 def _steps_of(c: Cells) -> list[int]:
     s = np.unique(c.step)
     return [int(s.min()), int(s.max())] if s.size else []
-
-
-def summary_json(summary: dict) -> str:
-    return json.dumps(summary, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
 
 
 # ----------------------------------------------------------------------------- stored

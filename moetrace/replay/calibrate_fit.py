@@ -7,30 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..costmodel.calibrate import LOSSES, Cells, _resid, fit_mape, layer_grids, nonneg_lstsq, r2
 from ..errors import InputError
 from . import cost as costmod
-
-TIE_RTOL = 1e-9
-
-
-@dataclass
-class Cells:
-    """One entry per (step, layer, rank) of one run: model inputs and measured times."""
-    run_id: str
-    step: np.ndarray
-    layer: np.ndarray
-    rank: np.ndarray
-    tokens: np.ndarray
-    touched: np.ndarray
-    bytes_intra: np.ndarray
-    bytes_inter: np.ndarray
-    expert_ns: np.ndarray          # measured, 0 where the rank had no expert span
-    comm_ns: np.ndarray            # measured dispatch + combine, 0 where none
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return int(self.step.size)
 
 
 @dataclass
@@ -71,55 +50,6 @@ class Fit:
 
 
 # ----------------------------------------------------------------------------- fit
-def _resid(y: np.ndarray, pred: np.ndarray) -> dict:
-    if y.size == 0:
-        return {}
-    r = pred - y
-    rel = np.abs(r) / y
-    return {"rmse_ns": float(np.sqrt((r ** 2).mean())), "mean_abs_ns": float(np.abs(r).mean()),
-            "p50_abs_pct": float(100 * np.percentile(rel, 50)), "p90_abs_pct": float(100 * np.percentile(rel, 90)),
-            "max_abs_pct": float(100 * rel.max())}
-
-
-def r2(y: np.ndarray, pred: np.ndarray) -> float | None:
-    ss = float(((y - y.mean()) ** 2).sum()) if y.size else 0.0
-    return 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None
-
-
-def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient ≥ 0: drop the most negative one, refit, repeat."""
-    active = [j for j in range(X.shape[1]) if np.any(X[:, j] != 0)]
-    coef = np.zeros(X.shape[1])
-    while active:
-        c, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
-        if (c >= 0).all():
-            coef[active] = c
-            break
-        active.pop(int(np.argmin(c)))
-    return coef
-
-
-LOSSES = ("l2", "mape")
-
-
-def fit_mape(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
-    """Coefficients ≥ 0 minimizing the mean absolute percentage error Σ|X·c − y| / y
-    (iteratively reweighted least squares from the relative-L2 solution; y > 0)."""
-    w = 1.0 / y
-    coef = nonneg_lstsq(X * w[:, None], y * w)
-    best, best_err = coef, float(np.abs(X @ coef - y).dot(w))
-    for _ in range(iters):
-        r = np.abs(X @ coef - y) * w
-        ww = w / np.sqrt(np.maximum(r, 1e-6))          # sqrt: the LS weights are squared
-        coef = nonneg_lstsq(X * ww[:, None], y * ww)
-        err = float(np.abs(X @ coef - y).dot(w))
-        if err < best_err - 1e-12 * best_err:
-            best, best_err = coef, err
-        elif err >= best_err:
-            break
-    return best
-
-
 def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fit:
     """Fit the expert and all-to-all parameters on the cells with measured expert time.
 
@@ -257,26 +187,6 @@ LAYER_TERMS = ("tokens", "slot", "latency")
 METHODS = ("auto", "layer", "cells")
 
 
-def layer_grids(c: Cells):
-    """The cells of a full (step, layer) x rank grid as [P, 1, R] arrays (a replay Block's
-    shape, one pseudo-layer per (step, layer) pair) and the measured layer time [P, 1]: the
-    slowest rank's expert + all-to-all time."""
-    from types import SimpleNamespace
-
-    ranks = np.unique(c.rank)
-    R = ranks.size
-    if R == 0 or c.size % R:
-        raise InputError(None, f"run {c.run_id!r}: the cells are not a full (step, layer) x rank grid")
-    P = c.size // R
-
-    def grid(v):
-        return np.asarray(v, np.float64).reshape(P, 1, R)     # observe's order: pair-major, rank-minor
-
-    blk = SimpleNamespace(tokens=grid(c.tokens), touched=grid(c.touched), bytes_intra=grid(c.bytes_intra),
-                          bytes_inter=grid(c.bytes_inter))
-    return blk, grid(c.expert_ns), (grid(c.expert_ns) + grid(c.comm_ns)).max(axis=2)
-
-
 def fit_layer(c: Cells, base: costmod.CostModel | None = None, terms=LAYER_TERMS) -> Fit:
     """The fidelity matrix's fit (:func:`fit_layer_model` with ``terms``) as a :class:`Fit`:
     a, b (and a fixed cost) from each rank's expert time, the all-to-all latency (and with
@@ -304,54 +214,3 @@ def fit_layer(c: Cells, base: costmod.CostModel | None = None, terms=LAYER_TERMS
                _resid(c.comm_ns[cm], cp) if cm.any() else {}, notes, method="layer")
 
 
-# ----------------------------------------------------------------------------- held-out steps
-#: how one run's steps are split when it is judged on itself: 'blocks' alternates whole
-#: blocks of steps (fit, judge, fit, ...: slow drifts of the host or the traffic hit both
-#: sides), 'half' fits on the first half and judges on the second, 'none' judges in-sample
-HELD_OUT = ("auto", "blocks", "half", "none")
-
-
-def take(c: Cells, mask: np.ndarray) -> Cells:
-    """The cells of ``c`` where ``mask`` holds (same run, same notes)."""
-    return Cells(c.run_id, c.step[mask], c.layer[mask], c.rank[mask], c.tokens[mask], c.touched[mask],
-                 c.bytes_intra[mask], c.bytes_inter[mask], c.expert_ns[mask], c.comm_ns[mask], list(c.notes))
-
-
-def split_steps(steps: np.ndarray, scheme: str = "blocks", block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(fit steps, held-out steps) of the distinct sorted ``steps``, in whole blocks.
-
-    'blocks': blocks of ``block`` consecutive steps (default: a quarter of the steps, at
-    least 1), even blocks fitted, odd blocks held out; 'half': the first half fitted."""
-    s = np.unique(np.asarray(steps, np.int64))
-    if s.size < 2:
-        raise InputError(None, f"{s.size} step(s) with measured times: a held-out band needs at least 2 "
-                               "(profile more steps, or judge on another run)")
-    if scheme == "half":
-        cut = s.size // 2
-        return s[:cut], s[cut:]
-    if scheme != "blocks":
-        raise InputError(None, f"unknown held-out scheme {scheme!r} (choose from blocks, half)")
-    size = max(1, int(block) if block else s.size // 4)
-    if size >= s.size:
-        raise InputError(None, f"blocks of {size} steps leave nothing to hold out of {s.size} steps")
-    odd = (np.arange(s.size) // size) % 2 == 1
-    return s[~odd], s[odd]
-
-
-def steps_text(steps) -> str:
-    """Sorted steps as ranges: '0–3, 8–11'."""
-    s = np.unique(np.asarray(steps, np.int64))
-    if s.size == 0:
-        return "none"
-    cuts = np.flatnonzero(np.diff(s) != 1) + 1
-    return ", ".join(f"{int(g[0])}" if g.size == 1 else f"{int(g[0])}–{int(g[-1])}" for g in np.split(s, cuts))
-
-
-def band_of(m: dict) -> tuple[float | None, str]:
-    """The judged error a band is stated from: the layer time where the all-to-all was
-    measured, else the straggler time, else the per-rank expert time."""
-    for key, what in (("layer_mape", "layer-time"), ("straggler_mape", "straggler-time"),
-                      ("expert_mape", "expert-time")):
-        if m.get(key) is not None:
-            return float(m[key]), what
-    return None, "none"
