@@ -291,3 +291,22 @@ def test_replay_of_a_run_with_its_own_trace_uses_that_model_and_says_so(gpu_stor
     assert json.loads(r.output)["cost"]["source"].startswith("preset H200")
     r = runner.invoke(cli, ["sweep", str(st), "--run", "eng", "--replicas", "0", "--cost-model", "eng2"])
     assert r.exit_code == 2 and "no cost model fitted on run 'eng2'" in r.output
+
+
+def test_held_out_half_and_refusals(gpu_store, runner, cli):
+    from .conftest import tree_hash
+
+    st, _, _ = gpu_store
+    r = runner.invoke(cli, ["calibrate", str(st), "--run", "prof", "--load", "prof=eng", "--held-out", "half",
+                            "--json", "--no-store"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["fit"]["steps_text"] == "0–7" and out["judged"][0]["steps_text"] == "8–15"
+    assert out["band"]["source"].startswith(f"layer-time error {100 * out['band']['rel_error']:.1f}% measured on "
+                                            "held-out steps 8–15 of run prof")
+    before = tree_hash(st)
+    for args, words in ((["--held-out", "blocks", "--judge-run", "eng"], "leave out --judge-run"),
+                        (["--block", "16"], "blocks of 16 steps leave nothing to hold out of 16 steps")):
+        r = runner.invoke(cli, ["calibrate", str(st), "--run", "prof", "--load", "prof=eng", *args])
+        assert r.exit_code == 2 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert tree_hash(st) == before

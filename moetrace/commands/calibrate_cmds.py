@@ -50,7 +50,8 @@ def fit_lines(summary: dict) -> list[str]:
     r2 = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     res = f["expert_residuals"]
     lines = [
-        f"calibration {summary['calibration_id']}: fitted on run {f['fit_run_id']} steps {f['steps'][0]}..{f['steps'][1]}",
+        f"calibration {summary['calibration_id']}: fitted on run {f['fit_run_id']} steps "
+        + (f.get("steps_text") or f"{f['steps'][0]}..{f['steps'][1]}"),
         f"  expert time = {f['a_ns']:.1f} ns x tokens + {f['b_ns']:.1f} ns x slots touched   "
         f"(R^2 {r2(f['expert_r2'])} on {f['expert_points']} (step, layer, rank) cells; residual rmse "
         f"{res.get('rmse_ns', 0) / 1e3:.1f} us, |error| p50 {res.get('p50_abs_pct', 0):.1f}% p90 "
@@ -179,8 +180,9 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
     if summary["stored"]:
         judged = [j["run_id"] for j in summary["judged"]]
         judged_s = f", 'judge' on {', '.join(dict.fromkeys(judged))}" if judged else ""
+        users = rid + (f" and of run {load_runs[rid]} (its routing/load)" if load_runs.get(rid) else "")
         click.echo(f"stored as calibration_id '{summary['calibration_id']}' in table calibration "
-                   f"(role 'fit' on run {rid}{judged_s}); replay, sweep and drift of run {rid} use this model "
+                   f"(role 'fit' on run {rid}{judged_s}); replay, sweep and drift of run {users} use this model "
                    f"(of other runs: --cost-model {rid})")
 
 
