@@ -10,7 +10,7 @@ For each pair (A, B) — the model fitted on A only:
 
 * B's per-rank tokens, slots touched and dispatch bytes come from the replay of A's
   routing under B's plan (``replay.engine.replay_routing``, the replica hash rule);
-* the cost model (``replay.cost.CostModel.rank_ns``, layer = max over ranks) predicts B's
+* the cost model (``costmodel.step_cost.CostModel.rank_ns``, layer = max over ranks) predicts B's
   per-layer time, per-step MoE time (sum over layers), the time ratio B/A of the whole
   run (both sides predicted by the same model, as a replay would tell an operator), and
   the straggler rank per (step, layer);

@@ -302,7 +302,7 @@ class Run(NotebookView):
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 
     def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
-        """The cost model a replay of this run uses (:class:`moetrace.replay.cost.CostModel`)."""
+        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`)."""
         return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
 
     def plan(self, policy: str | None = None, *, ranks: int | None = None, replicas: int | None = None,

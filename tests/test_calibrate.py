@@ -507,7 +507,7 @@ def test_fit_layer_model_recovers_known_terms():
     comp = fixed + a * tok + b * tch
     slow = comp.argmax(axis=2)
     layer = lat + comp.max(axis=2)
-    from moetrace.replay.cost import CostModel
+    from moetrace.costmodel.step_cost import CostModel
     free = CostModel(0.0, 0.0, 1e30, 1e30, "bytes cost nothing")     # the base bandwidths: bytes free
     m = calfit.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency", "fixed"), base=free)
     assert (m.a_ns, m.b_ns, m.fixed_ns, m.latency_ns) == pytest.approx((a, b, fixed, lat), rel=1e-6)
@@ -531,7 +531,7 @@ def test_fidelity_evaluate_by_hand():
     from types import SimpleNamespace
 
     from benchmarks.bench_fidelity import evaluate
-    from moetrace.replay.cost import CostModel
+    from moetrace.costmodel.step_cost import CostModel
 
     model = CostModel(a_ns=10.0, b_ns=0.0, nvlink_Bps=1e30, internode_Bps=1e30, source="t", latency_ns=100.0)
     z = np.zeros((1, 1, 2))

@@ -367,7 +367,7 @@ def test_relabel_keeps_the_placement_and_the_replay(seed_load, policy, groups):
     np.testing.assert_allclose(np.sort(a.tokens, axis=2), np.sort(b.tokens, axis=2))
     np.testing.assert_allclose(np.sort(a.bytes_inter, axis=2), np.sort(b.bytes_inter, axis=2), rtol=1e-9)
     np.testing.assert_allclose(np.sort(a.bytes_intra, axis=2), np.sort(b.bytes_intra, axis=2), rtol=1e-9)
-    from moetrace.replay import cost as costmod
+    from moetrace.costmodel import step_cost as costmod
 
     c = costmod.preset("H200", 7168, 44040192)
     np.testing.assert_allclose(layer_metrics(a, c).imbalance, layer_metrics(b, c).imbalance)

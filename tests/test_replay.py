@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import cli
+from moetrace.costmodel import step_cost as costmod
 from moetrace.produce.synth import SynthConfig, synth
-from moetrace.replay import cost as costmod
 from moetrace.run import Store
 
 RECORDED = np.array([[0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 3],

@@ -127,8 +127,8 @@ def _hand_case(steps, stall_ns=1000.0, overlap=0.0):
     the gain is 1000 ns per step. The swap moves expert 2 to rank 0 and expert 1 to rank 1,
     each 5000 bytes from the other node over a 1 GB/s NIC: 5000 ns per rank, in parallel;
     charged = stall + 5000 x (1 - overlap); break-even = charged / 1000."""
+    from moetrace.costmodel.step_cost import CostModel
     from moetrace.placement.planners import Plan
-    from moetrace.replay.cost import CostModel
     from moetrace.replay.engine import replay_load
     from moetrace.replay.strategies import Fixed, MoveCost, judge
 
@@ -166,7 +166,7 @@ def test_break_even_by_hand():
 
 
 def test_verdict_within_the_error_band():
-    from moetrace.replay.cost import UNCALIBRATED_REL_ERROR, CostModel
+    from moetrace.costmodel.step_cost import UNCALIBRATED_REL_ERROR, CostModel
     from moetrace.replay.strategies import verdict
 
     c = CostModel(1, 1, 1, 1, "x")

@@ -105,10 +105,11 @@ def test_time_band_is_the_gpu_cost_models_band(tiny):
     d = json.loads(r.output)
     pre = costmodel.preset("H800")["regimes"]
     assert d["error_band"]["rel"] == pytest.approx(max(pre["gemm_grouped"]["band"], pre["a2a_normal"]["band"]))
-    assert "uncalibrated" not in d["error_band"]["source"] and "measured" in d["error_band"]["source"]
+    assert "uncalibrated" not in d["error_band"]["source"] and "H800, validated" in d["error_band"]["source"]
     r = CliRunner().invoke(cli, ["replay", str(path), "--plan", "pair", "--hardware", "H200", "--json"])
     d = json.loads(r.output)
-    assert "carried over" in d["error_band"]["source"] and "uncalibrated" not in d["verdict_reason"]
+    assert "not validated on H200/gemm_grouped" in d["error_band"]["source"]
+    assert "uncalibrated" not in d["verdict_reason"]
 
 
 def test_sweep_rows_carry_the_exact_straggler_tokens(tiny):

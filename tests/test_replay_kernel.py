@@ -3,10 +3,10 @@ reimplementation with dense expert x rank matrices, on random loads with replica
 import numpy as np
 import pytest
 
+from moetrace.costmodel.step_cost import CostModel
 from moetrace.placement.planners import Plan
 from moetrace.placement.relabel import _rank_copies, overlap_matrix
 from moetrace.replay import engine
-from moetrace.replay.cost import CostModel
 
 
 def _plan(rng, L, E, R, S, rpn):
@@ -116,8 +116,8 @@ def test_reuse_freed_memory_nests_and_changes_no_number():
 def test_expert_ns_table_equals_one_call_per_rank(max_touched):
     """The expert-MLP time table (one gather per block) against the cost model called for
     every rank by itself: ceil(tokens / slots touched) per expert, quantized, timed."""
-    from moetrace.replay import cost as costmod
-    from moetrace.replay import gpu_cost
+    from moetrace.costmodel import replay_gpu as gpu_cost
+    from moetrace.costmodel import step_cost as costmod
 
     rng = np.random.default_rng(max_touched)
     c = costmod.preset("H200", 7168, 44040192)

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from moetrace.costmodel.step_cost import CostModel, preset
 from moetrace.placement.planners import Plan
 from moetrace.replay import engine
-from moetrace.replay.cost import CostModel, preset
 from tests.test_replay_kernel import _reference
 
 

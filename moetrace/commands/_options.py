@@ -31,7 +31,7 @@ class LazyChoice(click.Choice):
 
 
 def _hardware_presets():
-    from ..replay.cost import PRESETS
+    from ..costmodel.step_cost import PRESETS
 
     return list(PRESETS)
 

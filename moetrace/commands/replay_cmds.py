@@ -293,7 +293,7 @@ def _print_drift(d, plot):
                f"judged on {d.steps.size} steps against the recorded placement")
     st = d.results["static"]
     click.echo(f"  plan: {st.plan.describe()}")
-    from ..replay.cost import error_band
+    from ..costmodel.step_cost import error_band
 
     band, src = error_band(d.cost)
     click.echo(f"  time error band ±{band:.0%} ({src}): a predicted difference within it is not a win")

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..costmodel.step_cost import CostModel
 from ..domain.ranks import node_of
 from ..errors import InputError
 from ..placement.planners import Plan
 from .accumulate import Summary, SummaryAccumulator
-from .cost import CostModel
 
 SPLITS = ("even", "hash", "local")
 

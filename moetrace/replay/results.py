@@ -9,11 +9,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from ..costmodel import step_cost as costmod
 from ..domain.ranks import node_of
 from ..notebook import NotebookView
 from ..placement.planners import Plan
 from ..storage.schema import repeated_string
-from . import cost as costmod
 from .accumulate import LoadTotals, rel_error_text
 from .budget import STREAMED_STEPS
 from .engine import Block
