@@ -9,8 +9,8 @@ import numpy as np
 import polars as pl
 import pytest
 
+from moetrace.costmodel import calibrate_fit as calfit
 from moetrace.replay import calibrate as cal
-from moetrace.replay import calibrate_fit as calfit
 from moetrace.run import Store
 from tests.conftest import tree_hash
 

@@ -1,7 +1,7 @@
 """Calibration's arithmetic on measured cells, arrays in and numbers out (no store, no
 cost-model object): the cells of one run, least squares with non-negative coefficients and
 its MAPE variant, the judged metrics, and the split of a run's steps into fitted and
-held-out blocks. The fits that produce a cost model are in :mod:`moetrace.replay.calibrate_fit`;
+held-out blocks. The fits that produce a cost model are in :mod:`.calibrate_fit`;
 what reads the store is :mod:`moetrace.replay.calibrate`.
 
 Metric definitions, exactly as :func:`metrics` computes them from the stored rows, so SQL

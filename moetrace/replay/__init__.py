@@ -16,7 +16,7 @@ calls: :mod:`.load` (``RunShape`` from the ``run_shape`` view, loads), :mod:`.pl
 (recorded and stored plans), :mod:`.cost_fit` (the cost model a replay uses),
 :mod:`.results` (options, results, ``replay_*`` tables), :mod:`.judge_plan` (``replay``),
 :mod:`.drift`, :mod:`.sweep` (and :mod:`.distributed` for Dask), :mod:`.make_plan`
-(``moetrace plan``), :mod:`.placement_whatif` (the report's), :mod:`.calibrate` with
-:mod:`.calibrate_fit`, :mod:`.timeline_whatif_store`, and :mod:`.trace` (the predicted
+(``moetrace plan``), :mod:`.placement_whatif` (the report's), :mod:`.calibrate` (the store side
+of calibration; its fits are in :mod:`moetrace.costmodel.calibrate_fit`), :mod:`.timeline_whatif_store`, and :mod:`.trace` (the predicted
 timeline as a Chrome trace).
 """

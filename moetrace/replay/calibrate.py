@@ -27,7 +27,7 @@ slowest rank. This module checks those predictions against what a profiler measu
    expert + all-to-all time, the model's layer time) per (step, layer).
 
 The arithmetic on the cells (metrics, held-out split, band) is
-:mod:`moetrace.costmodel.calibrate`; the fits are :mod:`.calibrate_fit`. This module is the
+:mod:`moetrace.costmodel.calibrate`; the fits are :mod:`moetrace.costmodel.calibrate_fit`. This module is the
 adapter that reads the store and writes the ``calibration`` table.
 """
 from __future__ import annotations
@@ -51,9 +51,9 @@ from ..costmodel.calibrate import (
     straggler_flags,
     take,
 )
+from ..costmodel.calibrate_fit import LAYER_TERMS, METHODS, Fit, fit, fit_layer, fit_layer_model
 from ..costmodel.step_cost import ErrorBand
 from ..errors import InputError
-from .calibrate_fit import LAYER_TERMS, METHODS, Fit, fit, fit_layer, fit_layer_model
 
 # ----------------------------------------------------------------------------- observe
 BASES = ("auto", "cpu", "wall")
@@ -351,7 +351,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
               calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0,
               basis: str = "auto", method: str = "auto", held_out: str = "auto", block: int | None = None) -> dict:
     """Fit on ``fit_run``, judge on each of ``judge_runs``; with none, on held-out steps of
-    the fit run itself (``held_out``, :data:`~.calibrate_fit.HELD_OUT`: 'auto' = 'blocks',
+    the fit run itself (``held_out``, :data:`~moetrace.costmodel.calibrate.HELD_OUT`: 'auto' = 'blocks',
     alternating whole blocks of ``block`` steps; 'none' = the fit only, in-sample). Stores
     the cells in ``calibration`` unless ``write`` is False, the fitted model (with the band
     it was judged at) on the fit rows, for replays to use. Returns a summary dict (fit
@@ -362,7 +362,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     CPU basis the same fit and judgement on the wall clock come beside it (``wall_clock``,
     not stored) with each run's host slowdown (``host_slowdown``).
 
-    ``method`` (:data:`~.calibrate_fit.METHODS`): 'auto' fits on the fidelity basis
+    ``method`` (:data:`~moetrace.costmodel.calibrate_fit.METHODS`): 'auto' fits on the fidelity basis
     ('layer': per-rank expert times and the layer times) where the runs carry timed passes,
     else each cell's expert and all-to-all spans on their own ('cells')."""
     from .load import RunShape

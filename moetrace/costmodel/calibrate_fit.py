@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..costmodel import step_cost as costmod
-from ..costmodel.calibrate import LOSSES, Cells, _resid, fit_mape, layer_grids, nonneg_lstsq, r2
 from ..errors import InputError
+from . import step_cost as costmod
+from .calibrate import LOSSES, Cells, _resid, fit_mape, layer_grids, nonneg_lstsq, r2
 
 
 @dataclass
@@ -67,8 +67,11 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
         raise InputError(None, f"run {c.run_id!r}: every measured cell has the same token count; a and b cannot "
                                "be told apart (profile more steps, or a skewed load)")
     y = c.expert_ns[m]
+    model: costmod.CostModel | None
     if loss == "l2":
+        # (not None: at least 8 cells with a spread of tokens, checked above)
         model = costmod.fit_expert_time(c.tokens[m], c.touched[m], y, base)
+        assert model is not None
     else:
         a, b = fit_mape(np.stack([c.tokens[m], c.touched[m]], axis=1), y)
         model = costmod.CostModel(float(a), float(b), base.nvlink_Bps, base.internode_Bps, source="")
