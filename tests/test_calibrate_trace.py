@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moetrace.run import Store
+from tests.test_calibrate import exact_store  # noqa: F401  (a fixture: one run with trace and routing)
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
@@ -310,3 +311,23 @@ def test_held_out_half_and_refusals(gpu_store, runner, cli):
         r = runner.invoke(cli, ["calibrate", str(st), "--run", "prof", "--load", "prof=eng", *args])
         assert r.exit_code == 2 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
     assert tree_hash(st) == before
+
+
+def test_replay_of_a_run_with_its_own_trace_calibrates_in_memory(exact_store, runner, cli):
+    """A run that holds its trace and its routing, never calibrated: the replay fits the
+    model on alternating blocks of its steps, states the band of the others, says so, and
+    writes no calibration. The model is the known one (exact durations)."""
+    from tests.test_calibrate import A_TRUE, B_TRUE, LAT
+
+    st, _ = exact_store
+    r = runner.invoke(cli, ["replay", str(st.path), "--run", "a", "--policy", "eplb-global", "--json",
+                            "--no-rank-rows"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    cost = rep["cost"]
+    assert cost["source"].startswith("fitted on this run's trace, steps 0–1, 4–5, 8–9, band ±")
+    assert "measured on steps 2–3, 6–7" in cost["source"] and "fitted in memory, not stored" in cost["source"]
+    assert (cost["a_ns"], cost["b_ns"], cost["latency_ns"]) == pytest.approx((A_TRUE, B_TRUE, LAT), rel=1e-2)
+    ref = Store(st.path).run("a").calibrate(write=False, held_out="blocks")
+    assert rep["error_band"]["rel"] == pytest.approx(ref["band"]["rel_error"]) and ref["band"]["rel_error"] < 0.01
+    assert not Store(st.path).has_files("calibration")

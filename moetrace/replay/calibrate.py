@@ -349,7 +349,8 @@ def new_calibration_id() -> str:
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
               hardware: str = "H200", loss: str = "l2", write: bool = True,
               calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0,
-              basis: str = "auto", method: str = "auto", held_out: str = "auto", block: int | None = None) -> dict:
+              basis: str = "auto", method: str = "auto", held_out: str = "auto", block: int | None = None,
+              keep_model: bool = False) -> dict:
     """Fit on ``fit_run``, judge on each of ``judge_runs``; with none, on held-out steps of
     the fit run itself (``held_out``, :data:`~moetrace.costmodel.calibrate.HELD_OUT`: 'auto' = 'blocks',
     alternating whole blocks of ``block`` steps; 'none' = the fit only, in-sample). Stores
@@ -396,11 +397,14 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
                base=base, loss=loss, load_runs=load_runs, step_offset=step_offset, cid=cid, now=now, method=method,
                held_out=held_out, block=block)
     out = _calibrate_on(basis=basis, **ctx)
-    tables = out.pop("_tables")
+    tables, model = out.pop("_tables"), out.pop("_model")
+    if keep_model:      # the fitted CostModel itself, for a replay that calibrates in memory
+        out["model"] = model
     out["basis"] = basis
     out["host_slowdown"] = {r: host_slowdown(store, r) for r in runs}
     if basis == "cpu":
         wall = _calibrate_on(basis="wall", **ctx)
+        wall.pop("_model")
         out["wall_clock"] = {"fit": {"metrics": wall["fit"]["metrics"]},
                              "judged": [{"run_id": j["run_id"], "metrics": j["metrics"]} for j in wall["judged"]]}
     if write:
@@ -454,7 +458,7 @@ def _calibrate_on(*, store, fit_run, judge_runs, fit_steps, judge_steps, base, l
     for rid, cs in cells.items():
         for cj in cs:
             tables.setdefault(rid, []).append(cell_table(cj, f, cid, "judge", now))
-    out["_tables"] = tables
+    out["_tables"], out["_model"] = tables, f.model
     return out
 
 
@@ -555,43 +559,3 @@ def error_band(store, hardware: str | None) -> ErrorBand:
         f"hardware {hardware}" if hardware else "unknown hardware")
     return ErrorBand(None, f"uncalibrated preset: no calibration on {what} in this store, the time model's "
                            "error is not measured")
-
-
-# ----------------------------------------------------------------------------- the stored model
-def stored_model(store, run_id: str, from_run: str | None = None) -> costmod.CostModel | None:
-    """The cost model ``calibrate`` fitted and stored, for a replay of ``run_id``.
-
-    ``from_run`` None: the newest calibration fitted on this run's own measurements (its
-    trace or timed passes, or a trace whose load came from this run) and judged out of
-    sample (held-out steps or another run): None when there is none. ``from_run`` given
-    (``--cost-model RUN_ID``): the newest calibration fitted on that run, judged or not;
-    refused when there is none. The model's source and band say where both come from."""
-    rows = []
-    if store.has_files("calibration") and "model_json" in store.sql("SELECT * FROM calibration LIMIT 0").columns:
-        rows = store.sql("""SELECT calibration_id, min(created_at_ns) AS t, any_value(model_json) AS m
-                            FROM calibration WHERE role = 'fit' AND model_json IS NOT NULL
-                            GROUP BY ALL ORDER BY t DESC""").rows()
-    want = from_run or run_id
-    for _cid, _t, mj in rows:
-        d = json.loads(mj)
-        cal = d.pop("calibration", {})
-        if want not in (cal.get("fit_run_id"), cal.get("load_run_id")):
-            continue
-        if from_run is None and d.get("rel_error") is None:
-            continue
-        known = set(costmod.CostModel.__dataclass_fields__)
-        model = costmod.CostModel(**{k: v for k, v in d.items() if k in known})
-        whose = "this run's" if want == run_id else f"run {want}'s"
-        what = "timed passes" if cal.get("method") == "layer" else "trace"
-        judged = "; ".join((f"steps {j['steps']}" if j["run_id"] == cal["fit_run_id"] else
-                            f"run {j['run_id']} steps {j['steps']}") for j in cal.get("judged", []))
-        band = (f", band ±{100 * model.rel_error:.1f}% measured on {judged}" if model.rel_error is not None
-                else ", not judged out of sample")
-        model.source = (f"fitted on {whose} {what}, steps {cal.get('fit_steps')}{band}: calibration "
-                        f"{cal.get('calibration_id')}, method {cal.get('method')}, {cal.get('basis')} basis"
-                        + (f"; used by --cost-model {from_run}" if from_run and from_run != run_id else ""))
-        return model
-    if from_run is not None:
-        raise InputError(None, f"--cost-model {from_run}: no cost model fitted on run {from_run!r} is stored (run "
-                               f"`moetrace calibrate STORE --run {from_run}` first)")
-    return None

@@ -9,7 +9,8 @@ import numpy as np
 
 from ..costmodel import choose
 from ..costmodel import step_cost as costmod
-from .calibrate import error_band, fit_from_cell_times, run_hardware, stored_model
+from .calibrate import error_band, fit_from_cell_times, run_hardware
+from .calibrated_model import own_trace_model, stored_model
 from .load import RunShape, read_load
 from .plan_store import recorded_plan
 
@@ -52,9 +53,11 @@ def run_cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", 
                    cost_model_run: str | None = None) -> costmod.CostModel:
     """What the run facade passes in as ``ReplayOptions.cost``: the model ``calibrate``
     stored for this run (or, ``cost_model_run``, for that run) with its held-out band; else
-    the timed-pass fit of :mod:`.calibrate`, else the spans fit, else the preset, carrying
+    one fitted in memory on held-out blocks of the run's own trace; else the timed-pass fit of :mod:`.calibrate`, else the spans fit, else the preset, carrying
     the error band of the newest out-of-sample calibration on the run's hardware."""
     stored = stored_model(store, run_id, cost_model_run) if (fit or cost_model_run) else None
+    if stored is None and fit:
+        stored = own_trace_model(store, run_id, hardware)
     if stored is not None:
         return stored
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
