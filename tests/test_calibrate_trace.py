@@ -340,3 +340,14 @@ def test_replay_of_a_run_with_its_own_trace_calibrates_in_memory(exact_store, ru
     ref = Store(st.path).run("a").calibrate(write=False, held_out="blocks")
     assert rep["error_band"]["rel"] == pytest.approx(ref["band"]["rel_error"]) and ref["band"]["rel_error"] < 0.01
     assert not Store(st.path).has_files("calibration")
+
+
+def test_report_section_shows_the_held_out_judgement(exact_store, tmp_path):
+    from moetrace.report.base import ReportContext
+    from moetrace.report.sections import calibration as sec
+
+    st, _ = exact_store
+    out = st.run("a").calibrate(held_out="blocks", calibration_id="held1")
+    assert out["judged"][0]["steps_text"] == "2–3, 6–7"
+    text = sec.build(ReportContext(st, "a", st.run_row("a"), tmp_path / "rep")).terminal
+    assert "Newest calibration held1 (judged on held-out steps 2–3, 6–7 of this run, fitted on its other steps)" in text
