@@ -1,5 +1,5 @@
 """Grouped expert GEMMs timed on one accelerator, and the cost-model coefficients fitted
-from them (the GPU presets of ``moetrace.costmodel.step_cost`` from measurement, issue #13).
+from them (the GPU presets of ``moetrace.costmodel.step_cost`` from measurement, not from datasheets).
 
 Per (experts per rank ``n``, tokens per expert ``t``) it times the gated MLP of ``n``
 experts over ``t`` tokens each — ``x @ W_gate_up`` (hidden → 2·intermediate), SiLU·gate,

@@ -153,7 +153,7 @@ class Run(NotebookView):
     def skew_rows(self, by: str = "layer", *, batch_steps: int | None = None, memory_limit: str | None = None,
                   progress=None) -> "Rows":
         """:meth:`skew` as :class:`moetrace.output.Rows`: the same rows as DuckDB returns
-        them, without polars or Arrow (what ``moetrace skew`` prints; start-up, issue #26)."""
+        them, without polars or Arrow (what ``moetrace skew`` prints; a command's start-up)."""
         from .analyze.frames import skew_rows
 
         return skew_rows(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit,

@@ -9,7 +9,6 @@ from math import comb
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from moetrace import costmodel
 from moetrace.costmodel import fit as F
@@ -17,7 +16,7 @@ from moetrace.costmodel.gemm import GemmParams, gemm_terms, tile_config
 from moetrace.costmodel.hardware import GPUS
 from moetrace.costmodel.routing import routing_counts
 
-from .conftest import invoke
+from .helpers import run_cli
 
 H800 = GPUS["H800"]
 ROWS = F.load_rows()
@@ -214,8 +213,7 @@ def test_preset_has_bands():
 
 
 def _cli(*args):
-    from moetrace.cli import cli
-    return invoke(CliRunner(), cli, "cost", *args)
+    return run_cli("cost", *args, catch_exceptions=True)
 
 
 def test_cli_expert_json():

@@ -9,8 +9,6 @@ import pytest
 
 from moetrace.formats.refrun import summarize_timing
 
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
-
 
 def _timing(cpu: bool = True) -> pl.DataFrame:
     # 1 step, 1 layer, 2 ranks, 3 passes; wall: dispatch start, expert start/end, combine end

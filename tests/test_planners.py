@@ -12,8 +12,10 @@ from moetrace.placement.moves import moves_between, replan
 from moetrace.placement.planners import PLANNERS, Plan, PlanShape, make_plan
 from moetrace.produce.synth import SynthConfig, generate
 
+from .helpers import module_fixture
 
-@pytest.fixture(scope="module")
+
+@module_fixture
 def seed_load():
     """[steps, layers, experts] from moetrace synth: 256 experts, top-8, sigma 0.6, 8192 tokens."""
     cfg = SynthConfig(layers=3, experts=256, top_k=8, ranks=32, steps=12, tokens_per_step=8192, sigma=0.6, seed=7)

@@ -286,7 +286,7 @@ def _int(x):
 def _arr(a: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
     """``pa.array(a, mask=mask)`` of a numeric numpy array, over the same buffer (null where
     ``mask``), built from buffers: pyarrow imports pandas the first time ``pa.array`` is
-    called (0.2-0.3 s of every replay, issue #26)."""
+    called (0.2-0.3 s of every replay's start-up)."""
     a = np.ascontiguousarray(a).ravel()
     validity, nulls = None, 0
     if mask is not None:
