@@ -240,7 +240,7 @@ def test_calibrate_on_the_real_deepseek_trace_says_what_it_lacks(tmp_path, runne
     """DeepSeek's published EP64 trace (rank 0, one DualPipe step, balanced routing forced,
     no expert-load dump): calibrate refuses in one line that counts the MoE kernels it found
     and names each missing input, and leaves the store as it was."""
-    from .conftest import shared_data, tree_hash
+    from .helpers import shared_data, tree_hash
 
     src = shared_data("deepseek_ep64_train_rank0.json.gz")
     st = tmp_path / "st"
@@ -304,7 +304,7 @@ def test_replay_of_a_run_with_its_own_trace_uses_that_model_and_says_so(gpu_stor
 
 
 def test_held_out_half_and_refusals(gpu_store, runner, cli):
-    from .conftest import tree_hash
+    from .helpers import tree_hash
 
     st, _, _ = gpu_store
     r = runner.invoke(cli, ["calibrate", str(st), "--run", "prof", "--load", "prof=eng", "--held-out", "half",
