@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from moetrace.run import Store
-from tests.test_calibrate import exact_store  # noqa: F401  (a fixture: one run with trace and routing)
+
+from .helpers.calibration_runs import exact_store  # noqa: F401  (a fixture: one run with trace and routing)
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
@@ -326,7 +327,7 @@ def test_replay_of_a_run_with_its_own_trace_calibrates_in_memory(exact_store, ru
     """A run that holds its trace and its routing, never calibrated: the replay fits the
     model on alternating blocks of its steps, states the band of the others, says so, and
     writes no calibration. The model is the known one (exact durations)."""
-    from tests.test_calibrate import A_TRUE, B_TRUE, LAT
+    from .helpers.calibration_runs import A_TRUE, B_TRUE, LAT
 
     st, _ = exact_store
     r = runner.invoke(cli, ["replay", str(st.path), "--run", "a", "--policy", "eplb-global", "--json",
