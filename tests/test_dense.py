@@ -298,7 +298,7 @@ def test_generic_ingest_dense_with_groups_across_batches(tmp_path, monkeypatch, 
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    from moetrace.collect import generic, ingest
+    from moetrace.collect import _generic_read, ingest
 
     T, L, E = 7, 3, 10
     counts = np.random.default_rng(5).poisson(4.0, size=(T, L, E)).astype(np.int64)
@@ -306,7 +306,7 @@ def test_generic_ingest_dense_with_groups_across_batches(tmp_path, monkeypatch, 
                   "expert": np.tile(np.arange(E), T * L), "tokens": counts.reshape(-1)})
     f = tmp_path / f"load.{suffix}"
     pq.write_table(t, f) if suffix == "parquet" else pacsv.write_csv(t, f)
-    monkeypatch.setattr(generic, "BATCH_ROWS", 13)      # 13 rows: groups of 10 straddle batches
+    monkeypatch.setattr(_generic_read, "BATCH_ROWS", 13)      # 13 rows: groups of 10 straddle batches
     st = Store(tmp_path / "st", create=True)
     (res,) = ingest(st, [f], options={"num_ranks": 2}, run_id="r")
     assert res.rows.get("expert_counts") == T * L            # stored densely

@@ -112,7 +112,7 @@ def overlap_inputs(store, run_id: str) -> dict | None:
 def disagg_inputs(store, run_id: str) -> dict:
     """Measured per-token times of the run (None for what it cannot measure)."""
     sp = store.sql("""SELECT coalesce(sum(end_ns - start_ns) FILTER (WHERE kind = 'expert_gemm'), 0) AS expert_ns,
-                             coalesce(sum(end_ns - start_ns) FILTER (WHERE kind IN ('attention', 'compute_other')), 0)
+                             coalesce(sum(end_ns - start_ns) FILTER (WHERE kind IN ('moe_other', 'attention', 'compute_other')), 0)
                                  AS other_ns,
                              count(DISTINCT layer) FILTER (WHERE kind IN ('dispatch', 'combine')) AS layers
                       FROM spans WHERE run_id = ? AND step IS NOT NULL""", [run_id]).row(0, named=True)
