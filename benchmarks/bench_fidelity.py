@@ -152,7 +152,7 @@ def _arrays(r: dict, sz: dict, estimator: str = "median"):
 def _block(routing, phy2log: np.ndarray, ranks: int, sz: dict):
     """Replay of a run's routing under ``phy2log``: tokens, touched, bytes [t, L, R]."""
     from moetrace.placement.planners import Plan
-    from moetrace.replay.engine import replay_routing
+    from moetrace.replay.token_replay import replay_routing
 
     plan = Plan(phy2log, sz["experts"], ranks, ranks)
     rt = routing

@@ -7,13 +7,10 @@ import polars as pl
 
 from ..output import echo_json, emit, json_option, output_options
 from ..run import Store
+from ..units import percent
 from ._options import hardware_option, steps_range
 
 _steps_range = steps_range
-
-
-def _pct(v):
-    return None if v is None else round(100.0 * v, 2)
 
 
 def metrics_frame(summary: dict) -> pl.DataFrame:
@@ -25,16 +22,16 @@ def metrics_frame(summary: dict) -> pl.DataFrame:
     out = []
     for (role, rid, m), w in zip(rows, walls):
         out.append({"role": role, "run_id": rid, "cells": m.get("cells_measured"), "pairs": m.get("pairs"),
-                    "expert_mape_pct": _pct(m.get("expert_mape")), "expert_bias_pct": _pct(m.get("expert_bias")),
-                    "straggler_mape_pct": _pct(m.get("straggler_mape")),
-                    "straggler_bias_pct": _pct(m.get("straggler_bias")),
-                    "straggler_hit_pct": _pct(m.get("straggler_hit_rate")),
-                    "chance_pct": _pct(m.get("straggler_chance")),
-                    "comm_mape_pct": _pct(m.get("comm_mape")), "layer_mape_pct": _pct(m.get("layer_mape")),
-                    "layer_bias_pct": _pct(m.get("layer_bias")),
+                    "expert_mape_pct": percent(m.get("expert_mape"), 2), "expert_bias_pct": percent(m.get("expert_bias"), 2),
+                    "straggler_mape_pct": percent(m.get("straggler_mape"), 2),
+                    "straggler_bias_pct": percent(m.get("straggler_bias"), 2),
+                    "straggler_hit_pct": percent(m.get("straggler_hit_rate"), 2),
+                    "chance_pct": percent(m.get("straggler_chance"), 2),
+                    "comm_mape_pct": percent(m.get("comm_mape"), 2), "layer_mape_pct": percent(m.get("layer_mape"), 2),
+                    "layer_bias_pct": percent(m.get("layer_bias"), 2),
                     # the same fit and judgement on the wall clock (host slowdown included), beside
-                    "wall_layer_mape_pct": _pct(w.get("layer_mape")) if w else None,
-                    "wall_expert_mape_pct": _pct(w.get("expert_mape")) if w else None})
+                    "wall_layer_mape_pct": percent(w.get("layer_mape"), 2) if w else None,
+                    "wall_expert_mape_pct": percent(w.get("expert_mape"), 2) if w else None})
     df = pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
                                      "expert_mape_pct": pl.Float64, "expert_bias_pct": pl.Float64,
                                      "straggler_mape_pct": pl.Float64, "straggler_bias_pct": pl.Float64,

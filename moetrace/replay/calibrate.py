@@ -144,9 +144,9 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
     run_id = load_run or run_id
     from dataclasses import replace
 
+    from ..placement.plan_store import recorded_plan
     from .engine import replay_load
-    from .load import RunShape, iter_load, routing_block, routing_has_slots
-    from .plan_store import recorded_plan
+    from .load import iter_load, read_shape, routing_block, routing_has_slots
 
     timed = store.has_files("cell_times") and store.sql(
         "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [spans_run])["n"][0] > 0
@@ -156,7 +156,7 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
                                "(or a refrun) ingested into the same run")
     if not timed:
         _check_trace(store, spans_run, run_id)
-    shape = RunShape.from_store(store, run_id)
+    shape = read_shape(store, run_id)
     plan = recorded_plan(store, run_id, shape)
     notes = list(shape.notes)
     if load_run and load_run != spans_run:
@@ -366,7 +366,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     ``method`` (:data:`~moetrace.costmodel.calibrate_fit.METHODS`): 'auto' fits on the fidelity basis
     ('layer': per-rank expert times and the layer times) where the runs carry timed passes,
     else each cell's expert and all-to-all spans on their own ('cells')."""
-    from .load import RunShape
+    from .load import read_shape
 
     if method not in METHODS:
         raise InputError(None, f"unknown method {method!r} (choose from {', '.join(METHODS)})")
@@ -391,7 +391,7 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     for r in runs:
         if not _timed(store, r) and store.has_files("spans"):
             _check_trace(store, r, load_runs.get(r) or r)
-    shape = RunShape.from_store(store, load_runs.get(fit_run) or fit_run)
+    shape = read_shape(store, load_runs.get(fit_run) or fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     ctx = dict(store=store, fit_run=fit_run, judge_runs=list(judge_runs), fit_steps=fit_steps, judge_steps=judge_steps,
                base=base, loss=loss, load_runs=load_runs, step_offset=step_offset, cid=cid, now=now, method=method,

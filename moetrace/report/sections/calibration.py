@@ -13,13 +13,10 @@ import json
 import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, fmt_ns, md_table
+from ...units import percent, time_text
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 65
-
-
-def _pct(v):
-    return None if v is None else round(100.0 * v, 1)
 
 
 def build(ctx: ReportContext) -> Section | None:
@@ -32,10 +29,10 @@ def build(ctx: ReportContext) -> Section | None:
             "calibration_id": r["calibration_id"], "role": r["role"], "fit_run": r["fit_run_id"],
             "steps": f"{r['first_step']}..{r['last_step']}", "a_ns": r["a_ns"], "b_ns": r["b_ns"],
             "fit_r2": r["expert_r2"], "cells": r["cells"],
-            "expert_mape_%": _pct(r["expert_mape"]), "expert_bias_%": _pct(r["expert_bias"]),
-            "straggler_mape_%": _pct(r["straggler_mape"]), "straggler_hit_%": _pct(r["straggler_hit_rate"]),
-            "chance_%": _pct(r["straggler_chance"]), "comm_mape_%": _pct(r["comm_mape"]),
-            "layer_mape_%": _pct(r["layer_mape"])})
+            "expert_mape_%": percent(r["expert_mape"]), "expert_bias_%": percent(r["expert_bias"]),
+            "straggler_mape_%": percent(r["straggler_mape"]), "straggler_hit_%": percent(r["straggler_hit_rate"]),
+            "chance_%": percent(r["straggler_chance"]), "comm_mape_%": percent(r["comm_mape"]),
+            "layer_mape_%": percent(r["layer_mape"])})
     tbl = pl.DataFrame(rows)
     # the newest calibration's out-of-sample rows where it has them (a run judged on its own
     # held-out steps holds both roles)
@@ -48,15 +45,15 @@ def build(ctx: ReportContext) -> Section | None:
         what = (f"judged on held-out steps {_held_steps(ctx, top)} of this run, fitted on its other steps")
     else:
         what = "judged with parameters fitted on run " + str(top["fit_run_id"])
-    head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {fmt_ns(top['a_ns'])} × tokens + "
-            f"{fmt_ns(top['b_ns'])} × slots touched. Per (step, layer, rank) the predicted expert time is off by "
-            f"{_pct(top['expert_mape'])}% on average (bias {_pct(top['expert_bias']):+}%); the straggler's time per "
-            f"(step, layer) by {_pct(top['straggler_mape'])}%, and the predicted straggler rank is the measured one in "
-            f"{_pct(top['straggler_hit_rate'])}% of {top['pairs']} (step, layer) (a random guess: "
-            f"{_pct(top['straggler_chance'])}%).")
+    head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {time_text(top['a_ns'])} × tokens + "
+            f"{time_text(top['b_ns'])} × slots touched. Per (step, layer, rank) the predicted expert time is off by "
+            f"{percent(top['expert_mape'])}% on average (bias {percent(top['expert_bias']):+}%); the straggler's time per "
+            f"(step, layer) by {percent(top['straggler_mape'])}%, and the predicted straggler rank is the measured one in "
+            f"{percent(top['straggler_hit_rate'])}% of {top['pairs']} (step, layer) (a random guess: "
+            f"{percent(top['straggler_chance'])}%).")
     if top["layer_mape"] is not None:
-        head += (f" The layer time (slowest rank's expert + all-to-all time) is off by {_pct(top['layer_mape'])}% "
-                 f"(bias {_pct(top['layer_bias']):+}%).")
+        head += (f" The layer time (slowest rank's expert + all-to-all time) is off by {percent(top['layer_mape'])}% "
+                 f"(bias {percent(top['layer_bias']):+}%).")
     fit = ctx.store.run(str(top["fit_run_id"]))
     hw, band = fit.hardware, fit.error_band()
     head += (f" Error band of time predictions on this hardware ({hw or 'unknown'}): {band.text()}; a predicted "
