@@ -156,7 +156,7 @@ def gpu_store(tmp_path_factory):
     from click.testing import CliRunner
 
     from moetrace.cli import cli
-    from moetrace.replay.load import RunShape
+    from moetrace.replay.load import read_shape
 
     root = tmp_path_factory.mktemp("gputrace")
     rt = _routing()
@@ -169,7 +169,7 @@ def gpu_store(tmp_path_factory):
     r = run(cli, ["ingest", str(root / "routing.parquet"), "--store", str(st), "--run-id", "eng", "--ranks", str(R),
                   "--ranks-per-node", str(RPN), "--experts", str(E), "--top-k", str(K), "--layers", str(L)])
     assert r.exit_code == 0, r.output
-    bpt = RunShape.from_store(Store(st), "eng").bytes_per_token
+    bpt = read_shape(Store(st), "eng").bytes_per_token
     tok, tch, bi, bo = _cell_truth(rt, bpt)
     truth = _write_gpu_trace(root / "prof", tok, tch, bi, bo)
     r = run(cli, ["ingest", str(root / "prof"), "--store", str(st), "--run-id", "prof"])
