@@ -257,7 +257,7 @@ def score(name: str, ranks: int, data: dict, sz: dict) -> list[dict]:
     the replay of A's routing under its plan (what :func:`run_matrix` keeps)."""
     from types import SimpleNamespace
 
-    from moetrace.replay.calibrate_fit import fit_layer_model
+    from moetrace.costmodel.calibrate_fit import fit_layer_model
 
     blk = {pol: SimpleNamespace(**{k: np.asarray(d[k], np.float64)
                                    for k in ("tokens", "touched", "bytes_intra", "bytes_inter")})

@@ -265,12 +265,12 @@ class Run(NotebookView):
         return read_shape(self.store, self.id)
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
-                     passes=None):
+                     passes=None, cost_model=None):
         from .replay.cost_fit import run_cost_model
         from .replay.results import ReplayOptions
         from .replay.strategies import MoveCost
 
-        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost)
+        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model)
         return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 

@@ -121,6 +121,13 @@ def _print_replay(res):
         _say(f"  note: {n}")
 
 
+
+#: the cost model `moetrace calibrate` fitted on another run (same option on replay, drift, sweep)
+cost_model_option = click.option(
+    "--cost-model", "cost_model", default=None, metavar="RUN_ID",
+    help="Time with the cost model `moetrace calibrate` fitted on RUN_ID (its band measured on held-out steps or "
+         "judged runs). Default: the model calibrated on this run's own trace where one is stored.")
+
 @click.command()
 @store_argument
 @shape_options("Fit the plan on steps A <= step < B (default: every recorded step: a plan to deploy uses all "
@@ -219,6 +226,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @split_option
 @hardware_option
 @click.option("--no-fit", "no_fit", is_flag=True, help="Use the preset even when the run has expert_gemm spans.")
+@cost_model_option
 @move_options
 @chrome_trace_option(help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
 @click.option("--trace-steps", callback=steps_list, default=None, metavar="A:B|A,B",
@@ -230,8 +238,8 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
                    "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
-           window, max_moves, split, hardware, no_fit, stall_ms, move_overlap, passes, chrome_trace, trace_steps,
-           plot, no_rank_rows, as_json, timeline_whatif):
+           window, max_moves, split, hardware, no_fit, cost_model, stall_ms, move_overlap, passes, chrome_trace,
+           trace_steps, plot, no_rank_rows, as_json, timeline_whatif):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
     stragglers, all-to-all bytes and layer time, against the recorded placement on the
     same steps, net of moving the experts.
@@ -253,7 +261,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         raise click.UsageError("give exactly one of --plan PLAN_ID or --policy P")
     run = Store(store).run(run_id)
     common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
-                  passes=passes)
+                  passes=passes, cost_model=cost_model)
     shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, ranks_per_node=rpn)
     if replan_every:
         if not policy:
@@ -345,6 +353,7 @@ def _print_drift(d, plot, fit_window=None):
 @cluster_options
 @split_option
 @hardware_option
+@cost_model_option
 @move_options
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
 @click.option("--all-runs", is_flag=True,
@@ -356,8 +365,8 @@ def _print_drift(d, plot, fit_window=None):
               help="Judge the cells on an existing Dask cluster (e.g. tcp://host:8786); workers read the store "
                    "at the same path, results are written here.")
 @output_options
-def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, stall_ms,
-          move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt, output):
+def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, cost_model,
+          stall_ms, move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt, output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
     (moving experts charged), extra expert memory per rank, bytes moved per hour and a
@@ -376,8 +385,9 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
             ParameterSource.ENVIRONMENT:
         scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
     kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows,
-              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn), split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
-              passes=passes, write=save, workers=workers, scheduler=scheduler or None)
+              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn),
+              split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
+              passes=passes, write=save, workers=workers, scheduler=scheduler or None, cost_model=cost_model)
     if all_runs:
         from ..errors import UsageError
         from ..run import sweep_runs

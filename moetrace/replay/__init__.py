@@ -17,7 +17,7 @@ calls: :mod:`.load` (``read_shape``: the run's shape and what a replay assumes, 
 :mod:`.cost_fit` (the cost model a replay uses), :mod:`.results` (options, results,
 ``replay_*`` tables), :mod:`.judge` (``judge_plan``, ``replay_run``: ``moetrace replay``),
 :mod:`.drift`, :mod:`.sweep` (cells; :func:`moetrace.run.sweep_runs` is the one entry, with
-:mod:`.distributed` for Dask), :mod:`.placement_whatif` (the report's), :mod:`.calibrate` with
-:mod:`.calibrate_fit`, :mod:`.timeline_whatif_store`, and :mod:`.trace` (the predicted
+:mod:`.distributed` for Dask), :mod:`.placement_whatif` (the report's), :mod:`.calibrate` (the store side
+of calibration; its fits are in :mod:`moetrace.costmodel.calibrate_fit`), :mod:`.timeline_whatif_store`, and :mod:`.trace` (the predicted
 timeline as a Chrome trace).
 """

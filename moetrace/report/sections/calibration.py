@@ -8,6 +8,8 @@ measured expert time per (step, layer, rank) for the newest calibration.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import polars as pl
 
@@ -32,9 +34,17 @@ def build(ctx: ReportContext) -> Section | None:
             "chance_%": percent(r["straggler_chance"]), "comm_mape_%": percent(r["comm_mape"]),
             "layer_mape_%": percent(r["layer_mape"])})
     tbl = pl.DataFrame(rows)
-    top = df.row(0, named=True)
-    what = ("judged with parameters fitted on run " + str(top["fit_run_id"]) if top["role"] == "judge"
-            else "fitted on this run (in-sample)")
+    # the newest calibration's out-of-sample rows where it has them (a run judged on its own
+    # held-out steps holds both roles)
+    newest = df.filter(pl.col("calibration_id") == df["calibration_id"][0])
+    judged = newest.filter(pl.col("role") == "judge")
+    top = (judged if judged.height else newest).row(0, named=True)
+    if top["role"] != "judge":
+        what = "fitted on this run (in-sample)"
+    elif top["fit_run_id"] == ctx.run_id:
+        what = (f"judged on held-out steps {_held_steps(ctx, top)} of this run, fitted on its other steps")
+    else:
+        what = "judged with parameters fitted on run " + str(top["fit_run_id"])
     head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {time_text(top['a_ns'])} × tokens + "
             f"{time_text(top['b_ns'])} × slots touched. Per (step, layer, rank) the predicted expert time is off by "
             f"{percent(top['expert_mape'])}% on average (bias {percent(top['expert_bias']):+}%); the straggler's time per "
@@ -60,6 +70,20 @@ def build(ctx: ReportContext) -> Section | None:
         figs.append(p)
     return Section("calibration", "Cost-model calibration", markdown="\n".join(md), terminal="\n".join(term),
                    figures=figs, notes=notes)
+
+
+def _held_steps(ctx: ReportContext, top: dict) -> str:
+    """The held-out steps as calibrate wrote them on the fit rows ('2–3, 6–7'); the first
+    and last step for calibrations stored before they carried the model."""
+    d = ctx.sql("SELECT any_value(model_json) AS m FROM calibration WHERE run_id = ? AND calibration_id = ? "
+                "AND role = 'fit'", [ctx.run_id, top["calibration_id"]]) if "model_json" in ctx.sql(
+                    "SELECT * FROM calibration LIMIT 0").columns else None
+    if d is not None and d.height and d["m"][0]:
+        judged = json.loads(d["m"][0]).get("calibration", {}).get("judged", [])
+        mine = [j["steps"] for j in judged if j.get("held_out")]
+        if mine:
+            return mine[0]
+    return f"{top['first_step']}..{top['last_step']}"
 
 
 def _scatter(ctx: ReportContext, cid: str, role: str) -> Figure | None:
