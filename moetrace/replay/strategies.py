@@ -157,11 +157,13 @@ def verdict(net_ns: float | None, recorded_ns: float | None, judged_steps: int, 
         return NOT_ENOUGH, "no predicted time per step (the counts aggregate many passes)"
     if judged_steps < min_steps:
         return NOT_ENOUGH, f"only {judged_steps} steps judged (fewer than {min_steps})"
-    band, _ = error_band(cost)     # its source is said once per answer, with the cost model
+    eb = error_band(cost)          # its full source is said once per answer, with the cost model
+    band = eb[0]
     word, _ = compare_word(net_ns, recorded_ns, band)
     d = f"{(net_ns - recorded_ns) / recorded_ns if recorded_ns else 0.0:+.1%}".replace("-", "−")
     where = "within" if word == NOT_ENOUGH else "beyond"
-    return word, f"net {d} vs recorded, {where} the model's ±{band:.0%} band"
+    unval = eb.unvalidated() if hasattr(eb, "unvalidated") else None
+    return word, f"net {d} vs recorded, {where} the model's ±{band:.0%} band" + (f" ({unval})" if unval else "")
 
 
 def compare_word(x_ns: float | None, ref_ns: float | None, band: float) -> tuple[str, float | None]:
