@@ -211,3 +211,16 @@ def test_a_long_title_is_wrapped_to_fit_its_figure(tmp_path, monkeypatch):
     box, page = t.get_window_extent(fig.canvas.get_renderer()), fig.bbox
     assert box.x0 >= page.x0 - 1 and box.x1 <= page.x1 + 1 and "\n" in t.get_text()
     plots.plt.close(fig)
+
+
+def test_the_same_comparison_gets_the_same_word():
+    from moetrace.replay.strategies import fastest_text
+    from moetrace.units import DOES_NOT, NOT_ENOUGH, PAYS_OFF, compare_word
+
+    # a 4% gap inside a ±10% band is no winner; beyond a ±2% band it is
+    said = fastest_text({"static": 96.0, "replan": 100.0, "oracle": 80.0}, 0.10)
+    assert "no predicted winner" in said and "oracle" not in said
+    assert fastest_text({"static": 96.0, "replan": 100.0}, 0.02).startswith("fastest net: static, beyond")
+    assert compare_word(96.0, 100.0, 0.10) == (NOT_ENOUGH, pytest.approx(-0.04))
+    assert compare_word(85.0, 100.0, 0.10)[0] == PAYS_OFF and compare_word(115.0, 100.0, 0.10)[0] == DOES_NOT
+    assert compare_word(None, 100.0, 0.10)[0] == NOT_ENOUGH

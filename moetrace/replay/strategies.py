@@ -35,14 +35,12 @@ from ..domain.shape import PlanShape, Timing
 from ..placement.moves import move_copies, replan
 from ..placement.planners import Plan, make_plan
 from ..placement.relabel import relabel
+from ..units import DOES_NOT, NOT_ENOUGH, PAYS_OFF, compare_word  # noqa: F401  (the verdict words live in units)
 from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
 from .engine import Block, LayerMetrics, Summary, layer_metrics, ordered_map, reuse_freed_memory
 
 #: fewer judged steps than this cannot carry a verdict
 MIN_JUDGED_STEPS = 10
-
-PAYS_OFF, DOES_NOT, NOT_ENOUGH = "pays off", "does not pay off", "not enough evidence"
-
 
 @dataclass
 class MoveCost:
@@ -164,20 +162,6 @@ def verdict(net_ns: float | None, recorded_ns: float | None, judged_steps: int, 
     where = "within" if word == NOT_ENOUGH else "beyond"
     unval = eb.unvalidated() if hasattr(eb, "unvalidated") else None
     return word, f"net {d} vs recorded, {where} the model's ±{band:.0%} band" + (f" ({unval})" if unval else "")
-
-
-def compare_word(x_ns: float | None, ref_ns: float | None, band: float) -> tuple[str, float | None]:
-    """The one word for "``x`` against ``ref``" under a model whose times carry ±``band``
-    (a share): :data:`PAYS_OFF` when ``x`` is faster by more than the band,
-    :data:`DOES_NOT` when slower by more, :data:`NOT_ENOUGH` within it or unknown; with the
-    relative difference. Replay, drift, sweep and the report all say their comparisons
-    with it, so the same comparison reads the same everywhere."""
-    if x_ns is None or ref_ns is None or not ref_ns:
-        return NOT_ENOUGH, None
-    diff = (x_ns - ref_ns) / ref_ns
-    if abs(diff) <= band:
-        return NOT_ENOUGH, diff
-    return (PAYS_OFF if diff < 0 else DOES_NOT), diff
 
 
 def fastest_text(nets: dict[str, float | None], band: float, bound: tuple[str, ...] = ("oracle",)) -> str:

@@ -204,7 +204,7 @@ def fastest_sentence(deployable: pl.DataFrame) -> str:
     if b["ratio"] >= 1.0:
         return ("No stored replay is faster net than the recorded placement on the same steps; the closest is "
                 + what + scope + "." + verdict)
-    from ...replay.strategies import NOT_ENOUGH
+    from ...units import NOT_ENOUGH
 
     if b["verdict"] == NOT_ENOUGH:   # the word replay, drift and sweep use for the same comparison
         return ("Lowest predicted net time against the recorded placement on the same steps, not a predicted win "
