@@ -67,10 +67,10 @@ def kernel_inputs(hardware: str, kernel: str, sms: int | None = None,
     if max_nodes_per_token is not None and max_nodes_per_token < 0:
         raise UsageError(f"--max-nodes-per-token must be a non-negative integer, got {max_nodes_per_token}")
     used = (sms or fam["sms"]) if fam["sms"] is not None else None
-    notes = [f"all-to-all timed as {fam['what']}" + (f", on {used} SMs" if used else ", not SM-limited")
+    notes = [f"all-to-all timed as {fam['what'].split(';')[0]}" + (f", on {used} SMs" if used else ", not SM-limited")
              + (f" (--sms {sms} ignored: this kernel is not SM-limited)" if sms and used is None else "")
-             + ("" if fam["regime"] else " (no published row of this family: borrowed parameters, band not "
-                                        "validated)")]
+             + ("" if fam["regime"] else f" (no published row of this family: {fam['params_from']} parameters, "
+                                        "band not validated)")]
     limit = fam["max_nodes"] if max_nodes_per_token is None else (max_nodes_per_token or None)
     bytes_from = ("the replay's dispatch bytes come from the run's routing (recorded per token, else estimated "
                   "from its expert counts), deduplicated per receiving rank, whatever the kernel's byte pattern")
