@@ -275,9 +275,10 @@ class Run(NotebookView):
         return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 
-    def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
-        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`)."""
-        return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
+    def cost_model(self, hardware: str = "H200", fit_cost: bool = True, cluster: ClusterSpec | None = None):
+        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`;
+        ``cluster``: its all-to-all kernel, SMs and node limit)."""
+        return self._replay_opts(hardware=hardware, fit_cost=fit_cost, cluster=cluster).cost
 
     def plan(self, policy: str | None = None, *, cluster: ClusterSpec | None = None, options=None):
         """A placement plan: ``policy`` (``moetrace.placement.planners.PLANNERS``) fitted on the
