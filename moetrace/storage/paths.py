@@ -55,18 +55,18 @@ def table_glob(store: Path, table: str, relative: bool = False) -> str:
 
 
 def has_files(store: Path, table: str) -> bool:
-    """Whether ``table`` holds any file in the store at ``store``."""
-    d = store / table
-    return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
+    """Whether ``table`` holds any file in the store at ``store`` (:func:`.files.walk`)."""
+    from .files import walk
+
+    return bool(walk(store, [table]).runs(table))
 
 
 def run_ids(store: Path) -> list[str]:
     """The ids of the runs of the store at ``store`` (a ``runs`` partition holding a file:
-    its ``runs`` row is renamed into place last), sorted."""
-    d = store / "runs"
-    if not d.is_dir():
-        return []
-    return sorted(p.name.split("=", 1)[1] for p in d.glob("run_id=*") if any(p.glob("*.parquet")))
+    its ``runs`` row is renamed into place last), sorted (:func:`.files.walk`)."""
+    from .files import walk
+
+    return walk(store, ["runs"]).runs("runs")
 
 
 def sanitize_run_id(text: str) -> str:

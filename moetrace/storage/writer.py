@@ -91,6 +91,31 @@ def _journal_problem(doc: Any, txid: str) -> str | None:
             return f"entry {f[:100]!r} is not <table>/run_id=<id>/part-{txid}.parquet"
     if commit is not None and commit not in files:
         return "commit_file is not one of its files"
+    # a writer lists its files in rename order and renames the commit file last: the runs
+    # row of a new run, else the header row of an append (Writer.HEADER_TABLES)
+    if commit is not None and commit != files[-1]:
+        return "commit_file is not its last file (a writer renames its commit file last)"
+    tables = [f.split("/")[0] for f in files]
+    for first in ("runs", *Writer.HEADER_TABLES):
+        if first in tables:
+            if commit is None or commit.split("/")[0] != first:
+                return f"it lists a {first} file that is not its commit file (a writer commits with that file)"
+            break
+    return None
+
+
+def journal_conflict(txid: str, doc: Journal, in_store: Iterable[str]) -> str | None:
+    """Why the journal ``doc`` of ``txid`` cannot be a crashed write, given the store's data
+    files ``in_store`` (paths relative to the store), else None. A writer puts its journal,
+    listing every file its transaction renames, in place before the first rename: a file
+    of ``txid`` in the store that the journal does not list belongs to a transaction that
+    committed without it (a planted or stale journal), and rolling the journal back would
+    remove part of a committed transaction."""
+    listed = set(doc["files"])
+    extra = sorted(f for f in in_store if _txid_of(f) == txid and f not in listed)
+    if extra:
+        return (f"it does not list {extra[0][:100]!r}, a file of its transaction in the store: that "
+                f"transaction was committed without this journal")
     return None
 
 
@@ -213,6 +238,15 @@ class Writer:
                 raise StoreError(f"{j}: malformed journal ({why}); nothing was changed; a moetrace "
                                  f"writer never writes this, remove the file after checking the store")
             out[txid] = doc
+        if out:
+            from .files import walk
+
+            in_store = walk(self.path).rel()
+            for txid, doc in out.items():
+                why = journal_conflict(txid, doc, in_store)
+                if why:
+                    raise StoreError(f"{txn_dir / (txid + '.json')}: refused journal ({why}); nothing was "
+                                     f"changed; remove the file after checking the store")
         return out
 
     def _safe_unlink(self, rel: str) -> None:
@@ -284,20 +318,12 @@ class Writer:
 
     # ------------------------------------------------------------------ what readers see
     def _scan_files(self) -> dict[str, list[str]]:
-        """{table: [files]} of every contract table, paths relative to the store."""
-        out: dict[str, list[str]] = {}
-        for table in schema.load_all():
-            files: list[str] = []
-            with contextlib.suppress(OSError):
-                with os.scandir(self.path / table) as parts:
-                    for part in parts:
-                        if not part.name.startswith("run_id=") or not part.is_dir(follow_symlinks=False):
-                            continue
-                        with contextlib.suppress(OSError), os.scandir(part.path) as fs:
-                            files += [f"{table}/{part.name}/{f.name}" for f in fs if f.name.endswith(".parquet")]
-            if files:
-                out[table] = sorted(files)
-        return out
+        """{table: [files]} of every contract table, paths relative to the store: regular
+        files in real folders only (:func:`.files.walk`)."""
+        from .files import walk
+
+        listing = walk(self.path)
+        return {t: listing.rel(t) for t in listing.files if listing.rel(t)}
 
     def _reader_journals(self) -> dict[str, tuple[list[str], str | None]]:
         """Pending journals as a reader sees them: {txid: (files, commit_file)}. A reader
