@@ -51,7 +51,7 @@ print(json.dumps({"results": out, "peak": int(hwm.split()[1]) * 1024}))
 def run_cli(argvs: list[list[str]], cwd: Path, env: dict | None = None, timeout: float = 90) -> tuple[list, int]:
     """([(exit code, stderr, stdout)] per argv, peak RSS in bytes) of the commands run in
     one fresh child (a hang is subprocess.TimeoutExpired: the test fails)."""
-    e = dict(os.environ, PYTHONPATH=str(REPO), HOME=str(cwd / "home"), MPLCONFIGDIR=str(cwd / "home" / "mpl"),
+    e = dict(os.environ, PYTHONPATH=str(REPO), HOME=str(cwd / "home"),
              **(env or {}))
     p = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([[str(a) for a in v] for v in argvs])],
                        cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)

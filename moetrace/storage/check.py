@@ -319,8 +319,8 @@ def first_problem(store: str | os.PathLike, con=None, cache: dict | None = None)
     for p in scan(store, deep=False, quick=True, con=con, cache=cache):
         if "has no runs row" in p.what or Path(p.file).parent.name in (".txn", ".staging") \
                 or Path(p.file) in (root / ".txn", root / ".staging", root / ".lock", root / STORE_MARKER):
-            continue   # journals are the writers' business (Store.journals refuses a bad one); the
-        return p       # marker is checked when the store is opened (an empty folder has none)
+            continue   # journals are the writers' business (a writer refuses a bad one, readers ignore
+        return p       # it); the marker is checked when the store is opened (an empty folder has none)
     return None
 
 

@@ -327,8 +327,9 @@ class Writer:
 
     def _reader_journals(self) -> dict[str, tuple[list[str], str | None]]:
         """Pending journals as a reader sees them: {txid: (files, commit_file)}. A reader
-        never refuses or removes: a journal it cannot parse counts as an uncommitted
-        transaction with no known files (its txid's files are hidden)."""
+        never refuses or removes: a journal no writer writes (one it cannot parse, or that
+        breaks a writer's rules) is no pending write and is ignored (writers refuse it).
+        A writer renames a whole journal into place, so a reader never meets half of one."""
         out: dict[str, tuple[list[str], str | None]] = {}
         txn_dir = self.path / ".txn"
         if txn_dir.is_symlink() or not txn_dir.is_dir():
@@ -341,9 +342,7 @@ class Writer:
                 with contextlib.suppress(OSError, ValueError, RecursionError):
                     if j.is_file(follow_symlinks=False) and j.stat().st_size < (64 << 20):
                         doc = json.loads(Path(j.path).read_bytes())
-                if _journal_problem(doc, txid) or doc is None:
-                    out[txid] = ([], None)
-                else:
+                if doc is not None and not _journal_problem(doc, txid):
                     out[txid] = (doc["files"], doc["commit_file"])
         return out
 
@@ -360,6 +359,11 @@ class Writer:
         query. Files whose name carries no transaction id are always visible."""
         first = self._scan_files()
         pending = self._reader_journals()
+        # a journal naming a transaction the store holds committed (files of it it does not
+        # list) is no pending write: readers read that transaction, writers refuse the journal
+        listed = [f for fs in first.values() for f in fs]
+        pending = {x: (fs, c) for x, (fs, c) in pending.items()
+                   if not journal_conflict(x, {"files": fs, "commit_file": c}, listed)}
         committed = {x: files for x, (files, commit) in pending.items()
                      if commit and (self.path / commit).is_file()}
         last = self._scan_files()
