@@ -6,131 +6,29 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import polars as pl
 import pytest
 
+from moetrace.costmodel import calibrate_fit as calfit
 from moetrace.replay import calibrate as cal
-from moetrace.replay import calibrate_fit as calfit
 from moetrace.run import Store
-from tests.conftest import tree_hash
 
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
-
-R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2
-SPR = E // R
-A_TRUE, B_TRUE = 37.0, 1500.0                     # ns per token, ns per slot touched
-LAT, CI, CO = 4000.0, 0.5, 4.0                   # ns, ns per byte intra node, ns per byte inter node
-SPAN_COLS = ("rank", "device", "stream", "kind", "name_id", "start_ns", "end_ns", "step", "layer", "micro_batch",
-             "inferred", "correlation", "collective", "process_group", "classified_by", "moe_context")
-
-
-def _routing(seed, steps=T):
-    """Per-token routing: token t of a step comes from rank t % R and picks K distinct experts."""
-    rng = np.random.default_rng(seed)
-    p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05])
-    rows = []
-    for s in range(steps):
-        n = int(rng.integers(6, 60))
-        for layer in range(L):
-            pl_ = rng.permutation(p) if layer else p
-            for tok in range(n):
-                for c, e in enumerate(rng.choice(E, K, replace=False, p=pl_)):
-                    rows.append((s, layer, tok, tok % R, c, int(e)))
-    return np.array(rows, np.int64)
-
-
-def _truth(rt, phy2log):
-    """Independent per (step, layer, rank): tokens, slots touched, bytes received intra / inter node
-    (each token once per distinct destination rank, nothing for its own rank)."""
-    slot_of = {(layer, int(e)): int(np.flatnonzero(phy2log[layer] == e)[0]) for layer in range(L) for e in range(E)}
-    tok = np.zeros((T, L, R))
-    touched = [[[set() for _ in range(R)] for _ in range(L)] for _ in range(T)]
-    dest = {}
-    for s, layer, t, src, _c, e in rt:
-        sl = slot_of[(layer, e)]
-        r = sl // SPR
-        tok[s, layer, r] += 1
-        touched[s][layer][r].add(sl)
-        dest.setdefault((s, layer, t, src), set()).add(r)
-    tch = np.array([[[len(touched[s][la][r]) for r in range(R)] for la in range(L)] for s in range(T)], float)
-    bi, bo = np.zeros((T, L, R)), np.zeros((T, L, R))
-    for (s, layer, _t, src), rs in dest.items():
-        for r in rs:
-            if r == src:
-                continue
-            if r // RPN == src // RPN:
-                bi[s, layer, r] += H * DB
-            else:
-                bo[s, layer, r] += H * DB
-    return tok, tch, bi, bo
-
-
-def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True, what="all", span_step_shift=0):
-    """A run with routing (slots recorded), expert_load, recorded placement and spans whose
-    durations are the given per-cell times (expert time split over the slots touched)."""
-    slot = np.array([int(np.flatnonzero(phy2log[la] == e)[0]) for la, e in zip(rt[:, 1], rt[:, 5])])
-    routing = {"step": rt[:, 0], "layer": rt[:, 1].astype(np.int32), "token": rt[:, 2],
-               "src_rank": rt[:, 3].astype(np.int32), "choice": rt[:, 4].astype(np.int8),
-               "expert": rt[:, 5].astype(np.int32), "slot": slot.astype(np.int32),
-               "gate": np.full(len(rt), 0.5, np.float32)}
-    df = pl.DataFrame({"step": rt[:, 0], "layer": rt[:, 1], "expert": rt[:, 5], "slot": slot, "src_rank": rt[:, 3]})
-    load = df.group_by(["step", "layer", "expert", "slot", "src_rank"]).len().rename({"len": "tokens"})
-    load = load.with_columns(pl.col("layer").cast(pl.Int32), pl.col("expert").cast(pl.Int32),
-                             pl.col("slot").cast(pl.Int32), pl.col("src_rank").cast(pl.Int32),
-                             pl.col("tokens").cast(pl.Int64))
-    S = phy2log.shape[1]
-    placement = {"plan_id": ["recorded"] * (L * S), "layer": np.repeat(np.arange(L), S).astype(np.int32),
-                 "slot": np.tile(np.arange(S), L).astype(np.int32), "rank": np.tile(np.arange(S) // SPR, L).astype(np.int32),
-                 "node": np.tile(np.arange(S) // SPR // RPN, L).astype(np.int32), "expert": phy2log.ravel().astype(np.int32)}
-    spans = {k: [] for k in SPAN_COLS}
-
-    def add(r, kind, t0, dur, s, layer):
-        for k, v in (("rank", r), ("device", r), ("stream", 7), ("kind", kind), ("name_id", 0), ("start_ns", t0),
-                     ("end_ns", t0 + int(dur)), ("step", s + span_step_shift), ("layer", layer), ("micro_batch", None),
-                     ("inferred", False), ("correlation", None), ("collective", None), ("process_group", None),
-                     ("classified_by", None), ("moe_context", None)):
-            spans[k].append(v)
-
-    for s in range(T):
-        for layer in range(L):
-            for r in range(R):
-                t0 = (s * L + layer) * 10**8
-                if expert_ns[s, layer, r] > 0:
-                    if per_slot_spans:     # two spans per cell: the fit must sum them
-                        half = int(expert_ns[s, layer, r]) // 2
-                        add(r, "expert_gemm", t0, half, s, layer)
-                        add(r, "expert_gemm", t0 + 10**6, int(expert_ns[s, layer, r]) - half, s, layer)
-                    else:
-                        add(r, "expert_gemm", t0, expert_ns[s, layer, r], s, layer)
-                if comm_ns is not None:
-                    d = int(comm_ns[s, layer, r])
-                    add(r, "dispatch", t0 + 2 * 10**7, d // 3, s, layer)
-                    add(r, "combine", t0 + 3 * 10**7, d - d // 3, s, layer)
-                add(r, "attention", t0 + 4 * 10**7, 999, s, layer)   # not expert time: must be ignored
-    run = {"source": f"test {run_id}", "source_sha256": run_id * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": E, "top_k": K, "hidden": H, "dtype_bytes": DB, "expert_bytes": 1000,
-           "num_ranks": R, "ranks_per_node": RPN, "num_slots": S, "num_groups": 1}
-    tables = {"routing": routing, "expert_load": load, "placement": placement, "spans": spans}
-    if what == "spans":
-        tables = {"spans": spans}
-    elif what == "load":
-        tables.pop("spans")
-    st.write_run(run, tables, run_id=run_id)
-
-
-CONTIG = np.tile(np.arange(E), (L, 1))
-SHUFFLED = np.array([[7, 0, 6, 1, 5, 2, 4, 3], [3, 4, 2, 5, 1, 6, 0, 7]])
-
-
-@pytest.fixture()
-def exact_store(tmp_path):
-    rt = _routing(1)
-    tok, tch, bi, bo = _truth(rt, CONTIG)
-    ex = np.round(A_TRUE * tok + B_TRUE * tch)
-    cm = np.round(LAT + CI * bi + CO * bo)
-    st = Store(tmp_path / "st", create=True)
-    _write(st, "a", rt, CONTIG, ex, cm)
-    return st, (tok, tch, bi, bo)
+from .helpers import module_fixture, tree_hash
+from .helpers.calibration_runs import (  # noqa: F401  (exact_store: a fixture)
+    A_TRUE,
+    B_TRUE,
+    CI,
+    CO,
+    CONTIG,
+    LAT,
+    SHUFFLED,
+    L,
+    R,
+    T,
+    _routing,
+    _truth,
+    _write,
+    exact_store,
+)
 
 
 def _grid(c: calfit.Cells, arr):
@@ -159,7 +57,9 @@ def test_fit_recovers_known_parameters(exact_store):
     assert f.comm_ns_per_byte_intra == pytest.approx(CI, rel=1e-2)
     assert f.comm_ns_per_byte_inter == pytest.approx(CO, rel=1e-3)
     assert f.expert_r2 > 0.9999 and f.comm_r2 > 0.9999
-    assert f.model.nvlink_Bps == pytest.approx(1e9 / f.comm_ns_per_byte_intra)
+    # the replay's model times dispatch + combine = latency + 2 x bytes / bandwidth: the same all-to-all
+    assert f.model.nvlink_Bps == pytest.approx(2e9 / f.comm_ns_per_byte_intra)
+    assert f.model.latency_ns == pytest.approx(f.comm_latency_ns)
 
 
 def test_spans_and_load_from_two_runs_with_step_offset(tmp_path, runner, cli):
@@ -171,7 +71,7 @@ def test_spans_and_load_from_two_runs_with_step_offset(tmp_path, runner, cli):
     st = Store(path, create=True)
     _write(st, "prof", rt, CONTIG, ex, cm, what="spans", span_step_shift=-5)
     _write(st, "load", rt, CONTIG, ex, cm, what="load")
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "prof", "--load", "prof=load", "--step-offset", "5",
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "prof", "--load", "prof=load", "--step-offset", "5",
                             "--json"])
     assert r.exit_code == 0, r.output
     f = json.loads(r.output)["fit"]
@@ -182,7 +82,7 @@ def test_spans_and_load_from_two_runs_with_step_offset(tmp_path, runner, cli):
     assert rows["step"].min() == 0 and rows.height == T * L * R
     np.testing.assert_array_equal(rows["tokens"].to_numpy().reshape(T, L, R), tok)
     # without the offset the profiler steps -5..4 meet load steps 0..4 only: a different, smaller fit
-    r2 = runner.invoke(cli, ["calibrate", str(path), "--fit", "prof", "--load", "prof=load", "--json", "--no-store"])
+    r2 = runner.invoke(cli, ["calibrate", str(path), "--run", "prof", "--load", "prof=load", "--json", "--no-store"])
     assert r2.exit_code == 0, r2.output
     assert json.loads(r2.output)["fit"]["expert_points"] < f["expert_points"]
 
@@ -247,7 +147,7 @@ def test_judged_metrics_match_recomputation(tmp_path, runner, cli):
     st = Store(path, create=True)
     _write(st, "a", rt_a, CONTIG, ex_a, cm_a)
     _write(st, "b", rt_b, SHUFFLED, ex_b, cm_b)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "a", "--judge", "b", "--json"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "a", "--judge-run", "b", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     a, b = out["fit"]["a_ns"], out["fit"]["b_ns"]
@@ -302,7 +202,7 @@ def test_bad_input_exit_2_store_unchanged(tmp_path, runner, cli):
     st = Store(path, create=True)
     _write(st, "a", rt, CONTIG, np.zeros_like(tok), None)   # spans, but no expert_gemm span
     before = tree_hash(path)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "a"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "a"])
     assert r.exit_code == 2
     assert "expert_gemm" in r.output
     assert tree_hash(path) == before
@@ -321,7 +221,7 @@ RR, RE, RSTEPS = 2, 8, 3
 REPLICATED = [0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 2, 3]
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def refrun_pair(tmp_path_factory, forked_ranks):
     pytest.importorskip("torch", reason="the reference run needs PyTorch (pip install 'moetrace[torch]')")
     from moetrace.collect import ingest
@@ -353,7 +253,7 @@ def test_refrun_has_one_expert_span_per_slot_touched(refrun_pair):
 
 def test_calibrate_refrun_pair_end_to_end(refrun_pair, runner, cli):
     path = refrun_pair / "st"
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--basis", "wall", "--json"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--basis", "wall", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["basis"] == "wall"
@@ -431,7 +331,7 @@ def test_calibrate_refrun_judges_on_the_cpu_basis_by_default(refrun_pair, runner
     errors and each run's host slowdown come beside it, all recomputed here by hand."""
     path = refrun_pair / "st"
     st = Store(path)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--json", "--no-store"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--json", "--no-store"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["basis"] == "cpu"
@@ -454,7 +354,7 @@ def test_calibrate_refrun_judges_on_the_cpu_basis_by_default(refrun_pair, runner
     for s_, la, e, c in zip(cj.step, cj.layer, cj.expert_ns, cj.comm_ns):
         got[(int(s_), int(la))] = max(got.get((int(s_), int(la)), 0.0), e + c)
     assert got == pytest.approx({k: want[k] for k in got})
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--no-store"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--no-store"])
     assert r.exit_code == 0, r.output
     assert "judged on the CPU basis" in r.output and "host slowdown" in r.output and "wall_layer_mape_pct" in r.output
 
@@ -464,7 +364,7 @@ def test_error_band_from_the_newest_calibration_on_the_same_hardware(refrun_pair
     stored cells; a preset or other hardware gets no number, "uncalibrated preset" in words."""
     path = refrun_pair / "st"
     st = Store(path)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--calibration-id", "band1"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--calibration-id", "band1"])
     assert r.exit_code == 0, r.output
     hw = cal.run_hardware(st, "ra")
     assert hw and hw.startswith("cpu: ")
@@ -505,7 +405,7 @@ def test_fit_layer_model_recovers_known_terms():
     comp = fixed + a * tok + b * tch
     slow = comp.argmax(axis=2)
     layer = lat + comp.max(axis=2)
-    from moetrace.replay.cost import CostModel
+    from moetrace.costmodel.step_cost import CostModel
     free = CostModel(0.0, 0.0, 1e30, 1e30, "bytes cost nothing")     # the base bandwidths: bytes free
     m = calfit.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency", "fixed"), base=free)
     assert (m.a_ns, m.b_ns, m.fixed_ns, m.latency_ns) == pytest.approx((a, b, fixed, lat), rel=1e-6)
@@ -529,7 +429,7 @@ def test_fidelity_evaluate_by_hand():
     from types import SimpleNamespace
 
     from benchmarks.bench_fidelity import evaluate
-    from moetrace.replay.cost import CostModel
+    from moetrace.costmodel.step_cost import CostModel
 
     model = CostModel(a_ns=10.0, b_ns=0.0, nvlink_Bps=1e30, internode_Bps=1e30, source="t", latency_ns=100.0)
     z = np.zeros((1, 1, 2))

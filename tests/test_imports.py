@@ -9,48 +9,8 @@ functions count too: a lazy import is still a dependency.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "moetrace"
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for p in sorted(PKG.rglob("*.py")):
-        rel = p.relative_to(PKG.parent).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = p
-    return out
-
-
-MODULES = _modules()
-
-
-def _is_package(mod: str) -> bool:
-    return MODULES[mod].name == "__init__.py"
-
-
-def _resolve(mod: str, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    base = mod.split(".")
-    if not _is_package(mod):
-        base = base[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-def _target(name: str) -> str | None:
-    """The moetrace module a dotted name lives in (longest known prefix)."""
-    parts = name.split(".")
-    while parts:
-        cand = ".".join(parts)
-        if cand in MODULES:
-            return cand
-        parts.pop()
-    return None
+from .helpers.import_graph import MODULES, _resolve, _target
 
 
 def imports_of(mod: str) -> set[str]:
@@ -107,15 +67,17 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 
 #: the layers, bottom first: a module may import its own layer and the layers before it.
 #: "ground" is the top-level files every layer uses; ``costmodel`` (a pure GPU cost model)
-#: imports only the ground files; ``placement`` is pure numpy and sits below ``formats``
-#: because plan files are read into its ``Plan``; the package's own ``__init__`` (lazy
-#: public names), ``cli`` and ``commands`` are the top.
+#: imports only the ground files; ``placement`` holds every plan module (planners, plan
+#: files, plans made and stored) and sits above ``formats`` because its plan-file reader
+#: parses TRT-LLM's YAML with ``formats.safe_yaml``; it reads and writes plans only through
+#: the files and the store object it is handed, never importing ``storage``; the package's
+#: own ``__init__`` (lazy public names), ``cli`` and ``commands`` are the top.
 LAYERS = [
     ("ground", {"moetrace.version", "moetrace.errors", "moetrace.output", "moetrace.safety", "moetrace.safety_pickle",
-                "moetrace.streams", "moetrace.notebook", "moetrace.shape_gaps"}),
+                "moetrace.streams", "moetrace.notebook", "moetrace.units"}),
     ("domain", {"moetrace.domain"}),
-    ("placement", {"moetrace.placement"}),
     ("formats", {"moetrace.formats"}),
+    ("placement", {"moetrace.placement"}),
     ("costmodel", {"moetrace.costmodel"}),
     ("storage", {"moetrace.storage"}),
     ("collect", {"moetrace.collect"}),

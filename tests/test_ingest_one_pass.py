@@ -1,4 +1,4 @@
-"""The one-pass ingest of a dense expert_load Parquet file (generic collector, issue #26):
+"""The one-pass ingest of a dense expert_load Parquet file (generic collector):
 the rows stored are the file's rows (read back through the expert_load view and compared
 with the file by DuckDB, and with the same file ingested the two-pass way), a bad row found
 while writing is refused with the same one-line message as before and leaves the store as
@@ -12,14 +12,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.collect import generic
+from moetrace.collect import _generic_read, generic
 from moetrace.storage.store import Store
-from tests.conftest import tree_hash
+
+from .helpers import tree_hash
 
 
 @pytest.fixture
 def small_batches(monkeypatch):
-    monkeypatch.setattr(generic, "BATCH_ROWS", 1000)   # many batches and (step, layer) groups across batch edges
+    monkeypatch.setattr(_generic_read, "BATCH_ROWS", 1000)   # many batches and (step, layer) groups across batch edges
 
 
 def _file(path, steps=150, layers=3, experts=8, seed=0, **override):

@@ -13,8 +13,8 @@ import pytest
 from moetrace.errors import InputError
 from moetrace.run import Store
 
-from .conftest import REPO, invoke, tree_hash
-from .conftest import one_line_error as _one_line_error
+from .helpers import REPO, invoke, module_fixture, tree_hash
+from .helpers import one_line_error as _one_line_error
 
 SAMPLE = REPO / "sample_traces" / "nccl_inspector"
 
@@ -32,7 +32,7 @@ def _global_rank(recs):
 
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     from click.testing import CliRunner
 
@@ -197,11 +197,11 @@ BAD = [
     ("not an object", GOOD + "\n[1, 2]", "line 2", "NCCL Inspector record"),
     ("both perf kinds", _line().replace('"coll_perf"', '"p2p_perf": {"p2p": "Send", "p2p_sn": 0, '
                                                        '"p2p_msg_size_bytes": 1, "p2p_exec_time_us": 1}, "coll_perf"'),
-     "line 1", "exactly one"),
+     "line 1", "both coll_perf and p2p_perf"),
 ]
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def seeded(tmp_path_factory):
     from click.testing import CliRunner
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from moetrace.errors import InputError
-from moetrace.formats import plan_files as plan_io
+from moetrace.placement import plan_files as plan_io
 from moetrace.placement.planners import Plan
 
 # 4 experts on 6 slots over 2 ranks (3 slots each), model layers 3 and 4 (dense 0-2)
@@ -111,7 +111,7 @@ def test_cli_export_recorded_trtllm_and_import_vllm_ascend(tmp_path, runner, cli
     st_path = tmp_path / "st"
     ingest(Store(st_path, create=True), [here / "trtllm_stats", here / "trtllm_moe_load_balancer.yaml"], run_id="t")
     out = tmp_path / "back.yaml"
-    r = runner.invoke(cli, ["plan", str(st_path), "--plan", "recorded", "--out", str(out), "--out-format", "trtllm"])
+    r = runner.invoke(cli, ["plan", str(st_path), "--plan", "recorded", "--export", str(out), "--export-format", "trtllm"])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load(out.read_text()) == yaml.safe_load((here / "trtllm_moe_load_balancer.yaml").read_text())
     r = runner.invoke(cli, ["plan", str(st_path), "--import", str(out), "--plan-id", "back"])

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import ast
 
-from .test_imports import MODULES, _resolve, _target
+from .helpers.import_graph import MODULES, _resolve, _target
 
 SECTIONS = "moetrace.report.sections"
 #: what a section may import from moetrace: the report package itself, the table printer,
-#: the error types, and the kernel-kind vocabulary (constants only, no classifier call)
-ALLOWED = ("moetrace.report", "moetrace.output", "moetrace.errors")
+#: the number formatters (times, percentages, bytes), the error types, and the kernel-kind
+#: vocabulary (constants only, no classifier call)
+ALLOWED = ("moetrace.report", "moetrace.output", "moetrace.units", "moetrace.errors")
 VOCABULARY = "moetrace.domain.kernels"
 
 

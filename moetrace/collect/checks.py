@@ -5,8 +5,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..domain.run_bounds import OTHER_RANGES, SHAPE_MAX, range_problem, relation_problem
+from ..domain.run_bounds import OTHER_RANGES, range_problem, relation_problem
 from ..errors import InputError, UsageError
+from ..safety import SHAPE_MAX
 from ..storage import schema
 
 
@@ -52,7 +53,6 @@ MAX_COUNT = 2**40
 _SHAPE = {"num_layers": "--layers", "num_experts": "--experts", "top_k": "--top-k", "num_ranks": "--ranks",
           "ranks_per_node": "--ranks-per-node", "num_slots": "num_slots", "num_groups": "num_groups",
           "dp_size": "--dp-size"}
-_SHAPE_MAX = SHAPE_MAX
 
 
 def _err(file, msg: str):
@@ -77,8 +77,8 @@ def check_shape(values: dict, file=None, source: str = "option") -> None:
                 raise ValueError
         except (TypeError, ValueError, OverflowError):
             raise _err(file, f"{name} = {str(v)[:30]!r} is not a whole number") from None
-        if not 1 <= n <= _SHAPE_MAX:
-            raise _err(file, f"{name} = {n} is out of range (1..{_SHAPE_MAX})")
+        if not 1 <= n <= SHAPE_MAX:
+            raise _err(file, f"{name} = {n} is out of range (1..{SHAPE_MAX})")
         got[k] = n
     why = relation_problem(got)   # the rule readers apply to a runs row too (domain/run_bounds.py)
     for k in OTHER_RANGES if source == "run" and not why else ():

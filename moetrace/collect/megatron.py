@@ -23,7 +23,7 @@ Read from NVIDIA/Megatron-LM at d98e8a64 (2026-08-22):
   files of one EP rank are summed: data-parallel replicas see different tokens).
 - **Expert-load array** ``loads[layers, forwards, experts]`` (``.npy`` named ``loads``,
   or the key ``loads`` in an ``.npz`` / ``.safetensors``): Megatron at d98e8a64 writes
-  no such file (the layout is the one issue 24 describes, accepted as given): step =
+  no such file (the layout users described for it, accepted as given): step =
   forward index, tokens per (layer, expert).
 
 Every file given together is one run. A bad JSON line, a record whose lists disagree
@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from ..domain.hashing import sha256_files
 from ..errors import InputError
-from . import Collector, RunData, _arrays, head, register
+from . import Collector, RunData, _arrays, head, register, source_label
 from .checks import MAX_COUNT
 
 _TRACE_KEYS = ("top_indices", "num_tokens", "topk")
@@ -253,7 +253,7 @@ def _loads(paths: list[Path], approx: list) -> dict:
     L, F, E = a.shape
     li, fi, ei = np.meshgrid(np.arange(L), np.arange(F), np.arange(E), indexing="ij")
     approx.append("loads[layers, forwards, experts]: step = forward index (a layout Megatron-LM itself does not write "
-                  "at d98e8a64; accepted as issue 24 describes it)")
+                  "at d98e8a64; accepted as given)")
     others = sorted(set(arrays) - {key})
     if others:
         approx.append(f"arrays not read: {', '.join(others[:5])}")
@@ -315,8 +315,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     if kind == "trace" and not options.get("num_experts"):
         approx.append("num_experts inferred from the highest expert id")
     L = int(options.get("num_layers") or layer.max() + 1)
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} "
-                                                                            "files)",
+    run = {"source": source_label(paths),
            "source_sha256": sha256_files(paths), "collector": "megatron", "time_base": "none",
            "num_layers": L, "num_experts": E, "top_k": k, "num_ranks": R,
            "ranks_per_node": options.get("ranks_per_node"), "num_slots": options.get("num_slots") or E,

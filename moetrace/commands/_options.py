@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from ..output import check_out_path
+from ..safety import SHAPE_MAX
 
 
 class LazyChoice(click.Choice):
@@ -31,7 +32,7 @@ class LazyChoice(click.Choice):
 
 
 def _hardware_presets():
-    from ..replay.cost import PRESETS
+    from ..costmodel.step_cost import PRESETS
 
     return list(PRESETS)
 
@@ -114,40 +115,13 @@ def policy_option(f=None, *, default=None, help="Planner."):
     return deco(f) if f is not None else deco
 
 
-def steps_option(*names, help: str, dest: str | None = None):
-    """A step window option in the one A:B syntax (steps A <= step < B)."""
-    decls = list(names) + ([dest] if dest else [])
-    return click.option(*decls, callback=steps_range, default=None, metavar="A:B", help=help)
-
-
-class AliasOption(click.Option):
-    """An option that also answers to old spellings (``aliases``) without showing them in
-    ``--help``: a renamed option keeps working, the help shows the one convention."""
-
-    def __init__(self, param_decls, aliases=(), **attrs):
-        self.aliases = tuple(aliases)
-        super().__init__(list(param_decls) + list(self.aliases), **attrs)
-
-    def get_help_record(self, ctx):
-        opts = self.opts
-        self.opts = [o for o in opts if o not in self.aliases]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = opts
-
-
-def alias_option(*decls, aliases=(), **attrs):
-    """``click.option`` with hidden old spellings (:class:`AliasOption`); ``decls`` name the
-    destination explicitly."""
-    return click.option(*decls, cls=AliasOption, aliases=aliases, **attrs)
 
 
 def out_dir_option(f=None, *, help="Folder to write into."):
     """--out-dir DIR: the folder a command writes its files into (``-o/--out`` is a rows
-    file everywhere; the old ``report -o/--out DIR`` still works, unlisted)."""
+    file everywhere)."""
     def deco(g):
-        return alias_option("--out-dir", "out", aliases=("-o", "--out"), metavar="DIR",
+        return click.option("--out-dir", "out", metavar="DIR",
                             type=click.Path(file_okay=False, dir_okay=True), default=None, callback=check_out_path, help=help)(g)
     return deco(f) if f is not None else deco
 
@@ -182,15 +156,14 @@ def steps_select(ctx, param, value):
 
 
 def fit_steps_option(help: str):
-    """--fit-steps A:B (the old ``--fit-window`` still works, unlisted): the steps a plan is
-    fitted on."""
-    return alias_option("--fit-steps", "fit_window", aliases=("--fit-window",), callback=steps_range, default=None,
+    """--fit-steps A:B: the steps a plan is fitted on."""
+    return click.option("--fit-steps", "fit_window", callback=steps_range, default=None,
                         metavar="A:B", help=help)
 
 
-def chrome_trace_option(help: str, aliases=()):
+def chrome_trace_option(help: str):
     """--chrome-trace FILE: a Chrome/Perfetto trace, under one name in every command."""
-    return alias_option("--chrome-trace", "chrome_trace", aliases=aliases, type=click.Path(dir_okay=False),
+    return click.option("--chrome-trace", "chrome_trace", type=click.Path(dir_okay=False),
                         default=None, metavar="FILE", help=help)
 
 
@@ -292,7 +265,7 @@ def count(lo: int, hi: int) -> click.IntRange:
     return click.IntRange(lo, hi)
 
 
-SHAPE = 2**24          # ranks, layers, experts, slots, groups (docs/hardening.md)
+SHAPE = SHAPE_MAX      # ranks, layers, experts, slots, groups: the one shape bound (docs/hardening.md)
 BIG = 2**40            # steps, moves, intervals: far past any run, far from int64 overflow
 SEED = 2**63 - 1
 

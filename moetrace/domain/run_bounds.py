@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-#: the shape bound (2^24): ranks, layers, experts, slots, groups
-SHAPE_MAX = 1 << 24
+from ..safety import SHAPE_MAX  # the shape bound (2^24): ranks, layers, experts, slots, groups
+
 #: shape values of a run (``runs`` columns), each 1..SHAPE_MAX
 SHAPE_COLUMNS = ("num_layers", "num_experts", "top_k", "num_ranks", "ranks_per_node", "num_slots", "num_groups")
 #: the other integers of a ``runs`` row a reader computes with, and their range: an

@@ -7,14 +7,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import cost as costmod
+from ..costmodel import choose
+from ..costmodel import step_cost as costmod
+from ..domain.shape import Shape
+from ..placement.plan_store import recorded_plan
 from .calibrate import error_band, fit_from_cell_times, run_hardware
-from .load import RunShape, read_load
-from .plan_store import recorded_plan
+from .calibrated_model import own_trace_model, stored_model
+from .load import read_load, read_shape
 
 
 # ----------------------------------------------------------------------------- cost model
-def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunShape | None = None):
+def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: Shape | None = None):
     """Fit a and b from the run's expert_gemm spans that carry step, layer and rank,
     against the recorded per-rank tokens and slots touched. None when the run has too few."""
     if not store.has_files("spans"):
@@ -24,31 +27,17 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunS
                       GROUP BY ALL""", [run_id])
     if df.height < 8:
         return None
-    shape = shape or RunShape.from_store(store, run_id)
+    shape = shape or read_shape(store, run_id)
     if shape.num_ranks is None:
         return None
     plan = recorded_plan(store, run_id, shape)
     steps = np.unique(df["step"].to_numpy())
     ids, dense, _ = read_load(store, run_id, replace(shape, steps=np.intersect1d(shape.steps, steps)))
-    if ids.size == 0:
-        return None
-    L, R = plan.num_layers, plan.num_ranks
-    tokens = np.einsum("tle,ler->tlr", dense, plan.share())
-    touched = np.einsum("tle,ler->tlr", (dense > 0).astype(np.float64), plan.copies())
-    s_i = np.searchsorted(ids, df["step"].to_numpy())
-    l_raw = df["layer"].to_numpy()
-    l_i = np.searchsorted(plan.layers, l_raw)
-    r = df["rank"].to_numpy()
-    ok = (l_i < L) & (r < R) & (r >= 0) & (s_i < ids.size)
-    ok &= plan.layers[np.minimum(l_i, L - 1)] == l_raw
-    ok &= ids[np.minimum(s_i, ids.size - 1)] == df["step"].to_numpy()
-    if ok.sum() < 8:
-        return None
-    return costmod.fit_expert_time(tokens[s_i[ok], l_i[ok], r[ok]], touched[s_i[ok], l_i[ok], r[ok]],
-                                   df["dur"].to_numpy()[ok].astype(np.float64), base)
+    return choose.fit_from_spans(ids, plan.layers, dense, plan.share(), plan.copies(), df["step"].to_numpy(),
+                                 df["layer"].to_numpy(), df["rank"].to_numpy(), df["dur"].to_numpy(), base)
 
 
-def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
+def cost_model(store, run_id: str, shape: Shape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
     """The preset, or (with ``fit``) the model fitted from the run's expert_gemm spans. The
     measured error band and the timed-pass fit come on top in :func:`run_cost_model`."""
     model = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
@@ -57,18 +46,22 @@ def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit:
     return model
 
 
-def _cost(store, run_id, shape: RunShape, opts) -> costmod.CostModel:
+def _cost(store, run_id, shape: Shape, opts) -> costmod.CostModel:
     return opts.cost if opts.cost is not None else cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
 
 
-def run_cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
-    """What the run facade passes in as ``ReplayOptions.cost``: the timed-pass fit of
-    :mod:`.calibrate`, else the spans fit, else the preset, carrying the error band of the
-    newest out-of-sample calibration on the run's hardware."""
+def run_cost_model(store, run_id: str, shape: Shape, hardware: str = "H200", fit: bool = True,
+                   cost_model_run: str | None = None) -> costmod.CostModel:
+    """What the run facade passes in as ``ReplayOptions.cost``: the model ``calibrate``
+    stored for this run (or, ``cost_model_run``, for that run) with its held-out band; else
+    one fitted in memory on held-out blocks of the run's own trace; else the timed-pass fit
+    of :mod:`.calibrate`, else the spans fit, else the preset, carrying the error band of the newest out-of-sample calibration on the run's hardware."""
+    stored = stored_model(store, run_id, cost_model_run) if (fit or cost_model_run) else None
+    if stored is None and fit:
+        stored = own_trace_model(store, run_id, hardware)
+    if stored is not None:
+        return stored
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     fitted = (fit_from_cell_times(store, run_id, base) or fit_cost_from_store(store, run_id, base, shape)) if fit else None
-    cost = fitted if fitted is not None else base
     band = error_band(store, run_hardware(store, run_id) if fitted is not None else hardware)
-    if band.rel_error is not None:
-        cost.rel_error, cost.rel_error_source = band.rel_error, band.source
-    return cost
+    return choose.choose(base, fitted, band)
