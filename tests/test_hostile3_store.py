@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .helpers import REPO
 
 GIB = 1 << 30
 
@@ -133,7 +133,7 @@ def the_file(st: Path, table: str | None = None) -> Path:
 def readers(st: Path, b: Path, report: bool = True) -> list[list[str]]:
     """Every command that reads the store, and a writer (ingest) that reads it first."""
     out = [["runs", st], ["sql", st, "SELECT count(*) FROM expert_load"], ["skew", st], ["ingest", st, b]]
-    return out + ([["report", st, "-o", st.parent / "out" / "rep"]] if report else [])
+    return out + ([["report", st, "--out-dir", st.parent / "out" / "rep"]] if report else [])
 
 
 def assert_refused(st: Path, b: Path, tmp_path: Path, needle: str, report: bool = True, env: dict | None = None,
@@ -240,7 +240,7 @@ def test_report_at_the_partition_limit_is_quick(seeded, tmp_path):
     for i in range(n):
         (st / "routing" / f"run_id=r{i}").mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    res, peak = run_cli([["report", st, "-o", tmp_path / "out" / "rep", "--quiet"]], tmp_path)
+    res, peak = run_cli([["report", st, "--out-dir", tmp_path / "out" / "rep", "--quiet"]], tmp_path)
     assert res[0][0] in (0, 1) and time.monotonic() - t0 < 60, res
     assert peak < GIB
 

@@ -114,7 +114,7 @@ def test_hostile_contents_are_refused_before_they_size_anything(seeded, tmp_path
         needle = "max_store_files" if damage is tiny_files else str(bad)
         heavy = i in (0, len(BAD) - 1)   # the report on two cases (its start-up is the slowest)
         mine = [["runs", st], ["sql", st, "SELECT count(*) FROM expert_load"], ["skew", st], ["check", st]]
-        mine += [["ingest", st, b], ["report", st, "-o", d / "out" / "rep"]] if heavy else []
+        mine += [["ingest", st, b], ["report", st, "--out-dir", d / "out" / "rep"]] if heavy else []
         cases.append((damage.__name__, needle, len(mine)))
         cmds += mine
     before = tree_hash(tmp_path)
@@ -152,6 +152,6 @@ def test_a_runs_row_of_2_31_experts_does_not_reach_numpy(seeded, tmp_path):
     """The audit's case at full size through the report (16 GiB allocated before)."""
     st, b = fresh(seeded, tmp_path)
     f = runs_value("num_experts", 2**31 - 1)(st)
-    res, peak = run_cli([["report", st, "-o", tmp_path / "out" / "rep"]], tmp_path)
+    res, peak = run_cli([["report", st, "--out-dir", tmp_path / "out" / "rep"]], tmp_path)
     one_line(res[0], str(f), "num_experts")
     assert peak < GIB

@@ -25,7 +25,7 @@ import pytest
 
 from moetrace.storage.store import Store
 
-from .conftest import REPO, SIGKILL_AT_REPLACE
+from .helpers import REPO, SIGKILL_AT_REPLACE
 from .test_hostile3_store import GIB, fresh, one_line, run_cli, seeded, tree_hash  # noqa: F401
 
 
@@ -95,7 +95,7 @@ def test_a_journal_naming_a_committed_transaction_is_refused(plant, planned, tmp
     before = tree_hash(tmp_path, "out")
     writers = [["ingest", st, b], ["materialize", st], ["plan", st, "--policy", "greedy", "--plan-id", "p2"]]
     readers = [["runs", st], ["sql", st, "SELECT count(*) FROM placement"], ["skew", st],
-               ["report", st, "-o", tmp_path / "out" / "rep", "--no-save", "--quiet"]]
+               ["report", st, "--out-dir", tmp_path / "out" / "rep", "--no-save", "--quiet"]]
     res, peak = run_cli(writers + readers + [["check", st]], tmp_path)
     for r in res[:len(writers)]:
         one_line(r, str(j))
@@ -113,7 +113,7 @@ def test_a_crash_journal_is_still_rolled_back_and_readers_never_recover(planned,
                  f"runs/run_id=new/part-{x}.parquet")
     before = tree_hash(tmp_path, "out")
     res, _ = run_cli([["runs", st], ["skew", st], ["sql", st, "SELECT count(*) FROM runs"],
-                      ["report", st, "-o", tmp_path / "out" / "rep", "--no-save", "--quiet"], ["check", st]],
+                      ["report", st, "--out-dir", tmp_path / "out" / "rep", "--no-save", "--quiet"], ["check", st]],
                      tmp_path)
     assert [r[0] for r in res] == [0, 0, 0, 0, 0], res
     assert tree_hash(tmp_path, "out") == before and j.exists()     # readers: nothing written, nothing recovered

@@ -164,6 +164,17 @@ def walk(root: str | os.PathLike[str], tables: Iterable[str] | None = None, *, b
     return out
 
 
+def has_files(store: str | os.PathLike[str], table: str) -> bool:
+    """Whether ``table`` holds any file in the store at ``store`` (:func:`walk`)."""
+    return bool(walk(store, [table]).runs(table))
+
+
+def run_ids(store: str | os.PathLike[str]) -> list[str]:
+    """The ids of the runs of the store at ``store`` (a ``runs`` partition holding a file:
+    its ``runs`` row is renamed into place last), sorted (:func:`walk`)."""
+    return walk(store, ["runs"]).runs("runs")
+
+
 def _not_regular(entry: os.DirEntry[str]) -> str:
     try:
         mode = entry.stat(follow_symlinks=False).st_mode

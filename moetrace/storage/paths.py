@@ -54,21 +54,6 @@ def table_glob(store: Path, table: str, relative: bool = False) -> str:
     return str(base / "*" / "*.parquet")
 
 
-def has_files(store: Path, table: str) -> bool:
-    """Whether ``table`` holds any file in the store at ``store`` (:func:`.files.walk`)."""
-    from .files import walk
-
-    return bool(walk(store, [table]).runs(table))
-
-
-def run_ids(store: Path) -> list[str]:
-    """The ids of the runs of the store at ``store`` (a ``runs`` partition holding a file:
-    its ``runs`` row is renamed into place last), sorted (:func:`.files.walk`)."""
-    from .files import walk
-
-    return walk(store, ["runs"]).runs("runs")
-
-
 def sanitize_run_id(text: str) -> str:
     rid = _RUN_ID_RE.sub("_", text).strip("._-")
     return rid[:RUN_ID_MAX].rstrip("._-") or "run"

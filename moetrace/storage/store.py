@@ -42,8 +42,8 @@ from ..errors import StoreError
 from ..safety import sql_identifier, sql_literal
 from . import schema
 from .compat import file_versions, missing_column
-from .files import walk
-from .paths import STORE_MARKER, check_store_path, has_files, run_ids, table_glob
+from .files import has_files, run_ids, walk
+from .paths import STORE_MARKER, check_store_path, table_glob
 from .views import LazyViews, TableViews
 from .writer import Journal, Writer, WriteResult
 

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 from ..errors import SchemaError, StoreError
 from ..version import __version__
 from . import schema
+from .files import run_ids, walk
 from .paths import (
     _SAFE_ID_RE,
     _TXID_RE,
     RUN_ID_MAX,
     STORE_FORMAT,
     STORE_MARKER,
-    run_ids,
     sanitize_run_id,
 )
 
@@ -239,8 +239,6 @@ class Writer:
                                  f"writer never writes this, remove the file after checking the store")
             out[txid] = doc
         if out:
-            from .files import walk
-
             in_store = walk(self.path).rel()
             for txid, doc in out.items():
                 why = journal_conflict(txid, doc, in_store)
@@ -320,8 +318,6 @@ class Writer:
     def _scan_files(self) -> dict[str, list[str]]:
         """{table: [files]} of every contract table, paths relative to the store: regular
         files in real folders only (:func:`.files.walk`)."""
-        from .files import walk
-
         listing = walk(self.path)
         return {t: listing.rel(t) for t in listing.files if listing.rel(t)}
 
