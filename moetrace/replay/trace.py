@@ -47,6 +47,6 @@ def chrome_trace(path, steps, layers, tokens, touched, dispatch_ns, compute_ns, 
             t0 += float(layer_ns[ti, li])
     doc = {"traceEvents": ev, "displayTimeUnit": "ns",
            "otherData": {"generator": "moetrace replay", "plan": plan_desc, "cost_model": cost_source}}
-    path = Path(path)
-    path.write_text(json.dumps(doc))
-    return path
+    from ..output import write_output
+
+    return write_output(path, json.dumps(doc), "trace")

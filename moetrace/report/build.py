@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..analyze import cache as analysis_cache
 from ..analyze import configure, drop_materialized
+from ..output import write_output
 from .base import ReportContext, Section
 
 
@@ -177,10 +178,10 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
         drop_materialized(store.con, cached)
     if md_out:
         report.md_path = out / "report.md"
-        report.md_path.write_text(render_markdown(report))
+        write_output(report.md_path, render_markdown(report), "report")
     if html_out:
         report.html_path = out / "report.html"
-        report.html_path.write_text(render_html(report))
+        write_output(report.html_path, render_html(report), "report")
     return report
 
 

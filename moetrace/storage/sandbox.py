@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreError, UsageError
+from ..errors import StoreError, UsageError, shown
 from ..safety import memory_limit as checked_size
 from ..safety import sql_literal
 
@@ -194,7 +194,12 @@ class _Sink:
             store = Path(os.path.realpath(store_path))
             if real == store or store in real.parents:
                 raise UsageError(f"-o {output}: the file is inside the store {store_path}; write it elsewhere")
-            self._tmp = p.with_name(f".{p.name}.moetrace-tmp")
+            from ..output import AtomicOutput
+
+            # written in a private folder beside the target, renamed over it: no guessable
+            # temporary name another user could plant a symlink at
+            self._out = AtomicOutput(p)
+            self._tmp = self._out.tmp
 
     def add(self, batch) -> None:
         import polars as pl
@@ -219,7 +224,7 @@ class _Sink:
         assert self.output is not None
         if Path(self.output).suffix == ".csv":
             if self._fh is None:
-                self._fh = open(self._tmp, "wb")
+                self._fh = self._out.open("wb")
             df.write_csv(self._fh, include_header=self._first)
             return
         import pyarrow.parquet as pq
@@ -272,12 +277,10 @@ class _Sink:
             self._fh.close()
         if self.output:
             if not ok:
-                Path(self._tmp).unlink(missing_ok=True)
+                self._out.abort()
                 return
-            if self._writer is None and self._fh is None:   # no batch at all: an empty file with no columns
-                open(self._tmp, "wb").close()
-            os.replace(self._tmp, self.output)
-            click.echo(f"wrote {self.rows} rows to {self.output}", err=True)
+            self._out.commit()   # no batch at all: an empty file with no columns
+            click.echo(f"wrote {self.rows} rows to {shown(self.output)}", err=True)
             return
         if not ok:
             return
