@@ -23,6 +23,7 @@ import re
 import stat
 import urllib.parse
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .errors import InputError, UsageError
@@ -62,17 +63,85 @@ def arrow_path(path: str | os.PathLike) -> str:
     return os.path.abspath(os.fspath(path))
 
 
+_UNIT_BYTES = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+#: largest memory size accepted (DuckDB takes the size as a 64-bit count of bytes)
+MAX_MEMORY_BYTES = 1 << 50
+
+
 def memory_limit(value: str | None, what: str = "--memory-limit") -> str | None:
     """Validate a DuckDB memory size ('8GB', '512MiB', '50%'); returns it normalised."""
     if value is None:
         return None
-    m = _SIZE_RE.match(str(value))
-    if not m or float(m.group(1)) <= 0:
-        raise UsageError(f"{what} {value!r} is not a size (examples: 8GB, 512MiB, 50%)")
+    m = _SIZE_RE.match(str(value)[:64])
+    if not m or len(str(value)) > 64 or float(m.group(1)) <= 0:
+        raise UsageError(f"{what} {excerpt(str(value), 40)!r} is not a size (examples: 8GB, 512MiB, 50%)")
     unit = (m.group(2) or "B").upper()
     unit = {"K": "KB", "M": "MB", "G": "GB", "T": "TB", "KIB": "KiB", "MIB": "MiB", "GIB": "GiB",
             "TIB": "TiB"}.get(unit, unit)
+    if unit == "%" and float(m.group(1)) > 100 or unit != "%" and float(m.group(1)) * _UNIT_BYTES[unit] > MAX_MEMORY_BYTES:
+        raise UsageError(f"{what} {excerpt(str(value), 40)!r} is larger than any memory (at most 1PiB or 100%)")
     return f"{m.group(1)}{unit}"
+
+
+def size_bytes(value: str) -> int:
+    """Bytes of a size :func:`memory_limit` accepts (a percentage of the physical memory)."""
+    norm = memory_limit(value)
+    assert norm is not None
+    m = _SIZE_RE.match(norm)
+    assert m is not None
+    unit = m.group(2) or "B"
+    if unit == "%":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 8 << 30
+        return int(total * float(m.group(1)) / 100)
+    return int(float(m.group(1)) * _UNIT_BYTES[unit])
+
+
+def _vm_data() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@contextmanager
+def heap_cap(extra: int):
+    """Let this process's heap (Linux ``RLIMIT_DATA``) grow by at most ``extra`` bytes while
+    the block runs. DuckDB's ``memory_limit`` governs its buffer manager only: a string
+    built by ``repeat('x', 2000000000)`` is allocated outside it, so ``moetrace sql`` also
+    caps the heap; past the cap an allocation fails and DuckDB reports "Out of Memory".
+    The soft limit only is lowered (never raised) and restored afterwards."""
+    try:
+        import resource
+    except ImportError:   # not POSIX: DuckDB's own limit only
+        yield
+        return
+    now = _vm_data()
+    if now is None or not hasattr(resource, "RLIMIT_DATA"):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = now + extra
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY:
+        cap = min(cap, soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 # ----------------------------------------------------------------------------- limits

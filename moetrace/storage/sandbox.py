@@ -38,13 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError, UsageError, shown
+from ..safety import heap_cap, size_bytes, sql_literal
 from ..safety import memory_limit as checked_size
-from ..safety import sql_literal
 
 #: DuckDB's memory cap for ``moetrace sql`` (``--memory-limit`` or MOETRACE_SQL_MEMORY_LIMIT)
 DEFAULT_MEMORY = "1GiB"
 #: cap on what DuckDB spills to its private temporary folder (MOETRACE_SQL_TEMP_LIMIT)
 DEFAULT_TEMP = "4GiB"
+#: how far the process's heap may grow while a query runs, as a multiple of its memory limit
+HEAP_FACTOR = 1.5
 #: rows per streamed Arrow batch
 BATCH_ROWS = 65536
 
@@ -325,7 +327,8 @@ def run_streamed(con, query: str, *, fmt: str, output: str | None, store_path, p
                     raise UsageError(f"sql: refused by the sandbox: {msg} (read other Parquet files with "
                                      f"--allow-path DIR; --unsafe lifts the sandbox)") from None
                 if isinstance(e, duckdb.OutOfMemoryException) or "Out of Memory" in msg:
-                    raise UsageError(f"sql: the query needs more memory than --memory-limit allows: {msg}") from None
+                    raise UsageError(f"sql: the query needs more memory than --memory-limit allows: "
+                                     f"{msg.split(' Possible solutions')[0]}") from None
                 raise StoreError(f"SQL error: {msg}") from None
         ok = True
     finally:
@@ -342,15 +345,23 @@ def run_query(store, query: str, *, fmt: str, output: str | None, pretty: bool =
     elif allow:
         raise UsageError("--allow-path is for the sandbox; --unsafe already reads any file")
     tmp = tempfile.mkdtemp(prefix="moetrace-sql-")
+    limit = _size(memory_limit, "--memory-limit") if memory_limit else default_memory_limit()
     try:
-        con = store.connect(memory_limit=memory_limit)
+        con = store.connect(memory_limit=limit)
         try:
             if unsafe:
                 con.execute(f"SET temp_directory={sql_literal(tmp)}")
             else:
-                sandbox(con, store.path, list(allow), memory_limit=memory_limit, temp_dir=tmp)
-            return run_streamed(con, query, fmt=fmt, output=output, store_path=store.path, pretty=pretty,
-                                timeout=timeout)
+                sandbox(con, store.path, list(allow), memory_limit=limit, temp_dir=tmp)
+            # DuckDB's limit covers its buffer manager, not every string it builds: the
+            # process's heap may grow by HEAP_FACTOR x the limit while the query runs
+            with heap_cap(int(HEAP_FACTOR * size_bytes(limit))):
+                try:
+                    return run_streamed(con, query, fmt=fmt, output=output, store_path=store.path, pretty=pretty,
+                                        timeout=timeout)
+                except MemoryError:
+                    raise UsageError(f"sql: the query needs more memory than --memory-limit {limit} allows "
+                                     f"(the process may use {HEAP_FACTOR:g} x the limit)") from None
         finally:
             con.close()
     finally:
