@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..safety import check_regular_file, set_overrides
+from ..safety import check_csv_header, check_parquet, check_regular_file, set_overrides
 
 
 @dataclass
@@ -133,6 +133,17 @@ def known_options() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def precheck(path: Path) -> None:
+    """Bounds every collector shares, checked before any reads the file's data: a Parquet
+    file's footer, columns and decoded size; a CSV's header line and columns
+    (``safety.check_parquet`` / ``check_csv_header``; the limits in docs/hardening.md)."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        check_parquet(path)
+    elif name.endswith((".csv", ".tsv")):
+        check_csv_header(path, b"\t" if name.endswith(".tsv") else b",")
+
+
 def head(path: Path, n: int = 4096) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -237,8 +248,16 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
                 on_warn(note)
         return validate_run(rd, options)
 
+    for fs in groups.values():
+        for f in fs:
+            precheck(f)
     for name, fs in groups.items():
-        for rd in registry()[name].collect(fs, options):
+        try:
+            rds = list(registry()[name].collect(fs, options))
+        except RecursionError:   # a collector's recursive walk of a crafted input
+            raise InputError(fs[0] if len(fs) == 1 else fs[0].parent,
+                             "input nested too deeply to process (a crafted or corrupt file)") from None
+        for rd in rds:
             rd = finish(rd, name, fs)
             if rd.two_pass is not None:
                 rd.two_pass = (lambda slow=rd.two_pass, name=name, fs=fs: finish(slow(), name, fs, warn=False))

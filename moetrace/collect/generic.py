@@ -68,32 +68,24 @@ def _jsonl_batches(path: Path, batch_rows: int | None = None, meta: list | None 
     """The JSON objects of a JSONL file, :data:`BATCH_ROWS` lines at a time. Metadata
     records (``{"type": "meta", ...}``, :func:`._jsonl_meta.is_meta`) are skipped and, when
     ``meta`` is a list, appended to it as (line, record)."""
+    from ._json_stream import jsonl_objects
     from ._jsonl_meta import is_meta
 
     batch_rows = batch_rows or BATCH_ROWS
-    rows = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise InputError(path, f"invalid JSON: {e.msg}", f"line {i}") from None
-            if not isinstance(obj, dict):
-                raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
-            if is_meta(obj):
-                if meta is not None:
-                    meta.append((i, obj))
-                continue
-            for k in _INT_COLS.intersection(obj):
-                if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
-                    raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
-            rows.append(obj)
-            if len(rows) >= batch_rows:
-                yield _json_frame(path, rows)
-                rows = []
+    rows: list[dict] = []
+    # lines, keys and columns are bounded as they are read (safety.py limits)
+    for i, obj in jsonl_objects(path):
+        if is_meta(obj):
+            if meta is not None:
+                meta.append((i, obj))
+            continue
+        for k in _INT_COLS.intersection(obj):
+            if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
+                raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
+        rows.append(obj)
+        if len(rows) >= batch_rows:
+            yield _json_frame(path, rows)
+            rows = []
     if rows:
         yield _json_frame(path, rows)
 

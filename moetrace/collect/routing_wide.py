@@ -133,8 +133,9 @@ def _read(path: Path, meta: list | None = None) -> pa.Table:
         if name.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            from ..safety import arrow_path
+            from ..safety import arrow_path, check_parquet
 
+            check_parquet(path, whole=True)   # read whole: the file's decoded size bounded
             return pq.read_table(arrow_path(path))
         if name.endswith(_ARROW_EXT):
             import pyarrow.ipc as ipc
@@ -160,9 +161,10 @@ def _read_jsonl(path: Path, meta: list | None = None) -> pa.Table:
 
     import pyarrow.json as pj
 
+    from ..safety import check_whole_input
     from ._jsonl_meta import is_meta
 
-    size = path.stat().st_size
+    size = check_whole_input(path)   # read whole
     opts = pj.ReadOptions(block_size=max(1 << 20, min(size + 1, 256 << 20)))
     src = path
     with open(path, "rb") as f:
