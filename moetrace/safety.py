@@ -520,6 +520,10 @@ def check_parquet(path, whole: bool = False) -> None:
     except BaseException as e:  # noqa: BLE001 - arrow raises several kinds for a bad footer
         raise InputError(path, f"cannot parse the Parquet footer: {excerpt(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 120)}") from None
     check_columns(path, md.num_columns, "Parquet columns")
+    names = md.schema.to_arrow_schema().names
+    if len(set(names)) != len(names):
+        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        raise InputError(path, f"column {excerpt(dup, 60)!r} appears more than once")
     cap = max(limit("max_decoded_bytes"), min(size * limit("max_inflate_ratio"), limit("max_inflated_bytes")))
     total = 0
     for g in range(md.num_row_groups):
