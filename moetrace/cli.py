@@ -255,6 +255,9 @@ def cli(debug):
 
 
 def main(argv=None):
+    from .errors import TerminalGuard
+
+    TerminalGuard.install()   # escapes from file names never reach a terminal raw
     return cli.main(args=argv, prog_name="moetrace")
 
 

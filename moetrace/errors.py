@@ -47,6 +47,38 @@ def one_line(text) -> str:
     return shown(str(text).rstrip("\n"))
 
 
+class TerminalGuard:
+    """A text stream that writes to a terminal: every control character but line ends
+    and tabs is written escaped (:func:`shown`), whatever printed it (a file name in a
+    table, a note, a run's source), so nothing read from a file can set the window's
+    title or clear the screen. Installed by the CLI on a stdout/stderr that is a tty;
+    output to a pipe or a file stays byte for byte."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        if not (text.isascii() and text.isprintable()):
+            text = "\n".join("\t".join(shown(part) for part in line.split("\t")) for line in text.split("\n"))
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    @staticmethod
+    def install() -> None:
+        import sys
+
+        for name in ("stdout", "stderr"):
+            s = getattr(sys, name)
+            try:
+                tty = s is not None and not isinstance(s, TerminalGuard) and s.isatty()
+            except (AttributeError, ValueError, OSError):
+                tty = False
+            if tty:
+                setattr(sys, name, TerminalGuard(s))
+
+
 class MoetraceError(Exception):
     """Base class of errors moetrace reports without a traceback."""
 

@@ -128,3 +128,16 @@ def test_lenient_acceptances_as_documented(tmp_path):
     assert b.rc == 0, b.stderr
     assert Store(tmp_path / "sb").sql("SELECT tokens FROM expert_load")["tokens"].to_list() == [16]
     c.refused("c.jsonl", "tokens")
+
+
+def test_sglang_legacy_repeated_rows_are_summed_and_said(tmp_path):
+    p = tmp_path / "expert_distribution_rank0_timestamp1.csv"
+    p.write_text("layer_id,expert_id,count\n0,0,3\n0,0,4\n0,1,2\n")
+    res, = run_cases([{"args": ["ingest", tmp_path / "st", p, "--format", "sglang"]}], tmp_path / "run")
+    assert res.rc == 0, res.stderr
+    from moetrace.run import Store
+
+    st = Store(tmp_path / "st")
+    got = st.sql("SELECT expert, tokens FROM expert_load ORDER BY expert").rows()
+    assert got == [(0, 7), (1, 2)]
+    assert "1 repeated (layer_id, expert_id) row(s)" in st.sql("SELECT approximations FROM runs")["approximations"][0]

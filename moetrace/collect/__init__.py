@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, shown
 from ..safety import check_csv_header, check_parquet, check_regular_file, set_overrides
 
 
@@ -109,11 +109,22 @@ def registry() -> dict[str, Collector]:
 
 def _expand(paths: Sequence[str | Path]) -> list[tuple[Path, bool]]:
     """Files to read, each with whether it came from expanding a folder."""
+    from ..storage.paths import STORE_MARKER
+
     out: list[tuple[Path, bool]] = []
     for p in map(Path, paths):
         if not p.exists():
             raise InputError(p, "no such file or folder")
+        real = p.resolve()
+        for d in (real, *real.parents):   # a store's own files are no trace (one line, not a skip note)
+            if (d / STORE_MARKER).is_file():
+                what = "a moetrace store" if d == real else f"inside the moetrace store {shown(d)}"
+                raise InputError(p, f"is {what}; ingest reads trace files, not a store's own files")
         if p.is_dir():
+            inner = next((f.parent for f in p.rglob(STORE_MARKER) if f.is_file()), None)
+            if inner is not None:
+                raise InputError(p, f"holds the moetrace store {shown(inner)}; ingest reads trace files, not a "
+                                    "store's own files")
             files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
             if not files:
                 raise InputError(p, "folder holds no files")
