@@ -1,4 +1,4 @@
-"""vLLM and SGLang server log lines (every variant in FORMATS.md) into the balancedness table."""
+"""vLLM and SGLang server log lines (every variant in docs/reference/formats.md) into the balancedness table."""
 from __future__ import annotations
 
 import calendar

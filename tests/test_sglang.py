@@ -1,5 +1,5 @@
 """SGLang expert-distribution dumps, built at run time in the documented layouts
-(FORMATS.md) with torch.save, plus the real logical_count JSON files in ../shared/data."""
+(docs/reference/formats.md) with torch.save, plus the real logical_count JSON files in ../shared/data."""
 from __future__ import annotations
 
 import json

@@ -16,7 +16,7 @@ from .helpers import run_row
 
 pytestmark = pytest.mark.slow
 
-# what docs/scale.md shows: rank load from the recorded placement (an expert's tokens split
+# what docs/how-to/spark-trino-dask.md shows: rank load from the recorded placement (an expert's tokens split
 # evenly over its copies), then max / mean over num_ranks per (step, layer)
 PORTABLE_IMBALANCE = """
 WITH copies AS (

@@ -1,6 +1,7 @@
 """vLLM and SGLang server logs: EPLB balancedness and rebalance lines.
 
-Recognized lines (FORMATS.md; any prefix before the message is allowed):
+Recognized lines (docs/reference/formats.md, "vLLM and SGLang server log lines"; any prefix
+before the message is allowed):
 
 - vLLM ``EPLB step: avg_tokens=.., max_tokens=.., balancedness=..`` and the variants with
   ``EPLB step: N for model M:`` and ``, steps until the next rearrangement: N``;

@@ -12,8 +12,8 @@ from ._options import engine_options, engine_sql, run_option
 @click.command("kernels")
 @click.argument("store", type=click.Path(file_okay=False))
 @run_option
-@click.option("--kind", default=None, help="Only this kind (dispatch, combine, a2a_other, expert_gemm, attention, "
-                                           "compute_other, memcpy, memset, comm_other).")
+@click.option("--kind", default=None, help="Only this kind (dispatch, combine, a2a_other, expert_gemm, moe_other, "
+                                           "attention, compute_other, memcpy, memset, comm_other).")
 @click.option("--top", "limit", type=int, default=15, show_default=True,
               help="Names per kind (0 = all).")
 @output_options
@@ -22,7 +22,7 @@ def kernels(store, run_id, kind, limit, fmt, output):
 
     Heavy names under compute_other are where an unknown all-to-all would hide: add a
     rule for them with `moetrace ingest --kernel-rules FILE` (CSV kind,match,pattern,context:
-    match is name, context or stream; see docs/profiler.md). classified_by says which rule
+    match is name, context or stream; see docs/reference/kernels.md). classified_by says which rule
     decided; an MoE trace with no expert GEMM kernel gets one line saying so.
 
     Example:

@@ -136,7 +136,7 @@ def whatif(store, run_id, only, split_extra_us, a2a_latency_us, domains, hardwar
     attention and expert FFNs on separate GPU pools (best split, micro-batch count,
     per-GPU throughput vs co-located). Domain: ranks per NVLink domain (bytes crossing
     domains, all-to-all time). Each result states its assumptions and error band and is
-    appended to table replay_whatif (docs/timeline.md has the formulas).
+    appended to table replay_whatif (docs/explanation/timeline.md has the formulas).
 
     Example:
 
