@@ -14,22 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import module_fixture, run_cli, tree_hash
-from .helpers.bounded_cli import run_cases
+from .helpers import module_fixture, tree_hash
+from .helpers.bounded_cli import run_cases, synth_store
 
 
 @module_fixture
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("links")
-    old = os.getcwd()
-    os.chdir(root)
-    try:
-        r = run_cli("synth", "st", "--steps", "4", "--layers", "2", "--experts", "8", "--ranks", "2",
-                    "--ranks-per-node", "2", catch_exceptions=True)
-    finally:
-        os.chdir(old)
-    assert r.exit_code == 0, r.output
-    return root
+    return synth_store(tmp_path_factory.mktemp("links"))
 
 
 WRITERS = {

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import module_fixture, run_cli, tree_hash
-from .helpers.bounded_cli import GiB, run_cases
+from .helpers import module_fixture, tree_hash
+from .helpers.bounded_cli import GiB, run_cases, synth_store
 
 LOAD_HEADER = "step,layer,expert,tokens"
 
@@ -166,16 +166,7 @@ def test_memory_limit_out_of_range(sqlstore, tmp_path, size):
 
 @module_fixture
 def sqlstore(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sqlst")
-    old = os.getcwd()
-    os.chdir(root)
-    try:
-        r = run_cli("synth", "st", "--steps", "2", "--layers", "1", "--experts", "8", "--ranks", "2",
-                    "--ranks-per-node", "2", catch_exceptions=True)
-    finally:
-        os.chdir(old)
-    assert r.exit_code == 0, r.output
-    return root
+    return synth_store(tmp_path_factory.mktemp("sqlst"))
 
 
 @pytest.mark.parametrize("keys", [300_000, 1_000_000])

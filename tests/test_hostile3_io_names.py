@@ -10,13 +10,12 @@ Then a run whose source carries HTML, link and table markup, reported: report.md
 report.html and the terminal summary show it as text."""
 from __future__ import annotations
 
-import os
 import re
 
 from moetrace.errors import TerminalGuard, one_line, shown
 
-from .helpers import module_fixture, run_cli, tree_hash
-from .helpers.bounded_cli import run_cases
+from .helpers import module_fixture, tree_hash
+from .helpers.bounded_cli import run_cases, synth_store
 
 HOSTILE = {
     "newline": "a\nb",
@@ -31,16 +30,7 @@ HOSTILE = {
 
 @module_fixture
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("names")
-    old = os.getcwd()
-    os.chdir(root)
-    try:
-        r = run_cli("synth", "st", "--steps", "2", "--layers", "1", "--experts", "8", "--ranks", "2",
-                    "--ranks-per-node", "2", catch_exceptions=True)
-    finally:
-        os.chdir(old)
-    assert r.exit_code == 0, r.output
-    return root
+    return synth_store(tmp_path_factory.mktemp("names"))
 
 
 def _no_raw_controls(text: str) -> None:

@@ -101,3 +101,19 @@ def run_cases(cases: list[dict], tmp: Path, timeout: float = 60, as_limit: int =
                        text=True, env=env, timeout=total)
     assert r.returncode == 0, r.stderr[-3000:]
     return [Outcome(c["args"], **o) for c, o in zip(payload, json.loads(r.stdout))]
+
+
+def synth_store(root: Path, name: str = "st") -> Path:
+    """A small synthetic store ``root/name`` (2 ranks, 8 experts) made by the CLI in this
+    process; returns ``root``, the folder the cases run in."""
+    from . import run_cli
+
+    old = os.getcwd()
+    os.chdir(root)
+    try:
+        r = run_cli("synth", name, "--steps", "4", "--layers", "2", "--experts", "8", "--ranks", "2",
+                    "--ranks-per-node", "2", catch_exceptions=True)
+    finally:
+        os.chdir(old)
+    assert r.exit_code == 0, r.output
+    return root
