@@ -136,7 +136,7 @@ def drift(store, run_id: str, shape: Shape, policy: str, plan_shape: PlanShape, 
     notes = list(shape.notes) + _time_note(shape, timing) + [
         "drift replay uses aggregated expert_load (per-token routing not used)",
         f"baseline: the recorded placement ({recorded.policy}) on the same {T - window} steps, same cost model",
-        opts.move.describe()]
+        opts.move.describe()] + list(cost.notes)
     if shape.top_k is None:
         notes.append("top_k unknown (ingest with --top-k): no all-to-all bytes or time predicted (expert compute only)")
     elif not (mode == "counts"):
