@@ -82,6 +82,14 @@ class _BoundedGzip(io.RawIOBase):
         super().close()
 
 
+def open_binary(path: Path):
+    """A binary stream of the file, inflated as it is read when it is gzip (``readline``
+    with a size bound works on both)."""
+    if is_gzip(path):
+        return io.BufferedReader(_BoundedGzip(path))
+    return open(path, "rb")
+
+
 def open_text(path: Path):
     """A UTF-8 text stream of the file, inflated as it is read when it is gzip."""
     if is_gzip(path):

@@ -103,28 +103,16 @@ def _sniff(path: Path, h: bytes) -> bool:
 
 
 def _records(path: Path, meta: list):
-    """(line number, record) of a JSONL file, metadata records set aside."""
-    from ..safety import json_loads
+    """(line number, record) of a JSONL file, metadata records set aside (lines and keys
+    bounded as they are read: ``_json_stream.jsonl_objects``)."""
+    from ._json_stream import jsonl_objects
     from ._jsonl_meta import is_meta
 
-    try:
-        f = open(path, encoding="utf-8", errors="strict")
-    except OSError as e:
-        raise InputError(path, f"cannot read: {e.strerror}") from None
-    with f:
-        try:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                obj = json_loads(path, line, f"line {i}")
-                if not isinstance(obj, dict):
-                    raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
-                if is_meta(obj):
-                    meta.append((i, obj))
-                    continue
-                yield i, obj
-        except UnicodeDecodeError as e:
-            raise InputError(path, f"not UTF-8 text ({e.reason})") from None
+    for i, obj in jsonl_objects(path):
+        if is_meta(obj):
+            meta.append((i, obj))
+            continue
+        yield i, obj
 
 
 def _int(obj: dict, key: str, path: Path, i: int, upper: int = 1 << 62) -> int:

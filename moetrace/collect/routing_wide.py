@@ -137,8 +137,9 @@ def _read(path: Path, meta: list | None = None) -> pa.Table:
         if name.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            from ..safety import arrow_path
+            from ..safety import arrow_path, check_parquet
 
+            check_parquet(path, whole=True)   # read whole: the file's decoded size bounded
             return pq.read_table(arrow_path(path))
         if name.endswith(_ARROW_EXT):
             import pyarrow.ipc as ipc
@@ -164,11 +165,19 @@ def _read_jsonl(path: Path, meta: list | None = None) -> pa.Table:
 
     import pyarrow.json as pj
 
+    from ..safety import check_whole_input
     from ._jsonl_meta import is_meta
 
-    data = read_plain(path)
+    if is_gzip(path):
+        data = read_plain(path)          # inflated within the inflation limits
+        check_whole_input(path, len(data))
+        src: Path | io.BytesIO = io.BytesIO(data)
+    else:
+        check_whole_input(path)          # read whole
+        src = path
+        with open(path, "rb") as f:
+            data = f.read()
     opts = pj.ReadOptions(block_size=max(1 << 20, min(len(data) + 1, 256 << 20)))
-    src: Path | io.BytesIO = io.BytesIO(data) if is_gzip(path) else path
     if b"meta" in data or b"header" in data or b"config" in data:
         keep, found = [], []
         for i, line in enumerate(data.splitlines(keepends=True), 1):

@@ -206,7 +206,7 @@ def fit_steps_option(help: str):
 
 def chrome_trace_option(help: str):
     """--chrome-trace FILE: a Chrome/Perfetto trace, under one name in every command."""
-    return click.option("--chrome-trace", "chrome_trace", type=click.Path(dir_okay=False),
+    return click.option("--chrome-trace", "chrome_trace", type=click.Path(dir_okay=False), callback=check_out_path,
                         default=None, metavar="FILE", help=help)
 
 

@@ -219,7 +219,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @chrome_trace_option(help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
 @click.option("--trace-steps", callback=steps_list, default=None, metavar="A:B|A,B",
               help="Steps for --chrome-trace (A:B or a comma list; default: the first judged).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Drift: imbalance-over-time PNG.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=check_out_path, help="Drift: imbalance-over-time PNG.")
 @click.option("--no-rank-rows", is_flag=True, help="Do not write replay_rank rows (large replays).")
 @json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
@@ -345,7 +345,7 @@ def _print_drift(d, plot):
 @kernel_options
 @cost_model_option
 @move_options
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=check_out_path, help="Write the decision plot (PNG).")
 @click.option("--all-runs", is_flag=True,
               help="Sweep every run in the store (a run_id column; runs that cannot be swept are noted).")
 @click.option("--save", is_flag=True, help="Store every cell (replay_runs kind 'sweep', with its replay_layer rows).")
