@@ -17,8 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetrace.domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN
-from moetrace.placement.cooccurrence import (cooccurrence_counts, cooccurrence_plan, fanout, node_shares,
-                                             rank_shares)
+from moetrace.placement.cooccurrence import (
+    cooccurrence_counts,
+    cooccurrence_plan,
+    fanout,
+    node_shares,
+    rank_shares,
+)
 from moetrace.placement.planners import PlanShape, make_plan
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
