@@ -44,14 +44,14 @@ FROM agg;
 -- dp_balance_summary: dp_balance of each run in one row: mean and lowest step balance,
 -- balance_overall = sum of mean tokens / sum of max tokens (the tokens-proportional share
 -- of DP-rank time doing work), the barrier share and time it implies, and the rank most
--- often the slowest.
+-- often the slowest where the step was uneven.
 CREATE OR REPLACE VIEW dp_balance_summary AS
 WITH d AS (
     SELECT * FROM dp_balance
 ), slow AS (
     SELECT run_id, slowest_rank, count(*) AS n,
            row_number() OVER (PARTITION BY run_id ORDER BY count(*) DESC, slowest_rank) AS pos
-    FROM d WHERE balance IS NOT NULL GROUP BY run_id, slowest_rank
+    FROM d WHERE balance < 1 GROUP BY run_id, slowest_rank
 ), worst AS (
     SELECT run_id, step, row_number() OVER (PARTITION BY run_id ORDER BY balance, step) AS pos
     FROM d WHERE balance IS NOT NULL
@@ -59,6 +59,7 @@ WITH d AS (
     SELECT run_id,
            CAST(count(*) AS BIGINT) AS steps,
            CAST(count(balance) AS BIGINT) AS steps_defined,
+           CAST(count(*) FILTER (WHERE balance < 1) AS BIGINT) AS steps_uneven,
            CAST(max(dp_ranks) AS BIGINT) AS dp_ranks,
            avg(balance) AS balance_mean,
            min(balance) AS balance_min,
@@ -69,9 +70,9 @@ WITH d AS (
            sum(step_ns) FILTER (WHERE barrier_ns IS NOT NULL) AS step_ns
     FROM d GROUP BY run_id
 )
-SELECT a.run_id, a.steps, a.steps_defined, a.dp_ranks, a.balance_mean, a.balance_min, w.step AS worst_step,
+SELECT a.run_id, a.steps, a.steps_defined, a.steps_uneven, a.dp_ranks, a.balance_mean, a.balance_min, w.step AS worst_step,
        a.balance_overall, 1.0 - a.balance_overall AS barrier_share, a.timed_steps, a.barrier_ns, a.step_ns,
-       s.slowest_rank AS slowest_rank_mode, CAST(s.n AS DOUBLE) / nullif(a.steps_defined, 0) AS slowest_rank_share,
+       s.slowest_rank AS slowest_rank_mode, CAST(s.n AS DOUBLE) / nullif(a.steps_uneven, 0) AS slowest_rank_share,
        'tokens-proportional estimate' AS time_model
 FROM agg a
 LEFT JOIN (SELECT * FROM worst WHERE pos = 1) w ON w.run_id = a.run_id
