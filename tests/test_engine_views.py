@@ -360,3 +360,64 @@ def test_skew_prints_the_dp_balance_line(refrun_store, runner, cli):
     line = next(ln for ln in r.stderr.splitlines() if "attention-DP balance" in ln)
     assert f"{s['balance_mean']:.3f} mean over 8 steps" in line and "tokens-proportional estimate" in line
     json.loads(r.stdout)          # the table on stdout stays parseable
+
+
+# --------------------------------------------------------------------------- measured rank speed, rebalance stall
+def test_rank_speed_equals_spans_over_received_tokens(refrun_store):
+    """Time per token of each rank's expert GEMMs over its received tokens (the writer's
+    received_rank*.parquet, summed by hand), relative to the median rank."""
+    st, rid = refrun_store
+    spans = st.sql("SELECT rank, step, layer, start_ns, end_ns FROM spans WHERE run_id = ? AND kind = 'expert_gemm' "
+                   "AND step IS NOT NULL AND layer IS NOT NULL", [rid])
+    cells = set(zip(spans["step"], spans["layer"]))
+    ns = Counter()
+    for r in spans.iter_rows(named=True):
+        ns[r["rank"]] += r["end_ns"] - r["start_ns"]
+    meta = json.loads((SAMPLES / "refrun_eplb" / "moetrace-refrun.json").read_text())
+    spr = meta["slots_per_rank"]
+    toks = Counter()
+    for rank in range(4):
+        for x in pq.read_table(SAMPLES / "refrun_eplb" / f"received_rank{rank}.parquet").to_pylist():
+            if (x["step"], x["layer"]) in cells:
+                toks[x["slot"] // spr] += x["tokens"]
+    per = {r: ns[r] / toks[r] for r in ns}
+    med = float(np.median(list(per.values())))
+    got = st.sql("SELECT rank, tokens, ns_per_token, speed_ratio FROM rank_speed WHERE run_id = ?", [rid])
+    assert {r["rank"]: r["tokens"] for r in got.iter_rows(named=True)} == dict(toks)
+    for r in got.iter_rows(named=True):
+        assert r["speed_ratio"] == pytest.approx(per[r["rank"]] / med)
+
+
+SGL_LOG = """[2026-09-23 17:25:01 TP0 EP0] [EPLBManager] system started, will rebalance per 50 iterations.
+[2026-09-23 17:27:08 TP0 EP0] [EPLBManager] rebalance start
+[2026-09-23 17:27:13 TP0 EP0] [EPLBManager] rebalance end time=3.930s
+[2026-09-23 17:27:44 TP0 EP0] [EPLBManager] rebalance start
+[2026-09-23 17:27:46 TP0 EP0] [EPLBManager] rebalance end time=1.945s
+[2026-09-23 17:28:44 TP0 EP0] [EPLBManager] rebalance start
+[2026-09-23 17:28:46 TP0 EP0] [EPLBManager] rebalance end time=2.125s
+"""
+
+
+def _log_run(tmp_path, path):
+    from moetrace.collect import collect
+
+    rd = collect([path])[0]
+    st = Store(tmp_path / "st", create=True)
+    return st, st.write_run(rd.run, rd.tables, run_id="log").run_id
+
+
+def test_rebalance_timing_of_sglang_lines(tmp_path):
+    p = tmp_path / "server.log"
+    p.write_text(SGL_LOG)
+    st, rid = _log_run(tmp_path, p)
+    r = st.sql("SELECT * FROM rebalance_timing WHERE run_id = ?", [rid]).row(0, named=True)
+    assert (r["engine"], r["rebalances"], r["started"], r["skipped"]) == ("sglang", 3, 3, 0)
+    assert r["total_s"] == pytest.approx(3.930 + 1.945 + 2.125)
+    assert r["median_s"] == pytest.approx(2.125) and r["max_s"] == pytest.approx(3.930)
+
+
+def test_rebalance_timing_of_real_sglang_log(tmp_path):
+    """The real EPLBManager log: 19 rebalances, 38.719 s in all (../shared/data/README.md)."""
+    st, rid = _log_run(tmp_path, shared_data("real_logs", "sglang_eplbmanager_a100.log"))
+    r = st.sql("SELECT * FROM rebalance_timing WHERE run_id = ?", [rid]).row(0, named=True)
+    assert r["rebalances"] == 19 and r["total_s"] == pytest.approx(38.719)
