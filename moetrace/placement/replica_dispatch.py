@@ -4,9 +4,9 @@ step, for two dispatch rules. Pure numpy: arrays in, arrays out.
 - ``even``: every copy gets an equal share of its expert's tokens (the replay's default,
   and what the SQL rank views assume);
 - ``least-loaded``: per step, the replicated experts' tokens go to the lightest of their
-  copies' ranks, a min-max split in the manner of SGLang's LPLB, which solves a per-batch
-  linear program over the replicas and water-fills a shared expert's tokens onto the
-  lighter ranks. Here: the tokens of experts with a single rank are fixed; each replicated
+  copies' ranks, a min-max split in the manner of DeepSeek's LPLB (deepseek-ai/LPLB, the
+  linear-programming load balancer: per batch, it solves the token assignment over the
+  replicas that balances the ranks). Here: the tokens of experts with a single rank are fixed; each replicated
   expert's tokens are poured onto its copies' ranks up to a common level (water-filling),
   heaviest expert first, then every expert is poured again with the others in place until
   no allocation moves by more than ``TOL`` of the cell's tokens (at most ``MAX_PASSES``
