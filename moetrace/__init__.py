@@ -16,24 +16,13 @@ when first used.
 from .version import __version__  # noqa: F401
 
 
-def open_store(path, create: bool = False):
-    """Open (or with ``create=True`` make) the store at ``path``."""
-    from .run import open_store as _open
-
-    return _open(path, create=create)
-
-
 def __getattr__(name):  # lazy public API provided by later modules
     if name == "rebalance_experts":
         from .placement.eplb import rebalance_experts
 
         return rebalance_experts
-    if name in ("Run", "Shape"):
-        from . import run
+    if name in ("Run", "Shape", "Store", "open_store"):
+        from . import run  # the facade: registers store.run(run_id) on the Store
 
         return getattr(run, name)
-    if name == "Store":
-        from .run import Store
-
-        return Store
     raise AttributeError(name)

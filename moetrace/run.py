@@ -43,7 +43,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .notebook import NotebookView
-from .storage.store import Store as _Store
+from .storage.store import Store, open_store, register_facade
 
 if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
     import polars as pl
@@ -442,25 +442,14 @@ class Run(NotebookView):
         return calibrate(self.store, self.id, list(judge), **kw)
 
 
-class Store(_Store):
-    """The store with the facade on it: ``store.run(run_id)`` is the :class:`Run` of
-    ``run_id`` (None: the store's only run). What :func:`moetrace.open_store` returns; the
-    store itself (:mod:`moetrace.storage.store`) does not know the facade."""
+def _clear_store_cache(store: Store) -> dict[str, int]:
+    from .analyze.cache import clear
 
-    def run(self, run_id: str | None = None) -> Run:
-        return Run(self, self.resolve_run(run_id))
-
-    def clear_cache(self) -> dict[str, int]:
-        """Remove every run's stored analysis, and any a removed run left ({table: files})."""
-        from .analyze.cache import clear
-
-        return clear(self, None)
+    return clear(store, None)
 
 
-def open_store(path, create: bool = False) -> Store:
-    """Open (or with ``create=True`` make) the store at ``path``; ``open_store(p).run(id)``
-    gives the run's facade, and ``with open_store(p) as st:`` closes it."""
-    return Store(path, create=create)
+# ``store.run(run_id)`` and ``store.clear_cache()``: the store layer does not import this one
+register_facade(Run, _clear_store_cache)
 
 
 def run_sweeps(store, jobs, workers: int | None = None, scheduler: str | None = None) -> list:
@@ -496,4 +485,4 @@ def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = No
     return run_sweeps(store, jobs, workers=workers, scheduler=scheduler), skipped
 
 
-__all__ = ["Run", "Shape", "SKEW_BY", "run_sweeps", "sweep_runs"]
+__all__ = ["Run", "Shape", "SKEW_BY", "Store", "open_store", "run_sweeps", "sweep_runs"]

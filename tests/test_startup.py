@@ -10,7 +10,7 @@ from moetrace.storage import views
 
 
 def test_store_import_is_lazy():
-    code = ("import sys, moetrace.storage.store, moetrace.storage.txn; "
+    code = ("import sys, moetrace.storage.store, moetrace.storage.writer; "
             "print(sorted(m for m in ('duckdb', 'polars') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -87,7 +87,7 @@ def _cli_in_fresh_python(*args: str) -> dict:
 
 def test_runs_and_skew_import_neither_polars_nor_arrow_nor_numpy(tmp_path, runner, cli):
     """`moetrace runs` and `moetrace skew` print DuckDB's rows: polars, pyarrow (and its
-    pandas), numpy and the duckdb package's Python layer (moetrace.storage.engine: only its
+    pandas), numpy and the duckdb package's Python layer (moetrace.storage.duck: only its
     C extension) are not imported on their path (issue #26: start-up under 0.3 s).
     Not a timing test: it fails when one of them comes back on the path."""
     st = tmp_path / "tiny"
@@ -147,27 +147,27 @@ def test_rows_print_as_polars_prints_their_frame():
 
 
 def test_engine_is_the_packages_extension():
-    """moetrace.storage.engine hands out the C extension the duckdb package re-exports: the
+    """moetrace.storage.duck hands out the C extension the duckdb package re-exports: the
     same connect, connection class and exceptions (a DuckDB release that changes this fails
     here); a connection made through it gains the package's methods once the package is
     imported, and the package is imported as soon as a data-frame library is loaded."""
     code = """
 import sys
-from moetrace.storage import engine
+from moetrace.storage import duck
 assert "duckdb" not in sys.modules
-con = engine.duckdb.connect(":memory:")
+con = duck.duckdb.connect(":memory:")
 assert con.execute("SELECT 6 * 7 AS x").fetchall() == [(42,)]
 try:
     con.execute("SELECT * FROM no_such_table")
-except engine.Error as e:
+except duck.Error as e:
     caught = type(e).__name__
 import pyarrow as pa
-engine.needs_full()
+duck.needs_full()
 assert "duckdb" in sys.modules
 import duckdb
-assert engine.duckdb.connect is duckdb.connect and engine.Error is duckdb.Error
-assert engine.duckdb.CatalogException is duckdb.CatalogException
-assert engine.duckdb.BinderException is duckdb.BinderException
+assert duck.duckdb.connect is duckdb.connect and duck.Error is duckdb.Error
+assert duck.duckdb.CatalogException is duckdb.CatalogException
+assert duck.duckdb.BinderException is duckdb.BinderException
 assert type(con) is duckdb.DuckDBPyConnection
 t = pa.table({"a": [1, 2, 3]})
 assert con.sql("SELECT sum(a) FROM t").fetchall() == [(6,)]      # the package's method, Arrow scan

@@ -80,7 +80,7 @@ FORK_SERVER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import pyarrow as pa
     from moetrace.storage.store import Store
-    import duckdb, polars, moetrace.storage.engine, moetrace.storage.txn, moetrace.storage.views, moetrace.storage.dense
+    import duckdb, polars, moetrace.storage.duck, moetrace.storage.writer, moetrace.storage.views, moetrace.storage.dense
     for name in sys.argv[2].split(","):
         importlib.import_module(name)
     code = compile(sys.argv[1], "<writer>", "exec")
@@ -254,7 +254,7 @@ RACE_SERVER = textwrap.dedent("""
         print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]), flush=True)
 """)
 RACE_PRELOAD = ("duckdb", "polars", "numpy", "pyarrow", "pyarrow.parquet", "moetrace.cli", "moetrace.commands.store_cmds",
-                "moetrace.storage.store", "moetrace.storage.txn", "moetrace.storage.dense", "moetrace.collect.generic",
+                "moetrace.storage.store", "moetrace.storage.writer", "moetrace.storage.dense", "moetrace.collect.generic",
                 "moetrace.collect.checks", "moetrace.collect.conservation")
 
 

@@ -116,7 +116,7 @@ def _pow2_at_least(n: int) -> int:
 def _drop(con, names) -> None:
     """Drop the TEMP tables or TEMP views ``names`` (moetrace.analyze.cache shadows the
     views with TEMP views over the stored rows)."""
-    from ..storage.engine import duckdb
+    from ..storage.duck import duckdb
 
     for n in names:
         try:
@@ -129,8 +129,8 @@ def _drop(con, names) -> None:
 
 
 def _main(con) -> str:
-    """The connection's own schema, fully qualified (:func:`moetrace.storage.store.main_schema`)."""
-    from ..storage.store import main_schema
+    """The connection's own schema, fully qualified (:func:`moetrace.storage.views.main_schema`)."""
+    from ..storage.views import main_schema
 
     return main_schema(con)
 

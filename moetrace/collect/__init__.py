@@ -257,7 +257,8 @@ def ingest(store, paths: Sequence[str | Path], format: str | None = None, option
     write. ``on_skip(paths)`` as in :func:`collect`; ``on_write(run_data, write_result)`` is
     called after each run is written (or skipped as already ingested). Returns the
     store's WriteResults."""
-    from ..storage.store import Store, failed_write_leaves_no_trace, remove_empty_store
+    from ..storage.cleanup import failed_write_leaves_no_trace, remove_empty_store
+    from ..storage.store import Store
 
     runs = collect(paths, format=format, options=options, on_skip=on_skip, on_warn=on_warn)
     if run_id and len(runs) > 1:

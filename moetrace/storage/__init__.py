@@ -1,4 +1,5 @@
-"""The trace store: a folder of Parquet tables (:mod:`.store`, writes in :mod:`.txn`),
-their contracts (:mod:`.schema`), the SQL views defined over them (:mod:`.views`,
-``sql/*.sql``), the dense expert-count tables (:mod:`.dense`) and the Spark engine over the
-same files (:mod:`.spark`)."""
+"""The trace store: a folder of Parquet tables (:mod:`.store`, the one ``Store`` and
+``open_store``; writes as transactions in :mod:`.writer`), their contracts (:mod:`.schema`),
+the views over them (:mod:`.views`, ``sql/*.sql``; older stores in :mod:`.compat`), the
+catalog file (:mod:`.catalog`), the dense expert-count tables (:mod:`.dense`) and the Spark
+engine over the same files (:mod:`.spark`)."""

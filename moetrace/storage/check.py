@@ -116,7 +116,7 @@ def _footer_columns(con, files) -> dict[str, list[tuple[str, str]]]:
 
 def _quick_footers(root: Path, tables, con=None, cache: dict | None = None) -> set[Path]:
     """The store's data files whose footers DuckDB reads and finds plainly right for their
-    table (one query over every footer, no pyarrow: a reader's start-up, issue #26). A file
+    table (one query over every footer, no pyarrow: a reader's start-up). A file
     left out is not wrong: :func:`_check_file` reads it with pyarrow, which decides (and
     names the problem); a footer DuckDB cannot read leaves every file to pyarrow."""
     files = {f: t for t in tables for f in (root / t).glob("run_id=*/*.parquet")}
@@ -126,9 +126,9 @@ def _quick_footers(root: Path, tables, con=None, cache: dict | None = None) -> s
         if con is not None:
             cols = footer_columns(con, list(files), cache)
         else:
-            from .engine import duckdb
+            from .duck import connect, threads_setting
 
-            con = duckdb.connect(":memory:")
+            con = connect(threads_setting())
             try:
                 cols = footer_columns(con, list(files))
             finally:
@@ -148,7 +148,7 @@ def _quick_footers(root: Path, tables, con=None, cache: dict | None = None) -> s
     return ok
 
 
-def _check_file(table: str, f: Path, contract, deep: bool, trusted: set[Path] = frozenset()) -> str | None:
+def _check_file(table: str, f: Path, contract, deep: bool, trusted: set[Path] | frozenset[Path] = frozenset()) -> str | None:
     if f.is_symlink():
         return "is a symlink; a store holds its own files only"
     if not f.is_file():

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:   # imported by the functions that use them: the views need neither (issue #26)
+if TYPE_CHECKING:   # imported by the functions that use them: the views need neither (start-up time)
     import numpy as np
     import pyarrow as pa
 
@@ -72,7 +72,7 @@ _np = numpy_ints
 def arrow_ints(values: np.ndarray, dtype=None) -> pa.Array:
     """A null-free numpy integer array as an Arrow array over the same buffer (``pa.array``
     would do the same, but pyarrow imports pandas the first time it is called: a third of
-    a second of every ``moetrace ingest``, issue #26). ``dtype`` defaults to int64."""
+    a second of every ``moetrace ingest``). ``dtype`` defaults to int64."""
     import numpy as np
     import pyarrow as pa
 

@@ -33,7 +33,9 @@ import shutil
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import StoreError, UsageError
 from ..safety import memory_limit as checked_size
@@ -49,12 +51,18 @@ BATCH_ROWS = 65536
 _ALLOWED = ("SELECT", "EXPLAIN")
 
 
+def _size(value: str, what: str) -> str:
+    out = checked_size(value, what)
+    assert out is not None   # a value was given
+    return out
+
+
 def default_memory_limit() -> str:
-    return checked_size(os.environ.get("MOETRACE_SQL_MEMORY_LIMIT") or DEFAULT_MEMORY, "MOETRACE_SQL_MEMORY_LIMIT")
+    return _size(os.environ.get("MOETRACE_SQL_MEMORY_LIMIT") or DEFAULT_MEMORY, "MOETRACE_SQL_MEMORY_LIMIT")
 
 
 def default_temp_limit() -> str:
-    return checked_size(os.environ.get("MOETRACE_SQL_TEMP_LIMIT") or DEFAULT_TEMP, "MOETRACE_SQL_TEMP_LIMIT")
+    return _size(os.environ.get("MOETRACE_SQL_TEMP_LIMIT") or DEFAULT_TEMP, "MOETRACE_SQL_TEMP_LIMIT")
 
 
 def _refuse(what: str) -> UsageError:
@@ -97,12 +105,12 @@ def _check_explained(query: str) -> None:
         raise _refuse("EXPLAIN of a statement that is not a SELECT is refused")
 
 
-def _dir_entry(path: str) -> str:
+def _dir_entry(path: str | os.PathLike[str]) -> str:
     p = os.path.realpath(path)
     return p if p.endswith("/") else p + "/"
 
 
-def sandbox(con, store_path: str | os.PathLike, allow: list[str] = (), *, memory_limit: str | None = None,
+def sandbox(con, store_path: str | os.PathLike, allow: Sequence[str] = (), *, memory_limit: str | None = None,
             temp_dir: str) -> None:
     """Limit ``con`` (its views already defined) to the store and the ``allow`` paths, then
     lock its configuration."""
@@ -116,7 +124,7 @@ def sandbox(con, store_path: str | os.PathLike, allow: list[str] = (), *, memory
         else:
             raise UsageError(f"--allow-path {a}: no such file or folder")
     lst = lambda xs: "[" + ", ".join(sql_literal(x) for x in xs) + "]"  # noqa: E731
-    for stmt in (f"SET memory_limit={sql_literal(checked_size(memory_limit) if memory_limit else default_memory_limit())}",
+    for stmt in (f"SET memory_limit={sql_literal(_size(memory_limit, '--memory-limit') if memory_limit else default_memory_limit())}",
                  f"SET temp_directory={sql_literal(temp_dir)}",
                  f"SET max_temp_directory_size={sql_literal(default_temp_limit())}",
                  f"SET allowed_directories={lst(dirs)}",
@@ -171,11 +179,11 @@ class _Sink:
     def __init__(self, fmt: str, output: str | None, store_path, pretty: bool, max_rows: int = 50):
         self.fmt, self.output, self.pretty, self.max_rows = fmt, output, pretty, max_rows
         self.rows = 0
-        self._writer = None
-        self._schema = None
-        self._fh = None
-        self._head = []
-        self._tail = collections.deque()
+        self._writer: Any = None
+        self._schema: Any = None
+        self._fh: Any = None
+        self._head: list[Any] = []
+        self._tail: collections.deque[Any] = collections.deque()
         self._tail_rows = 0
         self._first = True
         if output:
@@ -208,6 +216,7 @@ class _Sink:
         self._first = False
 
     def _add_file(self, df) -> None:
+        assert self.output is not None
         if Path(self.output).suffix == ".csv":
             if self._fh is None:
                 self._fh = open(self._tmp, "wb")
@@ -322,7 +331,7 @@ def run_streamed(con, query: str, *, fmt: str, output: str | None, store_path, p
 
 
 def run_query(store, query: str, *, fmt: str, output: str | None, pretty: bool = False, unsafe: bool = False,
-              allow: list[str] = (), memory_limit: str | None = None, timeout: float | None = None) -> int:
+              allow: Sequence[str] = (), memory_limit: str | None = None, timeout: float | None = None) -> int:
     """``moetrace sql``: ``store.connect()`` (the views), sandboxed unless ``unsafe``, then
     :func:`run_streamed`. The private spill folder is removed afterwards."""
     if not unsafe:

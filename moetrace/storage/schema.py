@@ -14,11 +14,14 @@ from typing import TYPE_CHECKING
 
 from ..errors import SchemaError
 
-if TYPE_CHECKING:   # pyarrow is imported where a path needs it: readers need only names (issue #26)
+if TYPE_CHECKING:   # pyarrow is imported where a path needs it: readers need only names (start-up time)
     import pyarrow as pa
 
 #: the contract's type names (their Arrow types: :func:`arrow_types`)
 TYPE_NAMES = ("string", "bool", "int8", "int16", "int32", "int64", "float32", "float64", "int64[]")
+#: each contract type as DuckDB names it (a view's column that no file holds is cast to it)
+DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
+              "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE", "int64[]": "BIGINT[]"}
 
 
 
@@ -187,7 +190,7 @@ def one_row(row: dict) -> pa.Table:
     """A one-row table of Python values (str, int, bool, float, None; other values as
     ``pa.array`` makes them), column types as ``pa.Table.from_pylist([row])`` infers them.
     Built from buffers: pyarrow imports pandas the first time ``pa.array`` is called, a
-    third of a second of every ``moetrace ingest`` (issue #26)."""
+    third of a second of every ``moetrace ingest``."""
     import struct
 
     import pyarrow as pa

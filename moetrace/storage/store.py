@@ -8,13 +8,18 @@ Layout::
       catalog.duckdb                 optional: views with store-relative paths
       .txn/ .staging/ .lock          transaction journal, staging area, write lock
 
+Jobs: this module opens a store (format check, recovery of a crashed writer), reads it
+(DuckDB connections, SQL results as polars, Arrow, numpy or plain rows, the runs and
+partitions from footers) and hands writes to its :class:`~.writer.Writer`; the views'
+SQL is :mod:`.views`, older stores :mod:`.compat`, the catalog file :mod:`.catalog`.
+
 Writes are transactions: every table of a run is written to ``.staging`` first, a journal
 lists the final paths, files are renamed into place (``runs`` last), then the journal is
 removed. A crash leaves either a journal (rolled back, or forward when the ``runs`` row
 made it, on the next write) or nothing: never a half-written partition. Appends (plans,
 replays, calibrations) are the same transaction, their header table (``plans``,
 ``replay_runs``) renamed last. Readers read the files of committed transactions only
-(``Transactions.committed_files``), looked up again on every query, so they never see
+(:meth:`.writer.Writer.committed_files`), looked up again on every query, so they never see
 half of a write and see new files without reopening. Validation happens before anything touches the
 disk, so bad input leaves the store byte-for-byte as it was.
 
@@ -28,24 +33,21 @@ journal that does not match is refused with one line and nothing is changed.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
-import json
 import os
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
 from ..safety import sql_identifier, sql_literal
 from ..version import __version__
 from . import schema
-from .paths import GLOB_CHARS, STORE_FORMAT, STORE_MARKER, check_store_path
-from .txn import Transactions
+from .compat import file_versions, missing_column
+from .paths import STORE_FORMAT, STORE_MARKER, check_store_path, has_files, run_ids, table_glob
+from .views import LazyViews, TableViews
+from .writer import Journal, Writer, WriteResult
 
-if TYPE_CHECKING:   # duckdb, pyarrow and polars are imported where a path needs them (start-up: issue #26)
+if TYPE_CHECKING:   # duckdb, pyarrow and polars are imported where a path needs them (start-up)
     import duckdb
     import polars as pl
     import pyarrow as pa
@@ -53,15 +55,7 @@ if TYPE_CHECKING:   # duckdb, pyarrow and polars are imported where a path needs
     from ..output import Rows
 
 
-_DUCK_TYPES = {"string": "VARCHAR", "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
-               "int64": "BIGINT", "float32": "FLOAT", "float64": "DOUBLE", "int64[]": "BIGINT[]"}
-#: required columns added to a contract after stores were written without them, and how a
-#: view computes them from such a store's files (the writer's definition is the reference:
-#: ``tokens_desc`` is ``dense_table``'s counts sorted descending)
-DERIVED_WHEN_MISSING = {("expert_counts", "tokens_desc"): "list_reverse_sort(tokens)"}
-
-
-def query_arrow(con: duckdb.DuckDBPyConnection, query: str, params=None) -> pa.Table | None:
+def query_arrow(con: Any, query: str, params: Any = None) -> pa.Table | None:
     """Run ``query`` and return its rows as Arrow (None for statements without rows),
     across DuckDB versions (fetch_arrow_table became to_arrow_table in 2.0)."""
     import pyarrow as pa
@@ -85,25 +79,36 @@ def _narrow_hugeints(df: pl.DataFrame) -> pl.DataFrame:
     for name, dtype in df.schema.items():
         if isinstance(dtype, pl.Decimal) and (dtype.scale or 0) == 0:
             col = df[name]
-            mx, mn = col.max(), col.min()
+            mx: Any = col.max()
+            mn: Any = col.min()
             if mx is None or (abs(int(mx)) < 2**63 and abs(int(mn)) < 2**63):
                 casts.append(pl.col(name).cast(pl.Int64))
     return df.with_columns(casts) if casts else df
 
 
-TableLike = "pa.Table | pl.DataFrame | dict | Iterable[pa.Table]"
+class Store:
+    """A moetrace store folder. ``Store(path)`` opens (``create=True`` makes it).
 
+    ``threads``: the DuckDB threads of the store's connections (None: the environment
+    variable ``MOETRACE_DUCKDB_THREADS``, else DuckDB's default, one per core).
 
-class Store(Transactions):
-    """A moetrace store folder. ``Store(path)`` opens (``create=True`` makes it)."""
+    Writes go to :attr:`writer` (:class:`~.writer.Writer`); this class refreshes its views
+    and the catalog after each. ``store.run(run_id)`` is the run's facade
+    (:class:`moetrace.run.Run`, registered by that module: :func:`register_facade`)."""
 
-    def __init__(self, path: str | os.PathLike, create: bool = False):
+    def __init__(self, path: str | os.PathLike[str], create: bool = False, *, threads: int | None = None):
+        from .duck import threads_setting
+
         self.path = Path(path)
-        self._con: duckdb.DuckDBPyConnection | None = None
+        self.threads = threads_setting(threads)
+        self._con: Any = None           # LazyViews, or a plain connection a caller set
         self._scratch_con: duckdb.DuckDBPyConnection | None = None
-        self._footers: dict = {}    # check.footer_columns' cache: each footer read once per Store
+        self._footers: dict[str, Any] = {}    # check.footer_columns' cache: each footer read once per Store
         self._views_files: dict[str, tuple[str, ...]] | None = None
+        self._readable = False
         check_store_path(self.path)
+        self.writer = Writer(self.path)
+        self._views = TableViews(self.path, self._scratch, self._footers)
         marker = self.path / STORE_MARKER
         if not marker.exists():
             if not create:
@@ -114,15 +119,17 @@ class Store(Transactions):
                 if any(self.path.iterdir()):
                     raise StoreError(f"{self.path}: not a moetrace store (no {STORE_MARKER})")
                 return  # an empty folder reads as an empty store; a read never writes
-            self._init()
+            self.writer.create()
             return
         self._check_format(marker)
         if create:
-            self._recover_if_abandoned()  # a writer's open: crash leftovers go now
+            self.writer.recover_if_abandoned()  # a writer's open: crash leftovers go now
 
     def _check_format(self, marker: Path) -> None:
         """The marker names the store format: a store of a newer format (or a marker that
         is not one) is refused with one line before anything reads its tables."""
+        import json
+
         try:
             raw = b""
             if marker.is_file():  # not a FIFO or device; a few KiB at most are read
@@ -141,227 +148,109 @@ class Store(Transactions):
             raise StoreError(f"{self.path}: store format {fmt} (written by moetrace {by}); this moetrace "
                              f"({__version__}) reads format {STORE_FORMAT} or older: upgrade moetrace to read it")
 
-    # ------------------------------------------------------------------ creation, locking
-    def _init(self) -> None:
-        if (self.path / STORE_MARKER).exists():
-            return
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            import uuid  # here: read-only commands never make an id (start-up)
-            tmp = self.path / f".{STORE_MARKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # unique: racing creators
-            tmp.write_text(json.dumps({"moetrace_store_format": STORE_FORMAT, "created_by": __version__}) + "\n")
-            os.replace(tmp, self.path / STORE_MARKER)
-        except OSError as e:
-            raise StoreError(f"{self.path}: cannot create store: {e.strerror}") from None
+    # ------------------------------------------------------------------ writing (the writer's)
+    def write_run(self, run: dict[str, Any], tables: dict[str, object], *, run_id: str | None = None,
+                  dedupe: bool = True, run_id_hint: str | None = None) -> WriteResult:
+        """Write a new run: its ``runs`` row and its tables, as one transaction.
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        self._check_no_symlinks()
-        self.journals()  # a malformed journal is refused before anything (even .lock) is created
-        lock_path = self.path / ".lock"
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            raise StoreError(f"{self.path}: store is not writable ({e.strerror})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        ``run`` holds the ``runs`` columns (run_id, ingested_at_ns and collector_version are
+        filled in when absent). ``run_id`` is taken as is (an existing one is an error);
+        ``run_id_hint`` is made unique while the write lock is held. Tables may be Arrow
+        tables, polars frames, dicts of columns or iterables of those (streamed chunk by
+        chunk). Returns the run id, or the id of the run already holding the same
+        ``ingest_key`` (else ``source_sha256``) (``skipped=True``)."""
+        res = self.writer.write_run(run, tables, run_id=run_id, run_id_hint=run_id_hint,
+                                    existing=self.find_by_sha if dedupe else None)
+        if not res.skipped:
+            self.refresh()
+            res.message = self._refresh_catalog() or ""
+        return res
 
-    def _check_writable(self) -> None:
-        if not os.access(self.path, os.W_OK):
-            raise StoreError(f"{self.path}: store is read-only; nothing was written")
+    def append(self, run_id: str, tables: dict[str, object], *, replace: bool = False) -> dict[str, int]:
+        """Add rows to an existing run (plans, replay results, calibrations) as one
+        transaction, like :meth:`write_run`: staged, journaled, renamed with the header
+        table (``Writer.HEADER_TABLES``, else the last table given) last; that file is the
+        commit file (a crash after it rolls forward, before it back), and readers see
+        all of the append or none of it (:meth:`committed_files`).
 
+        ``replace``: once the append is committed, the run's older files of the same
+        tables are removed (under the same lock). A crash between the commit and the
+        removal leaves both generations in place: rows that must not be read together
+        carry an id of their write (the analysis cache's ``cache_id``), so the older
+        generation is ignored until the next replace or :meth:`drop_tables` removes it."""
+        rows = self.writer.append(run_id, tables, replace=replace)
+        self.refresh()
+        self._refresh_catalog()
+        return rows
 
-    # ------------------------------------------------------------------ reading
+    def drop_tables(self, run_id: str | None, tables: list[str]) -> dict[str, int]:
+        """Remove every file of ``tables`` (contract tables, in the order given: put the one
+        readers check first, e.g. a header) of ``run_id``, or of every run when None, under
+        the write lock; returns {table: files removed}. Used for derived tables only (the
+        analysis cache): a run's own rows are never dropped this way."""
+        out = self.writer.drop_tables(run_id, tables)
+        self.refresh()
+        if any(out.values()):
+            self._refresh_catalog()
+        return out
+
+    def recover(self) -> list[str]:
+        """Finish or roll back the transactions a crash left behind (:meth:`.Writer.recover`)."""
+        return self.writer.recover()
+
+    def journals(self) -> dict[str, Journal]:
+        """Pending journals, validated (:meth:`.Writer.journals`)."""
+        return self.writer.journals()
+
+    def committed_files(self) -> dict[str, tuple[str, ...]]:
+        """{table: files} a reader may read now (:meth:`.Writer.committed_files`)."""
+        return self.writer.committed_files()
+
+    def unique_run_id(self, hint: str) -> str:
+        return self.writer.unique_run_id(hint)
+
+    # ------------------------------------------------------------------ views, connections
     def table_glob(self, table: str, relative: bool = False) -> str:
-        base = Path(table) if relative else self.path / table
-        return str(base / "*" / "*.parquet")
+        return table_glob(self.path, table, relative)
 
     def has_files(self, table: str) -> bool:
-        d = self.path / table
-        return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
-
-    def _view_sql(self, table: str, relative: bool, present: set[str] | None = None,
-                  files: dict[str, tuple[str, ...]] | None = None) -> str:
-        """A table's view. Tables other than ``runs`` show only committed runs (whose
-        ``runs`` row is in place: it is renamed last), so a reader never sees part of a run
-        being written or left by a crash; readers never recover.
-
-        ``files``: the committed files of every table (:meth:`committed_files`): the view
-        reads exactly those (a list, not a glob), so a reader never sees part of an append
-        either; :attr:`con` defines the views again when that set changes. The catalog
-        (``relative``) reads globs (docs/hardening.md).
-
-        ``present``: the columns the table's files hold, when some contract column is in
-        none of them (a store written before that column existed): a nullable one reads
-        NULL, any other is refused; one in :data:`DERIVED_WHEN_MISSING` is computed where
-        a file lacks it (:meth:`_column_sql`)."""
-        ts = schema.get(table)
-        name = sql_identifier(table)
-        if files is not None and not relative:
-            listed = files.get(table, ())
-            src = "[" + ", ".join(sql_literal(self.path / f) for f in listed) + "]" if listed else None
-        else:
-            src = sql_literal(self.table_glob(table, relative)) if self.has_files(table) else None
-        if src is not None:
-            glob = src
-            cols = ", ".join(self._column_sql(table, c, present) for c in ts.column_names)
-            committed = "" if table == "runs" else " WHERE run_id IN (SELECT run_id FROM \"runs\")"
-            return (f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} FROM read_parquet({glob}, "
-                    f"hive_partitioning=true, hive_types={{'run_id': VARCHAR}}, union_by_name=true){committed}")
-        cols = ", ".join(f"CAST(NULL AS {_DUCK_TYPES[c.type]}) AS {sql_identifier(c.name)}" for c in ts.columns)
-        return f"CREATE OR REPLACE VIEW {name} AS SELECT {cols} WHERE false"
-
-    def _column_sql(self, table: str, column: str, present: set[str] | None) -> str:
-        """One column of a table's view: the column itself, or what stands for it where the
-        table's files predate it. A derived column (:data:`DERIVED_WHEN_MISSING`) is looked
-        up in every file's footer, since a store that was written on after an upgrade holds
-        both kinds of file (the column read NULL from the older ones): it is the column
-        where every file has it, computed where none has, and the two coalesced otherwise."""
-        ident = sql_identifier(column)
-        if (table, column) in DERIVED_WHEN_MISSING:
-            lacking, total = self._files_lacking(table, column)
-            if lacking == 0:
-                return ident
-            derived = DERIVED_WHEN_MISSING[table, column]
-            return f"{derived} AS {ident}" if lacking == total else f"coalesce({ident}, {derived}) AS {ident}"
-        if present is None or column in present:
-            return ident
-        return f"{self._missing_column(table, column)} AS {ident}"
-
-    def _files_lacking(self, table: str, column: str) -> tuple[int, int]:
-        """(files of ``table`` whose footer lacks ``column``, files of ``table``); a file
-        whose footer cannot be read counts as lacking it (the view then coalesces, which
-        is right either way)."""
-        files = list((self.path / table).glob("*/*.parquet"))  # what the view reads (table_glob)
-        if not files:
-            return 0, 0
-        from .check import footer_columns
-        from .engine import duckdb
-
-        try:   # every footer in one DuckDB query (no pyarrow: start-up, issue #26)
-            held = footer_columns(self._scratch(), files, self._footers)
-        except duckdb.Error:
-            held = None
-        if held is None or len(held) != len(files):   # a footer DuckDB cannot read: file by file
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            held = {}
-            for f in files:
-                try:
-                    held[str(f)] = [(n, None) for n in pq.read_schema(f).names]
-                except (OSError, pa.ArrowException):
-                    pass
-        lacking = sum(column not in {n for n, _ in held.get(str(f), ())} for f in files)
-        return lacking, len(files)
-
-    def _missing_column(self, table: str, column: str) -> str:
-        """The SQL that stands for ``column`` in a store whose ``table`` files predate it."""
-        col = next(c for c in schema.get(table).columns if c.name == column)
-        if col.nullable:
-            return f"CAST(NULL AS {_DUCK_TYPES[col.type]})"
-        found = sorted(self.file_versions(table)) or ["unknown"]
-        raise StoreError(f"{self.path}: table {table!r} was written with schema version {', '.join(found)}, whose files "
-                         f"lack the required column {column!r} of version {schema.get(table).version}; this moetrace "
-                         f"({__version__}) cannot read it: re-ingest the sources into a new store, or read it with "
-                         f"the moetrace that wrote it")
+        return has_files(self.path, table)
 
     def file_versions(self, table: str) -> set[str]:
         """The schema versions recorded in the footers of ``table``'s files."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        out = set()
-        for f in (self.path / table).glob("run_id=*/*.parquet"):
-            try:
-                meta = pq.read_schema(f).metadata or {}
-            except (OSError, pa.ArrowException):
-                continue
-            out.add(meta.get(schema.META_VERSION, b"none").decode(errors="replace"))
-        return out
-
-    def _present_columns(self, con: duckdb.DuckDBPyConnection, table: str, relative: bool,
-                         files: dict[str, tuple[str, ...]] | None = None) -> set[str]:
-        if files is not None and not relative:
-            glob = "[" + ", ".join(sql_literal(self.path / f) for f in files[table]) + "]"
-        else:
-            glob = sql_literal(self.table_glob(table, relative))
-        rows = con.execute(f"DESCRIBE SELECT * FROM read_parquet({glob}, hive_partitioning=true, "
-                           f"hive_types={{'run_id': VARCHAR}}, union_by_name=true)").fetchall()
-        return {r[0] for r in rows}
-
-    def _define_views(self, con: duckdb.DuckDBPyConnection, relative: bool = False, tables_only: bool = False,
-                      files: dict[str, tuple[str, ...]] | None = None, tables=None) -> None:
-        """Create every view on ``con`` (``tables_only``: the tables' views, not those of
-        ``sql/``): over ``files`` (default: the committed files now; the catalog,
-        ``relative``, over globs). A store written before a contract column existed
-        (no file of the table holds it) fails to bind; then the views are made again with
-        that column NULL (or derived): older stores are read as they are, never rewritten."""
-        from .engine import duckdb
-
-        if files is None and not relative:
-            files = self.committed_files()
-        # the files the store's own connection's views read (a plain connection set by the
-        # caller included: else refresh() would define every view again at every access)
-        if not relative and (self._con is None or con is self._con or con is getattr(self._con, "raw", None)):
-            self._views_files = files
-        try:
-            for stmt in self.view_statements(relative, tables_only=tables_only, files=files, tables=tables):
-                con.execute(stmt)
-            return
-        except duckdb.BinderException as e:
-            first = e
-        present = {}
-        for t in (schema.load_all() if tables is None else tables):
-            if (files.get(t) if files is not None and not relative else self.has_files(t)):
-                cols = self._present_columns(con, t, relative, files)
-                if set(schema.get(t).column_names) - cols:
-                    present[t] = cols
-        if not present:
-            why = str(first).strip().splitlines()[0][:200]
-            raise StoreError(f"{self.path}: cannot define the store's views ({why}); the store may have been "
-                             f"written by another moetrace version than {__version__}") from None
-        try:
-            for stmt in self.view_statements(relative, present, tables_only=tables_only, files=files, tables=tables):
-                con.execute(stmt)
-        except duckdb.Error as e:
-            why = str(e).strip().splitlines()[0][:200]
-            raise StoreError(f"{self.path}: cannot read this store's tables ({why}); it was written by another "
-                             f"moetrace version than {__version__}: re-ingest the sources into a new store") from None
+        return file_versions(self.path, table)
 
     def view_statements(self, relative: bool = False, present: dict[str, set[str]] | None = None,
                         tables_only: bool = False, files: dict[str, tuple[str, ...]] | None = None,
-                        tables=None) -> list[str]:
-        """CREATE VIEW statements: one per contract table (``runs`` first: the others
-        filter on it), then the analysis views. ``present``: {table: columns its files
-        hold} for tables of an older store that lack a contract column. ``tables``: only
-        these tables' views (with ``tables_only``; :func:`tables_read` closes a set)."""
-        from .dense import expert_load_views
-        from .views import view_statements as analysis_views
+                        tables: Iterable[str] | None = None) -> list[str]:
+        """CREATE VIEW statements of the tables' and the analysis views
+        (:meth:`.TableViews.statements`)."""
+        return self._views.statements(relative, present, tables_only, files, tables)
 
-        present = present or {}
-        tables = sorted(schema.load_all() if tables is None else tables, key=lambda t: t != "runs")
-        stmts = [self._view_sql(t, relative, present.get(t), files) for t in tables]
-        # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
-        if "expert_load" in tables:
-            stmts += expert_load_views(self._view_sql("expert_load", relative, present.get("expert_load"), files))
-        return stmts if tables_only else stmts + analysis_views()
+    def _define_views(self, con: Any, tables_only: bool = False, files: dict[str, tuple[str, ...]] | None = None,
+                      tables: Iterable[str] | None = None) -> None:
+        """Create the views on ``con`` over ``files`` (default: the committed files now),
+        remembering which files the store's own connection's views read."""
+        if files is None:
+            files = self.committed_files()
+        # the files the store's own connection's views read (a plain connection set by the
+        # caller included: else refresh() would define every view again at every access)
+        if self._con is None or con is self._con or con is getattr(self._con, "raw", None):
+            self._views_files = files
+        self._views.define(con, tables_only=tables_only, files=files, tables=tables)
 
     def connect(self, threads: int | None = None, memory_limit: str | None = None,
-                tables_only: bool = False, _base=None, _no_views: bool = False) -> duckdb.DuckDBPyConnection:
+                tables_only: bool = False, _base: Any = None, _no_views: bool = False) -> Any:
         """A fresh in-memory DuckDB connection with every view defined. Never writes:
         no recovery (the views hide uncommitted runs), spills go to the store's
-        ``.duckdb_tmp`` only when DuckDB needs to spill."""
+        ``.duckdb_tmp`` only when DuckDB needs to spill. ``threads``: this connection's
+        DuckDB threads (default: the store's :attr:`threads`)."""
         from ..safety import memory_limit as check_memory_limit
 
-        if _base is None:   # a connection for any use: the package's every method (engine.full)
-            from .engine import full
+        if _base is None:   # a connection for any use: the package's every method (duck.full)
+            from .duck import connect
 
-            con = full().connect(":memory:")
+            con = connect(self.threads, package=True)
         else:
             con = _base
         # DuckDB draws a progress bar on stderr for queries past 2 s, even when stderr is a
@@ -370,22 +259,22 @@ class Store(Transactions):
         if threads:
             con.execute(f"SET threads={int(threads)}")
         if memory_limit:
-            con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit))}")
+            con.execute(f"SET memory_limit={sql_literal(check_memory_limit(memory_limit) or memory_limit)}")
         self.check_readable(con)
         tmp = self.path / ".duckdb_tmp"
         if os.access(self.path, os.W_OK) and not tmp.is_symlink():
             con.execute(f"SET temp_directory={sql_literal(tmp)}")
-        if _no_views:   # Store.con: _LazyViews defines each view when a statement first names it
+        if _no_views:   # Store.con: LazyViews defines each view when a statement first names it
             self._views_files = self.committed_files()
         else:
             self._define_views(con, tables_only=tables_only)
         return con
 
-    def check_readable(self, con=None) -> None:
+    def check_readable(self, con: Any = None) -> None:
         """A file readers would trip on (truncated, garbage, wrong schema or partition) is
         one line naming it (moetrace/storage/check.py); checked once per Store (the footers
         read on ``con``, else on :meth:`_scratch`)."""
-        if not getattr(self, "_readable", False):
+        if not self._readable:
             from .check import check_readable
 
             check_readable(self.path, con if con is not None else self._scratch(), self._footers)
@@ -395,28 +284,30 @@ class Store(Transactions):
         """A DuckDB connection for reads that need no view (footers, the runs files): the
         store's own connection once it has one, else one that :attr:`con` later takes as
         its own, so a command opens one DuckDB database, not several (each costs tens of
-        milliseconds: start-up, issue #26)."""
+        milliseconds of a small command's start-up)."""
         if self._con is not None:
-            return self._con.raw if isinstance(self._con, _LazyViews) else self._con
+            return self._con.raw if isinstance(self._con, LazyViews) else self._con
         if self._scratch_con is None:
-            from .engine import duckdb, needs_full
+            from .duck import connect, needs_full
 
             needs_full()
-            self._scratch_con = duckdb.connect(":memory:")
+            self._scratch_con = connect(self.threads)
         return self._scratch_con
 
     @property
-    def con(self) -> duckdb.DuckDBPyConnection:
-        """The store's connection. Its views of ``sql/`` are defined when a statement
-        first names them (with the views they read): defining all of them costs more than
-        a small query (issue #26); :meth:`connect` and the catalog define every view.
-        The tables' views read the committed files as of the last access: each access
-        looks again (two folder scans and the journals, no file is opened) and defines the
-        views again when another writer committed since, so a reader sees new runs, plans
-        and tables without reopening the store."""
+    def con(self) -> Any:
+        """The store's connection (:class:`~.views.LazyViews`). Its views of ``sql/`` are
+        defined when a statement first names them (with the views they read): defining
+        all of them costs more than a small query; :meth:`connect` and the catalog define
+        every view. The tables' views read the committed files as of the last access: each
+        access looks again (two folder scans and the journals, no file is opened) and
+        defines the views again when another writer committed since, so a reader sees new
+        runs, plans and tables without reopening the store."""
         if self._con is None:   # the scratch connection becomes the store's (footer reads while
             base = self._scratch()   # the views are defined go to it too)
-            self._con = _LazyViews(self, self.connect(tables_only=True, _base=base, _no_views=True))
+            raw = self.connect(tables_only=True, _base=base, _no_views=True)
+            self._con = LazyViews(raw, self.path, lambda need: self._define_views(
+                raw, tables_only=True, files=self._views_files, tables=need))
             self._scratch_con = None
         else:
             self.refresh()
@@ -427,13 +318,14 @@ class Store(Transactions):
         if self._con is not None:
             files = self.committed_files()
             if files != self._views_files:
-                if isinstance(self._con, _LazyViews):
+                if isinstance(self._con, LazyViews):
                     self._define_views(self._con.raw, tables_only=True, files=files, tables=self._con.tables)
                     self._con.redefine()
                 else:   # a plain connection from connect() set by the caller: every view again
                     self._define_views(self._con, files=files)
 
-    def sql(self, query: str, params=None) -> pl.DataFrame:
+    # ------------------------------------------------------------------ reading
+    def sql(self, query: str, params: Any = None) -> pl.DataFrame:
         """Run SQL over the store's views and return a polars DataFrame."""
         import duckdb
         import polars as pl
@@ -444,14 +336,16 @@ class Store(Transactions):
             raise StoreError(f"SQL error: {e}") from None
         if tbl is None or not tbl.num_columns:
             return pl.DataFrame()
-        return _narrow_hugeints(pl.from_arrow(tbl))
+        df = pl.from_arrow(tbl)
+        assert isinstance(df, pl.DataFrame)   # from a table, not an array
+        return _narrow_hugeints(df)
 
-    def rows(self, query: str, params=None) -> Rows:
+    def rows(self, query: str, params: Any = None) -> Rows:
         """Run SQL over the store's views and return its rows as DuckDB gives them
         (:class:`moetrace.output.Rows`: no polars, no Arrow; what ``moetrace runs`` and
-        ``moetrace skew`` print, issue #26)."""
+        ``moetrace skew`` print, light to import)."""
         from ..output import Rows
-        from .engine import duckdb
+        from .duck import duckdb
 
         try:
             cur = self.con.execute(query, params) if params is not None else self.con.execute(query)
@@ -460,23 +354,25 @@ class Store(Transactions):
         except duckdb.Error as e:
             raise StoreError(f"SQL error: {e}") from None
 
-    def copy_parquet(self, query: str, params, path) -> int:
+    def copy_parquet(self, query: str, params: Any, path: str | os.PathLike[str]) -> int:
         """Write the rows of ``query`` to the Parquet file ``path`` with DuckDB's COPY (no
         polars, no Arrow: ``moetrace skew -o x.parquet``); returns the rows written."""
         from ..safety import sql_literal as lit
-        from .engine import duckdb
+        from .duck import duckdb
 
         try:
             return int(self.con.execute(f"COPY ({query}) TO {lit(path)} (FORMAT parquet)", params).fetchall()[0][0])
         except duckdb.Error as e:
             raise StoreError(f"SQL error: {e}") from None
 
-    def arrow(self, query: str, params=None) -> pa.Table:
+    def arrow(self, query: str, params: Any = None) -> pa.Table | None:
+        """Run SQL over the store's views and return its rows as Arrow (None for a
+        statement without rows)."""
         return query_arrow(self.con, query, params)
 
-    def numpy(self, query: str, params=None) -> dict:
+    def numpy(self, query: str, params: Any = None) -> dict[str, Any]:
         """Run SQL over the store's views and return its columns as numpy arrays (DuckDB's
-        ``fetchnumpy``: no polars, no Arrow, no pandas; the replay's path, issue #26)."""
+        ``fetchnumpy``: no polars, no Arrow, no pandas; the replay's path)."""
         import duckdb
 
         try:
@@ -486,7 +382,7 @@ class Store(Transactions):
 
     def runs(self) -> pl.DataFrame:
         """The runs rows (contract columns; nullable ones an older file lacks are NULL, a
-        required one is refused: :meth:`_missing_column`), oldest first.
+        required one is refused: :func:`.compat.missing_column`), oldest first.
         Read from the runs partitions directly (no SQL view is built: ``moetrace runs``); a
         runs file is renamed into place last, so every row here is a committed run. Never
         writes. The rows of :meth:`runs_rows` (the one reader), typed by the contract."""
@@ -494,23 +390,23 @@ class Store(Transactions):
 
         pl_types = {"string": pl.Utf8, "bool": pl.Boolean, "int8": pl.Int8, "int16": pl.Int16, "int32": pl.Int32,
                     "int64": pl.Int64, "float32": pl.Float32, "float64": pl.Float64, "int64[]": pl.List(pl.Int64)}
-        want = {c.name: pl_types[c.type] for c in schema.get("runs").columns}
+        want: dict[str, Any] = {c.name: pl_types[c.type] for c in schema.get("runs").columns}
         rows = self.runs_rows()
         assert list(rows.columns) == list(want)
         return pl.DataFrame(rows.rows, schema=want, orient="row")
 
     def runs_rows(self) -> Rows:
         """:meth:`runs` as :class:`moetrace.output.Rows`, read by DuckDB from the runs
-        partitions (no view is built, no polars, no Arrow: ``moetrace runs``, issue #26)."""
+        partitions (no view is built, no polars, no Arrow: ``moetrace runs``)."""
         from ..output import Rows
         from .check import footer_columns
-        from .engine import duckdb
+        from .duck import duckdb
 
         cols = schema.get("runs").columns
         files = [f for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
         self.check_readable()
         if not files:
-            return Rows([c.name for c in cols], [_DUCK_TYPES[c.type] for c in cols], [])
+            return Rows([c.name for c in cols], [schema.DUCK_TYPES[c.type] for c in cols], [])
         con = self._scratch()
         try:
             held = footer_columns(con, files, self._footers)
@@ -520,9 +416,9 @@ class Store(Transactions):
                 present |= names
                 for c in cols:
                     if not c.nullable and c.name != "run_id" and c.name not in names:
-                        self._missing_column("runs", c.name)
+                        missing_column(self.path, "runs", c.name)
             exprs = ", ".join(sql_identifier(c.name) if c.name in present or c.name == "run_id"
-                              else f"CAST(NULL AS {_DUCK_TYPES[c.type]}) AS {sql_identifier(c.name)}" for c in cols)
+                              else f"CAST(NULL AS {schema.DUCK_TYPES[c.type]}) AS {sql_identifier(c.name)}" for c in cols)
             src = "[" + ", ".join(sql_literal(f) for f in files) + "]"
             cur = con.execute(f"SELECT {exprs} FROM read_parquet({src}, hive_partitioning=true, "
                               "hive_types={'run_id': VARCHAR}, union_by_name=true) "
@@ -532,12 +428,12 @@ class Store(Transactions):
             raise StoreError(f"{self.path}: cannot read the runs table ({' '.join(str(e).split())[:200]})") from None
 
     def partition_rows(self, dense_as_expert_load: bool = False, run_id: str | None = None,
-                       tables=None) -> list[tuple[str, str, int]]:
+                       tables: Iterable[str] | None = None) -> list[tuple[str, str, int]]:
         """(run_id, table, rows) of every partition (of ``run_id`` and ``tables`` when
         given), read from Parquet footers by DuckDB (no data scan). ``dense_as_expert_load``:
         expert_load also counts the rows its view shows of the dense expert_counts rows (one
         per list element, from the footers)."""
-        from .engine import duckdb
+        from .duck import duckdb
 
         parts = []
         for t in (schema.load_all() if tables is None else tables):
@@ -576,12 +472,9 @@ class Store(Transactions):
         return out
 
     def run_ids(self) -> list[str]:
-        d = self.path / "runs"
-        if not d.is_dir():
-            return []
-        return sorted(p.name.split("=", 1)[1] for p in d.glob("run_id=*") if any(p.glob("*.parquet")))
+        return run_ids(self.path)
 
-    def run_row(self, run_id: str) -> dict:
+    def run_row(self, run_id: str) -> dict[str, Any]:
         """The ``runs`` row of ``run_id`` as a dict."""
         got = self.rows("SELECT * FROM runs WHERE run_id = ?", [run_id])
         if got.height == 0:
@@ -607,9 +500,8 @@ class Store(Transactions):
         asked run id), or its ``source_sha256`` when it was ingested without options."""
         if not self.has_files("runs"):
             return None
-        cols = set(self.sql("SELECT * FROM runs LIMIT 0").columns)
-        key = "coalesce(ingest_key, source_sha256)" if "ingest_key" in cols else "source_sha256"
-        df = self.sql(f"SELECT run_id FROM runs WHERE {key} = ?", [sha])
+        # the runs view has every contract column (NULL where an older file lacks one)
+        df = self.sql("SELECT run_id FROM runs WHERE coalesce(ingest_key, source_sha256) = ?", [sha])
         return df["run_id"][0] if df.height else None
 
     def row_counts(self) -> pl.DataFrame:
@@ -619,74 +511,13 @@ class Store(Transactions):
         return pl.DataFrame(self.partition_rows(), schema={"run_id": pl.Utf8, "table": pl.Utf8, "rows": pl.Int64},
                             orient="row")
 
-
     # ------------------------------------------------------------------ catalog
     def write_catalog(self) -> Path:
-        """Write STORE/catalog.duckdb: the same views, with paths relative to the store.
+        """Write STORE/catalog.duckdb: the same views, with paths relative to the store
+        (:mod:`.catalog`), under the write lock."""
+        from .catalog import write_catalog
 
-        DuckDB resolves relative paths against ``file_search_path`` (or the working
-        directory), so open it with ``cd STORE && duckdb catalog.duckdb`` or
-        ``duckdb -cmd "SET file_search_path='STORE'" STORE/catalog.duckdb``.
-
-        A write like the others: under the write lock, to a temporary file renamed into
-        place (a crash leaves the old catalog and a temporary file that recovery removes).
-        """
-        if (self.path / STORE_MARKER).exists() and os.access(self.path, os.W_OK):
-            with self._lock():
-                return self._write_catalog()
-        return self._write_catalog()
-
-    def _write_catalog(self) -> Path:
-        import duckdb
-
-        target = self.path / "catalog.duckdb"
-        import uuid  # here: read-only commands never make an id (start-up)
-        tmp = self.path / f".catalog-{uuid.uuid4().hex[:8]}.duckdb"
-        try:
-            if not (self.path / STORE_MARKER).exists():
-                raise StoreError(f"{self.path}: the store holds nothing yet; catalog not written")
-            if target.is_symlink():
-                raise StoreError(f"{target}: is a symlink; refused; catalog not written")
-            con = duckdb.connect(":memory:")
-            try:  # readable by older duckdb CLIs too
-                con.execute(f"ATTACH {sql_literal(tmp)} AS cat (STORAGE_VERSION 'v1.0.0')")
-            except duckdb.Error as e:
-                if "storage" not in str(e).lower() and "version" not in str(e).lower():
-                    raise
-                con.execute(f"ATTACH {sql_literal(tmp)} AS cat")
-            con.execute("USE cat")
-            con.execute(f"SET file_search_path={sql_literal(self._search_path())}")
-            self._define_views(con, relative=True)
-            con.execute("USE memory")
-            con.execute("DETACH cat")
-            con.close()
-            os.replace(tmp, target)
-        except (OSError, duckdb.Error) as e:
-            if isinstance(e, StoreError):
-                raise
-            if not os.access(self.path, os.W_OK) or getattr(e, "errno", None) in (errno.EACCES, errno.EROFS,
-                                                                                    errno.EPERM):
-                raise StoreError(f"{self.path}: store is read-only; catalog not written") from None
-            why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:200]
-            raise StoreError(f"{self.path}: cannot write catalog.duckdb ({why}); catalog not written") from None
-        finally:
-            for f in (tmp, Path(str(tmp) + ".wal")):
-                with contextlib.suppress(FileNotFoundError):
-                    f.unlink()
-        return target
-
-    def _search_path(self) -> Path:
-        """The store's folder as DuckDB's ``file_search_path`` while the catalog's views are
-        bound: its absolute path, not the resolved one (a symlink is how a store under a
-        folder with pattern characters is opened). The setting is a comma-separated list of
-        folders whose entries are globbed: a ``,`` or a pattern character would bind the
-        views to another folder's files, so such a path is refused."""
-        where = self.path.absolute()
-        bad = "".join(c for c in GLOB_CHARS + "," if c in str(where))
-        if bad:
-            raise StoreError(f"{where}: the store's full path holds {bad!r}, which DuckDB's file_search_path reads as "
-                             f"a list or a pattern; catalog not written (open the store through a path without them)")
-        return where
+        return write_catalog(self.path, self.writer, self._views, self.threads)
 
     def _refresh_catalog(self) -> str | None:
         """Rewrite catalog.duckdb when there is one. Runs after a commit: a failure is a
@@ -698,15 +529,24 @@ class Store(Transactions):
         try:
             self.write_catalog()
         except (StoreError, OSError, duckdb.Error) as e:
-            msg = f"catalog.duckdb not refreshed ({e}); the data was written; rerun `moetrace catalog {self.path}`"
-            print(f"moetrace: warning: {msg}", file=sys.stderr)
-            return msg
+            from .catalog import warn_refresh_failed
+
+            return warn_refresh_failed(self.path, e)
         return None
 
-    def __enter__(self) -> "Store":
+    # ------------------------------------------------------------------ the facade
+    def run(self, run_id: str | None = None) -> Any:
+        """The :class:`moetrace.run.Run` facade of ``run_id`` (None: the store's only run)."""
+        return _facade("run")(self, self.resolve_run(run_id))
+
+    def clear_cache(self) -> dict[str, int]:
+        """Remove every run's stored analysis, and any a removed run left ({table: files})."""
+        return _facade("clear_cache")(self)
+
+    def __enter__(self) -> Store:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -718,183 +558,27 @@ class Store(Transactions):
             self._scratch_con = None
 
 
-def tables_read(words) -> set[str]:
-    """The contract tables whose views a statement naming ``words`` needs: those it names,
-    ``expert_load`` and ``expert_counts`` for ``expert_load``/``expert_load_long`` (one view
-    of both, storage/dense.py), and ``runs`` (every other table's view filters on it)."""
-    known = schema.load_all()
-    need = {w for w in words if w in known}
-    if "expert_load" in need or "expert_load_long" in words:
-        need |= {"expert_load", "expert_counts"}
-    need.discard("expert_load_long")
-    return need | {"runs"} if need else need
+#: what the layers above the store put on it: ``run`` (store, run id) -> the run's facade,
+#: ``clear_cache`` (store) -> {table: files removed}. The store does not import them (the
+#: folders import downward only); :mod:`moetrace.run` registers them when imported, which
+#: ``moetrace.open_store`` and ``moetrace.Store`` always do.
+_FACADE: dict[str, Callable[..., Any]] = {}
 
 
-def main_schema(con) -> str:
-    """The connection's own schema, fully qualified: a bare ``main.x`` would also find the
-    TEMP table ``x`` (the temp catalog has a schema named main too)."""
-    db = con.execute("SELECT current_database()").fetchall()[0][0]
-    return '"' + db.replace('"', '""') + '".main'
+def register_facade(run: Callable[[Store, str], Any], clear_cache: Callable[[Store], dict[str, int]]) -> None:
+    """Put the run facade on every :class:`Store` (:mod:`moetrace.run` calls this)."""
+    _FACADE.update(run=run, clear_cache=clear_cache)
 
 
-class _LazyViews:
-    """A DuckDB connection of a store whose views (of the tables and of ``sql/``) are
-    created when a statement run through it (``execute``, ``sql``) first names them, with
-    the views they read: defining all of them costs more than a small query (issue #26);
-    anything else is the connection's own."""
-
-    def __init__(self, store: Store, con):
-        self.raw, self._store, self._defined = con, store, set()
-        self.tables: set[str] = set()       # tables whose views are defined
-        self._shadowed: set[str] = set()    # views a TEMP table of :meth:`temp_table` stands in for
-
-    def _needed(self, query: str) -> list[str]:
-        """The CREATE statements of the views ``query`` needs that are neither defined nor
-        shadowed, after defining the tables' views that they and ``query`` read."""
-        import re
-
-        from .views import views_needed
-
-        stmts = views_needed(query, self._defined | self._shadowed)
-        words = set(re.findall(r"\w+", query))
-        for stmt in stmts:
-            words |= set(re.findall(r"\w+", stmt))
-        need = tables_read(words) - self.tables
-        if need:
-            self._store._define_views(self.raw, tables_only=True, files=self._store._views_files, tables=need)
-            self.tables |= need
-        return stmts
-
-    def _ensure(self, query) -> None:
-        if not isinstance(query, str):
-            return
-        for stmt in self._needed(query):
-            self._create(stmt)
-
-    def temp_table(self, view: str, where: str, params=()) -> None:
-        """``CREATE OR REPLACE TEMP TABLE view AS SELECT * FROM view WHERE where``: the view
-        and the views it reads that are not defined yet inlined as CTEs (NOT MATERIALIZED:
-        planned as the views are) instead of being created first. DuckDB then binds the
-        chain once: creating each view binds every view below it again (a tiny run's
-        layer_skew: the definitions cost several times the query; start-up, issue #26).
-        The TEMP table shadows the view until :meth:`unshadow`."""
-        from .views import _VIEW_RE
-
-        self._shadowed.discard(view)        # replaced: made from the view again
-        stmts = self._needed(f'SELECT * FROM "{view}"')
-        ctes = []
-        for stmt in stmts:
-            m = _VIEW_RE.match(stmt)
-            body = stmt[m.end():].lstrip()
-            if not body[:2].upper() == "AS":
-                raise ValueError(f"not a CREATE VIEW ... AS statement: {stmt[:80]!r}")
-            ctes.append(f'"{m.group(1)}" AS NOT MATERIALIZED ({body[2:].strip()})')
-        if any(_VIEW_RE.match(s).group(1) == view for s in stmts):
-            src = f'"{view}"'
-        else:   # a view defined on the connection: its own schema's, not a TEMP table of that name
-            src = f'{main_schema(self.raw)}."{view}"'
-        with_ = ("WITH " + ",\n".join(ctes) + "\n") if ctes else ""
-        self.raw.execute(f'CREATE OR REPLACE TEMP TABLE "{view}" AS {with_}SELECT * FROM {src} WHERE {where}',
-                         list(params))
-        self._shadowed.add(view)
-
-    def unshadow(self, names) -> None:
-        """The TEMP tables ``names`` were dropped: their views are defined again when named,
-        and so are the views defined while they stood in for them (which read them)."""
-        from .views import view_graph
-
-        names = set(names) & self._shadowed
-        if not names:
-            return
-        self._shadowed -= names
-        graph = view_graph()
-        stale, grew = set(names), True
-        while grew:
-            more = {v for v in self._defined if v not in stale and graph.get(v, (0, "", frozenset()))[2] & stale}
-            grew = bool(more)
-            stale |= more
-        self._defined -= stale
-
-    def _create(self, stmt: str) -> None:
-        from .engine import duckdb
-        from .views import _VIEW_RE
-
-        try:
-            self.raw.execute(stmt)
-        except duckdb.Error as e:   # as an eager definition of every view reports it
-            why = str(e).strip().splitlines()[0][:200]
-            raise StoreError(f"{self._store.path}: cannot define the store's views ({why}); the store may have been "
-                             f"written by another moetrace version than {__version__}") from None
-        self._defined.add(_VIEW_RE.match(stmt).group(1))
-
-    def redefine(self) -> None:
-        """Create again the views defined so far (after the tables' views were)."""
-        from .views import view_graph
-
-        graph = view_graph()
-        for v in sorted(self._defined, key=lambda v: graph[v][0]):
-            self._create(graph[v][1])
-
-    def execute(self, query, *args, **kwargs):
-        from .engine import needs_full
-
-        needs_full()
-        self._ensure(query)
-        return self.raw.execute(query, *args, **kwargs)
-
-    def sql(self, query, *args, **kwargs):
-        from .engine import full
-
-        full()
-        self._ensure(query)
-        return self.raw.sql(query, *args, **kwargs)
-
-    def close(self) -> None:
-        self.raw.close()
-
-    def __getattr__(self, name):
-        try:
-            return getattr(self.raw, name)
-        except AttributeError:   # a method of the duckdb package's Python layer (engine.full)
-            from .engine import full
-
-            full()
-            return getattr(self.raw, name)
+def _facade(name: str) -> Callable[..., Any]:
+    if name not in _FACADE:
+        raise StoreError(f"Store.{name} needs the run facade: open the store with moetrace.open_store "
+                         f"(or import moetrace.run first)")
+    return _FACADE[name]
 
 
-def open_store(path: str | os.PathLike, create: bool = False) -> Store:
-    """Open the store at ``path``. ``.sql(query)`` returns a polars DataFrame."""
-    return Store(path, create=create)
-
-
-def failed_write_leaves_no_trace(path: str | os.PathLike) -> bool:
-    """True when a write into the store at ``path`` that fails and is rolled back leaves
-    every file and folder of the store as it was: the store exists, was written before (its
-    lock file is there) and holds no leftovers of another write (opening it for writing
-    would clear those; the rollback removes its own staging folders)."""
-    p = Path(path)
-    return ((p / STORE_MARKER).is_file() and (p / ".lock").is_file() and not p.is_symlink()
-            and not (p / ".staging").exists() and not (p / ".txn").exists())
-
-
-def remove_empty_store(path: str | os.PathLike, top: str | os.PathLike) -> None:
-    """Remove the store at ``path`` when it holds no run (its marker and lock file only, a
-    write having been rolled back), and the empty folders above it up to ``top``: an
-    ingest refused while writing into a store it created leaves nothing behind."""
-    p, top = Path(path).absolute(), Path(top).absolute()
-    if not p.is_dir() or p.is_symlink():
-        return
-    left = {c.name for c in p.iterdir()}
-    if not left <= {STORE_MARKER, ".lock"}:
-        return
-    for name in left:
-        with contextlib.suppress(FileNotFoundError):
-            (p / name).unlink()
-    while True:
-        try:
-            p.rmdir()
-        except OSError:
-            return
-        if p == top or top not in p.parents:
-            return
-        p = p.parent
+def open_store(path: str | os.PathLike[str], create: bool = False, *, threads: int | None = None) -> Store:
+    """Open (or with ``create=True`` make) the store at ``path``; ``.sql(query)`` returns a
+    polars DataFrame, ``open_store(p).run(id)`` gives the run's facade, and
+    ``with open_store(p) as st:`` closes it. ``threads``: as :class:`Store`."""
+    return Store(path, create=create, threads=threads)

@@ -1,6 +1,11 @@
 """A store's writes as transactions: staging, the journal, renames into place (``runs``
-last), and recovery of an abandoned write (rolled back, or forward when the ``runs`` row
-made it). Mixed into :class:`~moetrace.storage.store.Store`."""
+last), the write lock, and recovery of an abandoned write (rolled back, or forward when
+the ``runs`` row made it); and the committed files readers may read.
+
+:class:`Writer` knows the store's folder only. A :class:`~moetrace.storage.store.Store`
+holds one (``store.writer``) and calls it; what a write needs from the reading side (the
+run an ingest key was already written as) is passed in, and refreshing the readers'
+views and the catalog after a commit is the store's job."""
 from __future__ import annotations
 
 import contextlib
@@ -11,15 +16,23 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SchemaError, StoreError
 from ..version import __version__
 from . import schema
-from .paths import _SAFE_ID_RE, _TXID_RE, RUN_ID_MAX, sanitize_run_id
+from .paths import (
+    _SAFE_ID_RE,
+    _TXID_RE,
+    RUN_ID_MAX,
+    STORE_FORMAT,
+    STORE_MARKER,
+    run_ids,
+    sanitize_run_id,
+)
 
 if TYPE_CHECKING:  # writers import Arrow lazily: a reader never imports it
     import pyarrow as pa
@@ -34,8 +47,9 @@ def _txid_of(rel: str) -> str | None:
     return x if _TXID_RE.fullmatch(x) and name[17:] in (".parquet",) else None
 
 
-def _is_polars(obj) -> bool:
-    """A polars DataFrame (polars is imported only where one exists: start-up, issue #26)."""
+def _is_polars(obj: object) -> bool:
+    """A polars DataFrame (polars is imported only where one exists, so a reader's start-up
+    never pays for it)."""
     pl = sys.modules.get("polars")
     return pl is not None and isinstance(obj, pl.DataFrame)
 
@@ -48,7 +62,7 @@ class WriteResult:
     message: str = ""
 
 
-def _encodings(sch: pa.Schema) -> dict:
+def _encodings(sch: pa.Schema) -> dict[str, Any]:
     """Parquet writer options of a table: lists of integers (``expert_counts``' counts)
     delta-encoded instead of dictionary-encoded. Measured on the 10M-row benchmark's dense
     rows (docs/scale.md, one pass): the writer's CPU 0.60-0.71 -> 0.39-0.54 s, reading
@@ -62,12 +76,78 @@ def _encodings(sch: pa.Schema) -> dict:
             "column_encoding": {f"{c}.list.element": "DELTA_BINARY_PACKED" for c in delta}}
 
 
-class Transactions:
-    """The write half of :class:`~moetrace.storage.store.Store` (it needs the store's
-    ``path``, ``_lock``, ``_check_writable`` and ``refresh``)."""
+def _journal_problem(doc: Any, txid: str) -> str | None:
+    """Why ``doc`` is not a journal a writer of transaction ``txid`` writes, else None."""
+    if not isinstance(doc, dict) or set(doc) != {"files", "commit_file"}:
+        return 'not an object {"files": [...], "commit_file": ...}'
+    files, commit = doc["files"], doc["commit_file"]
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return "files is not a list of paths"
+    known = set(schema.load_all())
+    for f in files:
+        parts = f.split("/")
+        if (len(parts) != 3 or parts[0] not in known or not parts[1].startswith("run_id=")
+                or not _SAFE_ID_RE.fullmatch(parts[1][7:]) or parts[2] != f"part-{txid}.parquet"):
+            return f"entry {f[:100]!r} is not <table>/run_id=<id>/part-{txid}.parquet"
+    if commit is not None and commit not in files:
+        return "commit_file is not one of its files"
+    return None
+
+
+#: a pending journal: the files a transaction renames into place, and the one renamed last
+Journal = dict[str, Any]
+
+
+class Writer:
+    """The transactions of the store at ``path``: create, lock, write, append, drop,
+    recover; and :meth:`committed_files`, what readers may read now."""
+
+    #: tables an append renames last when present: the row that names what the other rows
+    #: belong to (a plan's ``plans`` row, a replay's ``replay_runs`` row, a stored analysis's
+    #: ``analysis_cache`` row)
+    HEADER_TABLES = ("plans", "replay_runs", "analysis_cache")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    # ------------------------------------------------------------------ creation, locking
+    def create(self) -> None:
+        """Make the store (its folder and marker) when there is none; racing creators each
+        rename their own marker into place."""
+        if (self.path / STORE_MARKER).exists():
+            return
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            import uuid  # here: read-only commands never make an id (start-up)
+            tmp = self.path / f".{STORE_MARKER}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # unique: racing creators
+            tmp.write_text(json.dumps({"moetrace_store_format": STORE_FORMAT, "created_by": __version__}) + "\n")
+            os.replace(tmp, self.path / STORE_MARKER)
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot create store: {e.strerror}") from None
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the store's write lock (``.lock``, flock) for the block."""
+        self.check_no_symlinks()
+        self.journals()  # a malformed journal is refused before anything (even .lock) is created
+        lock_path = self.path / ".lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise StoreError(f"{self.path}: store is not writable ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def check_writable(self) -> None:
+        if not os.access(self.path, os.W_OK):
+            raise StoreError(f"{self.path}: store is read-only; nothing was written")
 
     # ------------------------------------------------------------------ recovery
-    def _recover_if_abandoned(self) -> None:
+    def recover_if_abandoned(self) -> None:
         """On a writer's open: a journal whose writer no longer holds the lock was left by
         a crash; finish or roll it back now. A journal of a live writer (lock held) is left
         alone; a store we cannot write, or without any leftovers, is left as is."""
@@ -76,7 +156,7 @@ class Transactions:
         if not any((self.path / d).is_symlink() or (self.path / d).exists() for d in (".txn", ".staging")) \
                 and not any(self.path.glob(".catalog-*.duckdb*")):
             return
-        self._check_no_symlinks()
+        self.check_no_symlinks()
         self.journals()
         try:
             fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -94,7 +174,7 @@ class Transactions:
         finally:
             os.close(fd)
 
-    def _check_no_symlinks(self) -> None:
+    def check_no_symlinks(self) -> None:
         """The transaction folders are ours: a symlink there would redirect our deletes
         and writes outside the store, so it is refused."""
         for d in (".txn", ".staging", ".lock"):
@@ -102,12 +182,12 @@ class Transactions:
                 raise StoreError(f"{self.path / d}: is a symlink; refused (moetrace never follows links "
                                  f"in its transaction folders); remove it to use this store")
 
-    def journals(self) -> dict[str, dict]:
+    def journals(self) -> dict[str, Journal]:
         """Pending journals, validated: {txid: {"files": [...], "commit_file": str|None}}.
         Files in .txn with other names are not ours and are left alone. Raises StoreError
         (naming the journal) for one whose content is not exactly what a writer writes."""
         txn_dir = self.path / ".txn"
-        out: dict[str, dict] = {}
+        out: dict[str, Journal] = {}
         if not txn_dir.is_dir() or txn_dir.is_symlink():
             return out
         for j in sorted(txn_dir.iterdir()):
@@ -120,6 +200,7 @@ class Transactions:
                 continue   # removed since the listing: its writer (not holding our lock) is done with it
             if not stat.S_ISREG(mode):   # a symlink, a folder, a device
                 raise StoreError(f"{j}: malformed journal (not a regular file); nothing was changed")
+            doc: Any
             try:
                 raw = j.read_bytes()
                 doc = json.loads(raw) if len(raw) < (64 << 20) else None
@@ -127,28 +208,12 @@ class Transactions:
                 continue   # the same, removed between the check and the read
             except (OSError, ValueError, RecursionError):
                 doc = None
-            why = self._journal_problem(doc, txid)
+            why = _journal_problem(doc, txid)
             if why:
                 raise StoreError(f"{j}: malformed journal ({why}); nothing was changed; a moetrace "
                                  f"writer never writes this, remove the file after checking the store")
             out[txid] = doc
         return out
-
-    def _journal_problem(self, doc, txid: str) -> str | None:
-        if not isinstance(doc, dict) or set(doc) != {"files", "commit_file"}:
-            return 'not an object {"files": [...], "commit_file": ...}'
-        files, commit = doc["files"], doc["commit_file"]
-        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            return "files is not a list of paths"
-        known = set(schema.load_all())
-        for f in files:
-            parts = f.split("/")
-            if (len(parts) != 3 or parts[0] not in known or not parts[1].startswith("run_id=")
-                    or not _SAFE_ID_RE.fullmatch(parts[1][7:]) or parts[2] != f"part-{txid}.parquet"):
-                return f"entry {f[:100]!r} is not <table>/run_id=<id>/part-{txid}.parquet"
-        if commit is not None and commit not in files:
-            return "commit_file is not one of its files"
-        return None
 
     def _safe_unlink(self, rel: str) -> None:
         """Remove STORE/rel (a validated journal entry) and its emptied partition and table
@@ -167,7 +232,7 @@ class Transactions:
         lock or be alone). Returns what was done. Touches only journals, staging folders
         and data files it can recognise as its own; raises StoreError, changing nothing,
         when a journal or a transaction folder is not what moetrace writes."""
-        self._check_no_symlinks()
+        self.check_no_symlinks()
         journals = self.journals()  # validates every journal before anything is removed
         for _txid, doc in journals.items():
             for rel in doc["files"]:
@@ -250,7 +315,7 @@ class Transactions:
                 with contextlib.suppress(OSError, ValueError, RecursionError):
                     if j.is_file(follow_symlinks=False) and j.stat().st_size < (64 << 20):
                         doc = json.loads(Path(j.path).read_bytes())
-                if self._journal_problem(doc, txid):
+                if _journal_problem(doc, txid) or doc is None:
                     out[txid] = ([], None)
                 else:
                     out[txid] = (doc["files"], doc["commit_file"])
@@ -287,8 +352,9 @@ class Transactions:
 
     # ------------------------------------------------------------------ writing
     def unique_run_id(self, hint: str) -> str:
+        """``hint`` made a run id no run of the store has (``hint``, ``hint-2``, ...)."""
         base = sanitize_run_id(hint)
-        taken = set(self.run_ids())
+        taken = set(run_ids(self.path))
         if base not in taken:
             return base
         i = 2
@@ -300,43 +366,40 @@ class Transactions:
             i += 1
 
     @staticmethod
-    def _chunks(data) -> Iterator:
+    def _chunks(data: object) -> Iterator[Any]:
         import pyarrow as pa
 
         if isinstance(data, (pa.Table, dict)) or _is_polars(data):
             yield data
         else:
+            assert isinstance(data, Iterable), type(data)
             yield from data
 
-    def write_run(self, run: dict, tables: dict[str, object], *, run_id: str | None = None,
-                  dedupe: bool = True, run_id_hint: str | None = None) -> WriteResult:
-        """Write a new run: its ``runs`` row and its tables, as one transaction.
-
-        ``run`` holds the ``runs`` columns (run_id, ingested_at_ns and collector_version are
-        filled in when absent). ``run_id`` is taken as is (an existing one is an error);
-        ``run_id_hint`` is made unique while the write lock is held. Tables may be Arrow tables, polars frames, dicts of columns or
-        iterables of those (streamed chunk by chunk). Returns the run id, or the id of the
-        run already holding the same ``ingest_key`` (else ``source_sha256``) (``skipped=True``).
-        """
-
+    def write_run(self, run: dict[str, Any], tables: dict[str, object], *, run_id: str | None = None,
+                  run_id_hint: str | None = None,
+                  existing: Callable[[str], str | None] | None = None) -> WriteResult:
+        """Write a new run, its ``runs`` row and its tables, as one transaction (see
+        :meth:`moetrace.storage.store.Store.write_run`). ``existing``: the run already
+        written with a dedupe key, or None (no dedupe when not given); asked before the
+        lock is taken and again under it."""
         run = dict(run)
         sha = run.get("ingest_key") or run.get("source_sha256")
-        if dedupe and sha:
-            existing = self.find_by_sha(sha)
-            if existing is not None:
-                return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
-        self._init()  # a store opened read-only on an empty folder is created by its first write
-        with self._lock():
-            self._check_writable()
+        if existing is not None and sha:
+            found = existing(sha)
+            if found is not None:
+                return WriteResult(found, skipped=True, message=f"already ingested as run {found!r}")
+        self.create()  # a store opened read-only on an empty folder is created by its first write
+        with self.lock():
+            self.check_writable()
             self.recover()
-            if dedupe and sha:
-                existing = self.find_by_sha(sha)
-                if existing is not None:
-                    return WriteResult(existing, skipped=True, message=f"already ingested as run {existing!r}")
+            if existing is not None and sha:
+                found = existing(sha)
+                if found is not None:
+                    return WriteResult(found, skipped=True, message=f"already ingested as run {found!r}")
             # a hint becomes a free id under the lock (two writers with one hint get hint, hint-2)
             rid = run_id or run.get("run_id") or self.unique_run_id(run_id_hint or run.get("source", "run"))
             rid = sanitize_run_id(rid)
-            if rid in self.run_ids():
+            if rid in run_ids(self.path):
                 raise StoreError(f"{self.path}: run {rid!r} already exists; pick another --run-id")
             run["run_id"] = rid
             run.setdefault("ingested_at_ns", time.time_ns())
@@ -345,31 +408,15 @@ class Transactions:
                 run.setdefault(col.name, False if col.type == "bool" and not col.nullable else None)
             runs_tbl = schema.conform("runs", schema.one_row(run))
             rows = self._transaction(rid, {**tables, "runs": runs_tbl}, commit_table="runs")
-        self.refresh()
-        warning = self._refresh_catalog()
-        return WriteResult(rid, rows=rows, message=warning or "")
-
-    #: tables an append renames last when present: the row that names what the other rows
-    #: belong to (a plan's ``plans`` row, a replay's ``replay_runs`` row, a stored analysis's
-    #: ``analysis_cache`` row)
-    HEADER_TABLES = ("plans", "replay_runs", "analysis_cache")
+        return WriteResult(rid, rows=rows)
 
     def append(self, run_id: str, tables: dict[str, object], *, replace: bool = False) -> dict[str, int]:
-        """Add rows to an existing run (plans, replay results, calibrations) as one
-        transaction, like :meth:`write_run`: staged, journaled, renamed with the header
-        table (:attr:`HEADER_TABLES`, else the last table given) last; that file is the
-        commit file (a crash after it rolls forward, before it back), and readers see
-        all of the append or none of it (:meth:`committed_files`).
-
-        ``replace``: once the append is committed, the run's older files of the same
-        tables are removed (under the same lock). A crash between the commit and the
-        removal leaves both generations in place: rows that must not be read together
-        carry an id of their write (the analysis cache's ``cache_id``), so the older
-        generation is ignored until the next replace or :meth:`drop_tables` removes it."""
-        if run_id not in self.run_ids():
+        """Add rows to an existing run as one transaction (see
+        :meth:`moetrace.storage.store.Store.append`); returns {table: rows}."""
+        if run_id not in run_ids(self.path):
             raise StoreError(f"{self.path}: no run {run_id!r}")
-        with self._lock():
-            self._check_writable()
+        with self.lock():
+            self.check_writable()
             self.recover()
             header = next((t for t in self.HEADER_TABLES if t in tables), None)
             import uuid  # here: read-only commands never make an id (start-up)
@@ -378,19 +425,16 @@ class Transactions:
                                      txid=txid)
             if replace:
                 self._remove_parts(run_id, list(tables), keep_txid=txid)
-        self.refresh()
-        self._refresh_catalog()
         return rows
 
     def drop_tables(self, run_id: str | None, tables: list[str]) -> dict[str, int]:
-        """Remove every file of ``tables`` (contract tables, in the order given: put the one
-        readers check first, e.g. a header) of ``run_id``, or of every run when None, under
-        the write lock; returns {table: files removed}. Used for derived tables only (the
-        analysis cache): a run's own rows are never dropped this way."""
+        """Remove every file of ``tables`` of ``run_id`` (every run when None) under the
+        write lock (see :meth:`moetrace.storage.store.Store.drop_tables`); returns {table:
+        files removed}."""
         for t in tables:
             schema.get(t)   # unknown table: SchemaError before anything is touched
-        with self._lock():
-            self._check_writable()
+        with self.lock():
+            self.check_writable()
             self.recover()
             runs = [run_id] if run_id is not None else sorted(
                 {p.name[7:] for t in tables for p in (self.path / t).glob("run_id=*")})
@@ -398,9 +442,6 @@ class Transactions:
             for rid in runs:
                 for t, n in self._remove_parts(rid, tables).items():
                     out[t] += n
-        self.refresh()
-        if any(out.values()):
-            self._refresh_catalog()
         return out
 
     def _remove_parts(self, run_id: str, tables: list[str], keep_txid: str | None = None) -> dict[str, int]:
@@ -428,7 +469,7 @@ class Transactions:
         import pyarrow as pa
         import pyarrow.parquet as pq
         txid = txid or uuid.uuid4().hex[:12]
-        self._check_no_symlinks()
+        self.check_no_symlinks()
         staging = self.path / ".staging" / txid
         moves: list[tuple[Path, str]] = []
         rows: dict[str, int] = {}

@@ -5,7 +5,7 @@ its version from the installed distribution's metadata) over the C extension ``_
 which it re-exports unchanged: ``duckdb.connect is _duckdb.connect`` and
 ``duckdb.Error is _duckdb.Error``. Importing the package costs about 0.1 s here; the
 extension about 0.02 s. ``moetrace runs`` and ``moetrace skew`` on a small store only
-connect, ``execute`` and ``fetchall`` (start-up goal of issue #26), so they take
+connect, ``execute`` and ``fetchall`` (their start-up is kept under 0.3 s), so they take
 :data:`duckdb` from here: the extension when it can be imported on its own, else the
 package.
 
@@ -20,7 +20,9 @@ identities above, so a DuckDB release that changes them fails the suite, not a u
 """
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
 try:
     import _duckdb as duckdb  # the C extension the duckdb package re-exports
@@ -47,3 +49,38 @@ def needs_full() -> None:
     """Import the package when a data-frame library is loaded (see the module docstring)."""
     if "duckdb" not in sys.modules and any(m in sys.modules for m in _FRAME_MODULES):
         full()
+
+
+#: the environment variable that sets the number of threads of a store's DuckDB connections
+#: when the store is opened without ``threads`` (unset: DuckDB's default, one per core)
+THREADS_ENV = "MOETRACE_DUCKDB_THREADS"
+
+
+def threads_setting(threads: int | None = None) -> int | None:
+    """``threads``, else :data:`THREADS_ENV` read now, else None (DuckDB's default); a
+    value that is not a whole number of at least 1 is one line naming it."""
+    from ..errors import UsageError
+
+    if threads is None:
+        raw = os.environ.get(THREADS_ENV, "").strip()
+        if not raw:
+            return None
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise UsageError(f"{THREADS_ENV}={raw[:40]!r}: not a whole number of threads") from None
+        where = THREADS_ENV
+    else:
+        where = "threads"
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise UsageError(f"{where}={threads!r}: the DuckDB thread count must be a whole number of at least 1")
+    return threads
+
+
+def connect(threads: int | None = None, package: bool = False) -> Any:
+    """A new in-memory DuckDB connection running ``threads`` threads (None: DuckDB's
+    default). ``package``: the duckdb package imported first (:func:`full`)."""
+    mod = full() if package else duckdb
+    if threads is None:
+        return mod.connect(":memory:")
+    return mod.connect(":memory:", config={"threads": threads})
