@@ -97,3 +97,52 @@ def test_layers_per_step_spreads_charge_and_delays_gain():
 def test_no_gain_never_breaks_even():
     assert schedule_change([0.0, -1.0], [1, 1], 10.0, 0.0).break_even_steps is None
     assert [p.tolist() for p in chunks(5, 2)] == [[0, 1], [2, 3], [4]]
+
+
+# --------------------------------------------------------------------------- the replay's side-by-side answer
+def test_dispatch_compare_sums_by_hand():
+    from moetrace.placement.planners import Plan
+    from moetrace.replay.dispatch_compare import DispatchCompare, rules_of
+
+    # one layer, experts 0..2 on 2 ranks: rank 0 holds 0, 1; rank 1 holds 0, 2 (expert 0 twice)
+    plan = Plan(np.array([[0, 1, 0, 2]]), 3, 2, 2)
+    load = np.array([[[10.0, 6.0, 0.0]], [[0.0, 0.0, 0.0]], [[4.0, 0.0, 8.0]]])    # 3 steps
+    d = DispatchCompare(rules_of("both"), {"plan": plan})
+    d.add(load[:2])
+    d.add(load[2:])
+    a = d.answer()
+    # even: step 0 -> 11, 5 (max 11, mean 8); step 2 -> 2, 10 (max 10, mean 6); step 1 has no tokens
+    assert a["even"]["plan"]["cells"] == 2
+    assert a["even"]["plan"]["straggler_tokens_mean"] == pytest.approx((11 + 10) / 2)
+    assert a["even"]["plan"]["max_over_mean"] == pytest.approx((11 / 8 + 10 / 6) / 2)
+    # least-loaded: step 0 -> 8, 8; step 2 -> expert 0's 4 tokens all to rank 0: 4, 8
+    assert a["least-loaded"]["plan"]["straggler_tokens_mean"] == pytest.approx((8 + 8) / 2)
+    assert a["least-loaded"]["plan"]["max_over_mean"] == pytest.approx((1.0 + 8 / 6) / 2)
+
+
+def test_rank_speed_parsing_and_refusals():
+    from moetrace.errors import InputError
+    from moetrace.replay.rank_speed import measured_vector, parse_rank_speed, speed_vector
+
+    assert parse_rank_speed("0:1.0, 2:1.25") == {0: 1.0, 2: 1.25}
+    assert speed_vector({2: 1.25}, 4).tolist() == [1.0, 1.0, 1.25, 1.0]
+    for bad in ("0=1.1", "a:1", "1:-2", "1:nan", "", "0:1,0:2"):
+        with pytest.raises(InputError, match="--rank-speed"):
+            parse_rank_speed(bad)
+    with pytest.raises(InputError, match="rank"):
+        speed_vector({5: 1.1}, 4)
+    v, notes = measured_vector([0, 2], [0.9, 1.5], 4)
+    assert v.tolist() == [0.9, 1.0, 1.5, 1.0] and "2 of 4 ranks" in notes[0]
+
+
+def test_plan_fanout_counts_distinct_ranks():
+    from moetrace.placement.cooccurrence import plan_fanout
+    from moetrace.placement.planners import Plan
+
+    plan = Plan(np.array([[0, 1, 2, 3], [3, 2, 1, 0]]), 4, 4, 2)      # one expert per rank, 2 ranks per node
+    ch0 = np.array([[0, 1], [0, 2], [3, 3]])     # ranks {0,1}, {0,2}, {3}: 2, 2, 1; nodes 1, 2, 1
+    ch1 = np.array([[0, 3]])                     # layer 1: expert 0 on rank 3, expert 3 on rank 0: 2 ranks, 2 nodes
+    f = plan_fanout(plan, [ch0, ch1])
+    assert f["layers"][0]["ranks_per_token"] == pytest.approx(5 / 3)
+    assert f["layers"][0]["nodes_per_token"] == pytest.approx(4 / 3)
+    assert f["ranks_per_token"] == pytest.approx((5 + 2) / 4) and f["tokens"] == 4

@@ -217,3 +217,26 @@ def cooccurrence_plan(load: np.ndarray, co: np.ndarray, shape: PlanShape,
     return Plan(out, E, R, rpn, policy="cooccurrence",
                 params={"balance_tolerance": float(tolerance), "swaps": int(swaps),
                         "num_nodes": R // rpn if rpn < R and R % rpn == 0 else 1})
+
+
+def plan_fanout(plan: Plan, choices: list[np.ndarray]) -> dict:
+    """Mean distinct destination ranks and nodes per token of ``plan``: ``choices`` holds,
+    for each plan row (layer), the int [T, k] expert choices of its tokens. Returns
+    {"tokens", "ranks_per_token", "nodes_per_token"} over all rows (token-weighted) and
+    "layers": the same per row (None where a row has no tokens)."""
+    layers, n_all, r_all, d_all = [], 0, 0.0, 0.0
+    for li, ch in enumerate(choices):
+        ch = np.asarray(ch, np.int64).reshape(len(ch), -1) if len(ch) else np.zeros((0, 1), np.int64)
+        if ch.shape[0] == 0:
+            layers.append({"tokens": 0, "ranks_per_token": None, "nodes_per_token": None})
+            continue
+        share = rank_shares(plan.phy2log[li], plan.num_experts, plan.num_ranks)
+        r = fanout(ch, share)
+        d = fanout(ch, node_shares(share, plan.ranks_per_node))
+        layers.append({"tokens": int(ch.shape[0]), "ranks_per_token": float(r.mean()),
+                       "nodes_per_token": float(d.mean())})
+        n_all += ch.shape[0]
+        r_all += float(r.sum())
+        d_all += float(d.sum())
+    return {"tokens": n_all, "ranks_per_token": r_all / n_all if n_all else None,
+            "nodes_per_token": d_all / n_all if n_all else None, "layers": layers}
