@@ -75,8 +75,8 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
 @output_options
 def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, fmt, output):
     """Quick skew table: imbalance (max/mean rank tokens), efficiency, Gini and the hottest
-    expert, from the layer_skew / skew_summary views; then, on stderr, one line of
-    attention data-parallel balance (mean/max tokens per DP rank, view dp_balance_summary)
+    expert, from the layer_skew / skew_summary views; in table format (--by layer or run),
+    then one line of attention data-parallel balance (mean/max tokens per DP rank, view dp_balance_summary)
     where the run records tokens per (step, rank).
 
     Example:
@@ -107,17 +107,17 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
         parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
                  for r in runs]
         emit_rows(Rows.concat([p for p in parts if p.height] or parts[:1]), fmt, output)
-    from ..report.sections.dp_balance import summary_line
+    from ..domain.dp_balance import summary_line
     from ..shape_gaps import gap_notes
 
     for r in runs:   # a null column always has its reason next to it
         for n in gap_notes(r.row):
             click.echo(f"note: {n}", err=True)
-        # attention-DP balance in one line, on stderr so that csv/json output stays parseable
-        dp = r.sql("SELECT * FROM dp_balance_summary WHERE run_id = ?", [r.id])
-        line = summary_line(dp.row(0, named=True)) if dp.height else None
-        if line:
-            click.echo(f"run {r.id}: {line}", err=True)
+        if fmt == "table" and not output and by != "step":   # csv/json and the per-step dump stay one table
+            dp = r.store.rows("SELECT * FROM dp_balance_summary WHERE run_id = ?", [r.id]).dicts()
+            line = summary_line(dp[0]) if dp else None
+            if line:
+                click.echo(f"run {r.id}: {line}")
 
 
 @click.command()

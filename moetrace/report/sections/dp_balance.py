@@ -2,28 +2,11 @@
 dp_balance_summary), and what the slowest DP rank costs at the barrier."""
 from __future__ import annotations
 
+from ...domain.dp_balance import MODEL, summary_line
 from .. import plots
-from ..base import Figure, ReportContext, Section, fmt_ns, md_table
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 41
-
-#: the model behind every barrier time of this section (the views' time_model column)
-MODEL = "tokens-proportional estimate"
-
-
-def summary_line(s: dict) -> str | None:
-    """One line from a dp_balance_summary row (``moetrace skew`` prints it, the report
-    opens with it); None when no step had tokens."""
-    if not s or not s.get("steps_defined"):
-        return None
-    line = (f"attention-DP balance (mean/max tokens per DP rank over {s['dp_ranks']} ranks): "
-            f"{s['balance_mean']:.3f} mean over {s['steps_defined']} steps, lowest {s['balance_min']:.3f} "
-            f"(step {s['worst_step']}); the slowest DP rank costs {100 * s['barrier_share']:.1f}% of the step "
-            f"at the barrier ({MODEL})")
-    if s.get("timed_steps"):
-        line += f", {fmt_ns(s['barrier_ns'])} of {fmt_ns(s['step_ns'])} recorded"
-    return line
-
 
 def build(ctx: ReportContext) -> Section | None:
     rid = ctx.run_id
