@@ -10,7 +10,7 @@ For each pair (A, B) — the model fitted on A only:
 
 * B's per-rank tokens, slots touched and dispatch bytes come from the replay of A's
   routing under B's plan (``replay.engine.replay_routing``, the replica hash rule);
-* the cost model (``replay.cost.CostModel.rank_ns``, layer = max over ranks) predicts B's
+* the cost model (``costmodel.step_cost.CostModel.rank_ns``, layer = max over ranks) predicts B's
   per-layer time, per-step MoE time (sum over layers), the time ratio B/A of the whole
   run (both sides predicted by the same model, as a replay would tell an operator), and
   the straggler rank per (step, layer);
@@ -21,7 +21,7 @@ For each pair (A, B) — the model fitted on A only:
   jobs). Per run, the host slowdown (wall / CPU layer time) is printed: the measured wall
   ratio B/A is the CPU ratio times the ratio of the two runs' slowdowns.
 
-Targets (issue #13): ratio error median ≤ 5 % and worst ≤ 10 %; per-layer time MAPE
+Targets (what a time prediction must meet to be stated): ratio error median ≤ 5 % and worst ≤ 10 %; per-layer time MAPE
 ≤ 10 %; straggler right in ≥ 90 % of the (step, layer) where the predicted gap between
 the two slowest ranks exceeds the measured noise of those two cells (their (p75 − p25) /
 median over passes). Each model variant (the terms of :data:`VARIANTS`) is evaluated on

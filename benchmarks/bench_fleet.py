@@ -253,7 +253,7 @@ def _stage_report(store: str, outdir: str, q) -> None:
     from the store when a fresh copy is stored (moetrace.analyze.cache)."""
     from moetrace.cli import cli
 
-    args = ["report", store, "--quiet", "--out", outdir]
+    args = ["report", store, "--quiet", "--out-dir", outdir]
     load0 = _uptime()
     sampler = _RssSampler()
     t0 = time.perf_counter()

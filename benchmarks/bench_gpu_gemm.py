@@ -1,5 +1,5 @@
 """Grouped expert GEMMs timed on one accelerator, and the cost-model coefficients fitted
-from them (the GPU presets of ``moetrace.replay.cost`` from measurement, issue #13).
+from them (the GPU presets of ``moetrace.costmodel.step_cost`` from measurement, not from datasheets).
 
 Per (experts per rank ``n``, tokens per expert ``t``) it times the gated MLP of ``n``
 experts over ``t`` tokens each — ``x @ W_gate_up`` (hidden → 2·intermediate), SiLU·gate,
@@ -89,7 +89,7 @@ def fit(rows: list[dict], tile: int | None = None) -> dict:
 
 
 def preset_ab(name: str, hidden: int, inter: int) -> tuple[float, float]:
-    from moetrace.replay.cost import preset
+    from moetrace.costmodel.step_cost import preset
 
     p = preset(name, hidden, 3 * hidden * inter, inter)
     return p.a_ns, p.b_ns

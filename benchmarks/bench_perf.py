@@ -1,4 +1,4 @@
-"""Benchmark: moetrace beside the floor, every row of issue #26 in one run.
+"""Benchmark: moetrace beside the floor, every start-up and throughput goal in one run.
 
 Each row is timed in the same run as its floor (the plain alternative doing the same
 work), so a loaded machine slows both alike; still, a goal is called MET (or MISSED) only
@@ -69,7 +69,7 @@ SIZES = {
                  fleet="full", fleet_shares=(0.05, 0.5), startup_best_of=3, pair_best_of=3, replay_best_of=2),
 }
 SYNTH_TOKENS, SYNTH_TOPK = 8192, 8
-#: the goals of issue #26
+#: the start-up and throughput goals
 GOALS = {"ratio_10m": 1.5, "ratio_100m": 1.25, "peak_mib": 1024.0, "startup_s": 0.3, "synth_per_s": 20e6,
          "cell_s": 1.0, "replay_steps_s": 2000.0, "flat": 1.10}
 #: a goal is judged only on a quiet machine
@@ -408,7 +408,7 @@ def run(size: str = "small") -> list[dict]:
 
 def goal_table(rows: list[dict], machine: str) -> str:
     """Every row side by side with its floor and the verdict, one line each."""
-    lines = ["", f"issue #26 ({machine}):", f"{'what':<40} {'measured':>12} {'floor/goal':>12} {'ratio':>8}  verdict"]
+    lines = ["", f"start-up and throughput goals ({machine}):", f"{'what':<40} {'measured':>12} {'floor/goal':>12} {'ratio':>8}  verdict"]
     for r in rows:
         base = "" if r.get("baseline_value") is None else f"{r['baseline_value']:.4g}"
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"

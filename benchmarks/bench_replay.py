@@ -16,8 +16,8 @@ import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import main, peak_rss_mib, result, timer  # noqa: E402
+from moetrace.costmodel.step_cost import preset  # noqa: E402
 from moetrace.placement.planners import PlanShape, make_plan  # noqa: E402
-from moetrace.replay.cost import preset  # noqa: E402
 from moetrace.replay.engine import layer_metrics, replay_load, replay_routing  # noqa: E402
 from moetrace.replay.load import RunShape, iter_load  # noqa: E402
 from moetrace.run import Store  # noqa: E402

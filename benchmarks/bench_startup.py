@@ -1,5 +1,5 @@
 """Benchmark: start-up of ``moetrace runs STORE`` and ``moetrace skew STORE`` on a tiny store
-(issue #26: under 0.3 s on a quiet machine), beside ``python -c pass``.
+(the goal: under 0.3 s on a quiet machine), beside ``python -c pass``.
 
 Each command is run 5 times (wall time: best and median) and once under
 ``python -X importtime`` (the heaviest imports it pulls in, cumulative microseconds).

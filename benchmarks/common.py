@@ -84,7 +84,7 @@ def forked_rank_starts(enabled: bool = True):
     worker on the same pickled arguments (gloo over TCP, their own files): what a rank
     computes, times and writes is the same; only its start is cheaper. No-op when
     ``enabled`` is false or torch is absent. Used by the small sizes of the benchmarks and
-    by the tests (tests/_forked_ranks.py); the full sizes keep "spawn", as a user's
+    by the tests (tests/helpers/forked_ranks.py); the full sizes keep "spawn", as a user's
     ``moetrace refrun`` does."""
     if not enabled:
         yield

@@ -1,19 +1,20 @@
 """The GPU cost model checked on the GPU this runs on: one prepared script, under 5 minutes.
 
-Where ``torch.cuda`` sees a GPU it times
+Where ``torch.cuda`` sees a GPU it measures the inputs the model depends on:
 
-* grouped expert GEMMs, the DeepSeek-V3 expert shape (hidden 7168, intermediate 2048):
-  gate/up ``[m, 7168] x [7168, 4096]`` and down ``[m, 2048] x [2048, 7168]`` for 1..32
-  experts and 1..8192 tokens per expert; BF16 as one batched launch (``torch.bmm``, the
-  model's grouped GEMM) and FP8 where the GPU has it (``torch._scaled_mm``, one launch per
-  expert, so modelled as that many one-group GEMMs), else FP8 is skipped with the reason;
-* with two or more GPUs, a uniform all-to-all of FP8-sized token messages
-  (``torch.distributed.all_to_all_single`` over NCCL) inside the node, against the
-  normal-kernel model's NVLink term;
+* the **SM count** (``torch.cuda.get_device_properties().multi_processor_count``) against
+  the preset's datasheet figure;
+* **grouped expert GEMMs** over sizes, the DeepSeek-V3 expert shape (hidden 7168,
+  intermediate 2048): gate/up ``[m, 7168] x [7168, 4096]`` and down ``[m, 2048] x
+  [2048, 7168]`` for 1..32 experts and 1..8192 tokens per expert; BF16 as one batched launch
+  (``torch.bmm``, the model's grouped GEMM) and FP8 where the GPU has it
+  (``torch._scaled_mm``, one launch per expert, so modelled as that many one-group GEMMs);
+* with two or more GPUs, **NCCL all-to-all** (``torch.distributed.all_to_all_single``) of
+  FP8-sized token messages inside the node at several sizes and at several SM budgets
+  (``NCCL_MAX_CTAS``: one CTA per SM), against the model's ``nccl`` kernel and its band;
 
-and prints, per row, the measured time, the model's time and its error next to the
-preset's stated band. The fitted parameters come from DeepGEMM/DeepEP kernels on H800; a
-different kernel library (cuBLAS, NCCL) or GPU is exactly what this measures.
+and prints, per row, the measured time, the model's time, its error and the band the model
+states for this GPU and kernel (validated or not). Nothing else needs it.
 
     python benchmarks/gpu_costmodel_check.py --out benchmarks/results   # writes gpu_costmodel_<date>_<gpu>.md
 
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetrace import costmodel  # noqa: E402
-from moetrace.costmodel.a2a import A2AParams, normal_terms  # noqa: E402
+from moetrace.costmodel.a2a import A2AParams, time_terms  # noqa: E402
 from moetrace.costmodel.gemm import GemmParams, gemm_terms  # noqa: E402
 from moetrace.costmodel.hardware import GPUS  # noqa: E402
 
@@ -42,7 +43,8 @@ MAX_ACT_BYTES = 2 ** 31          # skip shapes whose activations exceed 2 GiB (t
 
 
 def hardware_of(name: str) -> str | None:
-    for key in ("B200", "H200", "H100", "H800", "H20"):   # H200 before H20: the name contains both
+    # longest names first: "GB200" contains "B200", "H200" contains "H20"
+    for key in ("GB200", "B300", "B200", "H200", "H100", "H800", "H20", "MI355X", "MI300X"):
         if key in name.upper():
             return key
     return None
@@ -63,7 +65,7 @@ def bench(fn, sync, iters: int = 10) -> float:
 
 def gemm_rows(torch, hw: str, deadline: float) -> list[dict]:
     params = GemmParams(**costmodel.fitted()["regimes"]["gemm_grouped"]["params"])
-    band = costmodel.fitted()["regimes"]["gemm_grouped"]["band"]
+    band = costmodel.band(hw, "gemm_grouped")["band"]
     gpu = GPUS[hw]
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
@@ -107,7 +109,9 @@ def gemm_rows(torch, hw: str, deadline: float) -> list[dict]:
     return rows
 
 
-def _a2a_worker(rank: int, world: int, tokens: int, top_k: int, q) -> None:
+def _a2a_worker(rank: int, world: int, sizes: tuple, ctas: int | None, q) -> None:
+    if ctas:        # NCCL's SM budget for its kernels (one CTA per SM); set before NCCL starts
+        os.environ["NCCL_MAX_CTAS"] = os.environ["NCCL_MIN_CTAS"] = str(ctas)
     import torch
     import torch.distributed as dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -115,14 +119,21 @@ def _a2a_worker(rank: int, world: int, tokens: int, top_k: int, q) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     msg = HIDDEN + HIDDEN // 128 * 4
-    buf = torch.empty(tokens * top_k * msg, dtype=torch.uint8, device="cuda")
-    out = torch.empty_like(buf)
-    t = bench(lambda: dist.all_to_all_single(out, buf), torch.cuda.synchronize, iters=20)
-    ts = [None] * world
-    dist.all_gather_object(ts, t)
+    out_t = []
+    for tokens in sizes:
+        buf = torch.empty(tokens * 8 * msg // world * world, dtype=torch.uint8, device="cuda")
+        out = torch.empty_like(buf)
+        t = bench(lambda out=out, buf=buf: dist.all_to_all_single(out, buf), torch.cuda.synchronize, iters=20)
+        ts = [None] * world
+        dist.all_gather_object(ts, t)
+        out_t.append(max(ts))
     if rank == 0:
-        q.put(max(ts))
+        q.put(out_t)
     dist.destroy_process_group()
+
+
+A2A_TOKENS = (128, 1024, 4096)
+A2A_CTAS = (None, 4, 16, 32)     # None: NCCL's own choice
 
 
 def a2a_rows(torch, hw: str) -> list[dict]:
@@ -131,21 +142,30 @@ def a2a_rows(torch, hw: str) -> list[dict]:
         print("all-to-all skipped: one GPU")
         return []
     import torch.multiprocessing as mp
-    d = costmodel.fitted()["regimes"]["a2a_normal"]
-    params = A2AParams(**d["params"])
+    params = A2AParams(**costmodel.regime_params("nccl"))
+    b = costmodel.band(hw, "nccl")
     rows = []
-    for tokens in (128, 4096):
+    for ctas in A2A_CTAS:
         q = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(_a2a_worker, args=(world, tokens, 8, q), nprocs=world, join=True)
-        t = q.get()
-        # a uniform all-to-all: every (token, expert) message moves, 1/world of them stays local
-        m = normal_terms(GPUS[hw], A2AParams(params.latency_us, params.eff_rdma, params.eff_nvl), ep=world,
-                         ranks_per_node=world, tokens=tokens, top_k=8, hidden=HIDDEN, dtype="fp8", topk_groups=None)
-        nvl = tokens * 8 * (HIDDEN + HIDDEN // 128 * 4) * (1 - 1 / world)
-        mod = params.latency_us * 1e-6 + nvl / (params.eff_nvl * GPUS[hw].nvlink_Bps)
-        rows.append(dict(kind="a2a", dtype="fp8", experts=world, m=tokens, n=8, k=HIDDEN, measured_us=t * 1e6,
-                         model_us=mod * 1e6, band=d["band"], launches=1, dedup_model_us=m["time_s"] * 1e6))
+        mp.spawn(_a2a_worker, args=(world, A2A_TOKENS, ctas, q), nprocs=world, join=True)
+        for tokens, t in zip(A2A_TOKENS, q.get()):
+            # a uniform all-to-all of every (token, expert) message: 1/world of it stays on the GPU
+            logical = tokens * 8 * (HIDDEN + HIDDEN // 128 * 4)
+            moved = {"rdma_bytes": 0.0, "nvlink_bytes": logical * (1 - 1 / world), "logical_bytes": logical,
+                     "routing": None}
+            mod = time_terms(GPUS[hw], params, moved, ctas)["time_s"]
+            rows.append(dict(kind=f"nccl a2a{'' if ctas is None else f' {ctas} SMs'}", dtype="fp8", experts=world,
+                             m=tokens, n=8, k=HIDDEN, measured_us=t * 1e6, model_us=mod * 1e6, band=b["band"],
+                             launches=1))
+    print(f"all-to-all band: ±{b['band']:.0%}, {b.words()} ({b['how']})")
     return rows
+
+
+def sm_row(torch, hw: str) -> str:
+    props = torch.cuda.get_device_properties(0)
+    have, preset = props.multi_processor_count, GPUS[hw].sms
+    return (f"SMs: {have} on the device, {preset} in the {hw} preset"
+            + ("" if have == preset else f" (differs: the model's tiles-per-wave use {preset})"))
 
 
 def main() -> int:
@@ -167,11 +187,13 @@ def main() -> int:
         print(f"skipped: {name} is not one of the modelled GPUs ({', '.join(GPUS)})")
         return 0
     start = time.monotonic()
+    sms = sm_row(torch, hw)
+    print(sms)
     rows = gemm_rows(torch, hw, start + a.budget_s) + a2a_rows(torch, hw)
     when = dt.datetime.now(dt.timezone.utc)
     lines = [f"# GPU cost model on {name} ({hw} preset), {when:%Y-%m-%d %H:%M} UTC", "",
              f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s); "
-             f"{time.monotonic() - start:.0f} s", "",
+             f"{time.monotonic() - start:.0f} s", "", sms, "",
              "| kind | dtype | experts | tokens/expert | n | k | launches | measured us | model us | err | band |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

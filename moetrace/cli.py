@@ -22,7 +22,7 @@ from .output import OUT_PATH_CHECKS
 from .storage.paths import refuse_inside_store
 from .version import __version__
 
-if refuse_inside_store not in OUT_PATH_CHECKS:  # -o/--out never inside a store (issue 27)
+if refuse_inside_store not in OUT_PATH_CHECKS:  # -o/--out never inside a store (a write there would corrupt it)
     OUT_PATH_CHECKS.append(refuse_inside_store)
 
 COMMANDS_DIR = Path(__file__).resolve().parent / "commands"
@@ -149,7 +149,7 @@ class MoetraceGroup(click.Group):
 
     def _guess_module(self, name: str) -> str | None:
         """The command module that most likely defines ``name``, found in the files' text
-        without parsing them (the index parses every file: start-up, issue #26): one that
+        without parsing them (the index parses every file: a command's start-up): one that
         names it in ``@click.command("name")`` or defines ``def name(`` under such a
         decorator. Only a guess: :meth:`get_command` checks that the import registered it."""
         import re

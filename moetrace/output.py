@@ -106,7 +106,7 @@ _FAST_TYPES = frozenset(_PL_OF_DUCK)
 @dataclass
 class Rows:
     """Rows of a query as DuckDB returns them (``fetchall``), with their column names and
-    DuckDB type names: what a command prints without polars (start-up, issue #26).
+    DuckDB type names: what a command prints without polars (a command's start-up).
     :func:`emit_rows` prints them as :func:`emit` prints the frame of the same query."""
     columns: list[str]
     types: list[str]

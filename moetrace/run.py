@@ -153,7 +153,7 @@ class Run(NotebookView):
     def skew_rows(self, by: str = "layer", *, batch_steps: int | None = None, memory_limit: str | None = None,
                   progress=None) -> "Rows":
         """:meth:`skew` as :class:`moetrace.output.Rows`: the same rows as DuckDB returns
-        them, without polars or Arrow (what ``moetrace skew`` prints; start-up, issue #26)."""
+        them, without polars or Arrow (what ``moetrace skew`` prints; a command's start-up)."""
         from .analyze.frames import skew_rows
 
         return skew_rows(self.store, self.id, by, batch_steps=batch_steps, memory_limit=memory_limit,
@@ -302,7 +302,7 @@ class Run(NotebookView):
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 
     def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
-        """The cost model a replay of this run uses (:class:`moetrace.replay.cost.CostModel`)."""
+        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`)."""
         return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
 
     def plan(self, policy: str | None = None, *, ranks: int | None = None, replicas: int | None = None,

@@ -15,7 +15,7 @@ The real CPU expert-parallel runs (refrun/, refrun_eplb/, refrun_eplb_plan.json)
     moetrace refrun sample_traces/refrun --ranks 4 --experts 16 --layers 2 --steps 8 \
         --tokens-per-rank 32 --prefill-tokens 64 --skew 1.0 --idle 3:2 --idle 5:3 --seed 0
     moetrace ingest sample_traces/refrun --store st --run-id refrun
-    moetrace plan st --run refrun --policy eplb --replicas 4 --plan-id eplb4 --out sample_traces/refrun_eplb_plan.json
+    moetrace plan st --run refrun --policy eplb --replicas 4 --plan-id eplb4 --export sample_traces/refrun_eplb_plan.json
     moetrace refrun sample_traces/refrun_eplb <same options> --placement sample_traces/refrun_eplb_plan.json
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -9,105 +9,38 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import settings
 
-REPO = Path(__file__).resolve().parent.parent
+from .helpers import MODULE_FIXTURES, REPO, require_spark
+from .helpers.forked_ranks import forked_ranks as _forked_ranks
 
 # ------------------------------------------------------------------- pytest-xdist workers
 # The README's command runs the suite on 3 workers (``-n 3 --dist loadgroup``) on a 2-core
 # machine: two would leave a quarter of the cores idle while tests wait on the subprocesses
-# they start. Each worker is at most one core's worth of work: its polars, BLAS/OpenMP (torch) and
-# DuckDB thread pools are capped at one thread, so the workers do not fight over the
-# cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set before polars or
-# torch is imported (they read these once); the subprocesses a test starts inherit them.
-# DuckDB reads no environment variable: its in-process connections get ``threads=1``
-# (``_duckdb_one_thread``, also for moetrace.storage.engine's connections through ``_duckdb``); the CLI subprocesses keep DuckDB's default.
+# they start. Each worker is at most one core's worth of work: its polars, BLAS/OpenMP (torch)
+# and DuckDB thread pools are capped at one thread, so the workers do not fight over the
+# cores (an earlier two-worker run, uncapped, used 16.5 min of CPU where one took 13). Set
+# before polars or torch is imported (they read these once); the subprocesses a test starts
+# inherit them. DuckDB reads no environment variable of its own: a Store's connections take
+# their thread count from MOETRACE_DUCKDB_THREADS.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     for _var in ("POLARS_MAX_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "RAYON_NUM_THREADS"):
+                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "RAYON_NUM_THREADS",
+                 "MOETRACE_DUCKDB_THREADS"):
         os.environ.setdefault(_var, "1")
-
-
-def _duckdb_one_thread() -> None:
-    import duckdb
-
-    real = duckdb.connect
-    if getattr(real, "_moetrace_one_thread", False):
-        return
-
-    def connect(database=":memory:", read_only=False, config=None, **kw):
-        config = dict(config or {})
-        config.setdefault("threads", 1)
-        return real(database, read_only, config, **kw)
-
-    connect._moetrace_one_thread = True
-    duckdb.connect = connect
-    # moetrace.storage.engine connects through the C extension the package re-exports
-    import _duckdb
-
-    _duckdb.connect = connect
-    duckdb.execute("SET threads=1")   # the module-level connection (duckdb.sql, duckdb.execute)
-
-
-if XDIST_WORKER:
-    _duckdb_one_thread()
-
-#: approximate seconds of the slowest tests (``--durations``, 2-core machine): the workers
-#: are handed the longest work units first, so the two finish together instead of one
-#: running a 3-minute unit alone at the end. Keys are node-id prefixes; the rest count
-#: DEFAULT_SECONDS. Rough is enough: only the order of the heaviest units matters.
-HEAVY_SECONDS = {
-    "tests/test_spark_cli.py": 25.0,           # the Spark tests: one group, one JVM (~3 min)
-    "tests/test_spark_views.py": 10.0,
-    "tests/test_store_spark.py": 20.0,
-    "tests/test_benchmarks_small.py::test_every_benchmark_is_listed_and_run_all_succeeds": 95.0,
-    "tests/test_benchmarks_small.py::test_run_all_only": 3.0,
-    "tests/test_calibrate.py::test_fidelity_matrix_small": 4.0,     # forked ranks (was 40 s)
-    "tests/test_calibrate.py": 2.0,
-    "tests/test_report_truth.py::test_tables_fit_a_1400px_window": 5.0,   # one Chromium for all pages
-    "tests/test_report_truth.py": 1.5,
-    "tests/test_store_atomic.py::test_sigkill_at_every_rename": 8.0,
-    "tests/test_store_atomic.py": 2.5,
-    "tests/test_whatif.py::test_two_micro_batch_refrun": 15.0,
-    "tests/test_refrun.py": 4.0,
-    "tests/test_waits.py::test_injected_delay": 8.0,
-    "tests/test_analysis_materialize.py::test_batched_views": 5.0,
-    "tests/test_analysis_cache.py": 2.5,
-    "tests/test_hostile_families.py::test_refused_with_one_line[nsys_generated_huge": 7.0,
-    "tests/test_hostile_families.py::test_tiny_files_stay_under_a_gib[nsys_generated_huge": 1.5,
-    "tests/test_report.py": 2.0,
-    "tests/test_txn_append.py::test_killed_between_any_two_renames": 2.5,
-    "tests/test_dense.py": 1.5,
-    "tests/test_sql_sandbox.py": 1.5,
-    "tests/test_fidelity_cpu_basis.py": 5.0,
-}
-DEFAULT_SECONDS = 0.3
-
-
-def _seconds(nodeid: str) -> float:
-    best = ""
-    for key in HEAVY_SECONDS:
-        if nodeid.startswith(key) and len(key) > len(best):
-            best = key
-    return HEAVY_SECONDS[best] if best else DEFAULT_SECONDS
-
-
-def _module_scoped(item) -> bool:
-    """Does the test use a fixture its own module defines at module (or class) scope? Its
-    module's tests then go to one worker, so the fixture is built once, not once per worker."""
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info else ()):
-        for d in defs:
-            if d.scope in ("module", "class") and getattr(d, "baseid", "").startswith(item.nodeid.split("::")[0]):
-                return True
-    return False
-
 
 #: fixtures several modules take, and the xdist group of those modules' tests (with their
 #: module-scoped ones): one worker builds the fixture once. two_runs_template: a session
-#: fixture of this conftest; forked_ranks (tests/_forked_ranks.py): the reference-run ranks'
-#: forkserver, which imports torch, torch._dynamo and pandas once per worker process (~5 s
-#: of CPU), whichever module starts it first
+#: fixture of this conftest; forked_ranks (tests/helpers/forked_ranks.py): the reference-run
+#: ranks' forkserver, which imports torch, torch._dynamo and pandas once per worker process
+#: (~5 s of CPU), whichever module starts it first
 SHARED_FIXTURE_GROUPS = {"two_runs_template": "shared:two_runs", "forked_ranks": "shared:forked_ranks"}
+
+#: the seconds a test counts for when ordering the work units, until this checkout's pytest
+#: cache has its measured duration (``DURATIONS_KEY``): a test marked ``slow`` (the house
+#: rule: more than a few seconds) and any other
+SLOW_SECONDS, DEFAULT_SECONDS = 5.0, 0.3
+DURATIONS_KEY = "moetrace/durations"
+GROUPS_FILE = "xdist-groups.json"
 
 
 def pytest_configure(config):
@@ -117,6 +50,13 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
     if not hasattr(config, "workerinput"):   # the controller (or a serial run): once per run
         _compile_sources()
+        global _DURATIONS
+        _DURATIONS = {}
+
+
+#: seconds per test id this run (the controller's, or a serial run's)
+_DURATIONS: dict[str, float] | None = None
+_GROUPS_DIR = pytest.StashKey[str]()
 
 
 def _compile_sources() -> None:
@@ -134,30 +74,29 @@ def _compile_sources() -> None:
             compileall.compile_dir(REPO / d, quiet=2)
 
 
-def _group_node_id(item, group: str) -> None:
-    """What xdist does with an ``xdist_group`` mark under ``--dist loadgroup``: the group's
-    name after an ``@`` in the node id, which its scheduler splits the work units by.
-    pytest-xdist 3.8 writes ``item._nodeid``, which pytest >= 9.2 no longer reads (the id
-    is ``item._id``), so the groups would silently be ignored: set it here."""
-    try:
-        from _pytest.nodeid import NodeId
-    except ImportError:     # pytest < 9.2: xdist's own hook does it
-        return
-    nid = getattr(item, "_id", None)
-    if not isinstance(nid, NodeId) or not nid.names or item.nodeid.endswith("@" + group):
-        return
-    # 'name[params]@group' as the last name, no params: the id prints the same if rebuilt
-    last = nid.names[-1] + (f"[{nid.params}]" if nid.params is not None else "") + "@" + group
-    item._id = NodeId(path=nid.path, names=(*nid.names[:-1], last))
+def _group(item, shared_module: dict[str, str]) -> str | None:
+    """The xdist group of a test: every test on the shared Spark session in one (one JVM,
+    on one worker); a module taking a shared session fixture (:data:`SHARED_FIXTURE_GROUPS`)
+    in its group, with its tests of a module-scoped fixture; the tests of a module-scoped
+    fixture (``helpers.module_fixture``) in their module's group; else none."""
+    names = getattr(item, "fixturenames", ())
+    module = item.nodeid.split("::")[0]
+    if "spark_session" in names:
+        return "spark"
+    mod = getattr(item, "module", None)
+    module_scoped = mod is not None and any(
+        any(getattr(mod, f, None) is fx for fx in MODULE_FIXTURES) for f in names)
+    if module in shared_module and (module_scoped or any(f in names for f in SHARED_FIXTURE_GROUPS)):
+        return shared_module[module]
+    return "module:" + module if module_scoped else None
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist's own hook turns the xdist_group marks into node ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (``-n 3 --dist loadgroup``): every test on the shared Spark session in one
-    group (one JVM, on one worker), the modules taking a shared session fixture
-    (:data:`SHARED_FIXTURE_GROUPS`) in its group, the tests of a module-scoped fixture in
-    their module's group, and the work units ordered longest first. A plain run keeps
-    pytest's order."""
+    """Under xdist (``-n 3 --dist loadgroup``), on each worker: the tests' groups
+    (:func:`_group`), written for the controller's scheduler (:func:`pytest_xdist_make_scheduler`),
+    and the work units ordered longest first by the last measured durations (the pytest
+    cache), else by the ``slow`` marks. A plain run keeps pytest's order."""
     if not XDIST_WORKER:
         return
     shared_module = {}     # module -> the group of the shared session fixture its tests take
@@ -165,86 +104,92 @@ def pytest_collection_modifyitems(config, items):
         for fx, group in SHARED_FIXTURE_GROUPS.items():
             if fx in getattr(item, "fixturenames", ()):
                 shared_module[item.nodeid.split("::")[0]] = group
-    unit_of = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        if "spark_session" in getattr(item, "fixturenames", ()):
-            group = "spark"
-        elif module in shared_module and (_module_scoped(item) or any(
-                fx in getattr(item, "fixturenames", ()) for fx in SHARED_FIXTURE_GROUPS)):
-            group = shared_module[module]
-        elif _module_scoped(item):
-            group = "module:" + module
-        else:
-            group = None
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-            _group_node_id(item, group)
-        unit_of[id(item)] = group or item.nodeid
+    groups = {item.nodeid: g for item in items if (g := _group(item, shared_module))}
+    groups_dir = config.workerinput.get("moetrace_groups_dir")
+    if groups_dir:     # every worker collects the same tests: each writes the same map
+        path = Path(groups_dir) / GROUPS_FILE
+        tmp = path.with_name(f"{GROUPS_FILE}.{XDIST_WORKER}")
+        tmp.write_text(json.dumps(groups))
+        os.replace(tmp, path)
+    cache = getattr(config, "cache", None)
+    measured = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
     weight: dict[str, float] = {}
-    for item in items:
-        u = unit_of[id(item)]
-        weight[u] = weight.get(u, 0.0) + _seconds(item.nodeid)
-    first = {}
+    first: dict[str, int] = {}
     for i, item in enumerate(items):
-        first.setdefault(unit_of[id(item)], i)
-    items.sort(key=lambda it: (-weight[unit_of[id(it)]], first[unit_of[id(it)]]))
+        u = groups.get(item.nodeid, item.nodeid)
+        s = measured.get(item.nodeid)
+        if s is None:
+            s = SLOW_SECONDS if item.get_closest_marker("slow") else DEFAULT_SECONDS
+        weight[u] = weight.get(u, 0.0) + s
+        first.setdefault(u, i)
+    items.sort(key=lambda it: (-weight[groups.get(it.nodeid, it.nodeid)],
+                               first[groups.get(it.nodeid, it.nodeid)]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """The controller hands each worker the folder for its map of test groups."""
+    config = node.config
+    if _GROUPS_DIR not in config.stash:
+        import tempfile
+
+        config.stash[_GROUPS_DIR] = tempfile.mkdtemp(prefix="moetrace-xdist-")
+    node.workerinput["moetrace_groups_dir"] = config.stash[_GROUPS_DIR]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the workers' groups: xdist's own scheduler, given each test
+    id with ``@group`` appended (the form its ``xdist_group`` marks produce), read from the
+    map the workers wrote at collection. xdist 3.8 writes those ids through an attribute
+    pytest >= 9.2 no longer reads, so its marks alone would group nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Grouped(LoadGroupScheduling):
+        def add_node_collection(self, node, collection):
+            path = Path(config.stash.get(_GROUPS_DIR, "")) / GROUPS_FILE
+            groups = json.loads(path.read_text()) if path.is_file() else {}
+            super().add_node_collection(node, [
+                nid + "@" + groups[nid] if nid in groups and not nid.endswith("@" + groups[nid])
+                else nid for nid in collection])
+
+    return Grouped(config, log)
+
+
+def pytest_runtest_logreport(report):
+    """The controller (or a serial run) adds up each test's setup, call and teardown time."""
+    if _DURATIONS is not None:
+        _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """The durations measured, for the next run's order (kept for tests not run this time)."""
+    config = session.config
+    cache = getattr(config, "cache", None)
+    if _DURATIONS and cache is not None:
+        cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}),
+                                  **{k: round(v, 3) for k, v in _DURATIONS.items()}})
+    groups_dir = config.stash.get(_GROUPS_DIR, None)
+    if groups_dir:
+        import shutil
+
+        shutil.rmtree(groups_dir, ignore_errors=True)
+
 
 # Property tests: derandomized (a fixed seed per test) so a failure reproduces, in CI and by
 # default; HYPOTHESIS_PROFILE=random explores new examples on every run (docs/hardening.md).
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("random", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
-
-
-def shared_data(*parts: str) -> Path:
-    """A file under ../shared/data; skips the test (with the reason) when it is absent."""
-    p = SHARED_DATA.joinpath(*parts)
-    if not p.exists():
-        pytest.skip(f"real trace {p} not available (tests read ../shared/data next to the repository)")
-    return p
-
-
-#: ``python -c SIGKILL_AT_REPLACE.format(repo=...) K moetrace-args...``: the CLI with a real
-#: SIGKILL at its K-th ``os.replace`` (a writer killed amid its renames)
-SIGKILL_AT_REPLACE = """
-import os, signal, sys
-sys.path.insert(0, {repo!r})
-from moetrace.cli import main
-k, real, n = int(sys.argv[1]), os.replace, [0]
-def replace(a, b):
-    n[0] += 1
-    if n[0] == k:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(a, b)
-os.replace = replace
-main(sys.argv[2:])
-"""
-
-
-def tree_hash(root: str | os.PathLike) -> str:
-    """sha256 over every path (files, folders, hidden ones) and file bytes under root."""
-    root = Path(root)
-    h = hashlib.sha256()
-    if not root.exists():
-        return "absent"
-    for dirpath, dirnames, filenames in sorted(os.walk(root)):
-        dirnames.sort()
-        rel = os.path.relpath(dirpath, root)
-        h.update(f"D:{rel}\n".encode())
-        for name in sorted(filenames):
-            p = Path(dirpath) / name
-            h.update(f"F:{os.path.relpath(p, root)}\n".encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="session")
 def two_runs_template(tmp_path_factory):
-    """test_analysis_materialize's and test_analysis_cache's two runs (tests/_two_runs.py):
+    """test_analysis_materialize's and test_analysis_cache's two runs (tests/helpers/two_runs.py):
     (path, run ids). Read-only: a test opens its own Store on it or copies it."""
-    from ._two_runs import build
+    from .helpers.two_runs import build
 
     path = tmp_path_factory.mktemp("two-runs") / "st"
     return path, build(path)
@@ -253,7 +198,7 @@ def two_runs_template(tmp_path_factory):
 @pytest.fixture(scope="session")
 def two_runs_live(two_runs_template):
     """{run id: {view: rows}}: the plain views of the two runs, computed once."""
-    from ._two_runs import live_views
+    from .helpers.two_runs import live_views
 
     return live_views(*two_runs_template)
 
@@ -269,37 +214,6 @@ def cli():
 
     group.load_all()   # commands are imported on demand; tests walk cli.commands
     return group
-
-
-def invoke(runner, cli, *args):
-    """``cli`` through a click runner with every argument as text, exceptions caught."""
-    return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
-
-
-def one_line_error(res, *needles: str) -> str:
-    """The refusal is exit 2 and one line starting ``moetrace: error:``, naming every needle."""
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moetrace: error:"), lines
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
-
-
-def _java_ok() -> bool:
-    import shutil
-    import subprocess
-
-    java = shutil.which("java")
-    return bool(java) and subprocess.run([java, "-version"], capture_output=True).returncode == 0
-
-
-def require_spark():
-    """Skip (with the reason) unless pyspark, sqlglot and a Java runtime are here."""
-    pytest.importorskip("pyspark", reason="pip install 'moetrace[spark]' for the Spark tests")
-    pytest.importorskip("sqlglot", reason="pip install 'moetrace[spark]' for the Spark tests")
-    if not _java_ok():
-        pytest.skip("no Java runtime (apt-get install default-jre-headless); .ci/run installs one")
 
 
 @pytest.fixture(scope="session")
@@ -331,3 +245,19 @@ def spark_session():
     yield sp
     ms.keep_session(None)
     sp.stop()
+
+
+@pytest.fixture(scope="module")
+def forked_ranks():
+    """Reference-run ranks forked from a forkserver with torch imported (tests/helpers/forked_ranks.py)."""
+    with _forked_ranks():
+        yield
+
+
+@pytest.fixture()
+def slot_store(tmp_path):
+    """(store path, tokens[step, layer, slot]): 8 experts on 12 slots (4 redundant), 4 ranks
+    x 3 slots, 2 nodes, 2 layers, 6 steps (tests/helpers/slot_store.py)."""
+    from .helpers.slot_store import build_slot_store
+
+    return build_slot_store(tmp_path)

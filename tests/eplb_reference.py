@@ -1,7 +1,7 @@
 """A plain-Python (loops, one layer at a time) implementation of EPLB.
 
-It follows the published algorithm step by step with the tie rules of ``FORMATS.md``
-(float32 arithmetic, stable descending sort, lowest index wins) and exists to check the
+It follows the published algorithm step by step with the tie rules in
+docs/reference/formats.md (float32 arithmetic, stable descending sort, lowest index wins) and exists to check the
 vectorized :func:`moetrace.placement.eplb.rebalance_experts` and to time it against. Nothing
 else should call it: it is slow on purpose (no numpy beyond float32 scalars).
 """

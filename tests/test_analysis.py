@@ -7,13 +7,14 @@ from np.median over all experts, rank loads from bincount / explicit loops).
 from __future__ import annotations
 
 import math
-import uuid
 
 import numpy as np
 import pytest
 
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
+
+from .helpers import module_fixture, run_row
 
 
 # ----------------------------------------------------------------------------- reference
@@ -58,8 +59,7 @@ def skew_rows(st: Store, run_id: str) -> dict:
 
 
 def write(st: Store, run: dict, load: dict, **tables) -> str:
-    base = {"source": run.pop("source", "test"), "collector": "test", "time_base": "none",
-            "source_sha256": uuid.uuid4().hex}
+    base = run_row(source=run.pop("source", "test"))
     base.update(run)
     return st.write_run(base, {"expert_load": load, **tables}, run_id=run.get("run_id", "r")).run_id
 
@@ -89,7 +89,7 @@ def assert_row_matches(row: dict, ref: dict):
 
 
 # ----------------------------------------------------------------------------- synthetic run
-@pytest.fixture(scope="module")
+@module_fixture
 def small_synth(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("an") / "st", create=True)
     cfg = SynthConfig(layers=3, experts=64, top_k=4, ranks=8, ranks_per_node=4, steps=12, tokens_per_step=300,
@@ -216,7 +216,7 @@ def test_seed_physics_lognormal_structural_skew_independent_numpy():
     assert 1.35 <= np.mean(vals) <= 1.7
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def physics_runs(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("phys") / "st", create=True)
     out = {}

@@ -25,10 +25,9 @@ from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 from moetrace.storage import schema
 
-from ._two_runs import KEYS
-from ._two_runs import SYNTH as CFG
-from .conftest import SIGKILL_AT_REPLACE, invoke, tree_hash
-from .test_analysis_materialize import _assert_same
+from .helpers import SIGKILL_AT_REPLACE, invoke, module_fixture, tree_hash
+from .helpers.two_runs import KEYS, _assert_same
+from .helpers.two_runs import SYNTH as CFG
 
 
 def _synth_store(path, seed=5, run_id="syn", **over) -> Store:
@@ -73,10 +72,10 @@ def test_distribution_views_match_numpy(tmp_path):
         assert set(r["rank"].to_list()) == set(np.nonzero(want_r)[0].tolist())
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def two_runs(two_runs_template):
     """A long-layout run with a recorded placement, gaps and replicas, and a dense run
-    (tests/_two_runs.py: the store test_analysis_materialize.py reads too, on this module's
+    (tests/helpers/two_runs.py: the store test_analysis_materialize.py reads too, on this module's
     own connection)."""
     path, rids = two_runs_template
     st = Store(path)
@@ -84,7 +83,7 @@ def two_runs(two_runs_template):
     st.close()
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def live_distributions(two_runs_live):
     """Each run's distribution views computed live once (by the plain views, on another
     connection to the same store), for every batch size below to be compared against."""
@@ -123,7 +122,7 @@ def test_cache_tables_are_the_views_columns():
 # ----------------------------------------------------------------------------- stored == live
 def test_stored_rows_equal_the_live_views_after_reopening(tmp_path, runner, cli, two_runs_template, two_runs_live):
     # a byte-for-byte copy of the two-run store: the live views are those of the template's
-    # files (tests/_two_runs.py: computed by the plain views, before any cache existed)
+    # files (tests/helpers/two_runs.py: computed by the plain views, before any cache existed)
     template, rids = two_runs_template
     path = tmp_path / "st"
     shutil.copytree(template, path)
@@ -361,7 +360,7 @@ def test_a_sigkilled_store_write_leaves_no_cache(tmp_path):
     import subprocess
     import sys
 
-    from .conftest import REPO
+    from .helpers import REPO
 
     template = tmp_path / "t"
     _synth_store(template).close()

@@ -17,16 +17,18 @@ from moetrace.analyze import choose_batch_steps, drop_materialized, materialize_
 from moetrace.report.sections.experts import quantile_from_counts
 from moetrace.run import Store
 
-from ._two_runs import KEYS as SORT_KEYS
+from .helpers import module_fixture
+from .helpers.two_runs import KEYS as SORT_KEYS
+from .helpers.two_runs import _assert_same
 
-#: the views compared (their sort keys: tests/_two_runs.py)
+#: the views compared (their sort keys: tests/helpers/two_runs.py)
 KEYS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition", "skew_summary", "run_skew_summary")
 
 
 # the two runs (a recorded run with gaps and replicas, a dense synth run) and their plain
-# views are built once per session (tests/_two_runs.py, conftest's two_runs_template and
+# views are built once per session (tests/helpers/two_runs.py, conftest's two_runs_template and
 # two_runs_live): test_analysis_cache.py compares against the same ones
-@pytest.fixture(scope="module")
+@module_fixture
 def store(two_runs_template):
     path, rids = two_runs_template
     st = Store(path)     # this module's own connection: its TEMP tables are its own
@@ -34,23 +36,7 @@ def store(two_runs_template):
     st.close()
 
 
-def _assert_same(got: pl.DataFrame, want: pl.DataFrame, what: str):
-    assert got.columns == want.columns, what
-    assert got.height == want.height, f"{what}: {got.height} rows, view has {want.height}"
-    assert got.height > 0, what
-    for c in want.columns:
-        g, w = got[c], want[c]
-        assert g.dtype == w.dtype, f"{what}.{c}: {g.dtype} vs {w.dtype}"
-        assert g.null_count() == w.null_count() and (g.is_null() == w.is_null()).all(), f"{what}.{c} nulls"
-        if w.dtype.is_float():
-            # sums of fractional replica loads may be added in another order: last-bit differences only
-            np.testing.assert_allclose(g.drop_nulls().to_numpy(), w.drop_nulls().to_numpy(), rtol=1e-12,
-                                       atol=0, err_msg=f"{what}.{c}")
-        else:
-            assert g.to_list() == w.to_list(), f"{what}.{c}"
-
-
-@pytest.fixture(scope="module")
+@module_fixture
 def plain_views(two_runs_live):
     """Each run's views computed from the plain (unmaterialized) views once, for every
     batch size below to be compared against (the store does not change between them)."""

@@ -33,29 +33,10 @@ from hypothesis import strategies as st
 from moetrace.collect import Collector, RunData, register, registry
 from moetrace.run import Store
 
-from .conftest import REPO, tree_hash
+from .helpers import REPO, tree_hash
+from .helpers.seed_store import _load_csv_text, _seed_store
 
 HYP = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-# ----------------------------------------------------------------------------- helpers
-def _load_csv_text(steps=3, layers=2, experts=4) -> str:
-    lines = ["step,layer,expert,tokens"]
-    for s in range(steps):
-        for l in range(layers):
-            for e in range(experts):
-                lines.append(f"{s},{l},{e},{(s + 1) * (e + 2) + l}")
-    return "\n".join(lines) + "\n"
-
-
-def _seed_store(path: Path) -> Path:
-    """A store that already holds one run, so 'unchanged' means something."""
-    src = path.parent / f"seed-{path.name}.csv"
-    src.write_text(_load_csv_text(steps=2))
-    from moetrace.collect import ingest
-
-    ingest(Store(path, create=True), [src])
-    return path
 
 
 @pytest.fixture
@@ -708,7 +689,7 @@ def test_vllm_bad_dumps(runner, cli, store, tmp_path):
 
 # ----------------------------------------------------------------------------- profiler traces (Kineto, Nsight)
 def _kineto_payload(gz: bool) -> bytes:
-    from .test_kineto import annotated_events, write_trace
+    from .helpers.kineto_trace import annotated_events, write_trace
     assert 'kineto' in registry(), "collector missing from the package"
     d = Path(tempfile.mkdtemp(prefix="moetrace-kin-"))
     try:
@@ -743,7 +724,7 @@ def test_kineto_truncated_or_corrupted(runner, cli, tmp_path_factory, gz, data):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_nsys_export_truncated_or_corrupted(runner, cli, tmp_path_factory, data):
-    from .test_nsys import make_export
+    from .helpers.nsys_export import make_export
     assert 'nsys' in registry(), "collector missing from the package"
     tmp = tmp_path_factory.mktemp("nsys")
     payload = bytearray(make_export(tmp / "ok.sqlite").read_bytes())

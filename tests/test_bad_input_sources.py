@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from moetrace.collect import ingest
 from moetrace.run import Store
 
-from .conftest import tree_hash
+from .helpers import tree_hash
 
 
 def _seed(tmp_path):

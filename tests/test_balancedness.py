@@ -1,4 +1,4 @@
-"""One balancedness, every engine's name for it (#24), and the two log defects of #23:
+"""One balancedness, every engine's name for it, and two log defects:
 an empty vLLM EPLB window is undefined (not 0) and SGLang timestamps are only said to be
 UTC when there is one."""
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_tables_and_docs_show_every_definition(runner, cli):
     res = runner.invoke(cli, ["tables", "balancedness", "--format", "csv"])
     assert res.exit_code == 0, res.output
     assert "1/balancedness" in res.output and "imbalance-ratio + 1" in res.output
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "analysis.md").read_text()
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "explanation" / "metrics.md").read_text()
     for _engine, _formula, source, _ in DEFINITIONS.values():
         assert source.split()[1] in doc, source
 

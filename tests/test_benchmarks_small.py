@@ -11,15 +11,17 @@ import sys
 
 import pytest
 
-from .conftest import REPO, SHARED_DATA
+from .helpers import REPO, SHARED_DATA, module_fixture
 
 BENCHMARKS = sorted(p.stem[len("bench_"):] for p in (REPO / "benchmarks").glob("bench_*.py"))
 #: benchmarks that read a real trace under ../shared/data: absent in a fresh clone, they
 #: are skipped (benchmarks.common.Skipped), never failed
 NEEDS_SHARED_DATA = {"ingest_kineto": "deepseek_ep64_train_rank0.json.gz"}
+#: the module fixture runs every benchmark (the suite's longest work unit, over a minute on 2 cores)
+pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-results")
     # the timeouts only catch a hang: the benchmarks take about a minute together on a quiet

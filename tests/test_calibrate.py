@@ -12,9 +12,8 @@ import pytest
 from moetrace.replay import calibrate as cal
 from moetrace.replay import calibrate_fit as calfit
 from moetrace.run import Store
-from tests.conftest import tree_hash
 
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
+from .helpers import module_fixture, run_row, tree_hash
 
 R, RPN, E, K, L, T, H, DB = 4, 2, 8, 2, 2, 10, 16, 2
 SPR = E // R
@@ -107,9 +106,9 @@ def _write(st, run_id, rt, phy2log, expert_ns, comm_ns, per_slot_spans=True, wha
                     add(r, "dispatch", t0 + 2 * 10**7, d // 3, s, layer)
                     add(r, "combine", t0 + 3 * 10**7, d - d // 3, s, layer)
                 add(r, "attention", t0 + 4 * 10**7, 999, s, layer)   # not expert time: must be ignored
-    run = {"source": f"test {run_id}", "source_sha256": run_id * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": E, "top_k": K, "hidden": H, "dtype_bytes": DB, "expert_bytes": 1000,
-           "num_ranks": R, "ranks_per_node": RPN, "num_slots": S, "num_groups": 1}
+    run = run_row(source=f"test {run_id}", source_sha256=run_id * 64, num_layers=L, num_experts=E, top_k=K,
+                  hidden=H, dtype_bytes=DB, expert_bytes=1000, num_ranks=R, ranks_per_node=RPN,
+                  num_slots=S, num_groups=1)
     tables = {"routing": routing, "expert_load": load, "placement": placement, "spans": spans}
     if what == "spans":
         tables = {"spans": spans}
@@ -171,7 +170,7 @@ def test_spans_and_load_from_two_runs_with_step_offset(tmp_path, runner, cli):
     st = Store(path, create=True)
     _write(st, "prof", rt, CONTIG, ex, cm, what="spans", span_step_shift=-5)
     _write(st, "load", rt, CONTIG, ex, cm, what="load")
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "prof", "--load", "prof=load", "--step-offset", "5",
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "prof", "--load", "prof=load", "--step-offset", "5",
                             "--json"])
     assert r.exit_code == 0, r.output
     f = json.loads(r.output)["fit"]
@@ -182,7 +181,7 @@ def test_spans_and_load_from_two_runs_with_step_offset(tmp_path, runner, cli):
     assert rows["step"].min() == 0 and rows.height == T * L * R
     np.testing.assert_array_equal(rows["tokens"].to_numpy().reshape(T, L, R), tok)
     # without the offset the profiler steps -5..4 meet load steps 0..4 only: a different, smaller fit
-    r2 = runner.invoke(cli, ["calibrate", str(path), "--fit", "prof", "--load", "prof=load", "--json", "--no-store"])
+    r2 = runner.invoke(cli, ["calibrate", str(path), "--run", "prof", "--load", "prof=load", "--json", "--no-store"])
     assert r2.exit_code == 0, r2.output
     assert json.loads(r2.output)["fit"]["expert_points"] < f["expert_points"]
 
@@ -247,7 +246,7 @@ def test_judged_metrics_match_recomputation(tmp_path, runner, cli):
     st = Store(path, create=True)
     _write(st, "a", rt_a, CONTIG, ex_a, cm_a)
     _write(st, "b", rt_b, SHUFFLED, ex_b, cm_b)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "a", "--judge", "b", "--json"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "a", "--judge-run", "b", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     a, b = out["fit"]["a_ns"], out["fit"]["b_ns"]
@@ -302,7 +301,7 @@ def test_bad_input_exit_2_store_unchanged(tmp_path, runner, cli):
     st = Store(path, create=True)
     _write(st, "a", rt, CONTIG, np.zeros_like(tok), None)   # spans, but no expert_gemm span
     before = tree_hash(path)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "a"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "a"])
     assert r.exit_code == 2
     assert "expert_gemm" in r.output
     assert tree_hash(path) == before
@@ -321,7 +320,7 @@ RR, RE, RSTEPS = 2, 8, 3
 REPLICATED = [0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 2, 3]
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def refrun_pair(tmp_path_factory, forked_ranks):
     pytest.importorskip("torch", reason="the reference run needs PyTorch (pip install 'moetrace[torch]')")
     from moetrace.collect import ingest
@@ -353,7 +352,7 @@ def test_refrun_has_one_expert_span_per_slot_touched(refrun_pair):
 
 def test_calibrate_refrun_pair_end_to_end(refrun_pair, runner, cli):
     path = refrun_pair / "st"
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--basis", "wall", "--json"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--basis", "wall", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["basis"] == "wall"
@@ -431,7 +430,7 @@ def test_calibrate_refrun_judges_on_the_cpu_basis_by_default(refrun_pair, runner
     errors and each run's host slowdown come beside it, all recomputed here by hand."""
     path = refrun_pair / "st"
     st = Store(path)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--json", "--no-store"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--json", "--no-store"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["basis"] == "cpu"
@@ -454,7 +453,7 @@ def test_calibrate_refrun_judges_on_the_cpu_basis_by_default(refrun_pair, runner
     for s_, la, e, c in zip(cj.step, cj.layer, cj.expert_ns, cj.comm_ns):
         got[(int(s_), int(la))] = max(got.get((int(s_), int(la)), 0.0), e + c)
     assert got == pytest.approx({k: want[k] for k in got})
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--no-store"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--no-store"])
     assert r.exit_code == 0, r.output
     assert "judged on the CPU basis" in r.output and "host slowdown" in r.output and "wall_layer_mape_pct" in r.output
 
@@ -464,7 +463,7 @@ def test_error_band_from_the_newest_calibration_on_the_same_hardware(refrun_pair
     stored cells; a preset or other hardware gets no number, "uncalibrated preset" in words."""
     path = refrun_pair / "st"
     st = Store(path)
-    r = runner.invoke(cli, ["calibrate", str(path), "--fit", "ra", "--judge", "rb", "--calibration-id", "band1"])
+    r = runner.invoke(cli, ["calibrate", str(path), "--run", "ra", "--judge-run", "rb", "--calibration-id", "band1"])
     assert r.exit_code == 0, r.output
     hw = cal.run_hardware(st, "ra")
     assert hw and hw.startswith("cpu: ")
@@ -505,7 +504,7 @@ def test_fit_layer_model_recovers_known_terms():
     comp = fixed + a * tok + b * tch
     slow = comp.argmax(axis=2)
     layer = lat + comp.max(axis=2)
-    from moetrace.replay.cost import CostModel
+    from moetrace.costmodel.step_cost import CostModel
     free = CostModel(0.0, 0.0, 1e30, 1e30, "bytes cost nothing")     # the base bandwidths: bytes free
     m = calfit.fit_layer_model(blk, comp, layer, ("tokens", "slot", "latency", "fixed"), base=free)
     assert (m.a_ns, m.b_ns, m.fixed_ns, m.latency_ns) == pytest.approx((a, b, fixed, lat), rel=1e-6)
@@ -529,7 +528,7 @@ def test_fidelity_evaluate_by_hand():
     from types import SimpleNamespace
 
     from benchmarks.bench_fidelity import evaluate
-    from moetrace.replay.cost import CostModel
+    from moetrace.costmodel.step_cost import CostModel
 
     model = CostModel(a_ns=10.0, b_ns=0.0, nvlink_Bps=1e30, internode_Bps=1e30, source="t", latency_ns=100.0)
     z = np.zeros((1, 1, 2))

@@ -1,7 +1,8 @@
 import json
 
 import polars as pl
-import pytest
+
+from .helpers import module_fixture
 
 
 def test_every_command_has_help_with_an_example(cli):
@@ -11,7 +12,7 @@ def test_every_command_has_help_with_an_example(cli):
         assert "Example:" in cmd.help, f"command {name} help lacks an Example: block"
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def demo(tmp_path_factory):
     from click.testing import CliRunner
 

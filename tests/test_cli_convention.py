@@ -1,4 +1,4 @@
-"""One meaning per option name across every command (#25; CONTRIBUTING.md "Command-line
+"""One meaning per option name across every command (CONTRIBUTING.md "Command-line
 convention"): the click tree is walked, every command's --help rendered, and each visible
 option checked against the convention. Old spellings may remain as unlisted aliases."""
 from __future__ import annotations
@@ -90,18 +90,24 @@ def test_every_command_follows_the_convention(cli):
     assert not problems, "\n".join(problems)
 
 
-def test_old_spellings_still_work_unlisted(cli, runner, tmp_path):
+def test_old_spellings_are_gone(cli, runner, tmp_path):
+    """The spellings renamed before any release (report -o/--out, plan -o/--out/--out-format,
+    --fit-window, calibrate --fit/--judge, whatif --trace) are no longer accepted; the new
+    names parse to the same destinations."""
     cli.load_all()
     rep = cli.commands["report"]
     ctx = click.Context(rep, info_name="report")
     assert "--out-dir" in rep.get_help(ctx) and "-o, --out" not in rep.get_help(ctx)
-    # the old name parses to the same destination
     st = str(tmp_path)
-    assert rep.make_context("report", [st, "--out", "x"]).params["out"] == "x"
-    assert cli.commands["replay"].make_context("replay", [st, "--fit-window", "0:4"]).params["fit_window"] == (0, 4)
-    old = cli.commands["calibrate"].make_context("calibrate", [st, "--fit", "a", "--judge", "b"]).params
+    assert rep.make_context("report", [st, "--out-dir", "x"]).params["out"] == "x"
+    assert cli.commands["replay"].make_context("replay", [st, "--fit-steps", "0:4"]).params["fit_window"] == (0, 4)
     new = cli.commands["calibrate"].make_context("calibrate", [st, "--run", "a", "--judge-run", "b"]).params
-    assert old == new and new["fit_run"] == "a" and new["judge_runs"] == ("b",)
+    assert new["fit_run"] == "a" and new["judge_runs"] == ("b",)
+    for argv in (["report", st, "--out", "x"], ["report", st, "-o", "x"], ["plan", st, "--out", "x.json"],
+                 ["plan", st, "--out-format", "eplb"], ["replay", st, "--fit-window", "0:4"],
+                 ["calibrate", st, "--fit", "a"], ["calibrate", st, "--judge", "b"], ["whatif", st, "--trace", "t.json"]):
+        res = runner.invoke(cli, argv)
+        assert res.exit_code == 2 and "No such option" in res.output, (argv, res.output)
 
 
 def test_one_value_where_one_is_meant(cli, runner, tmp_path):

@@ -1,6 +1,6 @@
 """Every numeric option of every command has a declared range (commands/_options.py
 RANGES), and 0, -1, NaN, inf and 10^12 on each end in exit 0 or exit 2 with one line and
-no traceback, never an internal error (issue 27).
+no traceback, never an internal error.
 
 The command tree is walked, so a new numeric option without a range fails here."""
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _base(cmd: str, store: str, tmp_path) -> list[str]:
     if cmd in ("replay", "plan", "sweep"):
         return [store, "--policy", "eplb-global"]
     if cmd == "calibrate":
-        return [store, "--fit", "x"]
+        return [store, "--run", "x"]
     return [store]
 
 

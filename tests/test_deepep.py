@@ -1,4 +1,4 @@
-"""DeepEP diagnosis counters (#24): the samples ingest with counts equal to numpy over the raw
+"""DeepEP diagnosis counters: the samples ingest with counts equal to numpy over the raw
 arrays, the wait matrix sits beside the timeline's, bad files are one-line exit-2 refusals."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from moetrace.collect import collect, detect, ingest
 from moetrace.run import Store
 
-from .conftest import invoke, tree_hash
+from .helpers import invoke, run_row, tree_hash
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 R, EL = 4, 4
@@ -87,8 +87,7 @@ def _timeline_store(tmp_path, late_rank: int):
                       "classified_by": pa.nulls(n, pa.string()), "moe_context": pa.nulls(n, pa.string())})
     names = pa.table({"name_id": pa.array([0], pa.int32()), "name": ["deepep_dispatch"], "kind": ["dispatch"],
                       "classified_by": pa.nulls(1, pa.string())})
-    st.write_run({"source": "timeline", "source_sha256": "t" * 64, "collector": "test", "time_base": "ns",
-                  "num_ranks": R}, {"spans": spans, "kernel_names": names}, run_id="timeline")
+    st.write_run(run_row(source="timeline", source_sha256="t" * 64, time_base="ns", num_ranks=R), {"spans": spans, "kernel_names": names}, run_id="timeline")
     ingest(st, [SAMPLES / "deepep"], run_id="dep")
     return st
 

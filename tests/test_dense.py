@@ -15,6 +15,9 @@ import pytest
 from moetrace.run import Store
 from moetrace.storage import dense
 
+from .helpers import module_fixture
+from .helpers.dense_runs import _long, _run, _stores
+
 VIEWS = {   # view -> sort keys
     "run_shape": ["run_id"],
     "layer_placement": ["layer"],
@@ -29,32 +32,6 @@ VIEWS = {   # view -> sort keys
     "skew_by_batch": ["layer", "steps_per_batch"],
     "skew_decomposition": ["layer"],
 }
-
-
-def _run(E, R, L, **kw):
-    run = {"source": "t", "source_sha256": f"t-{np.random.default_rng().integers(1 << 60)}", "collector": "t",
-           "time_base": "none", "num_layers": L, "num_experts": E, "num_ranks": R, "top_k": 2}
-    run.update(kw)
-    return run
-
-
-def _long(counts, steps, layers):
-    T, L, E = counts.shape
-    return pa.table({"step": np.repeat(steps, L * E).astype(np.int64),
-                     "layer": np.tile(np.repeat(layers, E), T).astype(np.int32),
-                     "expert": np.tile(np.arange(E), T * L).astype(np.int32),
-                     "slot": pa.nulls(T * L * E, pa.int32()), "src_rank": pa.nulls(T * L * E, pa.int32()),
-                     "tokens": counts.reshape(-1).astype(np.int64)})
-
-
-def _stores(tmp_path, counts, steps, layers, run, extra=None):
-    long_st = Store(tmp_path / "long", create=True)
-    long_st.write_run(dict(run), {"expert_load": _long(counts, steps, layers), **(extra or {})}, run_id="r")
-    dense_st = Store(tmp_path / "dense", create=True)
-    dense_st.write_run(dict(run), {"expert_counts": [dense.grid_table(steps, layers, counts)], **(extra or {})},
-                       run_id="r")
-    assert not dense_st.has_files("expert_load") and dense_st.has_files("expert_counts")
-    return long_st, dense_st
 
 
 def _same_slow(a: pl.DataFrame, b: pl.DataFrame, what: str, c: str):
@@ -137,7 +114,7 @@ CASES = {
 SAMPLE_OPTS = {"num_ranks": 32, "num_experts": 256, "top_k": 8}
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def pair(tmp_path_factory):
     """One long store and one dense store holding the same runs (:data:`CASES`, each
     test's counts written both ways, and the shipped sample as run "sample", ingested
@@ -147,7 +124,7 @@ def pair(tmp_path_factory):
     from moetrace.collect import generic
     from moetrace.collect.checks import validate_run
 
-    from .conftest import REPO
+    from .helpers import REPO
 
     root = tmp_path_factory.mktemp("dense-pair")
     long_st, dense_st = Store(root / "long", create=True), Store(root / "dense", create=True)

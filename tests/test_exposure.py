@@ -12,41 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from moetrace.run import Store
+from .helpers import shared_data
+from .helpers.intervals import overlap, union
+from .helpers.kineto_trace import COMBINE, DISPATCH, GEMM, ev_x, ingest, kernel, launch, write_trace
 
-from .conftest import shared_data
-from .test_kineto import ev_x, kernel, launch, write_trace
-
-DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
-COMBINE = "void deep_ep::intranode::combine<8>(int4*)"
-GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
 OTHER = "void at::native::elementwise_kernel<128>(int)"
-
-
-def union(iv):
-    """Independent sweep: merged disjoint intervals of a list of (start, end)."""
-    out = []
-    for s, e in sorted(iv):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def overlap(a, b):
-    """Length of the intersection of two unions of intervals."""
-    tot = 0
-    for s1, e1 in union(a):
-        for s2, e2 in union(b):
-            tot += max(0, min(e1, e2) - max(s1, s2))
-    return tot
-
-
-def ingest(runner, cli, st, *paths):
-    res = runner.invoke(cli, ["ingest", *map(str, paths), "--store", str(st)])
-    assert res.exit_code == 0, res.output
-    return Store(st)
 
 
 def test_closed_form_exposure(tmp_path, runner, cli):
@@ -111,13 +81,13 @@ def test_collectives_without_a_cpu_op_are_counted_not_dropped(tmp_path, runner, 
           kernel(GEMM, 20, 100, 1), kernel(DISPATCH, 130, 40, 3, stream=20),
           kernel(send, 200, 25, 77, stream=21), kernel(send, 300, 5, 78, stream=21)]   # correlation 77, 78: no launch
     p = tmp_path / "t.json"
-    from .test_kineto import write_trace as wt
+    from .helpers.kineto_trace import write_trace as wt
     wt(p, ev, rank=0, world=1)
     st = ingest(runner, cli, tmp_path / "st", p)
     pres = st.sql("SELECT * FROM a2a_presence").row(0, named=True)
     assert (pres["unlabelled_comm_spans"], pres["unlabelled_comm_ns"], pres["unlabelled_comm_max_ns"]) == \
         (2, 30_000, 25_000)
-    res = runner.invoke(cli, ["report", str(tmp_path / "st"), "--out", str(tmp_path / "rep")])
+    res = runner.invoke(cli, ["report", str(tmp_path / "st"), "--out-dir", str(tmp_path / "rep")])
     assert res.exit_code == 0, res.output
     assert "2 collective kernel(s) (0.03 ms in all, the longest 0.03 ms) have no CPU-side collective op" in res.output
 
@@ -240,7 +210,7 @@ def test_inferred_layers_without_a_pair_are_called_positions_not_layers(tmp_path
     from moetrace.report.base import ReportContext
     from moetrace.report.sections import exposure as section
 
-    from .test_kineto import SENDRECV
+    from .helpers.kineto_trace import SENDRECV
 
     ev = [ev_x("user_annotation", "ProfilerStep#1", 0, 10000)]
     for i, t in enumerate((10, 200, 400)):

@@ -5,7 +5,6 @@ from the code under test."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import numpy as np
 import pytest
@@ -13,6 +12,8 @@ import pytest
 import moetrace
 from moetrace.errors import StoreError
 from moetrace.run import Run, Shape
+
+from .helpers import module_fixture, run_row
 
 # 2 layers, 8 experts, 3 steps; a recorded placement puts expert e on rank e // 2 (4 ranks),
 # and runs.num_ranks is NOT given: the shape must come from the recorded placement.
@@ -22,7 +23,7 @@ LOAD = RNG.integers(0, 20, size=(T, L, E))
 LOAD[1, 1] = 0   # an idle (step, layer): imbalance undefined
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     st = moetrace.open_store(tmp_path_factory.mktemp("facade") / "st", create=True)
     t, la, e = np.nonzero(LOAD >= 0)
@@ -37,8 +38,8 @@ def store(tmp_path_factory):
              "phase": ["decode"] * (T * R), "num_tokens": [5] * (T * R),
              "is_dummy": [s == 2 and r in (1, 3) for s in range(T) for r in range(R)],
              "start_ns": [None] * (T * R), "end_ns": [None] * (T * R), "inferred": [False] * (T * R)}
-    run = {"source": "hand", "collector": "test", "time_base": "none", "source_sha256": uuid.uuid4().hex,
-           "num_experts": E, "top_k": 2, "approximations": json.dumps(["layer from dispatch order"])}
+    run = run_row(source="hand", num_experts=E, top_k=2,
+                  approximations=json.dumps(["layer from dispatch order"]))
     st.write_run(run, {"expert_load": load, "placement": placement, "steps": steps}, run_id="h")
     return st
 

@@ -9,8 +9,6 @@ import pytest
 
 from moetrace.formats.refrun import summarize_timing
 
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
-
 
 def _timing(cpu: bool = True) -> pl.DataFrame:
     # 1 step, 1 layer, 2 ranks, 3 passes; wall: dispatch start, expert start/end, combine end
@@ -97,7 +95,7 @@ def test_refrun_cpu_time_is_within_the_wall_time(tmp_path, forked_ranks):
 # ----------------------------------------------------------------------------- contention term
 def test_overlap_is_the_pairwise_min_sum():
     """overlap_ns (sort + cumulative sum) equals the plain double loop Σ_{j≠r} min(w_j, w_r)."""
-    from moetrace.replay.cost import overlap_ns
+    from moetrace.costmodel.step_cost import overlap_ns
 
     rng = np.random.default_rng(3)
     w = rng.integers(0, 50, (5, 3, 7)).astype(float)    # ties included
@@ -114,8 +112,8 @@ def test_overlap_is_the_pairwise_min_sum():
 def test_contention_by_hand_and_recovered_by_the_fit():
     from types import SimpleNamespace
 
+    from moetrace.costmodel.step_cost import CostModel
     from moetrace.replay import calibrate_fit as cal
-    from moetrace.replay.cost import CostModel
 
     # 3 ranks, work 10, 20, 40 ns, contention 0.5: rank 0 loses 0.5 * (10 + 10) = 10,
     # rank 1 0.5 * (10 + 20) = 15, rank 2 0.5 * (10 + 20) = 15

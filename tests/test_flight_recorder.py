@@ -15,8 +15,8 @@ from moetrace.errors import InputError
 from moetrace.run import Store
 from moetrace.safety_pickle import load_plain
 
-from .conftest import REPO, invoke, tree_hash
-from .conftest import one_line_error as _one_line_error
+from .helpers import REPO, invoke, module_fixture, tree_hash
+from .helpers import one_line_error as _one_line_error
 
 SAMPLE = REPO / "sample_traces" / "flight_recorder"
 
@@ -28,14 +28,14 @@ def _gen():
     return mod
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def dumps():
     return _gen().flight_recorder_dumps()
 
 
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     from click.testing import CliRunner
 

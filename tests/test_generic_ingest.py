@@ -6,7 +6,7 @@ import pytest
 
 from moetrace.run import Store
 
-from .conftest import tree_hash
+from .helpers import tree_hash
 
 
 def _load_df():

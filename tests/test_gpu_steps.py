@@ -9,8 +9,8 @@ import pytest
 
 from moetrace.run import Store
 
-from .conftest import shared_data
-from .test_kineto import ev_x, kernel, launch, write_trace
+from .helpers import shared_data
+from .helpers.kineto_trace import ev_x, kernel, launch, write_trace
 
 GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
 DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"

@@ -24,8 +24,9 @@ import pytest
 from moetrace.errors import StoreError
 from moetrace.storage.store import Store
 
-from .conftest import REPO, tree_hash
-from .test_bad_input import _seed_store as _seeded  # a store holding one run (seed-store)
+from .helpers import REPO, tree_hash
+from .helpers import invoke as _cli
+from .helpers.seed_store import _seed_store as _seeded  # a store holding one run (seed-store)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -39,10 +40,6 @@ def _csv_text(steps=2, layers=2, experts=4, scale=1) -> str:
 @pytest.fixture
 def store(tmp_path):
     return _seeded(tmp_path / "store")
-
-
-def _cli(runner, cli, *args):
-    return runner.invoke(cli, [str(a) for a in args], catch_exceptions=True)
 
 
 def one_line_error(res, code: int, *needles: str) -> str:
@@ -376,7 +373,7 @@ def test_internal_error_is_one_line_exit_1_and_debug_shows_it(runner, cli, store
 
 # ----------------------------------------------------------------------------- Nsight exports: URI, WAL, views, bombs
 def _nsys_export(path: Path) -> Path:
-    from .test_nsys import make_export
+    from .helpers.nsys_export import make_export
 
     return make_export(path)
 
@@ -833,7 +830,7 @@ def test_report_out_that_cannot_be_created_and_failed_sections(runner, cli, tmp_
                 "--ranks-per-node", 4, "--top-k", 2).exit_code == 0
     (tmp_path / "file").write_text("x")
     before = tree_hash(st)
-    one_line_error(_cli(runner, cli, "report", st, "--out", tmp_path / "file" / "sub", "--quiet"), 2,
+    one_line_error(_cli(runner, cli, "report", st, "--out-dir", tmp_path / "file" / "sub", "--quiet"), 2,
                    str(tmp_path / "file" / "sub"), "cannot create the report folder")
     assert tree_hash(st) == before
     from moetrace.report import build as rb
@@ -852,6 +849,6 @@ def test_report_out_that_cannot_be_created_and_failed_sections(runner, cli, tmp_
         return [Broken, *real()]
 
     monkeypatch.setattr(rb, "discover_sections", with_a_broken_one)
-    res = _cli(runner, cli, "report", st, "--out", tmp_path / "rep", "--quiet")
+    res = _cli(runner, cli, "report", st, "--out-dir", tmp_path / "rep", "--quiet")
     assert res.exit_code == 1, res.output
     assert "section(s) Broken failed" in res.output and (tmp_path / "rep" / "report.md").exists()

@@ -1,4 +1,4 @@
-"""The hostile-input audit's families (issue 27), one parametrized case per member.
+"""The hostile-input audit's families, one parametrized case per member.
 
 Every case is generated in tmp_path (nothing large is committed) and must end in: exit
 code 2, exactly one line on stderr naming the file, no traceback, the store byte-for-byte
@@ -22,7 +22,7 @@ import pytest
 from moetrace.collect import ingest
 from moetrace.storage.store import Store
 
-from .conftest import REPO, tree_hash
+from .helpers import REPO, tree_hash
 
 GIB = 1 << 30
 
@@ -220,7 +220,7 @@ def sglang_zero_dimension(d):
 
 
 def nsys_timestamp_overflows_int64(d):
-    from .test_nsys import make_export
+    from .helpers.nsys_export import make_export
 
     f = make_export(d / "wrap.nsys.sqlite")
     db = sqlite3.connect(f)

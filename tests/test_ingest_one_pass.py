@@ -1,4 +1,4 @@
-"""The one-pass ingest of a dense expert_load Parquet file (generic collector, issue #26):
+"""The one-pass ingest of a dense expert_load Parquet file (generic collector):
 the rows stored are the file's rows (read back through the expert_load view and compared
 with the file by DuckDB, and with the same file ingested the two-pass way), a bad row found
 while writing is refused with the same one-line message as before and leaves the store as
@@ -14,7 +14,8 @@ import pytest
 
 from moetrace.collect import generic
 from moetrace.storage.store import Store
-from tests.conftest import tree_hash
+
+from .helpers import tree_hash
 
 
 @pytest.fixture

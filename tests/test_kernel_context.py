@@ -1,4 +1,4 @@
-"""Kernels classified by what launched them (issue 23): crafted Kineto traces shaped like
+"""Kernels classified by what launched them: crafted Kineto traces shaped like
 recent vLLM ones (TRT-LLM-gen bmm kernels inside vllm::moe_forward, nvjet GEMMs inside
 expert_ffn ranges, a multimem all-reduce), a CPU-only gloo trace, a crafted Nsight
 export with NVTX ranges around the launches; the "no expert GEMM found" line; and the
@@ -16,7 +16,7 @@ from moetrace.collect._launch_context import launch_context
 from moetrace.domain.kernels import Classifier
 from moetrace.run import Store
 
-from .test_kineto import ev_x, kernel, launch, write_trace
+from .helpers.kineto_trace import ev_x, kernel, launch, write_trace
 
 BMM_FP4 = ("bmm_MxE4m3_MxE2m1MxE4m3_Fp32_t128x8x512u2_s3_et128x8_m128x8x32_cga1x1x1_16dp256b_rM_TN_transOut_schedS_"
            "biasM_bN_tma_ldgstsSf_rgTma_clmp_dynB_sm100f")

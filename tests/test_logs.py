@@ -1,4 +1,4 @@
-"""vLLM and SGLang server log lines (every variant in FORMATS.md) into the balancedness table."""
+"""vLLM and SGLang server log lines (every variant in docs/reference/formats.md) into the balancedness table."""
 from __future__ import annotations
 
 import calendar
@@ -10,7 +10,7 @@ from moetrace.collect import collect, ingest
 from moetrace.collect.logs import parse_line
 from moetrace.run import Store
 
-from .conftest import tree_hash
+from .helpers import tree_hash
 
 V = "(EngineCore_DP0 pid=4242) INFO 03-14 10:00:{:02d} [eplb_state.py:401] "
 S = "[2025-06-01 12:00:{:02d} DP0 TP0 EP0] "

@@ -1,4 +1,4 @@
-"""Megatron-LM router traces, tokens-per-expert JSONL and loads arrays (#24): counts equal a
+"""Megatron-LM router traces, tokens-per-expert JSONL and loads arrays: counts equal a
 plain-Python reading of the raw sample; bad records are refused with their line."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from moetrace.collect import collect, detect
 from moetrace.run import Store
 
-from .conftest import invoke, tree_hash
+from .helpers import invoke, tree_hash
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 

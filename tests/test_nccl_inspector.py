@@ -13,8 +13,8 @@ import pytest
 from moetrace.errors import InputError
 from moetrace.run import Store
 
-from .conftest import REPO, invoke, tree_hash
-from .conftest import one_line_error as _one_line_error
+from .helpers import REPO, invoke, module_fixture, tree_hash
+from .helpers import one_line_error as _one_line_error
 
 SAMPLE = REPO / "sample_traces" / "nccl_inspector"
 
@@ -32,7 +32,7 @@ def _global_rank(recs):
 
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     from click.testing import CliRunner
 
@@ -201,7 +201,7 @@ BAD = [
 ]
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def seeded(tmp_path_factory):
     from click.testing import CliRunner
 

@@ -1,4 +1,4 @@
-"""The facade's results in a notebook (#25): ``Run`` and the replay, drift and sweep results
+"""The facade's results in a notebook: ``Run`` and the replay, drift and sweep results
 render as a title, the answer in words and a short table (``_repr_markdown_`` and
 ``_repr_html_``, what Jupyter calls), with the numbers of the result itself."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from html.parser import HTMLParser
 
-import pytest
-
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
+
+from .helpers import module_fixture
 
 
 class _Cells(HTMLParser):
@@ -42,7 +42,7 @@ def _html_cells(fragment: str) -> list[str]:
     return p.cells
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def run(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("nb") / "st", create=True)
     rid = synth(st, SynthConfig(layers=2, experts=16, top_k=2, ranks=4, ranks_per_node=4, steps=24,
@@ -67,7 +67,7 @@ def test_run_shows_its_shape_and_what_is_unknown(run, tmp_path):
     assert "Unknown: num_ranks, top_k" in bare._repr_markdown_()
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def results(run):
     rep = run.replay(policy="eplb", replicas=4, fit_window=(0, 12), write=False)
     drift = run.drift("eplb", every=6, write=False)

@@ -1,4 +1,4 @@
-"""A performance engineer's own CSV (#25): ingest says what it could not know, runs/skew say
+"""A performance engineer's own CSV: ingest says what it could not know, runs/skew say
 why a value is null, re-ingesting with a corrected shape is explicit, every CSV/JSONL value
 error names its row, and a missing optional dependency is one line with its install command."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from moetrace.run import Store
 
-from .conftest import invoke
+from .helpers import invoke
 
 CSV = "step,layer,expert,tokens\n" + "".join(f"{s},0,{e},{(s + 1) * (e + 1)}\n" for s in range(3) for e in range(4))
 
@@ -119,12 +119,12 @@ def test_the_other_extras_say_the_same_line():
 
 
 def test_synth_prints_the_line_the_readme_shows(runner, cli, tmp_path):
-    """The README's first command, word for word: dense expert_counts rows are counted as the
-    expert_load rows they hold (50 steps x 4 layers x 256 experts = 51200)."""
+    """The synth command of docs/how-to/query-sql.md, word for word: dense expert_counts rows
+    are counted as the expert_load rows they hold (50 steps x 4 layers x 256 experts = 51200)."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs/how-to/query-sql.md").read_text()
     cmd, line = re.search(r"\$ moetrace synth demo ([^\n]+)\n(run synth-s0: [^\n]+)", readme).groups()
     res = runner.invoke(cli, ["synth", str(tmp_path / "demo"), *cmd.split()])
     assert res.exit_code == 0 and res.output.strip() == line, res.output
@@ -133,16 +133,16 @@ def test_synth_prints_the_line_the_readme_shows(runner, cli, tmp_path):
 
 @pytest.mark.slow
 def test_the_readme_own_data_section_runs_word_for_word(tmp_path):
-    """The README's "Your own data" block pasted into bash in an empty folder: it runs, and
-    prints the skew rows and the replay lines the README shows."""
+    """The own-data block of docs/how-to/own-csv.md pasted into bash in an empty folder: it
+    runs, and prints the skew rows and the replay lines the page shows."""
     import os
     import re
     import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    readme = (repo / "README.md").read_text()
-    part = readme.split("## Your own data", 1)[1].split("\n## ", 1)[0]
+    readme = (repo / "docs/how-to/own-csv.md").read_text()
+    part = readme.split("## Steps", 1)[1].split("\n## ", 1)[0]
     block, shown = re.findall(r"```(?:bash)?\n(.*?)```", part, re.S)[:2]
     script = f'moetrace() {{ "{sys.executable}" -m moetrace "$@"; }}\nset -e\n' + block
     env = {**os.environ, "PYTHONPATH": str(repo)}

@@ -111,7 +111,7 @@ def test_cli_export_recorded_trtllm_and_import_vllm_ascend(tmp_path, runner, cli
     st_path = tmp_path / "st"
     ingest(Store(st_path, create=True), [here / "trtllm_stats", here / "trtllm_moe_load_balancer.yaml"], run_id="t")
     out = tmp_path / "back.yaml"
-    r = runner.invoke(cli, ["plan", str(st_path), "--plan", "recorded", "--out", str(out), "--out-format", "trtllm"])
+    r = runner.invoke(cli, ["plan", str(st_path), "--plan", "recorded", "--export", str(out), "--export-format", "trtllm"])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load(out.read_text()) == yaml.safe_load((here / "trtllm_moe_load_balancer.yaml").read_text())
     r = runner.invoke(cli, ["plan", str(st_path), "--import", str(out), "--plan-id", "back"])

@@ -12,8 +12,10 @@ from moetrace.placement.moves import moves_between, replan
 from moetrace.placement.planners import PLANNERS, Plan, PlanShape, make_plan
 from moetrace.produce.synth import SynthConfig, generate
 
+from .helpers import module_fixture
 
-@pytest.fixture(scope="module")
+
+@module_fixture
 def seed_load():
     """[steps, layers, experts] from moetrace synth: 256 experts, top-8, sigma 0.6, 8192 tokens."""
     cfg = SynthConfig(layers=3, experts=256, top_k=8, ranks=32, steps=12, tokens_per_step=8192, sigma=0.6, seed=7)
@@ -367,7 +369,7 @@ def test_relabel_keeps_the_placement_and_the_replay(seed_load, policy, groups):
     np.testing.assert_allclose(np.sort(a.tokens, axis=2), np.sort(b.tokens, axis=2))
     np.testing.assert_allclose(np.sort(a.bytes_inter, axis=2), np.sort(b.bytes_inter, axis=2), rtol=1e-9)
     np.testing.assert_allclose(np.sort(a.bytes_intra, axis=2), np.sort(b.bytes_intra, axis=2), rtol=1e-9)
-    from moetrace.replay import cost as costmod
+    from moetrace.costmodel import step_cost as costmod
 
     c = costmod.preset("H200", 7168, 44040192)
     np.testing.assert_allclose(layer_metrics(a, c).imbalance, layer_metrics(b, c).imbalance)

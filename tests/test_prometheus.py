@@ -97,7 +97,7 @@ def test_no_eplb_metric(tmp_path):
 def test_report_shows_the_scraped_balancedness(scrapes, tmp_path, runner, cli):
     st = Store(tmp_path / "st", create=True)
     ingest(st, [scrapes], run_id="scr")
-    r = runner.invoke(cli, ["report", str(tmp_path / "st"), "--run", "scr", "--out", str(tmp_path / "rep")])
+    r = runner.invoke(cli, ["report", str(tmp_path / "st"), "--run", "scr", "--out-dir", str(tmp_path / "rep")])
     assert r.exit_code == 0, r.output
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "Engine-reported balancedness" in md and "mean **0.8" in md

@@ -6,11 +6,11 @@ expert i mod 8, slot i on rank i // 3; a replicated expert's tokens split evenly
 two slots), so they give the same imbalance, worked out here by hand."""
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from moetrace.run import Store
+
+from .helpers import run_row
 
 E, S, R = 8, 12, 4
 # slot -> expert: 0 1 2 | 3 4 5 | 6 7 0 | 1 2 3  (experts 0-3 have two slots, 4-7 one)
@@ -29,8 +29,7 @@ def _run(tmp_path) -> tuple[Store, str]:
             for k, v in (("step", step), ("layer", 0), ("expert", e), ("tokens", t), ("slot", None),
                          ("src_rank", None)):
                 cols[k].append(v)
-    run = {"source": "test", "collector": "test", "time_base": "none", "source_sha256": uuid.uuid4().hex,
-           "num_experts": E, "num_ranks": R, "num_slots": S, "top_k": 1}
+    run = run_row(num_experts=E, num_ranks=R, num_slots=S, top_k=1)
     return st, st.write_run(run, {"expert_load": cols}, run_id="r").run_id
 
 

@@ -9,14 +9,14 @@ import numpy as np
 import polars as pl
 import pytest
 
+from .helpers import module_fixture
+
 torch = pytest.importorskip("torch", reason="the reference run needs PyTorch (pip install 'moetrace[torch]')")
 
 from moetrace.collect import ingest, registry  # noqa: E402
 from moetrace.errors import InputError  # noqa: E402
 from moetrace.produce.refrun import RefRunConfig, parse_placement, run  # noqa: E402
 from moetrace.run import Store  # noqa: E402
-
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
 
 R, E, K, L, STEPS, TOK = 2, 8, 2, 2, 4, 24
 IDLE = (2, 1)
@@ -31,7 +31,7 @@ def _cfg(**kw):
     return RefRunConfig(**base)
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def runs(tmp_path_factory, forked_ranks):
     root = tmp_path_factory.mktemp("refrun")
     plan_file = root / "plan.json"
@@ -191,7 +191,7 @@ def test_report_reads_the_reference_run(runs, runner, tmp_path):
     from moetrace.cli import cli
 
     root, st, ra, _ = runs
-    res = runner.invoke(cli, ["report", str(root / "st"), "--run", ra, "--out", str(tmp_path / "rep")])
+    res = runner.invoke(cli, ["report", str(root / "st"), "--run", ra, "--out-dir", str(tmp_path / "rep")])
     assert res.exit_code == 0, res.output
     out = res.output
     # dummy steps: one of STEPS * R (step, rank) pairs had no tokens
@@ -266,7 +266,7 @@ def test_cli_prints_noise_progress_and_no_profiler_chatter(tmp_path):
     import subprocess
     import sys
 
-    from .conftest import REPO
+    from .helpers import REPO
 
     res = subprocess.run([sys.executable, "-c", FORKED_MAIN.format(repo=str(REPO)), "refrun", str(tmp_path / "o"),
                           "--ranks", "3", "--experts", "6", "--layers", "1", "--hidden", "16", "--ffn", "16",

@@ -9,48 +9,12 @@ import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import cli
+from moetrace.costmodel import step_cost as costmod
 from moetrace.produce.synth import SynthConfig, synth
-from moetrace.replay import cost as costmod
 from moetrace.run import Store
 
-RECORDED = np.array([[0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 3],
-                     [7, 6, 5, 4, 3, 2, 1, 0, 7, 7, 2, 5]])
-HIDDEN, DTYPE = 16, 2
-
-
-def run_cli(*args):
-    r = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return r
-
-
-def store_files(path):
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and "duckdb" not in p.name)
-
-
-@pytest.fixture()
-def slot_store(tmp_path):
-    """8 experts on 12 slots (4 redundant), 4 ranks x 3 slots, 2 nodes; load per slot."""
-    rng = np.random.default_rng(1)
-    T, L, S = 6, 2, 12
-    tok = rng.integers(0, 50, (T, L, S))
-    tok[0, 0, 5] = 0
-    rows = {"step": [], "layer": [], "expert": [], "slot": [], "src_rank": [], "tokens": []}
-    for t in range(T):
-        for li in range(L):
-            for s in range(S):
-                rows["step"].append(t); rows["layer"].append(li); rows["expert"].append(int(RECORDED[li, s]))
-                rows["slot"].append(s); rows["src_rank"].append(None); rows["tokens"].append(int(tok[t, li, s]))
-    placement = {"plan_id": ["recorded"] * (L * S), "layer": np.repeat(np.arange(L), S).tolist(),
-                 "slot": np.tile(np.arange(S), L).tolist(), "rank": np.tile(np.arange(S) // 3, L).tolist(),
-                 "node": np.tile(np.arange(S) // 6, L).tolist(), "expert": RECORDED.ravel().tolist()}
-    run = {"source": "test", "source_sha256": "x" * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": 8, "top_k": 2, "hidden": HIDDEN, "dtype_bytes": DTYPE,
-           "expert_bytes": 1000, "num_ranks": 4, "ranks_per_node": 2, "num_slots": S, "num_groups": 1}
-    st = Store(tmp_path / "st", create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=pa.schema([
-        ("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
-        ("src_rank", pa.int32()), ("tokens", pa.int64())])), "placement": placement}, run_id="slots")
-    return tmp_path / "st", tok
+from .helpers import make_store, run_cli, run_row
+from .helpers.slot_store import DTYPE, HIDDEN, RECORDED, store_files
 
 
 def _rank_rows(st, replay_id):
@@ -284,8 +248,7 @@ def test_cost_fitted_from_spans(tmp_path):
                              ("process_group", None), ("classified_by", None), ("moe_context", None)):
                     rows[k].append(v)
     tables["spans"] = rows
-    st = Store(tmp_path / "c", create=True)
-    st.write_run(run, tables, run_id="c")
+    make_store(tmp_path / "c", run, tables, run_id="c")
     s = json.loads(run_cli("replay", tmp_path / "c", "--plan", "recorded", "--json").output)
     assert "fitted" in s["cost"]["source"]
     assert s["cost"]["a_ns"] == pytest.approx(40, rel=1e-3) and s["cost"]["b_ns"] == pytest.approx(900, rel=1e-3)
@@ -353,8 +316,7 @@ def test_recorded_routing_slots_are_used_exactly(tmp_path):
     tables["placement"] = {"plan_id": ["recorded"] * 24, "layer": np.repeat([0, 1], 12).tolist(),
                            "slot": list(range(12)) * 2, "rank": (np.arange(24) % 12 // 3).tolist(),
                            "node": (np.arange(24) % 12 // 6).tolist(), "expert": p2l.ravel().tolist()}
-    st = Store(tmp_path / "rs", create=True)
-    st.write_run(run, tables, run_id="rs")
+    st = make_store(tmp_path / "rs", run, tables, run_id="rs")
     s = json.loads(run_cli("replay", tmp_path / "rs", "--plan", "recorded", "--json").output)
     assert s["split"] == "recorded" and s["exact_bytes"] is True
     got = _rank_rows(st, s["replay_id"])
@@ -407,11 +369,10 @@ def _constant_load_store(path, T=12, L=2, E=16, R=4, rpn=2):
     rows = {"step": np.repeat(np.arange(T), L * E), "layer": np.tile(np.repeat(np.arange(L), E), T),
             "expert": np.tile(np.arange(E), T * L), "slot": [None] * (T * L * E), "src_rank": [None] * (T * L * E),
             "tokens": np.tile(per.ravel(), T)}
-    run = {"source": "test", "source_sha256": "x" * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": E, "top_k": 2, "hidden": HIDDEN, "dtype_bytes": DTYPE,
-           "expert_bytes": 1000, "num_ranks": R, "ranks_per_node": rpn, "num_slots": E, "num_groups": 1}
-    st = Store(path, create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=pa.schema([
+    run = run_row(source_sha256="x" * 64, num_layers=L, num_experts=E, top_k=2, hidden=HIDDEN,
+                  dtype_bytes=DTYPE, expert_bytes=1000, num_ranks=R, ranks_per_node=rpn, num_slots=E,
+                  num_groups=1)
+    st = make_store(path, run, {"expert_load": pa.table(rows, schema=pa.schema([
         ("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
         ("src_rank", pa.int32()), ("tokens", pa.int64())]))},
         run_id="c")
@@ -499,7 +460,7 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     bad = run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "20:30", "--plan-id", "m")
     assert bad.exit_code == 2 and "holds no recorded steps" in bad.output
     assert run_cli("plan", path, "--plan", "w", "--max-moves", 2, "--fit-steps", "8:40", "--plan-id", "m").exit_code == 0
-    assert run_cli("plan", path, "--plan", "w", "--out", tmp_path / "w.json", "--no-store").exit_code == 0
+    assert run_cli("plan", path, "--plan", "w", "--export", tmp_path / "w.json", "--no-store").exit_code == 0
     assert run_cli("plan", path, "--import", tmp_path / "w.json", "--plan-id", "imp").exit_code == 0
     st = Store(path)
     meta = st.sql("SELECT plan_id, policy, start_plan_id, fit_start, fit_end, fit_steps FROM plans ORDER BY plan_id")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moetrace.costmodel import replay_gpu as gpu_cost
+from moetrace.costmodel import step_cost as costmod
 from moetrace.placement.planners import PlanShape, make_plan
-from moetrace.replay import cost as costmod
-from moetrace.replay import engine, gpu_cost
+from moetrace.replay import engine
 
 
 def _expert_by_pair(spec, tok, g):

@@ -8,19 +8,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from click.testing import CliRunner
 
-from moetrace.cli import cli
 from moetrace.run import Store
-from tests.conftest import shared_data
+
+from .helpers import make_store, run_cli, run_row, shared_data
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 LOAD_SCHEMA = pa.schema([("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
                          ("src_rank", pa.int32()), ("tokens", pa.int64())])
-
-
-def run_cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
 def _assert_recorded_equals_skew_summary(st: Store, rid: str, per_layer: bool = True, run: dict | None = None):
@@ -96,11 +91,9 @@ def test_recorded_replay_equals_skew_summary_with_idle_steps(tmp_path):
     placement = {"plan_id": ["recorded"] * 24, "layer": np.repeat([0, 1], 12).tolist(), "slot": list(range(12)) * 2,
                  "rank": (np.arange(24) % 12 // 3).tolist(), "node": (np.arange(24) % 12 // 6).tolist(),
                  "expert": p2l.ravel().tolist()}
-    run = {"source": "idle", "source_sha256": "i" * 64, "collector": "test", "time_base": "none", "num_layers": L,
-           "num_experts": E, "top_k": 2, "hidden": 16, "dtype_bytes": 2, "expert_bytes": 1000, "num_ranks": 4,
-           "ranks_per_node": 2, "num_slots": 12}
-    st = Store(tmp_path / "st", create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA), "placement": placement}, run_id="idle")
+    run = run_row(source="idle", source_sha256="i" * 64, num_layers=L, num_experts=E, top_k=2, hidden=16,
+                  dtype_bytes=2, expert_bytes=1000, num_ranks=4, ranks_per_node=2, num_slots=12)
+    st = make_store(tmp_path / "st", run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA), "placement": placement}, run_id="idle")
     res = _assert_recorded_equals_skew_summary(st, "idle")
     assert res.judged.summary.undefined_cells == 2 * 2 + 1
     # and by hand: max/mean of the even split over the recorded copies, idle cells left out
@@ -127,8 +120,8 @@ def _hand_case(steps, stall_ns=1000.0, overlap=0.0):
     the gain is 1000 ns per step. The swap moves expert 2 to rank 0 and expert 1 to rank 1,
     each 5000 bytes from the other node over a 1 GB/s NIC: 5000 ns per rank, in parallel;
     charged = stall + 5000 x (1 - overlap); break-even = charged / 1000."""
+    from moetrace.costmodel.step_cost import CostModel
     from moetrace.placement.planners import Plan
-    from moetrace.replay.cost import CostModel
     from moetrace.replay.engine import replay_load
     from moetrace.replay.strategies import Fixed, MoveCost, judge
 
@@ -166,7 +159,7 @@ def test_break_even_by_hand():
 
 
 def test_verdict_within_the_error_band():
-    from moetrace.replay.cost import UNCALIBRATED_REL_ERROR, CostModel
+    from moetrace.costmodel.step_cost import UNCALIBRATED_REL_ERROR, CostModel
     from moetrace.replay.strategies import verdict
 
     c = CostModel(1, 1, 1, 1, "x")
@@ -185,18 +178,16 @@ def _no_groups_store(path):
     rows = {"step": np.repeat(np.arange(T), L * E), "layer": np.tile(np.repeat(np.arange(L), E), T),
             "expert": np.tile(np.arange(E), T * L), "slot": [None] * (T * L * E), "src_rank": [None] * (T * L * E),
             "tokens": tok.ravel()}
-    run = {"source": "ng", "source_sha256": "n" * 64, "collector": "test", "time_base": "none", "num_layers": L,
-           "num_experts": E, "top_k": 2, "hidden": 16, "dtype_bytes": 2, "expert_bytes": 1000, "num_ranks": 4,
-           "ranks_per_node": 2, "num_slots": E}
-    st = Store(path, create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA)}, run_id="ng")
+    run = run_row(source="ng", source_sha256="n" * 64, num_layers=L, num_experts=E, top_k=2, hidden=16,
+                  dtype_bytes=2, expert_bytes=1000, num_ranks=4, ranks_per_node=2, num_slots=E)
+    st = make_store(path, run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA)}, run_id="ng")
     return st
 
 
 def test_settings_known_or_asked_for(tmp_path):
     path = tmp_path / "ng"
     _no_groups_store(path)
-    from tests.test_replay import store_files
+    from .helpers.slot_store import store_files
 
     before = store_files(path)
     for args, needle in [
@@ -329,7 +320,7 @@ def test_dispatch_traffic_matrix_per_rank_pair(tmp_path):
 
 # ----------------------------------------------------------------------------- re-ingest
 def test_reingest_with_other_options_needs_a_run_id(tmp_path):
-    """The same source with corrected options is never a silent second run (#25): refused
+    """The same source with corrected options is never a silent second run: refused
     (one line, exit 2, store unchanged) unless --run-id names the new run."""
     path = tmp_path / "st"
     src = SAMPLES / "dsv3_synth_expert_load.parquet"

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 from moetrace.cli import cli
 from moetrace.run import Store
 
+from .helpers import make_store, module_fixture, run_row
+
 T, L, E, R = 20, 2, 8, 4
 LOAD_SCHEMA = pa.schema([("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()), ("slot", pa.int32()),
                          ("src_rank", pa.int32()), ("tokens", pa.int64())])
@@ -25,18 +27,16 @@ def _load():
     return base[None, None, :] + rng.integers(0, 30, (T, L, E))
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("exact") / "st"
     tok = _load()
     n = T * L * E
     rows = {"step": np.repeat(np.arange(T), L * E), "layer": np.tile(np.repeat(np.arange(L), E), T),
             "expert": np.tile(np.arange(E), T * L), "slot": [None] * n, "src_rank": [None] * n, "tokens": tok.ravel()}
-    run = {"source": "tiny", "source_sha256": "e" * 64, "collector": "test", "time_base": "none", "num_layers": L,
-           "num_experts": E, "top_k": 2, "hidden": 16, "dtype_bytes": 2, "expert_bytes": 1000, "num_ranks": R,
-           "ranks_per_node": 2, "num_slots": E}
-    st = Store(path, create=True)
-    st.write_run(run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA)}, run_id="tiny")
+    run = run_row(source="tiny", source_sha256="e" * 64, num_layers=L, num_experts=E, top_k=2, hidden=16,
+                  dtype_bytes=2, expert_bytes=1000, num_ranks=R, ranks_per_node=2, num_slots=E)
+    make_store(path, run, {"expert_load": pa.table(rows, schema=LOAD_SCHEMA)}, run_id="tiny")
     plan_file = path.parent / "plan.json"
     plan_file.write_text(json.dumps({"physical_to_logical_map": PHY2LOG}))
     r = CliRunner().invoke(cli, ["plan", str(path), "--import", str(plan_file), "--plan-id", "pair"])
@@ -105,10 +105,11 @@ def test_time_band_is_the_gpu_cost_models_band(tiny):
     d = json.loads(r.output)
     pre = costmodel.preset("H800")["regimes"]
     assert d["error_band"]["rel"] == pytest.approx(max(pre["gemm_grouped"]["band"], pre["a2a_normal"]["band"]))
-    assert "uncalibrated" not in d["error_band"]["source"] and "measured" in d["error_band"]["source"]
+    assert "uncalibrated" not in d["error_band"]["source"] and "H800, validated" in d["error_band"]["source"]
     r = CliRunner().invoke(cli, ["replay", str(path), "--plan", "pair", "--hardware", "H200", "--json"])
     d = json.loads(r.output)
-    assert "carried over" in d["error_band"]["source"] and "uncalibrated" not in d["verdict_reason"]
+    assert "not validated on H200/gemm_grouped" in d["error_band"]["source"]
+    assert "uncalibrated" not in d["verdict_reason"]
 
 
 def test_sweep_rows_carry_the_exact_straggler_tokens(tiny):

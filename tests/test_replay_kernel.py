@@ -3,43 +3,18 @@ reimplementation with dense expert x rank matrices, on random loads with replica
 import numpy as np
 import pytest
 
+from moetrace.costmodel.step_cost import CostModel
 from moetrace.placement.planners import Plan
 from moetrace.placement.relabel import _rank_copies, overlap_matrix
 from moetrace.replay import engine
-from moetrace.replay.cost import CostModel
+
+from .helpers.replay_reference import _reference
 
 
 def _plan(rng, L, E, R, S, rpn):
     """Every expert once, the rest of the slots random experts (replicas, some on the same rank)."""
     p2l = np.stack([rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, S - E)])) for _ in range(L)])
     return Plan(p2l, E, R, rpn, np.arange(L), policy="random", plan_id="x")
-
-
-def _dense(plan):
-    L, E, R = plan.num_layers, plan.num_experts, plan.num_ranks
-    c = np.zeros((L, E, R))
-    for l in range(L):
-        for s, e in enumerate(plan.phy2log[l]):
-            c[l, e, s // plan.slots_per_rank] += 1
-    return c
-
-
-def _reference(load, plan, top_k, bpt, cost):
-    """Plain numpy: per-rank tokens = load @ (copies / copies per expert); slots touched =
-    (load > 0) @ copies; dispatch P = 1 - prod over copies (1 - x); rank time from the cost model."""
-    c = _dense(plan)
-    share = c / c.sum(axis=2, keepdims=True)
-    tokens = np.einsum("tle,ler->tlr", load, share)
-    touched = np.einsum("tle,ler->tlr", (load > 0).astype(np.float64), c)
-    B = load.sum(axis=2, keepdims=True) / top_k
-    x = np.clip(load / (c.sum(axis=2)[None] * np.maximum(B, 1e-30)), 0, 1 - 1e-7)
-    recv = B * (1 - np.exp(np.einsum("tle,ler->tlr", np.log1p(-x), c)))
-    R, rpn = plan.num_ranks, plan.ranks_per_node
-    intra, inter = recv * (rpn - 1) / R * bpt, recv * (R - rpn) / R * bpt
-    rank = (intra / cost.nvlink_Bps + inter / cost.internode_Bps) * 2e9 + cost.a_ns * tokens + cost.b_ns * touched
-    mean = tokens.mean(axis=2)
-    imb = np.where(mean > 0, tokens.max(axis=2) / np.where(mean > 0, mean, 1), np.nan)
-    return tokens, touched, intra, inter, rank, imb
 
 
 @pytest.mark.parametrize("R,S,rpn", [(4, 12, 2), (8, 8, 4), (6, 18, 3)])
@@ -116,8 +91,8 @@ def test_reuse_freed_memory_nests_and_changes_no_number():
 def test_expert_ns_table_equals_one_call_per_rank(max_touched):
     """The expert-MLP time table (one gather per block) against the cost model called for
     every rank by itself: ceil(tokens / slots touched) per expert, quantized, timed."""
-    from moetrace.replay import cost as costmod
-    from moetrace.replay import gpu_cost
+    from moetrace.costmodel import replay_gpu as gpu_cost
+    from moetrace.costmodel import step_cost as costmod
 
     rng = np.random.default_rng(max_touched)
     c = costmod.preset("H200", 7168, 44040192)

@@ -8,10 +8,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from moetrace.costmodel.step_cost import CostModel, preset
 from moetrace.placement.planners import Plan
 from moetrace.replay import engine
-from moetrace.replay.cost import CostModel, preset
-from tests.test_replay_kernel import _reference
+
+from .helpers import run_row
+from .helpers.replay_reference import _reference
 
 
 def _one_slot_plan(rng, L, E, R, rpn, plan_id):
@@ -134,10 +136,9 @@ def _store(path, T=70, L=3, E=12, R=16, rpn=4):
                          ("expert", int(experts[s]))):
                 rows[k].append(v)
     st = Store(path, create=True)
-    run = {"source": "test", "collector": "test", "time_base": "none", "source_sha256": "pair-test",
-           "num_layers": L, "num_experts": E, "top_k": 4, "num_ranks": R, "ranks_per_node": rpn, "num_slots": R,
-           "num_groups": 4, "hidden": 256, "dtype_bytes": 2, "expert_bytes": 3 * 256 * 64,
-           "approximations": json.dumps(["test data"])}
+    run = run_row(source_sha256="pair-test", num_layers=L, num_experts=E, top_k=4, num_ranks=R,
+                  ranks_per_node=rpn, num_slots=R, num_groups=4, hidden=256, dtype_bytes=2,
+                  expert_bytes=3 * 256 * 64, approximations=json.dumps(["test data"]))
     chunks = [grid_table(np.arange(a, min(T, a + 20)), np.arange(L), counts[a:a + 20]) for a in range(0, T, 20)]
     st.write_run(run, {"expert_counts": iter(chunks), "placement": pa.table(rows)}, run_id="r")
     return st

@@ -13,8 +13,10 @@ from moetrace.produce.synth import SynthConfig, synth
 from moetrace.report import build as rbuild
 from moetrace.run import Store
 
+from .helpers import module_fixture, run_row
 
-@pytest.fixture(scope="module")
+
+@module_fixture
 def synth_store(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("rep") / "st", create=True)
     cfg = SynthConfig(layers=3, experts=32, top_k=4, ranks=8, ranks_per_node=4, steps=16, tokens_per_step=128,
@@ -23,9 +25,9 @@ def synth_store(tmp_path_factory):
     return st, rid, cfg
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def synth_report(synth_store, tmp_path_factory):
-    """The report of synth_store, built once, by ``moetrace report STORE --out OUT`` (the CLI
+    """The report of synth_store, built once, by ``moetrace report STORE --out-dir OUT`` (the CLI
     test reads its output and files), for the tests that read it: (the Report the command
     built, its figures' axis labels as drawn: (file name, x label, y label, title) each, the
     command's result, OUT)."""
@@ -51,7 +53,7 @@ def synth_report(synth_store, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plots, "save", spy)
         mp.setattr(rbuild, "build_report", build)
-        res = CliRunner().invoke(cli, ["report", str(st.path), "--out", str(out)])
+        res = CliRunner().invoke(cli, ["report", str(st.path), "--out-dir", str(out)])
     assert len(built) == 1 and built[0].run_id == rid, res.output
     return built[0], seen, res, out
 
@@ -91,7 +93,7 @@ def _sections(st, rid, out, *names):
 
 def test_report_cli_writes_self_contained_html_md_and_pngs(synth_store, synth_report):
     st, rid, cfg = synth_store
-    _, _, res, out = synth_report                # moetrace report STORE --out OUT
+    _, _, res, out = synth_report                # moetrace report STORE --out-dir OUT
     assert res.exit_code == 0, res.output
     pngs = sorted(out.glob("*.png"))
     names = {p.name for p in pngs}
@@ -176,8 +178,7 @@ def test_unknown_ranks_and_zero_steps_are_visible_in_report(tmp_path):
             rows["tokens"].append(0 if s == 2 else e + 1)
             rows["slot"].append(None)
             rows["src_rank"].append(None)
-    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "x1",
-                  "num_experts": 8, "top_k": 2}, {"expert_load": rows}, run_id="noranks")
+    st.write_run(run_row(source="t", source_sha256="x1", num_experts=8, top_k=2), {"expert_load": rows}, run_id="noranks")
     rep = rbuild.build_report(st, None, tmp_path / "r")
     text = rep.terminal()
     assert "number of ranks is unknown" in text and "--ranks" in text
@@ -192,9 +193,9 @@ def test_report_needs_run_when_store_has_several(synth_store, runner, cli, tmp_p
     for seed in (1, 2):
         synth(st, SynthConfig(layers=1, experts=8, top_k=2, ranks=2, ranks_per_node=2, steps=2,
                               tokens_per_step=16, seed=seed))
-    res = runner.invoke(cli, ["report", str(st.path), "--out", str(tmp_path / "o")])
+    res = runner.invoke(cli, ["report", str(st.path), "--out-dir", str(tmp_path / "o")])
     assert res.exit_code != 0 and "--run" in res.output
-    res = runner.invoke(cli, ["report", str(st.path), "--run", "synth-s2", "--out", str(tmp_path / "o"), "--quiet"])
+    res = runner.invoke(cli, ["report", str(st.path), "--run", "synth-s2", "--out-dir", str(tmp_path / "o"), "--quiet"])
     assert res.exit_code == 0, res.output
     assert "run `synth-s2`" in (tmp_path / "o" / "report.md").read_text()
 
@@ -249,8 +250,7 @@ def test_single_pseudo_step_run_gets_expert_bars_and_no_fake_decomposition(tmp_p
     x = np.array([50, 1, 2, 3, 4, 5, 6, 7])
     rows = {"step": [0] * 8, "layer": [1] * 8, "expert": list(range(8)), "tokens": x.tolist(),
             "slot": [None] * 8, "src_rank": [None] * 8}
-    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "agg",
-                  "num_experts": 8, "num_ranks": 4, "top_k": 2}, {"expert_load": rows}, run_id="agg")
+    st.write_run(run_row(source="t", source_sha256="agg", num_experts=8, num_ranks=4, top_k=2), {"expert_load": rows}, run_id="agg")
     secs = _sections(st, "agg", tmp_path / "r", "skew", "batch")
     assert "single step" in secs["batch"].markdown and not secs["batch"].figures
     names = [Path(f.path).name for f in secs["skew"].figures]
@@ -296,8 +296,7 @@ def test_unknown_ranks_alone_is_not_called_empty_steps(tmp_path):
                 for k, v in (("step", s), ("layer", layer), ("expert", e), ("tokens", t), ("slot", None),
                              ("src_rank", None)):
                     rows[k].append(v)
-    st.write_run({"source": "t", "collector": "test", "time_base": "none", "source_sha256": "x2",
-                  "num_experts": 8, "top_k": 2}, {"expert_load": rows}, run_id="noranks")
+    st.write_run(run_row(source="t", source_sha256="x2", num_experts=8, top_k=2), {"expert_load": rows}, run_id="noranks")
     rep = rbuild.build_report(st, None, tmp_path / "r")
     text = rep.terminal()
     assert "number of ranks is unknown" in text
@@ -393,12 +392,12 @@ def test_every_predicted_time_carries_its_error_band(tmp_path):
     head = sec.markdown.split("\n\n")[0]
     assert re.search(r"\d ms ±\d+%", head) and not UNBANDED_TIME.findall(head), head
     # the preset's band: the GPU cost model's measured band (the larger of its GEMM and all-to-all
-    # bands), carried over to the H200 from the published H800 rows (was an assumed ±25%)
+    # bands), not validated on the H200: the cross-hardware error of the published rows
     from moetrace import costmodel
 
     reg = costmodel.preset("H200")["regimes"]
     want = f"±{100 * max(reg['gemm_grouped']['band'], reg['a2a_normal']['band']):.0f}%"
-    assert f"carries its error band: {want} (GPU cost model H200, carried over" in head
+    assert f"carries its error band: {want} (GPU cost model H200, not validated on H200/gemm_grouped" in head
     assert "uncalibrated" not in head
     rows = [r for r in sec.markdown.splitlines() if r.startswith("| ") and "plan" not in r]
     assert rows and all(want in r for r in rows)     # every timed row of the table has its band

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 
-from .test_imports import MODULES, _resolve, _target
+from .helpers.import_graph import MODULES, _resolve, _target
 
 SECTIONS = "moetrace.report.sections"
 #: what a section may import from moetrace: the report package itself, the table printer,

@@ -1,4 +1,4 @@
-"""The report reads at a glance (#25): figures read back from their matplotlib objects (axis
+"""The report reads at a glance: figures read back from their matplotlib objects (axis
 limits, tick labels, label boxes), and the HTML's text (units, yes/no, emphasis, captions that
 the numbers make true). Fast: no store except where a section needs one."""
 from __future__ import annotations

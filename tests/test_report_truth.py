@@ -26,7 +26,7 @@ from moetrace.domain.kernels import classify
 from moetrace.report.build import build_report
 from moetrace.run import Store
 
-from .conftest import REPO, shared_data
+from .helpers import REPO, module_fixture, shared_data
 
 SAMPLES = REPO / "sample_traces"
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def _report(st: Store, out: Path, run_id: str | None = None):
 
 
 # ----------------------------------------------------------------------------- shipped samples
-@pytest.fixture(scope="module")
+@module_fixture
 def dsv3(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsv3")
     st = _ingest(root, "st", str(SAMPLES / "dsv3_synth_expert_load.parquet"), "--run-id", "dsv3", "--ranks", "32",
@@ -171,7 +171,7 @@ def test_rendered_html_reads_as_a_person_would(dsv3, refrun):
     assert len(firsts) == len({tuple(f) for f in firsts}) == 4 * 8     # one row per (rank, step)
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def refrun(tmp_path_factory):
     root = tmp_path_factory.mktemp("refrun")
     st = _ingest(root, "st", str(SAMPLES / "refrun"), "--run-id", "refrun")
@@ -295,7 +295,7 @@ def test_vllm_single_gpu_moe_gets_a_kernel_breakdown(tmp_path):
 
 
 def test_deepseek_exposure_headline_by_interval_sweep(tmp_path):
-    from .test_exposure import overlap, union
+    from .helpers.intervals import overlap, union
 
     p = shared_data("deepseek_ep64_train_rank0.json.gz")
     st = _ingest(tmp_path, "st", str(p))
@@ -328,7 +328,7 @@ def test_nccl_two_rank_trace(tmp_path):
     assert any("inferred" in f.caption for f in exp.figures)   # plain SendRecv: direction by alternation
     # idle time of the kernel breakdown: step windows minus the union of each rank's GPU events (every
     # event lies in one of its rank's disjoint step windows), the union by a plain sweep of the raw JSON
-    from .test_exposure import union
+    from .helpers.intervals import union
 
     busy = 0.0
     for f in sorted(d.glob("rank-*.json.gz")):
@@ -412,7 +412,7 @@ def estimated_table_widths(html: str) -> list[float]:
     return out
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def rendered(dsv3, refrun):
     """The HTML of every report rendered in this module (dsv3 and refrun at least; the real
     traces too when ../shared/data is there and their tests ran first)."""

@@ -8,6 +8,8 @@ from moetrace.errors import SchemaError
 from moetrace.run import Store
 from moetrace.storage import schema
 
+from .helpers import run_row
+
 TABLES = ["runs", "expert_load", "routing", "steps", "spans", "kernel_names", "placement"]
 
 
@@ -62,7 +64,7 @@ def test_integer_overflow_is_refused_not_wrapped():
 
 def test_written_parquet_carries_schema_version(tmp_path):
     st = Store(tmp_path / "st", create=True)
-    res = st.write_run({"source": "t", "source_sha256": "x", "collector": "test", "time_base": "none"},
+    res = st.write_run(run_row(source="t", source_sha256="x"),
                        {"expert_load": _load_rows().drop_columns(["run_id"])})
     files = list((tmp_path / "st" / "expert_load" / f"run_id={res.run_id}").glob("part-*.parquet"))
     assert len(files) == 1

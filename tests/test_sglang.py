@@ -1,5 +1,5 @@
 """SGLang expert-distribution dumps, built at run time in the documented layouts
-(FORMATS.md) with torch.save, plus the real logical_count JSON files in ../shared/data."""
+(docs/reference/formats.md) with torch.save, plus the real logical_count JSON files in ../shared/data."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from moetrace.collect import collect, ingest
 from moetrace.errors import InputError
 from moetrace.run import Store
 
-from .conftest import shared_data, tree_hash
+from .helpers import shared_data, tree_hash
 
 
 def _torch():

@@ -1,5 +1,5 @@
 """Which path `moetrace skew` takes: a run's dense rows stream through layer_skew in one
-pass whatever their number, long rows are batched past ``frames.DIRECT_ROWS`` (issue #26);
+pass whatever their number, long rows are batched past ``frames.DIRECT_ROWS`` (start-up);
 both paths give the rows of the plain view, and those rows are checked by hand."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from moetrace.analyze import cache, frames, materialize
 from moetrace.run import Store
 
-from .test_dense import _run, _stores
+from .helpers.dense_runs import _run, _stores
 
 
 @pytest.fixture

@@ -10,11 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from moetrace.cli import cli
-
-from .conftest import REPO
+from .helpers import REPO, module_fixture, run_cli
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -22,12 +19,12 @@ SAMPLES = REPO / "sample_traces"
 
 
 def _cli(args, code=0):
-    r = CliRunner().invoke(cli, args)
+    r = run_cli(*args, catch_exceptions=True)
     assert r.exit_code == code, f"moetrace {' '.join(args)} -> {r.exit_code}: {r.output}"
     return r
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory, spark_session):
     root = tmp_path_factory.mktemp("sparkcli") / "st"
     _cli(["ingest", str(root), str(SAMPLES / "refrun"), "--run-id", "refrun"])

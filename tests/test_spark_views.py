@@ -23,7 +23,7 @@ import pytest
 from moetrace.run import Store
 from moetrace.storage import schema
 
-from .conftest import REPO
+from .helpers import REPO, module_fixture, run_cli, run_row
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -31,12 +31,8 @@ REL_TOL = 1e-9
 SAMPLES = REPO / "sample_traces"
 
 
-def run_cli(args):
-    from click.testing import CliRunner
-
-    from moetrace.cli import cli
-
-    r = CliRunner().invoke(cli, args)
+def _run_ok(args):
+    r = run_cli(*args, catch_exceptions=True)
     assert r.exit_code == 0, f"moetrace {' '.join(args)}: {r.output}"
 
 
@@ -78,9 +74,8 @@ def _replicated_run(store: Store) -> None:
             place["rank"].append(s // 3)
             place["node"].append(s // 6)
             place["expert"].append(e)
-    run = {"source": "hand-made replicated run", "source_sha256": "0" * 64, "collector": "test", "time_base": "none",
-           "num_layers": L, "num_experts": E, "top_k": K, "num_ranks": R, "ranks_per_node": 2,
-           "num_slots": len(phy2log)}
+    run = run_row(source="hand-made replicated run", source_sha256="0" * 64, num_layers=L, num_experts=E,
+                  top_k=K, num_ranks=R, ranks_per_node=2, num_slots=len(phy2log))
     tables = {"expert_load": load, "routing": routing, "placement": pa.table(place)}
     for name, t in tables.items():  # the contract's other (nullable) columns, empty
         for col in schema.get(name).columns:
@@ -101,23 +96,23 @@ def _run_without_ranks(store: Store) -> None:
     for col in schema.get("expert_load").columns:
         if col.name != "run_id" and col.name not in load.column_names:
             load = load.append_column(col.name, pa.nulls(load.num_rows, col.arrow_type))
-    run = {"source": "hand-made run without ranks", "source_sha256": "1" * 64, "collector": "test",
-           "time_base": "none", "num_layers": 2, "num_experts": 4, "top_k": 1}
+    run = run_row(source="hand-made run without ranks", source_sha256="1" * 64, num_layers=2, num_experts=4,
+                  top_k=1)
     store.write_run(run, {"expert_load": load}, run_id="noranks")
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("spark") / "st"
-    run_cli(["ingest", str(SAMPLES / "dsv3_synth_expert_load.parquet"), "--store", str(root), "--run-id", "dsv3",
+    _run_ok(["ingest", str(SAMPLES / "dsv3_synth_expert_load.parquet"), "--store", str(root), "--run-id", "dsv3",
              "--ranks", "32", "--ranks-per-node", "8", "--top-k", "8", "--experts", "256", "--layers", "4"])
     for name in ("refrun", "refrun_eplb"):
-        run_cli(["ingest", str(SAMPLES / name), "--store", str(root), "--run-id", name])
+        _run_ok(["ingest", str(SAMPLES / name), "--store", str(root), "--run-id", name])
     # DeepEP wait counters (4 ranks: paired with the 4-rank timeline runs in deepep_wait_compare)
     # and NCCL Inspector records (collective spans with named process groups)
-    run_cli(["ingest", str(SAMPLES / "deepep"), "--store", str(root), "--run-id", "deepep", "--set", "clock_ghz=2.0"])
-    run_cli(["ingest", str(SAMPLES / "nccl_inspector"), "--store", str(root), "--run-id", "ni"])
-    run_cli(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",
+    _run_ok(["ingest", str(SAMPLES / "deepep"), "--store", str(root), "--run-id", "deepep", "--set", "clock_ghz=2.0"])
+    _run_ok(["ingest", str(SAMPLES / "nccl_inspector"), "--store", str(root), "--run-id", "ni"])
+    _run_ok(["synth", str(root), "--layers", "2", "--experts", "16", "--top-k", "4", "--ranks", "4",
              "--ranks-per-node", "2", "--steps", "10", "--tokens-per-step", "64", "--per-token",
              "--dummy-share", "0.25", "--seed", "3", "--run-id", "syn"])
     st = Store(root)
@@ -126,7 +121,7 @@ def store(tmp_path_factory):
     return st
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def spark(store, spark_session):
     from moetrace.storage import spark as ms
 
@@ -136,7 +131,7 @@ def spark(store, spark_session):
     return spark_session
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def spark_views(spark):
     """Each metric view computed once on Spark, in definition order (every view after the
     views it reads): its rows are checkpointed and the view is replaced by them, so a view

@@ -12,7 +12,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from .conftest import REPO, tree_hash
+from .helpers import REPO, module_fixture, run_cli, tree_hash
 
 
 class _Result:
@@ -23,19 +23,15 @@ class _Result:
 
 def _run(*args, cwd, timeout=None):
     """The CLI in this process (a subprocess per call costs seconds on a loaded machine)."""
-    from click.testing import CliRunner
-
-    from moetrace.cli import cli
-
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        return _Result(CliRunner().invoke(cli, [str(a) for a in args]))
+        return _Result(run_cli(*args, catch_exceptions=True))
     finally:
         os.chdir(old)
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("sb")
     r = _run("synth", "st", "--steps", "4", "--layers", "2", "--experts", "16", "--ranks", "4", "--ranks-per-node", "4", cwd=root)

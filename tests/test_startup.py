@@ -1,4 +1,4 @@
-"""Start-up (issue #26): the store module imports neither duckdb nor polars, and the
+"""Start-up (under 0.3 s): the store module imports neither duckdb nor polars, and the
 store's connection defines only the views of sql/ a statement names (plus what they read)."""
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 from moetrace.storage import views
+
+from .helpers import run_row
 
 
 def test_store_import_is_lazy():
@@ -40,8 +42,8 @@ def test_lazy_connection_matches_every_view(tmp_path):
     from moetrace.storage.store import Store
 
     st = Store(tmp_path / "s", create=True)
-    st.write_run({"source": "unit", "source_sha256": "a" * 64, "collector": "test", "time_base": "none",
-                  "num_layers": 1, "num_experts": 4, "top_k": 1, "num_ranks": 2, "ranks_per_node": 2},
+    st.write_run(run_row(source="unit", source_sha256="a" * 64, num_layers=1, num_experts=4, top_k=1,
+                         num_ranks=2, ranks_per_node=2),
                  {"expert_load": pa.table({"step": [0, 0, 0, 0], "layer": [0, 0, 0, 0], "expert": [0, 1, 2, 3],
                                            "slot": pa.nulls(4, pa.int32()), "src_rank": pa.nulls(4, pa.int32()),
                                            "tokens": [6, 2, 1, 1]})}, run_id="r")
@@ -88,7 +90,7 @@ def _cli_in_fresh_python(*args: str) -> dict:
 def test_runs_and_skew_import_neither_polars_nor_arrow_nor_numpy(tmp_path, runner, cli):
     """`moetrace runs` and `moetrace skew` print DuckDB's rows: polars, pyarrow (and its
     pandas), numpy and the duckdb package's Python layer (moetrace.storage.duck: only its
-    C extension) are not imported on their path (issue #26: start-up under 0.3 s).
+    C extension) are not imported on their path (start-up under 0.3 s).
     Not a timing test: it fails when one of them comes back on the path."""
     st = tmp_path / "tiny"
     res = runner.invoke(cli, ["synth", str(st), "--layers", "2", "--steps", "3", "--tokens-per-step", "64",

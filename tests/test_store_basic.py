@@ -13,12 +13,12 @@ import moetrace
 from moetrace.errors import StoreError
 from moetrace.run import Store
 
-from .conftest import tree_hash
+from .helpers import run_row, tree_hash
 
 
 def _run(sha="abc"):
-    return {"source": "unit", "source_sha256": sha, "collector": "test", "time_base": "none",
-            "num_layers": 2, "num_experts": 4, "top_k": 2, "num_ranks": 2, "ranks_per_node": 2}
+    return run_row(source="unit", source_sha256=sha, num_layers=2, num_experts=4, top_k=2, num_ranks=2,
+                   ranks_per_node=2)
 
 
 def _load():

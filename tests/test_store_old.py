@@ -22,8 +22,8 @@ from moetrace.run import Store
 from moetrace.storage.paths import STORE_MARKER
 from moetrace.storage.schema import META_VERSION
 
-from .conftest import invoke as _cli
-from .conftest import tree_hash
+from .helpers import invoke as _cli
+from .helpers import tree_hash
 
 SYNTH = ["--layers", "2", "--experts", "8", "--top-k", "2", "--ranks", "2", "--ranks-per-node", "2", "--steps", "4",
          "--tokens-per-step", "64"]

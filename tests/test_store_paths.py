@@ -18,9 +18,9 @@ from moetrace.errors import StoreError
 from moetrace.run import Store
 from moetrace.storage.paths import GLOB_CHARS
 
-from .conftest import invoke as _cli
-from .conftest import one_line_error as _one_line
-from .conftest import tree_hash
+from .helpers import invoke as _cli
+from .helpers import one_line_error as _one_line
+from .helpers import tree_hash
 
 SYNTH = ["--layers", "2", "--experts", "8", "--top-k", "2", "--ranks", "2", "--ranks-per-node", "2", "--steps", "3",
          "--tokens-per-step", "64"]

@@ -12,9 +12,11 @@ import pytest
 
 from moetrace.run import Store
 
+from .helpers import run_row
+
 pytestmark = pytest.mark.slow
 
-# what docs/scale.md shows: rank load from the recorded placement (an expert's tokens split
+# what docs/how-to/spark-trino-dask.md shows: rank load from the recorded placement (an expert's tokens split
 # evenly over its copies), then max / mean over num_ranks per (step, layer)
 PORTABLE_IMBALANCE = """
 WITH copies AS (
@@ -47,8 +49,8 @@ def _store(path, rng):
             for s, e in enumerate(list(range(E)) + hot):
                 rows.append({"plan_id": "recorded", "layer": layer, "slot": s, "rank": s * R // S, "node": 0,
                              "expert": int(e)})
-        run = {"source": rid, "source_sha256": rid, "collector": "test", "time_base": "none", "num_layers": L,
-               "num_experts": E, "top_k": 2, "num_ranks": R, "ranks_per_node": R, "num_slots": S}
+        run = run_row(source=rid, source_sha256=rid, num_layers=L, num_experts=E, top_k=2, num_ranks=R,
+                      ranks_per_node=R, num_slots=S)
         st.write_run(run, {"expert_load": load, "placement": pa.Table.from_pylist(rows)}, run_id=rid)
     return st
 

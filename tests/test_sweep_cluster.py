@@ -19,7 +19,7 @@ from moetrace.cli import cli
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 
-from .conftest import tree_hash
+from .helpers import module_fixture, tree_hash
 
 distributed_pkg = pytest.importorskip("distributed", reason="the cluster extra (dask[distributed]) is not installed")
 
@@ -34,7 +34,7 @@ def run_cli(*args, env=None):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, env=env)
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def store_path(tmp_path_factory):
     """Two drifting synthetic runs (64 experts, 8 ranks in 2 nodes, 4 groups, 40 steps)."""
     p = tmp_path_factory.mktemp("sweep") / "st"
@@ -46,7 +46,7 @@ def store_path(tmp_path_factory):
     return p
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def cluster():
     from distributed import Client, LocalCluster
 

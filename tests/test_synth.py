@@ -8,7 +8,7 @@ from moetrace.errors import InputError
 from moetrace.produce.synth import SynthConfig, load_popularity_file, sample_topk, synth
 from moetrace.run import Store
 
-from .conftest import shared_data
+from .helpers import module_fixture, shared_data
 
 
 def inclusion_probabilities(p, k):
@@ -42,7 +42,7 @@ def test_sampler_matches_exact_inclusion_probabilities():
     assert np.all(np.abs(first - p) < 5 * np.sqrt(p * (1 - p) / n))
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def small_run(tmp_path_factory):
     st = Store(tmp_path_factory.mktemp("synth") / "st", create=True)
     cfg = SynthConfig(layers=2, experts=16, top_k=4, ranks=4, ranks_per_node=2, steps=20, tokens_per_step=300,

@@ -1,5 +1,5 @@
 """Store.con.temp_table: a view's rows of one run as a TEMP table, the views it reads
-inlined as CTEs instead of created (start-up, issue #26), and the connection still
+inlined as CTEs instead of created (a command's start-up), and the connection still
 answering every view the same once the TEMP table is dropped."""
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pyarrow as pa
 from moetrace.analyze.materialize import drop_materialized, materialize_one_pass
 from moetrace.storage.store import Store
 
-RUN = {"source": "unit", "source_sha256": "a" * 64, "collector": "test", "time_base": "none",
-       "num_layers": 1, "num_experts": 4, "top_k": 1, "num_ranks": 2, "ranks_per_node": 2}
+from .helpers import run_row
+
+RUN = run_row(source="unit", source_sha256="a" * 64, num_layers=1, num_experts=4, top_k=1, num_ranks=2,
+              ranks_per_node=2)
 
 
 def _store(tmp_path):

@@ -155,7 +155,7 @@ def test_report_on_the_sample(tmp_path, runner, cli):
     here = Path(__file__).resolve().parent.parent / "sample_traces"
     ingest(Store(tmp_path / "st", create=True), [here / "trtllm_stats", here / "trtllm_moe_load_balancer.yaml"],
            run_id="trt")
-    r = runner.invoke(cli, ["report", str(tmp_path / "st"), "--run", "trt", "--out", str(tmp_path / "rep"), "--quiet"])
+    r = runner.invoke(cli, ["report", str(tmp_path / "st"), "--run", "trt", "--out-dir", str(tmp_path / "rep"), "--quiet"])
     assert r.exit_code == 0, r.output
     md = (tmp_path / "rep" / "report.md").read_text()
     # the sample idles rank 3 in one of 8 iterations: 1 dummy step of 4 x 8 (step, rank) pairs

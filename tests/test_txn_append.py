@@ -1,4 +1,4 @@
-"""Every write is one transaction (issue 27): plans, replays, sweeps, calibrations, catalogs
+"""Every write is one transaction: plans, replays, sweeps, calibrations, catalogs
 and ingests, killed between each pair of renames, leave the store exactly as before or
 exactly as after, for a reader that opens it right away (no recovery) and after the next
 writer's recovery; a reader opened before a table's first file sees it after the write.
@@ -25,9 +25,9 @@ from moetrace.cli import cli
 from moetrace.storage import schema
 from moetrace.storage.store import Store
 
-from .conftest import REPO, SIGKILL_AT_REPLACE, tree_hash
-from .test_replay import slot_store  # noqa: F401  (fixture: 2 layers x 12 slots, 6 steps)
-from .test_store_atomic import _ForkedWriters
+from .helpers import REPO, SIGKILL_AT_REPLACE, module_fixture, tree_hash
+from .helpers.forked_writers import _ForkedWriters
+from .helpers.slot_store import build_slot_store
 
 L, S = 2, 12  # the slot_store's shape: a plan is L * S placement rows
 
@@ -109,11 +109,11 @@ def _snapshot_points(monkeypatch, store, snaps) -> list[int]:
     return n
 
 
-@pytest.fixture(scope="module")
+@module_fixture
 def slot_template(tmp_path_factory):
     """test_replay's slot_store with a catalog.duckdb (so every write also replaces it: one
     more crash point), built once: read-only, a test copies it."""
-    template, _ = slot_store.__wrapped__(tmp_path_factory.mktemp("slots"))
+    template, _ = build_slot_store(tmp_path_factory.mktemp("slots"))
     Store(template, create=True).write_catalog()
     return template
 
@@ -264,8 +264,8 @@ def test_out_inside_a_store_is_refused(slot_store, tmp_path):  # noqa: F811
     path, _ = slot_store
     before = tree_hash(path)
     for args in (["runs", path, "-o", path / "runs.csv"], ["runs", path, "-o", path / "placement" / "x.parquet"],
-                 ["plan", path, "--policy", "greedy", "--replicas", "4", "--no-store", "-o", path / "plan.json"],
-                 ["report", path, "-o", path / "rep"]):
+                 ["plan", path, "--policy", "greedy", "--replicas", "4", "--no-store", "--export", path / "plan.json"],
+                 ["report", path, "--out-dir", path / "rep"]):
         r = CliRunner().invoke(cli, [str(a) for a in args])
         assert r.exit_code == 2, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1 and "inside the store" in r.output, r.output

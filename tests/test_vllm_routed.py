@@ -1,5 +1,5 @@
 """vLLM routed-experts arrays ([tokens, layers, top_k] per request, .npy or JSON lists) and
-routing JSONL with metadata header lines (#23, #24)."""
+routing JSONL with metadata header lines."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from moetrace.collect import collect, detect
 from moetrace.run import Store
 
-from .conftest import invoke, tree_hash
+from .helpers import invoke, tree_hash
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 

@@ -12,37 +12,9 @@ import pytest
 from moetrace.analyze.waits import wait_result
 from moetrace.run import Store
 
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
-from .conftest import shared_data
-from .test_kineto import ev_x, kernel, launch, write_trace
-
-DISPATCH = "void deep_ep::intranode::dispatch<8>(int4*)"
-COMBINE = "void deep_ep::intranode::combine<8>(int4*)"
-GEMM = "void cutlass::device_kernel<grouped_gemm::Kernel>(Params)"
-
-
-def ingest(runner, cli, st, *paths):
-    res = runner.invoke(cli, ["ingest", *map(str, paths), "--store", str(st)])
-    assert res.exit_code == 0, res.output
-    return Store(st)
-
-
-def _three_ranks(folder: Path, extra_rank0: bool = False) -> Path:
-    """Rank r's (dispatch arrival, combine arrival) in µs; every kernel of an instance
-    ends together (dispatch at 200, combine at 400). Rank 1 uses another stream id."""
-    folder.mkdir()
-    arrive = {0: (100, 300), 1: (130, 300), 2: (110, 350)}
-    for r, (d, c) in arrive.items():
-        stream = 21 if r == 1 else 20
-        ev = [ev_x("user_annotation", "ProfilerStep#0", 0, 1000),
-              kernel(DISPATCH, d, 200 - d, 10 * r + 1, stream=stream, device=r),
-              kernel(COMBINE, c, 400 - c, 10 * r + 2, stream=stream, device=r)]
-        if r == 0:
-            ev.append(kernel(GEMM, 100, 20, 9, stream=7, device=0))      # hides 20 of rank 0's 30 µs wait
-            if extra_rank0:
-                ev.append(kernel(DISPATCH, 500, 10, 8, stream=20, device=0))   # no partner on ranks 1, 2
-        write_trace(folder / f"rank{r}_trace.json", ev, rank=r, world=3)
-    return folder
+from .helpers import shared_data
+from .helpers.kineto_trace import DISPATCH, GEMM, ev_x, ingest, kernel, launch, write_trace
+from .helpers.waits_trace import _three_ranks
 
 
 def test_hand_worked_waits_matrix_and_split(tmp_path, runner, cli):

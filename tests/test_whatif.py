@@ -7,8 +7,6 @@ import pytest
 
 from moetrace.replay.timeline_whatif import disaggregation, domain_sweep, overlap_two_micro_batches
 
-from ._forked_ranks import forked_ranks  # noqa: F401  (a fixture: refrun ranks forked, not spawned)
-
 
 def test_overlap_hand_worked():
     # one step, two layers, two ranks; step 100 ns on both ranks
@@ -90,10 +88,11 @@ def test_overlap_on_a_crafted_trace_through_the_command(tmp_path, runner, cli):
 
     from moetrace.run import Store
 
-    from .test_waits import _three_ranks, ingest
+    from .helpers.kineto_trace import ingest
+    from .helpers.waits_trace import _three_ranks
 
     ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
-    res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "overlap", "--a2a-latency-us", "0", "--trace",
+    res = runner.invoke(cli, ["whatif", str(tmp_path / "st"), "--only", "overlap", "--a2a-latency-us", "0", "--chrome-trace",
                               str(tmp_path / "ov.json")])
     assert res.exit_code == 0, res.output
     # step 0 on each rank: first kernel to last (no launches inside the ProfilerStep range):
@@ -140,7 +139,8 @@ def test_report_section_shows_the_whatif_table(tmp_path, runner, cli):
     from moetrace.report.base import ReportContext
     from moetrace.report.sections import timeline_whatif as whatif
 
-    from .test_waits import _three_ranks, ingest
+    from .helpers.kineto_trace import ingest
+    from .helpers.waits_trace import _three_ranks
 
     st = ingest(runner, cli, tmp_path / "st", _three_ranks(tmp_path / "run"))
     rid = st.resolve_run(None)

@@ -303,7 +303,7 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
     is already one (step, layer) and its statistics are list functions of that row alone,
     so dense rows stream through in one pass whatever their number (the TEMP tables hold
     the per-(step, layer) results, as the batches' would), while each batch costs two
-    dozen statements that bind the chain of views again (issue #26: a tiny run's start-up,
+    dozen statements that bind the chain of views again (a tiny run's start-up,
     and 10M-100M-row runs' skew)."""
     from .materialize import TARGET_BATCH_ROWS
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InputError
 
-if TYPE_CHECKING:   # polars is imported by the frame readers: skew_rows needs none (issue #26)
+if TYPE_CHECKING:   # polars is imported by the frame readers: skew_rows needs none (start-up)
     import polars as pl
 
     from ..output import Rows

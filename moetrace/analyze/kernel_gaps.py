@@ -51,7 +51,7 @@ def expert_gemm_gap(sql, run_id: str) -> str | None:
             f"{_cut(n)!r} ({ns / 1e6:.3f} ms, {k} spans)" for n, ns, k in heavy.iter_rows()) + "."
     msg += (" Add a rule and re-ingest: moetrace ingest --kernel-rules FILE with a CSV line "
             "'expert_gemm,name,<regex of the kernel name>' or 'expert_gemm,context,<name regex>,<range regex>' "
-            "(docs/profiler.md).")
+            "(docs/reference/kernels.md).")
     return msg
 
 

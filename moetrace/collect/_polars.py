@@ -2,7 +2,7 @@
 
 Every collector module is imported to sniff an input (``collect.registry``), so a module
 that imported polars at its top made every ``moetrace ingest`` pay for it (0.3-0.4 s),
-also for a Parquet file that is read with pyarrow alone (issue #26). ``pl`` here is the
+also for a Parquet file that is read with pyarrow alone (a command's start-up). ``pl`` here is the
 polars module once something is asked of it; :class:`Dtypes` names a frame's column
 types without importing polars until they are used.
 """

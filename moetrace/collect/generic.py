@@ -5,7 +5,7 @@ needs ``step, layer, token, expert`` (optional ``choice, src_rank, slot, gate``;
 ``choice`` the order of a token's rows gives it). Routing is also aggregated into
 expert_load so every metric works on it. Each file is one run.
 
-expert_load files stream (docs/scale.md): Parquet and JSONL are read in batches of
+expert_load files stream (benchmarks/results/scale_log.md): Parquet and JSONL are read in batches of
 :data:`BATCH_ROWS` rows, CSV in 8 MiB blocks (pyarrow's streaming reader). A first pass
 checks every batch (integer columns, nulls, negative values, ids inside the shape given
 and the contract's int32) and notes the shape; the rows are written in a second pass over the file,
@@ -33,7 +33,7 @@ from ..streams import Rereadable, prefetched
 from . import Collector, RunData, head, register
 from .checks import MAX_COUNT
 
-if TYPE_CHECKING:   # polars is imported where a path needs it (start-up: issue #26)
+if TYPE_CHECKING:   # polars is imported where a path needs it (a command's start-up)
     import polars as pl
 
 LOAD_REQ = ["step", "layer", "expert", "tokens"]

@@ -1,6 +1,7 @@
 """vLLM and SGLang server logs: EPLB balancedness and rebalance lines.
 
-Recognized lines (FORMATS.md; any prefix before the message is allowed):
+Recognized lines (docs/reference/formats.md, "vLLM and SGLang server log lines"; any prefix
+before the message is allowed):
 
 - vLLM ``EPLB step: avg_tokens=.., max_tokens=.., balancedness=..`` and the variants with
   ``EPLB step: N for model M:`` and ``, steps until the next rearrangement: N``;
@@ -59,7 +60,7 @@ VLLM_PREFIX = re.compile(r"(?:\((?P<proc>[^()]*?pid=\d+)\)\s+)?(?:INFO|DEBUG|WAR
                          r"(?P<mon>\d{2})-(?P<day>\d{2})\s+(?P<hms>\d{2}:\d{2}:\d{2})(?:\.\d+)?\s+\[[^\]]*\]\s")
 SGL_PREFIX = re.compile(r"\[(?P<date>\d{4}-\d{2}-\d{2})\s+(?P<hms>\d{2}:\d{2}:\d{2})(?:[.,]\d+)?(?P<proc>(?:\s+[A-Z]+\d+)*)\]\s")
 # Python logging's default asctime at the start of the line ("2026-11-30 10:15:02,345 - name - INFO - msg",
-# "2026-11-30 10:15:02,345 INFO msg"): SGLang run under a logging.basicConfig format (#23)
+# "2026-11-30 10:15:02,345 INFO msg"): SGLang run under a logging.basicConfig format
 PY_PREFIX = re.compile(r"^\s*(?P<date>\d{4}-\d{2}-\d{2})[ T](?P<hms>\d{2}:\d{2}:\d{2})(?:[.,]\d+)?\s")
 
 
@@ -112,7 +113,7 @@ def parse_line(text: str) -> dict | None:
         g = VLLM_BAL.search(msg)
         if not g:
             raise ValueError("vLLM balancedness line")
-        # vLLM logs balancedness 0.0 when no token was routed (max_tokens = 0): undefined, stored null (#23)
+        # vLLM logs balancedness 0.0 when no token was routed (max_tokens = 0): undefined, stored null (never 0)
         empty = float(g["max"]) == 0
         row.update(engine="vllm", event="balancedness", step=int(g["step"]) if g["step"] else None,
                    model=g["model"], avg_tokens=float(g["avg"]), max_tokens=float(g["max"]),

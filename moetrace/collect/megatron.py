@@ -23,7 +23,7 @@ Read from NVIDIA/Megatron-LM at d98e8a64 (2026-08-22):
   files of one EP rank are summed: data-parallel replicas see different tokens).
 - **Expert-load array** ``loads[layers, forwards, experts]`` (``.npy`` named ``loads``,
   or the key ``loads`` in an ``.npz`` / ``.safetensors``): Megatron at d98e8a64 writes
-  no such file (the layout is the one issue 24 describes, accepted as given): step =
+  no such file (the layout users described for it, accepted as given): step =
   forward index, tokens per (layer, expert).
 
 Every file given together is one run. A bad JSON line, a record whose lists disagree
@@ -253,7 +253,7 @@ def _loads(paths: list[Path], approx: list) -> dict:
     L, F, E = a.shape
     li, fi, ei = np.meshgrid(np.arange(L), np.arange(F), np.arange(E), indexing="ij")
     approx.append("loads[layers, forwards, experts]: step = forward index (a layout Megatron-LM itself does not write "
-                  "at d98e8a64; accepted as issue 24 describes it)")
+                  "at d98e8a64; accepted as given)")
     others = sorted(set(arrays) - {key})
     if others:
         approx.append(f"arrays not read: {', '.join(others[:5])}")

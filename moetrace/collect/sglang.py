@@ -1,6 +1,6 @@
 """SGLang expert-distribution dumps.
 
-Formats (see FORMATS.md, "SGLang"):
+Formats (docs/reference/formats.md, "SGLang expert-distribution dumps"):
 
 - ``stat`` / ``stat_approx``: ``{rank, logical_count [buffer, L, E], ...}`` from rank 0; a
   ring buffer dumped whole. Trailing all-zero rows are unfilled and dropped; a full

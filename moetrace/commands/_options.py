@@ -31,7 +31,7 @@ class LazyChoice(click.Choice):
 
 
 def _hardware_presets():
-    from ..replay.cost import PRESETS
+    from ..costmodel.step_cost import PRESETS
 
     return list(PRESETS)
 
@@ -120,34 +120,11 @@ def steps_option(*names, help: str, dest: str | None = None):
     return click.option(*decls, callback=steps_range, default=None, metavar="A:B", help=help)
 
 
-class AliasOption(click.Option):
-    """An option that also answers to old spellings (``aliases``) without showing them in
-    ``--help``: a renamed option keeps working, the help shows the one convention."""
-
-    def __init__(self, param_decls, aliases=(), **attrs):
-        self.aliases = tuple(aliases)
-        super().__init__(list(param_decls) + list(self.aliases), **attrs)
-
-    def get_help_record(self, ctx):
-        opts = self.opts
-        self.opts = [o for o in opts if o not in self.aliases]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = opts
-
-
-def alias_option(*decls, aliases=(), **attrs):
-    """``click.option`` with hidden old spellings (:class:`AliasOption`); ``decls`` name the
-    destination explicitly."""
-    return click.option(*decls, cls=AliasOption, aliases=aliases, **attrs)
-
-
 def out_dir_option(f=None, *, help="Folder to write into."):
     """--out-dir DIR: the folder a command writes its files into (``-o/--out`` is a rows
-    file everywhere; the old ``report -o/--out DIR`` still works, unlisted)."""
+    file everywhere)."""
     def deco(g):
-        return alias_option("--out-dir", "out", aliases=("-o", "--out"), metavar="DIR",
+        return click.option("--out-dir", "out", metavar="DIR",
                             type=click.Path(file_okay=False, dir_okay=True), default=None, callback=check_out_path, help=help)(g)
     return deco(f) if f is not None else deco
 
@@ -182,15 +159,14 @@ def steps_select(ctx, param, value):
 
 
 def fit_steps_option(help: str):
-    """--fit-steps A:B (the old ``--fit-window`` still works, unlisted): the steps a plan is
-    fitted on."""
-    return alias_option("--fit-steps", "fit_window", aliases=("--fit-window",), callback=steps_range, default=None,
+    """--fit-steps A:B: the steps a plan is fitted on."""
+    return click.option("--fit-steps", "fit_window", callback=steps_range, default=None,
                         metavar="A:B", help=help)
 
 
-def chrome_trace_option(help: str, aliases=()):
+def chrome_trace_option(help: str):
     """--chrome-trace FILE: a Chrome/Perfetto trace, under one name in every command."""
-    return alias_option("--chrome-trace", "chrome_trace", aliases=aliases, type=click.Path(dir_okay=False),
+    return click.option("--chrome-trace", "chrome_trace", type=click.Path(dir_okay=False),
                         default=None, metavar="FILE", help=help)
 
 

@@ -103,7 +103,7 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
         n = runs[0].skew_to_parquet(by, output, batch_steps=batch_steps, memory_limit=memory_limit,
                                     progress=_progress)
         click.echo(f"wrote {n} rows to {Path(output)}", err=True)
-    else:   # DuckDB's rows, printed without polars (start-up, issue #26)
+    else:   # DuckDB's rows, printed without polars (a command's start-up)
         parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
                  for r in runs]
         emit_rows(Rows.concat([p for p in parts if p.height] or parts[:1]), fmt, output)

@@ -7,7 +7,7 @@ import polars as pl
 
 from ..output import echo_json, emit, json_option, output_options
 from ..run import Store
-from ._options import alias_option, hardware_option, steps_range
+from ._options import hardware_option, steps_range
 
 _steps_range = steps_range
 
@@ -78,9 +78,9 @@ def basis_line(summary: dict) -> str:
 
 @click.command("calibrate")
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@alias_option("--run", "fit_run", aliases=("--fit",), default=None, metavar="RUN_ID",
+@click.option("--run", "fit_run", default=None, metavar="RUN_ID",
               help="Run whose measured spans the cost model is fitted on (default: the store's only run).")
-@alias_option("--judge-run", "judge_runs", aliases=("--judge",), multiple=True, metavar="RUN_ID",
+@click.option("--judge-run", "judge_runs", multiple=True, metavar="RUN_ID",
               help="Run to predict with the fitted model and compare with its measured spans (repeatable). "
                    "Without it: the fit only (in-sample errors), or with --judge-steps the fit run's other steps.")
 @click.option("--load", "loads", multiple=True, metavar="SPANS_RUN=LOAD_RUN",

@@ -9,6 +9,10 @@ import click
 
 from ..errors import UsageError
 
+#: the --kernel names (moetrace.costmodel.a2a.FAMILIES, listed here so --help needs no import of numpy)
+KERNEL_NAMES = ("normal", "low-latency", "deepep-v2", "hybrid-ep", "pplx", "nccl", "nvlink-one-sided", "uccl-normal",
+                "uccl-low-latency", "mori", "mori-low-latency")
+
 
 def _num(name: str, text, integer: bool = True):
     """A positive finite number from the command line (one-line error otherwise)."""
@@ -29,7 +33,7 @@ def _table(rows) -> str:
 
 
 @click.command("cost")
-@click.option("--hardware", required=True, help="GPU: H800, H100, H200, H20, B200.")
+@click.option("--hardware", required=True, help="GPU: H800, H100, H200, H20, B200, B300, GB200, MI300X, MI355X.")
 @click.option("--hidden", required=True, help="Model hidden size.")
 @click.option("--intermediate", default=None, help="Expert intermediate size (expert MLP mode).")
 @click.option("--weight-dtype", default="fp8", show_default=True, type=click.Choice(["fp8", "bf16", "fp4"]),
@@ -38,24 +42,31 @@ def _table(rows) -> str:
 @click.option("--tokens-per-expert", default=None, help="Tokens each touched expert receives: one number, or one per expert "
                    "(comma-separated) (expert MLP mode).")
 @click.option("--ep", default=None, help="Expert-parallel size (all-to-all mode).")
-@click.option("--ranks-per-node", default="8", show_default=True, help="GPUs per node (all-to-all mode).")
+@click.option("--ranks-per-node", default=None, help="GPUs per NVLink domain (all-to-all mode; default the GPU's: 8 "
+                                                       "on an HGX node, 72 on GB200 NVL72).")
 @click.option("--tokens", default=None, help="Tokens per rank (all-to-all mode).")
 @click.option("--top-k", default="8", show_default=True, help="Experts per token (all-to-all mode).")
 @click.option("--num-experts", default="256", show_default=True, help="Routed experts in the model (normal kernels' "
                                                                       "deduplication).")
-@click.option("--kernel", default=None, type=click.Choice(["normal", "low-latency"]),
-              help="All-to-all kernel regime (DeepEP's normal or low-latency kernels).")
+@click.option("--kernel", default=None, type=click.Choice(list(KERNEL_NAMES)),
+              help="All-to-all kernel family: normal / low-latency (DeepEP V1), deepep-v2, hybrid-ep, pplx, nccl, "
+                   "nvlink-one-sided, uccl-normal, uccl-low-latency, mori, mori-low-latency.")
+@click.option("--sms", default=None, help="SMs the all-to-all kernel runs on (default: the kernel's; DeepEP V1 24).")
+@click.option("--max-nodes-per-token", default=None,
+              help="Most nodes one token's experts may span (node-limited routing; default the kernel's: 4 for "
+                   "DeepEP normal as DeepSeek-V3 routes, else no limit; 0: no limit).")
 @click.option("--dispatch-dtype", default="fp8", show_default=True, type=click.Choice(["fp8", "bf16"]))
 @click.option("--combine-dtype", default="bf16", show_default=True, type=click.Choice(["fp8", "bf16"]))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (every term, the band and its source).")
 def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_expert, ep, ranks_per_node, tokens, top_k,
-         num_experts, kernel, dispatch_dtype, combine_dtype, as_json):
+         num_experts, kernel, sms, max_nodes_per_token, dispatch_dtype, combine_dtype, as_json):
     """Predicted GPU time of an expert MLP or of a dispatch/combine, with its measured band.
 
     Expert MLP mode (--intermediate, --experts, --tokens-per-expert): all touched experts'
     gate/up and down grouped GEMMs on one rank. All-to-all mode (--ep, --tokens, --kernel):
-    one rank's dispatch and combine. The model and its bands come from published H800
-    kernel measurements (docs/calibration.md, "GPU cost model").
+    one rank's dispatch and combine. The model and its bands come from published DeepGEMM and
+    DeepEP kernel measurements; every answer says whether its band was validated on that
+    GPU and kernel (docs/calibration.md, "GPU cost model").
 
     Example:
 
@@ -87,8 +98,7 @@ def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_exper
         r = costmodel.expert_ns(hardware, hidden_v, _num("intermediate", intermediate), ms, weight_dtype)
         out.update(r)
         t = r["terms"]
-        rows += [("expert_ns", f"{r['expert_ns']:,.0f}  (±{r['expert_band']:.0%}"
-                               f"{'' if r['band_measured'] else ', not measured on this GPU/dtype'})"),
+        rows += [("expert_ns", f"{r['expert_ns']:,.0f}  (±{r['expert_band']:.0%}, {r['validation']})"),
                  ("  gate/up GEMM ns", f"{t['gate_up']['time_ns']:,.0f}  (compute {t['gate_up']['compute_ns']:,.0f}, "
                                        f"memory {t['gate_up']['memory_ns']:,.0f}, {t['gate_up']['waves']} wave(s))"),
                  ("  down GEMM ns", f"{t['down']['time_ns']:,.0f}  (compute {t['down']['compute_ns']:,.0f}, "
@@ -99,9 +109,12 @@ def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_exper
             raise UsageError("--kernel and --tokens need --ep (all-to-all mode)")
         if tokens is None or kernel is None:
             raise UsageError("all-to-all mode needs --tokens and --kernel")
+        mnt = None
+        if max_nodes_per_token is not None:
+            mnt = 0 if str(max_nodes_per_token).strip() == "0" else _num("max-nodes-per-token", max_nodes_per_token)
         r = costmodel.comm_ns(hardware, hidden_v, _num("ep", ep), _num("ranks-per-node", ranks_per_node),
                               _num("tokens", tokens), _num("top-k", top_k), kernel, dispatch_dtype, combine_dtype,
-                              num_experts=_num("num-experts", num_experts))
+                              num_experts=_num("num-experts", num_experts), topk_groups=mnt, sms=_num("sms", sms))
         band_source = r.pop("band_source")
         if expert_mode:
             out["comm_band_measured"] = r.pop("band_measured")
@@ -112,9 +125,9 @@ def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_exper
             out.update(r)
         else:
             out.update(r, band_source=band_source, source=source, terms=terms)
-        rows += [(f"dispatch_ns ({kernel})", f"{r['dispatch_ns']:,.0f}  (±{r['comm_band']:.0%}, "
+        rows += [(f"dispatch_ns ({kernel})", f"{r['dispatch_ns']:,.0f}  (±{r['dispatch_band']:.0%}, {r['validation']}, "
                                              f"bottleneck {terms['dispatch']['bottleneck']})"),
-                 (f"combine_ns ({kernel})", f"{r['combine_ns']:,.0f}  (±{r['comm_band']:.0%}, "
+                 (f"combine_ns ({kernel})", f"{r['combine_ns']:,.0f}  (±{r['combine_band']:.0%}, {r['validation']}, "
                                             f"bottleneck {terms['combine']['bottleneck']})"),
                  ("comm band source", band_source)]
     if as_json:

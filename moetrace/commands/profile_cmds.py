@@ -22,7 +22,7 @@ def kernels(store, run_id, kind, limit, fmt, output):
 
     Heavy names under compute_other are where an unknown all-to-all would hide: add a
     rule for them with `moetrace ingest --kernel-rules FILE` (CSV kind,match,pattern,context:
-    match is name, context or stream; see docs/profiler.md). classified_by says which rule
+    match is name, context or stream; see docs/reference/kernels.md). classified_by says which rule
     decided; an MoE trace with no expert GEMM kernel gets one line saying so.
 
     Example:

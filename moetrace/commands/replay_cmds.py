@@ -8,7 +8,6 @@ from ..output import check_out_path, echo_json, emit, json_option, output_option
 from ..replay.results import load_answer, load_lines
 from ..run import Store
 from ._options import (
-    alias_option,
     chrome_trace_option,
     fit_steps_option,
     hardware_option,
@@ -123,9 +122,9 @@ def _print_replay(res):
 @click.option("--target-imbalance", type=float, default=None, help="Move-aware re-plan: stop at this max/mean.")
 @click.option("--plan-id", default=None, help="Id to store the plan under (default: the policy name).")
 @click.option("--no-store", is_flag=True, help="Do not write the plan into the store.")
-@alias_option("--export", "out_file", aliases=("-o", "--out"), type=click.Path(dir_okay=False), default=None,
+@click.option("--export", "out_file", type=click.Path(dir_okay=False), default=None,
               callback=check_out_path, metavar="FILE", help="Export the plan to FILE in --export-format.")
-@alias_option("--export-format", "out_format", aliases=("--out-format",),
+@click.option("--export-format", "out_format",
               type=click.Choice(["sglang", "eplb", "trtllm", "vllm-ascend"]), default="sglang",
               show_default=True, help="sglang: --init-expert-location JSON; eplb: phy2log/log2phy/logcnt JSON; "
               "trtllm: TensorRT-LLM moe_config.load_balancer YAML; vllm-ascend: expert map JSON (expert_map_path).")
@@ -215,7 +214,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
-                   "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/timeline.md).")
+                   "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
            window, max_moves, split, hardware, no_fit, stall_ms, move_overlap, passes, chrome_trace, trace_steps,
            plot, no_rank_rows, as_json, timeline_whatif):
@@ -285,7 +284,7 @@ def _print_drift(d, plot):
                f"judged on {d.steps.size} steps against the recorded placement")
     st = d.results["static"]
     click.echo(f"  plan: {st.plan.describe()}")
-    from ..replay.cost import error_band
+    from ..costmodel.step_cost import error_band
 
     band, src = error_band(d.cost)
     click.echo(f"  time error band ±{band:.0%} ({src}): a predicted difference within it is not a win")

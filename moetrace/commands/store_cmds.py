@@ -153,7 +153,7 @@ def runs(store, fmt, output):
     from ..output import Rows, emit_rows
 
     st = open_store(store)
-    runs = st.runs_rows()   # DuckDB rows: no polars, no Arrow (start-up, issue #26)
+    runs = st.runs_rows()   # DuckDB rows: no polars, no Arrow (a command's start-up)
     if runs.height == 0:
         click.echo("no runs")
         return
@@ -190,7 +190,7 @@ def runs(store, fmt, output):
 def sql(store, query, engine, master, remote, fmt, output, timeout, memory_limit, allow_paths, unsafe):
     """Run SQL over the store's tables and metric views (expert_load, routing, steps, spans,
     layer_skew, ...): DuckDB SQL here, or Spark SQL with --engine spark (the same views,
-    transpiled from their DuckDB definitions; see docs/scale.md).
+    transpiled from their DuckDB definitions; see docs/how-to/spark-trino-dask.md).
 
     DuckDB runs sandboxed: one SELECT (or EXPLAIN) statement, reading only the store's files
     (and --allow-path ones); COPY, ATTACH, INSTALL, SET and reads of other files are refused

@@ -124,7 +124,7 @@ def _ints(ctx, param, value):
                                                                         "layer on an expert GPU (weight reads).")
 @click.option("--max-micro-batches", default=8, show_default=True, help="Disaggregation: micro-batch counts tried.")
 @chrome_trace_option(help="Write a Chrome/Perfetto trace of the overlap what-if for the step with most exposed "
-                         "all-to-all.", aliases=("--trace",))
+                         "all-to-all.")
 @click.option("--no-write", is_flag=True, help="Print only; do not append replay_whatif rows to the store.")
 @output_options
 def whatif(store, run_id, only, split_extra_us, a2a_latency_us, domains, hardware, tokens, gpus, attn_ns, expert_ns, transfer_ns,
@@ -136,7 +136,7 @@ def whatif(store, run_id, only, split_extra_us, a2a_latency_us, domains, hardwar
     attention and expert FFNs on separate GPU pools (best split, micro-batch count,
     per-GPU throughput vs co-located). Domain: ranks per NVLink domain (bytes crossing
     domains, all-to-all time). Each result states its assumptions and error band and is
-    appended to table replay_whatif (docs/timeline.md has the formulas).
+    appended to table replay_whatif (docs/explanation/timeline.md has the formulas).
 
     Example:
 

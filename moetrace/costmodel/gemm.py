@@ -13,8 +13,8 @@ For G groups (experts), group g with m_g rows (tokens), each [m_g, k] x [k, n]:
 * ``t = (t_c^p + t_m^p)^(1/p) + t_launch``: the p-norm lets compute and memory overlap
   partly (p=1 is a plain sum, p->inf a plain max); the published rows fit p near 2.
 
-eff_c, eff_m, p, c_tile and t_launch are fitted on DeepGEMM's published H800 rows
-(:mod:`.fit`).
+eff_c, eff_m, p, c_tile and t_launch are fitted on DeepGEMM's published rows (H800, H20;
+:mod:`.fit`).
 """
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def _tile_config(ms: tuple, n: int, sms: int, contiguous: bool) -> tuple[int, in
                           or (bm != b_bm and bn > b_bn))
             if better:
                 best = (bm, bn, tiles, waves, last)
+    assert best is not None     # bms and bns are never empty
     bm, bn, tiles, waves, _ = best
     return bm, bn, tiles, waves
 

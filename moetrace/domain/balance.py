@@ -2,7 +2,7 @@
 conversion to moetrace's ``imbalance`` (busiest rank's tokens / mean rank's tokens,
 1.0 = even; the ``layer_skew`` view's definition).
 
-Each engine defines its figure differently (checked in its source, docs/analysis.md):
+Each engine defines its figure differently (checked in its source, docs/explanation/metrics.md):
 
 - vLLM EPLB (``vllm/distributed/eplb/eplb_state.py``): ``balancedness = avg_tokens /
   max_tokens``, tokens per EP rank summed over MoE layers, mean over ranks / max over

@@ -13,7 +13,7 @@ meaning of the published algorithm:
 
 Otherwise the same with one group and one node (global policy).
 
-Tie rules (``FORMATS.md``): float32 arithmetic throughout (group sums accumulate in expert
+Tie rules (docs/reference/formats.md, "DeepSeek EPLB"): float32 arithmetic throughout (group sums accumulate in expert
 order), a **stable** descending sort (equal weights keep index order), the lowest pack
 index wins among equal pack weights, the lowest expert index among equal load per copy.
 The loops that remain run over items, never over layers: every step is a numpy operation

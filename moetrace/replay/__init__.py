@@ -3,7 +3,7 @@
 A numeric core (arrays in, arrays and typed results out; no store, no files), over the
 pure planners of :mod:`moetrace.placement`:
 
-- :mod:`.cost` -- hardware presets, the per-layer cost model, its error band (``ErrorBand``)
+- :mod:`moetrace.costmodel.step_cost` -- hardware presets, the per-layer cost model, its error band (``ErrorBand``)
 - :mod:`.engine` -- the replay kernel: recorded load / routing against a plan -> per-rank
   tokens, bytes, layer time; one definition of imbalance (NaN where nothing was routed)
 - :mod:`.strategies` -- fixed / re-planned / oracle plans judged in one loop against the

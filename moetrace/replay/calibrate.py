@@ -14,7 +14,7 @@ slowest rank. This module checks those predictions against what a profiler measu
    covers a few steps), and only ranks that have spans at all (a missing trace is not a
    rank with no work).
 2. :func:`fit` fits ``expert ≈ a·tokens + b·touched`` (the replay's own
-   :func:`~moetrace.replay.cost.fit_expert_time`, no intercept, both ≥ 0) and
+   :func:`~moetrace.costmodel.step_cost.fit_expert_time`, no intercept, both ≥ 0) and
    ``comm ≈ latency + c_intra·bytes_intra + c_inter·bytes_inter`` (least squares, every
    coefficient ≥ 0: a negative one is dropped and the rest refitted), on the cells with a
    measured expert time > 0, and reports R² and residuals.
@@ -40,10 +40,10 @@ import uuid
 import numpy as np
 import pyarrow as pa
 
+from ..costmodel import step_cost as costmod
+from ..costmodel.step_cost import ErrorBand
 from ..errors import InputError
-from . import cost as costmod
 from .calibrate_fit import LAYER_TERMS, TIE_RTOL, Cells, Fit, fit, fit_layer_model
-from .cost import ErrorBand
 
 # ----------------------------------------------------------------------------- observe
 BASES = ("auto", "cpu", "wall")

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..costmodel import step_cost as costmod
 from ..errors import InputError
-from . import cost as costmod
 
 TIE_RTOL = 1e-9
 
@@ -186,7 +186,7 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
       ``fixed``: a fixed cost per rank and layer — fitted together by least squares on
       the per-rank expert times (every coefficient ≥ 0);
     * ``contention``: with them, the ns a rank loses per ns that another rank computes at
-      the same time (:func:`~moetrace.replay.cost.overlap_ns`); the overlap depends on a
+      the same time (:func:`~moetrace.costmodel.step_cost.overlap_ns`); the overlap depends on a
       and b, so the fit alternates: overlap from the last a, b; least squares of a, b (,
       fixed) and the contention; until a and b settle;
     * ``latency``: the layer's all-to-all latency, the median over (step, layer) of the

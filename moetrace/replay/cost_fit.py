@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import cost as costmod
+from ..costmodel import choose
+from ..costmodel import step_cost as costmod
 from .calibrate import error_band, fit_from_cell_times, run_hardware
 from .load import RunShape, read_load
 from .plan_store import recorded_plan
@@ -30,22 +31,8 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunS
     plan = recorded_plan(store, run_id, shape)
     steps = np.unique(df["step"].to_numpy())
     ids, dense, _ = read_load(store, run_id, replace(shape, steps=np.intersect1d(shape.steps, steps)))
-    if ids.size == 0:
-        return None
-    L, R = plan.num_layers, plan.num_ranks
-    tokens = np.einsum("tle,ler->tlr", dense, plan.share())
-    touched = np.einsum("tle,ler->tlr", (dense > 0).astype(np.float64), plan.copies())
-    s_i = np.searchsorted(ids, df["step"].to_numpy())
-    l_raw = df["layer"].to_numpy()
-    l_i = np.searchsorted(plan.layers, l_raw)
-    r = df["rank"].to_numpy()
-    ok = (l_i < L) & (r < R) & (r >= 0) & (s_i < ids.size)
-    ok &= plan.layers[np.minimum(l_i, L - 1)] == l_raw
-    ok &= ids[np.minimum(s_i, ids.size - 1)] == df["step"].to_numpy()
-    if ok.sum() < 8:
-        return None
-    return costmod.fit_expert_time(tokens[s_i[ok], l_i[ok], r[ok]], touched[s_i[ok], l_i[ok], r[ok]],
-                                   df["dur"].to_numpy()[ok].astype(np.float64), base)
+    return choose.fit_from_spans(ids, plan.layers, dense, plan.share(), plan.copies(), df["step"].to_numpy(),
+                                 df["layer"].to_numpy(), df["rank"].to_numpy(), df["dur"].to_numpy(), base)
 
 
 def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
@@ -67,8 +54,5 @@ def run_cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", 
     newest out-of-sample calibration on the run's hardware."""
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     fitted = (fit_from_cell_times(store, run_id, base) or fit_cost_from_store(store, run_id, base, shape)) if fit else None
-    cost = fitted if fitted is not None else base
     band = error_band(store, run_hardware(store, run_id) if fitted is not None else hardware)
-    if band.rel_error is not None:
-        cost.rel_error, cost.rel_error_source = band.rel_error, band.source
-    return cost
+    return choose.choose(base, fitted, band)

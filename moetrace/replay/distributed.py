@@ -14,7 +14,7 @@ system on a real cluster); a worker that cannot open it fails its task with the 
 one-line error. A worker keeps the last runs it read in memory (keyed by the files of the
 run, so a store changed between sweeps is read again).
 
-Why Dask and not Ray (docs/scale.md): it is a pip package (``moetrace[cluster]``) with no
+Why Dask and not Ray (docs/how-to/spark-trino-dask.md): it is a pip package (``moetrace[cluster]``) with no
 daemon to install, its ``LocalCluster`` runs in-process for tests and CI, and an existing
 cluster is one address (``tcp://host:8786``); its tasks are plain Python functions.
 """

@@ -5,11 +5,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..costmodel import step_cost as costmod
 from ..errors import InputError
 from ..notebook import NotebookView
 from ..placement.planners import PlanShape, make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .cost_fit import _cost
 from .judge_plan import _in_memory, _too_short
 from .load import RunShape

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..costmodel.step_cost import CostModel
 from ..domain.ranks import node_of
 from ..errors import InputError
 from ..placement.planners import Plan
 from .accumulate import Summary, SummaryAccumulator
-from .cost import CostModel
 
 SPLITS = ("even", "hash", "local")
 
@@ -47,7 +47,7 @@ _HASH = np.uint64(2654435761)
 #: glibc's malloc gives a freed block back to the system once more than 128 KiB sit free at
 #: the top of the heap (or unmaps it, above its mmap threshold), so every [steps, layers,
 #: ranks] temporary of a replay piece (2 MiB) was page-faulted in afresh: at fleet shape
-#: 126,000 page faults per 700 steps, a third of the kernels' CPU (measured, docs/scale.md)
+#: 126,000 page faults per 700 steps, a third of the kernels' CPU (measured, benchmarks/results/scale_log.md)
 _MALLOC = {"depth": 0, "lib": None, "lock": threading.Lock()}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..costmodel import step_cost as costmod
 from ..domain.windows import first_half
 from ..errors import InputError
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .cost_fit import _cost
 from .engine import (
     Block,

@@ -93,7 +93,7 @@ class RunShape:
     def from_store(cls, store, run_id: str) -> "RunShape":
         run = store.run_row(run_id)
         notes = []
-        # DuckDB's rows and Arrow columns, not polars frames (start-up: issue #26)
+        # DuckDB's rows and Arrow columns, not polars frames (a command's start-up)
         sh = store.rows("SELECT * FROM run_shape WHERE run_id = ?", [run_id]).dicts()
         # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
         st = store.rows("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
@@ -154,7 +154,7 @@ class RunShape:
 # ----------------------------------------------------------------------------- reading
 #: steps x layers x experts of one piece the replay kernels take at a time (2 MiB of float64):
 #: the kernels' temporaries then stay in cache instead of page-faulting fresh arrays of the
-#: whole chunk (3-4x slower at fleet shape, measured: docs/scale.md)
+#: whole chunk (3-4x slower at fleet shape, measured: benchmarks/results/scale_log.md)
 PIECE_ELEMENTS = 1 << 18
 
 
@@ -267,7 +267,7 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
     instead, and the same pieces (the same steps, the same counts) are cut from the groups:
     a chunk of 500 steps over row groups of 200 decoded 3 or 4 groups, one of them again by
     the next chunk, into a fresh array of the whole chunk (measured: 2.4x the CPU of reading
-    each group once, docs/scale.md)."""
+    each group once, benchmarks/results/scale_log.md)."""
     if piece is None:   # runs with per-token routing replay each read with one routing query: whole
         piece = 0 if shape.has_routing else piece_steps(shape)
     if piece and not with_slots and not shape.has_routing and shape.steps.size:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..costmodel import step_cost as costmod
 from ..errors import InputError
 from ..placement.planners import make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .judge_plan import _in_memory
 from .load import RunShape
 from .results import LoadAnswer, _time_note, load_answer

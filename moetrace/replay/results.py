@@ -9,11 +9,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from ..costmodel import step_cost as costmod
 from ..domain.ranks import node_of
 from ..notebook import NotebookView
 from ..placement.planners import Plan
 from ..storage.schema import repeated_string
-from . import cost as costmod
 from .accumulate import LoadTotals, rel_error_text
 from .budget import STREAMED_STEPS
 from .engine import Block
@@ -286,7 +286,7 @@ def _int(x):
 def _arr(a: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
     """``pa.array(a, mask=mask)`` of a numeric numpy array, over the same buffer (null where
     ``mask``), built from buffers: pyarrow imports pandas the first time ``pa.array`` is
-    called (0.2-0.3 s of every replay, issue #26)."""
+    called (0.2-0.3 s of every replay's start-up)."""
     a = np.ascontiguousarray(a).ravel()
     validity, nulls = None, 0
     if mask is not None:

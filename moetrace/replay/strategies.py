@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..costmodel.step_cost import CostModel, error_band
 from ..placement.moves import move_copies, replan
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
 from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
-from .cost import CostModel, error_band
 from .engine import Block, LayerMetrics, Summary, layer_metrics, ordered_map, reuse_freed_memory
 
 #: fewer judged steps than this cannot carry a verdict

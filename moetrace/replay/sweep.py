@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ..costmodel import step_cost as costmod
 from ..errors import InputError
 from ..notebook import NotebookView
 from ..placement.planners import PlanShape, check_shape, make_plan
 from ..placement.relabel import relabel
-from . import cost as costmod
 from .budget import check_sweep_cells
 from .cost_fit import _cost
 from .judge_plan import _in_memory, _InMemory, _too_short

@@ -1,6 +1,6 @@
 """What-ifs on a recorded timeline: arrays in, results out (no store, no files).
 
-Three questions, each with its assumptions stated in the result (and in docs/timeline.md):
+Three questions, each with its assumptions stated in the result (and in docs/explanation/timeline.md):
 
 * :func:`overlap_two_micro_batches` -- what two micro-batches would have done to the
   exposed all-to-all and the step time: each micro-batch's all-to-all hides behind the

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ..costmodel import step_cost as costmod
 from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN
 from ..domain.ranks import ranks_per_node_or_all
-from . import cost as costmod
 from .timeline_whatif import (
     DOMAIN_ASSUMPTIONS,
     DisaggResult,

@@ -4,7 +4,7 @@
 the tokens of every logical expert as one list (index = expert id). It holds exactly the
 rows a complete ``expert_load`` would hold (every expert of the layer present, no slot,
 no source rank), in 1/E of the rows: 116,000 rows instead of 29.7M for 2,000 steps x 58
-layers x 256 experts. Why this layout (measured alternatives): docs/scale.md.
+layers x 256 experts. Why this layout (measured alternatives): docs/explanation/fleet-scale.md.
 
 - ``expert_load`` stays the contract everyone queries: the store defines it as the long
   rows plus ``expert_counts`` unnested (:func:`expert_load_views`), so every SQL query

@@ -208,7 +208,7 @@ class TableViews:
         present = present or {}
         chosen = sorted(schema.load_all() if tables is None else tables, key=lambda t: t != "runs")
         stmts = [self.view_sql(t, relative, present.get(t), files) for t in chosen]
-        # expert_load = its long rows + the dense expert_counts rows unnested (docs/scale.md)
+        # expert_load = its long rows + the dense expert_counts rows unnested (docs/explanation/fleet-scale.md)
         if "expert_load" in chosen:
             stmts += expert_load_views(self.view_sql("expert_load", relative, present.get("expert_load"), files))
         return stmts if tables_only else stmts + view_statements()

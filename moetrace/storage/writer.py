@@ -65,7 +65,7 @@ class WriteResult:
 def _encodings(sch: pa.Schema) -> dict[str, Any]:
     """Parquet writer options of a table: lists of integers (``expert_counts``' counts)
     delta-encoded instead of dictionary-encoded. Measured on the 10M-row benchmark's dense
-    rows (docs/scale.md, one pass): the writer's CPU 0.60-0.71 -> 0.39-0.54 s, reading
+    rows (benchmarks/results/scale_log.md, one pass): the writer's CPU 0.60-0.71 -> 0.39-0.54 s, reading
     them back a little faster too (pyarrow, DuckDB), the file 6% larger (22.0 vs 20.8 MB)."""
     import pyarrow as pa
 

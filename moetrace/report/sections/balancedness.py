@@ -23,7 +23,7 @@ def build(ctx: ReportContext) -> Section | None:
                 "ORDER BY file, line", [rid])   # scrape folders: many files (named by time)
     if b.height == 0:
         return None
-    # an empty window (vLLM max_tokens=0) has no balancedness: null, never 0 (#23)
+    # an empty window (vLLM max_tokens=0) has no balancedness: null, never 0 (0 would read as perfectly unbalanced)
     bal = b.filter((b["event"] == "balancedness") & (b["balancedness"] > 0)).drop_nulls("balancedness")
     empty = int(((b["event"] == "balancedness") & b["balancedness"].is_null()).sum())
     ev = b.filter(b["event"].is_in(["rebalance_start", "rebalance_end", "rebalance_skip"]))

@@ -8,7 +8,7 @@
 --
 -- Every view of this file reads the long rows (expert_load_long) and the dense rows
 -- (expert_counts: one list of E expert counts per step and layer) each the fast way: the
--- dense rows with list functions, never unnested (docs/scale.md). A (run, step, layer) is
+-- dense rows with list functions, never unnested (docs/explanation/fleet-scale.md). A (run, step, layer) is
 -- in one of them only, so each view is the union of the two parts.
 CREATE OR REPLACE VIEW run_shape AS
 WITH seen AS (

@@ -8,10 +8,11 @@ into a byte-for-byte copy of it."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import numpy as np
 import polars as pl
+
+from . import run_row
 
 #: sort keys of the views compared row by row
 KEYS = {"run_shape": ["run_id"], "layer_placement": ["layer"], "layer_skew": ["step", "layer"],
@@ -46,9 +47,7 @@ def write_recorded_run(st) -> str:
                 rows["tokens"].append(int(x[e]))
                 rows["slot"].append(None)
                 rows["src_rank"].append(None)
-    run = {"source": "t", "collector": "test", "time_base": "none", "source_sha256": uuid.uuid4().hex,
-           "num_experts": E, "num_ranks": R, "num_slots": S, "top_k": 2,
-           "approximations": json.dumps([])}
+    run = run_row(source="t", num_experts=E, num_ranks=R, num_slots=S, top_k=2, approximations=json.dumps([]))
     return st.write_run(run, {"expert_load": rows, "placement": placement}, run_id="rec").run_id
 
 
@@ -78,3 +77,19 @@ def live_views(path, rids: list[str]) -> dict[str, dict[str, pl.DataFrame]]:
         return {rid: {v: plain(st, v, rid) for v in KEYS} for rid in rids}
     finally:
         st.close()
+
+
+def _assert_same(got: pl.DataFrame, want: pl.DataFrame, what: str):
+    assert got.columns == want.columns, what
+    assert got.height == want.height, f"{what}: {got.height} rows, view has {want.height}"
+    assert got.height > 0, what
+    for c in want.columns:
+        g, w = got[c], want[c]
+        assert g.dtype == w.dtype, f"{what}.{c}: {g.dtype} vs {w.dtype}"
+        assert g.null_count() == w.null_count() and (g.is_null() == w.is_null()).all(), f"{what}.{c} nulls"
+        if w.dtype.is_float():
+            # sums of fractional replica loads may be added in another order: last-bit differences only
+            np.testing.assert_allclose(g.drop_nulls().to_numpy(), w.drop_nulls().to_numpy(), rtol=1e-12,
+                                       atol=0, err_msg=f"{what}.{c}")
+        else:
+            assert g.to_list() == w.to_list(), f"{what}.{c}"

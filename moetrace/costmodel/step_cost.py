@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..costmodel.hardware import GPUS
 from ..domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN, default_expert_bytes
-from . import gpu_cost
+from . import replay_gpu as gpu_cost
+from .hardware import GPUS
 
 #: the hardware presets: every GPU the GPU cost model (moetrace.costmodel) knows, with its
 #: datasheet source; their times come from that model (:mod:`.gpu_cost`)
@@ -180,9 +180,9 @@ def fit_expert_time(tokens, touched, duration_ns, base: CostModel) -> CostModel 
     a, b = (float(c) for c in coef)
     if a < 0 or b < 0:  # fall back to a one-parameter fit on the dominant term
         if a < 0:
-            a, b = 0.0, float((x2 @ y) / max(x2 @ x2, 1e-12))
+            a, b = 0.0, float((x2 @ y) / max(float(x2 @ x2), 1e-12))
         else:
-            a, b = float((x1 @ y) / max(x1 @ x1, 1e-12)), 0.0
+            a, b = float((x1 @ y) / max(float(x1 @ x1), 1e-12)), 0.0
     pred = a * x1 + b * x2
     ss = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None
@@ -208,6 +208,16 @@ class ErrorBand(NamedTuple):
     def text(self) -> str:
         return (f"±{100 * self.rel_error:.1f}% ({self.source})" if self.rel_error is not None
                 else self.source)
+
+    def unvalidated(self) -> str | None:
+        """The "not validated on <GPU>/<kernel>" clause of a band carried over from rows of
+        another GPU or kernel (None: measured where it is used). A verdict on such a band
+        says so, and decides only beyond it."""
+        i = self.source.find("not validated on ")
+        if i < 0:
+            return None
+        j = min((k for k in (self.source.find(":", i), len(self.source)) if k >= 0))
+        return self.source[i:j]
 
     def within(self, relative_difference: float) -> bool:
         """A predicted relative difference this small is within the model's error (not a win)."""

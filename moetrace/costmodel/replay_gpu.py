@@ -12,7 +12,8 @@ combine from its bytes. This module maps the one onto the other:
   pair, cached; tokens per expert above 128 are rounded to the nearest point of a 2%
   geometric grid (about ±1% in time, well inside the band; up to 128 every count is exact,
   where tile quantization matters most);
-- **dispatch / combine** (the normal, high-throughput kernel regime):
+- **dispatch / combine** (any kernel of :data:`moetrace.costmodel.a2a.FAMILIES`; the bytes
+  are the replay's, the kernel only chooses the fitted efficiencies):
   ``latency + max(inter-node bytes / (eff_rdma x NIC), intra-node bytes / (eff_nvl x
   NVLink))`` on the rank's own bytes, the bottleneck link as DeepEP defines it. The
   replay counts BF16 activations per token; dispatch bytes are rescaled to the FP8
@@ -21,7 +22,9 @@ combine from its bytes. This module maps the one onto the other:
   time;
 - **band** of a step time: the larger of the expert-GEMM band and the all-to-all band
   (a sum of terms each within its relative band is within the largest of them), each the
-  costmodel's measured held-out band, carried over to GPUs without published rows.
+  costmodel's band for this GPU and kernel (:func:`moetrace.costmodel.band`): measured on
+  rows held out in whole groups where published rows exist, else the wider cross-hardware
+  or cross-family error, and the source then says "not validated on <GPU>/<kernel>".
 """
 from __future__ import annotations
 
@@ -31,14 +34,17 @@ from functools import lru_cache
 import numpy as np
 
 from .. import costmodel
-from ..costmodel.a2a import message_bytes
-from ..costmodel.gemm import GemmParams, expert_mlp_terms
-from ..costmodel.hardware import GPUS, gpu
+from .a2a import message_bytes
+from .gemm import GemmParams, expert_mlp_terms
+from .hardware import GPUS, gpu
 
 #: tokens per expert up to this are timed exactly; above, on a 2% geometric grid
 EXACT_TOKENS = 128
 _GRID = np.log(1.02)
-REGIMES = {"normal": "a2a_normal", "low-latency": "a2a_low_latency"}
+
+
+def _a2a_params(kernel: str) -> dict:
+    return costmodel.regime_params(kernel)
 
 
 def known(hardware: str) -> bool:
@@ -105,7 +111,7 @@ class _MlpTable:
                 self.vals[g, col] = _mlp_ns(hw, h, i, dt, g, int(self.qval[col]))
             self.filled[g] = max(int(self.filled[g]), col_max + 1)
 
-    def lookup(self, g: np.ndarray, m: np.ndarray, g_max: int, m_max: int) -> np.ndarray:
+    def lookup(self, g: np.ndarray | None, m: np.ndarray, g_max: int, m_max: int) -> np.ndarray:
         """Times of integer arrays ``g`` (slots touched) and ``m`` (tokens per expert, >= 0;
         0 where g is 0), whose maxima are ``g_max`` and ``m_max``."""
         with self._lock:    # replay threads share the table: it grows under the lock, is read from a snapshot
@@ -118,6 +124,7 @@ class _MlpTable:
         if g_max <= 1:      # m is 0 where g is 0, and every g's time of m = 0 is 0: row 1 serves both
             # one gather: the row's time of every count up to m_max (qcol composed with the row)
             return np.take(np.take(vals[min(g_max, 1)], qcol[:m_max + 1]), m)
+        assert g is not None        # g_max > 1: the slots touched were given
         idx = np.take(qcol, m)
         idx += g * vals.shape[1]
         return np.take(vals.reshape(-1), idx)
@@ -141,7 +148,8 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
     tok = np.asarray(tokens, np.float64)
     hw, h, i, dt = spec["hardware"], int(spec["hidden"]), int(spec["intermediate"]), spec["weight_dtype"]
     if touched is None:     # at most one slot touched per rank: no pass over g for its maximum
-        g, g_max = None, 1
+        g: np.ndarray | None = None
+        g_max = 1
     else:
         t = np.asarray(touched)
         if t.dtype.kind not in "iu":
@@ -158,12 +166,14 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
             g = np.greater(tok, 0).astype(np.int64)
         m = np.ceil(tok)
     else:
+        assert g is not None        # more than one slot touched: touched was given
         m = np.divide(tok, np.maximum(g, 1))
         np.ceil(m, out=m)
         m[g <= 0] = 0.0
         m_max = float(m.max(initial=0.0))
     if m_max < TABLE_MAX_TOKENS:
         return _table(hw, h, i, dt).lookup(g, m.astype(np.int64), g_max, int(m_max))
+    assert g is not None
     mq = np.where(g > 0, quantize_tokens(m), 0).astype(np.int64)
     key = g.astype(np.int64) * (1 << 32) + mq
     uniq, inv = np.unique(key.ravel(), return_inverse=True)
@@ -174,7 +184,7 @@ def expert_ns(spec: dict, tokens, touched) -> np.ndarray:
 def comm_ns(spec: dict, bytes_intra, bytes_inter) -> tuple[np.ndarray, np.ndarray]:
     """(dispatch, combine) ns of every rank from the BF16 bytes it receives."""
     hw = gpu(spec["hardware"])
-    p = costmodel.fitted()["regimes"][REGIMES[spec["kernel"]]]["params"]
+    p = _a2a_params(spec["kernel"])
     intra = np.asarray(bytes_intra, np.float64)
     inter = np.asarray(bytes_inter, np.float64)
     token = float(spec["token_bytes"])
@@ -204,7 +214,7 @@ def comm_received_ns(spec: dict, received, intra_per_token: float, inter_per_tok
     bytes are those products (the bottleneck link is then the same for every rank and both
     messages), in one pass. Equal to it up to float rounding."""
     hw = gpu(spec["hardware"])
-    p = costmodel.fitted()["regimes"][REGIMES[spec["kernel"]]]["params"]
+    p = _a2a_params(spec["kernel"])
     token = float(spec["token_bytes"])
     scale = sum(message_bytes(int(spec["hidden"]), d) / token for d in (spec["dispatch_dtype"], spec["combine_dtype"]))
     per = max(inter_per_token / (p["eff_rdma"] * hw.rdma_Bps), intra_per_token / (p["eff_nvl"] * hw.nvlink_Bps))
@@ -218,16 +228,25 @@ def comm_received_ns(spec: dict, received, intra_per_token: float, inter_per_tok
 
 
 def band(hardware: str, kernel: str = "normal", weight_dtype: str = "fp8") -> tuple[float, str]:
-    """The step-time band of the GPU model on ``hardware`` and where it comes from."""
-    pre = costmodel.preset(hardware)
-    g, a = pre["regimes"]["gemm_grouped"], pre["regimes"][REGIMES[kernel]]
+    """The step-time band of the GPU model on ``hardware`` and where it comes from; the words
+    "not validated on <GPU>/<kernel>" lead the source wherever a term's band was not measured
+    on that GPU and kernel (a verdict then says so)."""
+    g, a = costmodel.band(hardware, "gemm_grouped"), costmodel.band(hardware, kernel)
     rel = max(float(g["band"]), float(a["band"]))
-    measured = pre["hardware"] == costmodel.MEASURED_ON and weight_dtype == "fp8"
-    how = "measured" if measured else f"carried over from {costmodel.MEASURED_ON}/FP8 (no published {pre['hardware']} rows)"
-    src = (f"GPU cost model {pre['hardware']}, {how}: the larger of the expert-GEMM band ±{g['band']:.0%} and the "
-           f"{kernel} all-to-all band ±{a['band']:.0%} (held-out error on published rows; "
-           f"moetrace/costmodel/data/published.csv)")
+    unvalidated = [b.words() for b in (g, a) if not b["validated"]]
+    if weight_dtype != "fp8":
+        unvalidated.append(f"not validated on {g['key'].split('/')[0]}/{weight_dtype.upper()} weights")
+    how = "; ".join(unvalidated) if unvalidated else "validated"
+    src = (f"GPU cost model {g['key'].split('/')[0]}, {how}: the larger of the expert-GEMM band ±{g['band']:.0%} and "
+           f"the {kernel} all-to-all band ±{a['band']:.0%} (error on published rows held out by whole "
+           f"source/GPU/version/layout; moetrace/costmodel/data/published.csv)")
     return rel, src
+
+
+def validated(hardware: str, kernel: str = "normal", weight_dtype: str = "fp8") -> bool:
+    """Whether both bands of :func:`band` were measured on this GPU and kernel."""
+    return (weight_dtype == "fp8" and costmodel.band(hardware, "gemm_grouped")["validated"]
+            and costmodel.band(hardware, kernel)["validated"])
 
 
 def linear_terms(hardware: str, hidden: int, intermediate: int, weight_dtype: str = "fp8") -> dict:
@@ -236,7 +255,7 @@ def linear_terms(hardware: str, hidden: int, intermediate: int, weight_dtype: st
     ns per expert read at the achieved HBM rate, the achieved NVLink and NIC bandwidths."""
     hw = gpu(hardware)
     r = costmodel.fitted()["regimes"]
-    gp, ap = r["gemm_grouped"]["params"], r["a2a_normal"]["params"]
+    gp, ap = r["gemm_grouped"]["params"], costmodel.regime_params("normal")
     flops = 2.0 * 3 * hidden * intermediate
     wbytes = 3.0 * hidden * intermediate * {"fp8": 1.0, "bf16": 2.0, "fp4": 0.53125}[weight_dtype]
     return {"a_ns": flops / (gp["eff_compute"] * hw.tensor_flops[weight_dtype if weight_dtype != "fp4" else "fp8"]) * 1e9,

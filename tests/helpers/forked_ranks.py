@@ -1,6 +1,6 @@
 """Reference-run ranks started from a forkserver that has torch imported, for the
-tests that run small reference runs in this process (``from ._forked_ranks import
-forked_ranks``, then take the fixture ``forked_ranks``; module-scoped).
+tests that run small reference runs in this process (conftest's module-scoped fixture
+``forked_ranks``).
 
 ``moetrace.produce.refrun.run`` starts its ranks with ``start_method="spawn"``: each rank is a
 fresh interpreter importing torch (and torch._dynamo at the first call of the expert op),
@@ -17,12 +17,13 @@ this fixture share one xdist group (conftest.SHARED_FIXTURE_GROUPS): one worker 
 forkserver."""
 from __future__ import annotations
 
-import pytest
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from benchmarks.common import forked_rank_starts
 
+@contextmanager
+def forked_ranks() -> Iterator[None]:
+    from benchmarks.common import forked_rank_starts
 
-@pytest.fixture(scope="module")
-def forked_ranks():
     with forked_rank_starts():
         yield
