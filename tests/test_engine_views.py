@@ -28,7 +28,7 @@ from moetrace.placement.planners import PlanShape, make_plan
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.run import Store
 
-from .conftest import invoke, shared_data
+from .helpers import invoke, shared_data
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
