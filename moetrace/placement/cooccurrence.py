@@ -214,9 +214,11 @@ def cooccurrence_plan(load: np.ndarray, co: np.ndarray, shape: PlanShape,
     for li in range(L):
         out[li], s = _place_layer(load[li], co[li], cnt[li], R, rpn, spr, tolerance, max_swaps)
         swaps += s
+    nodes = R // rpn if rpn < R and R % rpn == 0 else 1
+    # hierarchical: the plan packs nodes first, so a relabeling must keep each node's ranks together
     return Plan(out, E, R, rpn, policy="cooccurrence",
-                params={"balance_tolerance": float(tolerance), "swaps": int(swaps),
-                        "num_nodes": R // rpn if rpn < R and R % rpn == 0 else 1})
+                params={"balance_tolerance": float(tolerance), "swaps": int(swaps), "num_nodes": nodes,
+                        "hierarchical": nodes > 1})
 
 
 def plan_fanout(plan: Plan, choices: list[np.ndarray]) -> dict:

@@ -73,6 +73,8 @@ def text(answer: dict) -> str:
     """One line per rule: the plan's and the recorded placement's straggler tokens and max/mean."""
     lines = []
     for rule, by in answer.items():
+        if not isinstance(by, dict):
+            continue
         parts = []
         for name in ("plan", "recorded"):
             a = by.get(name)

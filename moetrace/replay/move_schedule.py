@@ -69,3 +69,14 @@ def schedule_change(layer_gain_ns, layer_moves, transfer_ns: float, stall_ns: fl
     return ScheduledChange(layers_per_step=parts[0].size if parts else 0, steps=len(parts), charged_ns=charged,
                            worst_step_ns=float(per_step.max()) if per_step.size else 0.0,
                            transition_loss_ns=loss, gain_per_step_ns=gain, break_even_steps=be)
+
+
+def scheduled_changes(changes, num_layers: int, stall_ns: float, layers_per_step: int | None, overlap: float,
+                      layer_moves=None) -> list[ScheduledChange]:
+    """:func:`schedule_change` of each of a replay's plan changes (``Change`` objects: gain
+    per step, transfer). A change's gain is split evenly over its layers (the replay sums
+    the gain over layers); its moved copies by ``layer_moves`` [L] where known, else evenly."""
+    L = int(num_layers)
+    mv = np.ones(L) if layer_moves is None else np.asarray(layer_moves, np.float64)
+    return [schedule_change(np.full(L, c.gain_per_step_ns / L), mv, c.transfer_ns, stall_ns, layers_per_step,
+                            overlap) for c in changes]
