@@ -235,9 +235,12 @@ def judge_plan(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions
                        float(np.mean(agg["nmean"])) if agg["nmean"] else None, agg["traffic"], agg["rtraffic"])
     if compare is not None:
         res.dispatch = compare.answer()
-        if mode != "plan":   # the load answer's recorded half came from recorded slots or per-slot counts
-            res.dispatch["basis"] = ("counts per logical expert: the recorded placement split by each rule like any "
-                                     "plan (the load answer above takes its recorded slots)")
+        basis = ["counts per logical expert, split over the copies by each rule"]
+        if shape.has_routing:
+            basis.append("the load answer above replays each token and picks its copy by the token's hash")
+        if mode != "plan":
+            basis.append("its recorded half takes the recorded slots or per-slot counts")
+        res.dispatch["basis"] = "; ".join(basis)
     if shape.has_routing and shape.num_ranks:
         res.fanout = fanout_answer(store, run_id, shape, plan, j.steps)
     if opts.move.layers_per_step and j.changes:
