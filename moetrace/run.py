@@ -172,6 +172,15 @@ class Run(NotebookView):
 
         return tokens_per_expert(self.store, self.id)
 
+    def dp_balance_line(self) -> str | None:
+        """The run's attention data-parallel balance in one line (view ``dp_balance_summary``:
+        mean/max tokens per DP rank and the tokens-proportional barrier cost), None when no
+        step had tokens on a rank. No polars: ``moetrace skew`` prints it."""
+        from .domain.dp_balance import summary_line
+
+        rows = self.store.rows("SELECT * FROM dp_balance_summary WHERE run_id = ?", [self.id]).dicts()
+        return summary_line(rows[0]) if rows else None
+
     def dummy_steps(self, by: str = "rank") -> "pl.DataFrame":
         """Steps a rank ran with no tokens (to keep collectives aligned): ``by="rank"`` per
         rank with their time share (view ``dummy_steps``), ``"step"`` per step

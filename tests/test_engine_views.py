@@ -19,7 +19,6 @@ import pytest
 from moetrace.domain.model_shape import DEFAULT_DTYPE_BYTES, DEFAULT_HIDDEN
 from moetrace.placement.cooccurrence import (
     cooccurrence_counts,
-    cooccurrence_plan,
     fanout,
     node_shares,
     rank_shares,
@@ -31,6 +30,10 @@ from moetrace.run import Store
 from .helpers import invoke, shared_data
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
+
+
+def cooccurrence_plan(load, co, shape, tolerance=0.1):
+    return make_plan("cooccurrence", load, shape, cooccurrence=co, tolerance=tolerance)
 
 
 def _by_key(df, keys, col):

@@ -107,15 +107,13 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
         parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
                  for r in runs]
         emit_rows(Rows.concat([p for p in parts if p.height] or parts[:1]), fmt, output)
-    from ..domain.dp_balance import summary_line
     from ..domain.shape import gap_notes
 
     for r in runs:   # a null column always has its reason next to it
         for n in gap_notes(r.row):
             click.echo(f"note: {n}", err=True)
         if fmt == "table" and not output and by != "step":   # csv/json and the per-step dump stay one table
-            dp = r.store.rows("SELECT * FROM dp_balance_summary WHERE run_id = ?", [r.id]).dicts()
-            line = summary_line(dp[0]) if dp else None
+            line = r.dp_balance_line()
             if line:
                 click.echo(f"run {r.id}: {line}")
 

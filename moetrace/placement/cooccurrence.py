@@ -30,7 +30,6 @@ from __future__ import annotations
 import numpy as np
 
 from .eplb import replica_counts
-from .planners import Plan, PlanShape
 
 #: default load-balance tolerance: a rank may carry up to 10% more than the mean load
 DEFAULT_TOLERANCE = 0.10
@@ -192,12 +191,14 @@ def _place_layer(load: np.ndarray, co: np.ndarray, cnt: np.ndarray, R: int, rpn:
     return expert[order], swaps
 
 
-def cooccurrence_plan(load: np.ndarray, co: np.ndarray, shape: PlanShape,
-                      tolerance: float = DEFAULT_TOLERANCE, max_swaps: int | None = None) -> Plan:
+def place(load: np.ndarray, co: np.ndarray, num_ranks: int, ranks_per_node: int | None, num_slots: int,
+          tolerance: float = DEFAULT_TOLERANCE, max_swaps: int | None = None) -> tuple[np.ndarray, dict]:
     """Place ``load`` float [L, E] (tokens per expert) with co-occurrence ``co`` [L, E, E]
-    (tokens that chose both; the diagonal is ignored) on ``shape``; a rank may carry up to
-    ``(1 + tolerance) x`` the mean load where the balanced packing allows it (module doc).
-    ``max_swaps`` per bin level (default twice the copies of a layer)."""
+    (tokens that chose both; the diagonal is ignored) on ``num_ranks`` ranks of
+    ``num_slots`` slots; a rank may carry up to ``(1 + tolerance) x`` the mean load where the
+    balanced packing allows it (module doc). ``max_swaps`` per bin level (default twice the
+    copies of a layer). Returns phy2log int64 [L, S] (slots in rank order) and the
+    parameters to record with the plan."""
     load = np.asarray(load, np.float64)
     co = np.asarray(co, np.float64)
     L, E = load.shape
@@ -205,24 +206,24 @@ def cooccurrence_plan(load: np.ndarray, co: np.ndarray, shape: PlanShape,
         raise ValueError(f"co-occurrence must be [layers, experts, experts] = {(L, E, E)}, got {co.shape}")
     if tolerance < 0:
         raise ValueError(f"balance tolerance {tolerance} must be >= 0")
-    R, S = shape.num_ranks, shape.num_slots
-    rpn = min(shape.ranks_per_node, R) if shape.ranks_per_node else R
+    R, S = num_ranks, num_slots
+    rpn = min(ranks_per_node, R) if ranks_per_node else R
     spr = S // R
     cnt = replica_counts(load, S - E)
     out = np.empty((L, S), np.int64)
     swaps = 0
     for li in range(L):
-        out[li], s = _place_layer(load[li], co[li], cnt[li], R, rpn, spr, tolerance, max_swaps)
-        swaps += s
+        out[li], n = _place_layer(load[li], co[li], cnt[li], R, rpn, spr, tolerance, max_swaps)
+        swaps += n
     nodes = R // rpn if rpn < R and R % rpn == 0 else 1
-    # hierarchical: the plan packs nodes first, so a relabeling must keep each node's ranks together
-    return Plan(out, E, R, rpn, policy="cooccurrence",
-                params={"balance_tolerance": float(tolerance), "swaps": int(swaps), "num_nodes": nodes,
-                        "hierarchical": nodes > 1})
+    # hierarchical: the nodes are packed first, so a relabeling must keep each node's ranks together
+    return out, {"balance_tolerance": float(tolerance), "swaps": int(swaps), "num_nodes": nodes,
+                 "hierarchical": nodes > 1}
 
 
-def plan_fanout(plan: Plan, choices: list[np.ndarray]) -> dict:
-    """Mean distinct destination ranks and nodes per token of ``plan``: ``choices`` holds,
+def plan_fanout(plan, choices: list[np.ndarray]) -> dict:
+    """Mean distinct destination ranks and nodes per token of ``plan`` (a
+    :class:`moetrace.placement.planners.Plan`): ``choices`` holds,
     for each plan row (layer), the int [T, k] expert choices of its tokens. Returns
     {"tokens", "ranks_per_token", "nodes_per_token"} over all rows (token-weighted) and
     "layers": the same per row (None where a row has no tokens)."""

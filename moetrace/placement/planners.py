@@ -194,18 +194,22 @@ def one_per_rank(load: np.ndarray, shape: PlanShape) -> Plan:
     return Plan(out, E, S, rpn, policy="one-per-rank")
 
 
-def cooccurrence(load: np.ndarray, shape: PlanShape, cooccurrence=None, tolerance: float | None = None) -> Plan:
+def cooccurrence(load: np.ndarray, shape: PlanShape, cooccurrence=None, tolerance: float | None = None,
+                 max_swaps: int | None = None) -> Plan:
     """Experts that the same tokens choose packed onto one rank and node within a load
     tolerance (:mod:`.cooccurrence`); needs the co-occurrence counts [L, E, E] of per-token
     routing."""
-    from .cooccurrence import DEFAULT_TOLERANCE, cooccurrence_plan
+    from .cooccurrence import DEFAULT_TOLERANCE, place
 
     if cooccurrence is None:
         raise InputError(None, "policy cooccurrence packs experts that the same tokens choose: it is fitted on the "
                                "co-occurrence counts of per-token routing (a routing table), which `moetrace plan` "
                                "and `moetrace replay` read; this run has none, or this command (sweep, drift) "
                                "re-plans from aggregated counts only")
-    return cooccurrence_plan(load, cooccurrence, shape, DEFAULT_TOLERANCE if tolerance is None else tolerance)
+    phy2log, params = place(load, cooccurrence, shape.num_ranks, shape.ranks_per_node, shape.num_slots,
+                            DEFAULT_TOLERANCE if tolerance is None else tolerance, max_swaps)
+    return Plan(phy2log, load.shape[1], shape.num_ranks, min(shape.ranks_per_node, shape.num_ranks),
+                policy="cooccurrence", params=params)
 
 
 PLANNERS: dict[str, Callable[..., Plan]] = {

@@ -2,9 +2,11 @@
 dp_balance_summary), and what the slowest DP rank costs at the barrier."""
 from __future__ import annotations
 
-from ...domain.dp_balance import MODEL, summary_line
 from .. import plots
 from ..base import Figure, ReportContext, Section, md_table
+
+#: the model behind every barrier time of this section (the views' time_model column)
+MODEL = "tokens-proportional estimate"
 
 ORDER = 41
 
@@ -27,7 +29,7 @@ def build(ctx: ReportContext) -> Section | None:
     if not s["steps_defined"]:
         text = f"Attention-DP balance: undefined — none of the {s['steps']} steps had tokens on any rank."
         return Section(key="dp_balance", title=title, markdown=text, terminal=text)
-    head = summary_line(s)
+    head = ctx.facade.dp_balance_line() or ""
     text = (head[0].upper() + head[1:] + ". Balance = mean / max tokens per DP rank: TensorRT-LLM's attention-DP "
             "balance and vLLM's balancedness form; 1 is even. "
             f"Token-weighted over the run: **{s['balance_overall']:.3f}**."
