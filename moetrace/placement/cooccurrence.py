@@ -227,7 +227,8 @@ def plan_fanout(plan, choices: list[np.ndarray]) -> dict:
     for each plan row (layer), the int [T, k] expert choices of its tokens. Returns
     {"tokens", "ranks_per_token", "nodes_per_token"} over all rows (token-weighted) and
     "layers": the same per row (None where a row has no tokens)."""
-    layers, n_all, r_all, d_all = [], 0, 0.0, 0.0
+    layers: list[dict] = []
+    n_all, r_all, d_all = 0, 0.0, 0.0
     for li, ch in enumerate(choices):
         ch = np.asarray(ch, np.int64).reshape(len(ch), -1) if len(ch) else np.zeros((0, 1), np.int64)
         if ch.shape[0] == 0:
