@@ -275,19 +275,20 @@ class Run(NotebookView):
         return read_shape(self.store, self.id)
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
-                     passes=None, cost_model=None, replica_dispatch="even", balance_tolerance=None,
-                     layers_per_step=None, rank_speed=None, ranks=None):
+                     passes=None, cost_model=None, cluster: ClusterSpec | None = None, replica_dispatch="even",
+                     balance_tolerance=None, layers_per_step=None, rank_speed=None):
         from dataclasses import replace
 
         from .replay.cost_fit import run_cost_model
         from .replay.results import ReplayOptions
         from .replay.strategies import MoveCost
 
-        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model)
+        # the cluster's all-to-all kernel, SMs and node limit choose the preset's dispatch/combine model
+        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model, cluster)
         if rank_speed is not None:
             from .replay.rank_speed import MEASURED, describe
 
-            speed, _ = self.rank_speed(rank_speed, ranks)
+            speed, _ = self.rank_speed(rank_speed, cluster.ranks if cluster else None)
             src = "measured from this run's expert spans, view rank_speed" if str(rank_speed).strip().lower() \
                 == MEASURED else "stated"
             cost = replace(cost, rank_speed=tuple(speed.tolist()), source=f"{cost.source}; {describe(speed, src)}")
@@ -341,9 +342,10 @@ class Run(NotebookView):
         run, engine, n, med = rows[0]
         return float(med) * 1e9, f"measured: median of {n} {engine} rebalances logged in run {run}"
 
-    def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
-        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`)."""
-        return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
+    def cost_model(self, hardware: str = "H200", fit_cost: bool = True, cluster: ClusterSpec | None = None):
+        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`;
+        ``cluster``: its all-to-all kernel, SMs and node limit)."""
+        return self._replay_opts(hardware=hardware, fit_cost=fit_cost, cluster=cluster).cost
 
     def plan(self, policy: str | None = None, *, cluster: ClusterSpec | None = None, options=None):
         """A placement plan: ``policy`` (``moetrace.placement.planners.PLANNERS``) fitted on the
@@ -378,7 +380,7 @@ class Run(NotebookView):
         (``.to_dict()`` is ``replay --json``)."""
         from .replay.judge import replay_run
 
-        ro = self._replay_opts(**opts, ranks=cluster.ranks if cluster else None)
+        ro = self._replay_opts(cluster=cluster, **opts)
         return replay_run(self.store, self.id, self._replay_shape, ro, plan, policy=policy, cluster=cluster,
                           fit_window=fit_window, in_sample=in_sample, write=write, trace_steps=trace_steps,
                           chrome_trace=chrome_trace, params=opts)
@@ -394,9 +396,9 @@ class Run(NotebookView):
         from .replay.drift import drift
 
         ps = self._replay_shape.plan_shape(cluster)
-        ro = self._replay_opts(**opts, ranks=cluster.ranks if cluster else None)
-        return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every, ro,
-                     max_moves=max_moves, write=write, static_window=static_window)
+        return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
+                     self._replay_opts(cluster=cluster, **opts), max_moves=max_moves, write=write,
+                     static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
               cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None,
@@ -420,9 +422,8 @@ class Run(NotebookView):
         :class:`moetrace.replay.sweep.SweepJob`; :func:`sweep_runs` judges them)."""
         from .replay.sweep import plan_sweep
 
-        ro = self._replay_opts(**opts, ranks=cluster.ranks if cluster else None)
         return plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
-                          windows, ro, cluster, write=write, sweep_id=sweep_id)
+                          windows, self._replay_opts(cluster=cluster, **opts), cluster, write=write, sweep_id=sweep_id)
 
     @property
     def hardware(self) -> str | None:

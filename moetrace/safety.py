@@ -123,6 +123,17 @@ LIMITS = {lim.name: lim for lim in (
                                 "each time", 10_000_000),
 )}
 
+# the store's own bounds: what a reader lists and reads of a store folder (storage/files.py)
+LIMITS.update({lim.name: lim for lim in (
+    Limit("max_store_files", "entries of a store's partition folders (Parquet files and anything else) "
+                             "a reader lists; every listed file is opened by each query", 10_000),
+    Limit("max_store_partitions", "partition folders (run_id=<id>) of a store's tables a reader lists",
+          10_000),
+    Limit("max_footer_bytes", "bytes of one store file's Parquet footer (schema, statistics, key-value "
+                              "metadata), checked from the file's last 8 bytes before a reader parses it",
+          16 << 20),
+)})
+
 # --set values given to ingest (collect() installs them for the duration of a call)
 _OVERRIDES: dict[str, int] = {}
 

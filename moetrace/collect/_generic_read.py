@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from ..errors import InputError
+from ._compressed import open_text, plain_name
 
 if TYPE_CHECKING:   # polars is imported where a path needs it (start-up)
     import polars as pl
@@ -29,7 +30,7 @@ def _jsonl_batches(path: Path, batch_rows: int | None = None, meta: list | None 
 
     batch_rows = batch_rows or BATCH_ROWS
     rows = []
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open_text(path) as f:
         for i, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -110,7 +111,7 @@ def _first_uncastable(s: pl.Series) -> int | None:
 def _row(path: Path, row: int) -> str:
     """Where data row ``row`` (1-based, the header not counted) is: in a CSV also its line
     (the header is line 1), so an editor's line number finds it."""
-    name = str(path).lower()
+    name = plain_name(path)
     if name.endswith((".parquet", ".jsonl", ".ndjson")):
         return f"row {row}"
     return f"row {row}, line {row + 1}"
@@ -158,7 +159,7 @@ def _frames(path: Path, meta: list | None = None) -> Iterator[pl.DataFrame]:
         for b in _parquet_batches(path):
             yield pl.from_arrow(b)
         return
-    if path.name.lower().endswith((".jsonl", ".ndjson")):
+    if plain_name(path).endswith((".jsonl", ".ndjson")):
         it = _jsonl_batches(path, meta=meta)
     else:
         import pyarrow.csv as pacsv

@@ -13,6 +13,7 @@ from ._options import (
     fit_steps_option,
     hardware_option,
     ints_option,
+    kernel_options,
     policy_option,
     run_option,
     split_option,
@@ -238,6 +239,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @click.option("--max-moves", type=int, default=None, help="Drift: move-aware re-plans with at most K moves each.")
 @split_option
 @hardware_option
+@kernel_options
 @click.option("--no-fit", "no_fit", is_flag=True, help="Use the preset even when the run has expert_gemm spans.")
 @cost_model_option
 @move_options
@@ -258,9 +260,9 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
                    "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
-           window, max_moves, split, hardware, no_fit, cost_model, stall_ms, move_overlap, layers_per_step, rank_speed,
-           passes, chrome_trace, trace_steps, plot, no_rank_rows, replica_dispatch, balance_tolerance, as_json,
-           timeline_whatif):
+           window, max_moves, split, hardware, kernel, sms, max_nodes_per_token, no_fit, cost_model, stall_ms,
+           move_overlap, layers_per_step, rank_speed, passes, chrome_trace, trace_steps, plot, no_rank_rows,
+           replica_dispatch, balance_tolerance, as_json, timeline_whatif):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
     stragglers, all-to-all bytes and layer time, against the recorded placement on the
     same steps, net of moving the experts.
@@ -284,10 +286,11 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
                   passes=passes, cost_model=cost_model, layers_per_step=layers_per_step, rank_speed=rank_speed)
     shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, ranks_per_node=rpn)
+    a2a = dict(kernel=kernel, sms=sms, max_nodes_per_token=max_nodes_per_token)   # the all-to-all model's inputs
     if replan_every:
         if not policy:
             raise click.UsageError("--replan-every needs --policy (the planner re-run at every re-plan)")
-        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw), max_moves=max_moves,
+        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw, **a2a), max_moves=max_moves,
                       static_window=fit_window, **common)
         if plot:
             from ..report.plots import drift_from_dict
@@ -305,7 +308,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, replica_dispatch=replica_dispatch,
                      balance_tolerance=balance_tolerance, trace_steps=trace_steps if chrome_trace else None,
-                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw), **common)
+                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw, **a2a), **common)
     wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
@@ -374,6 +377,7 @@ def _print_drift(d, plot):
 @cluster_options
 @split_option
 @hardware_option
+@kernel_options
 @cost_model_option
 @move_options
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
@@ -386,8 +390,9 @@ def _print_drift(d, plot):
               help="Judge the cells on an existing Dask cluster (e.g. tcp://host:8786); workers read the store "
                    "at the same path, results are written here.")
 @output_options
-def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, cost_model,
-          stall_ms, move_overlap, layers_per_step, rank_speed, passes, plot, all_runs, save, workers, scheduler, fmt,
+def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, kernel, sms,
+          max_nodes_per_token, cost_model, stall_ms, move_overlap, layers_per_step, rank_speed, passes, plot, all_runs,
+          save, workers, scheduler, fmt,
           output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
@@ -407,9 +412,11 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
             ParameterSource.ENVIRONMENT:
         scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
     kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows,
-              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn),
+              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn, kernel=kernel, sms=sms,
+                                  max_nodes_per_token=max_nodes_per_token),
               split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap, layers_per_step=layers_per_step,
-              rank_speed=rank_speed, passes=passes, write=save, workers=workers, scheduler=scheduler or None, cost_model=cost_model)
+              rank_speed=rank_speed, passes=passes, write=save, workers=workers, scheduler=scheduler or None,
+              cost_model=cost_model)
     if all_runs:
         from ..errors import UsageError
         from ..run import sweep_runs
