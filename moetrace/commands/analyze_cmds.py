@@ -80,7 +80,9 @@ def report(store, run_id, out, quiet, recompute, no_save, batch_steps, memory_li
 @output_options
 def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, fmt, output):
     """Quick skew table: imbalance (max/mean rank tokens), efficiency, Gini and the hottest
-    expert, from the layer_skew / skew_summary views.
+    expert, from the layer_skew / skew_summary views; in table format (--by layer or run),
+    then one line of attention data-parallel balance (mean/max tokens per DP rank, view dp_balance_summary)
+    where the run records tokens per (step, rank).
 
     Example:
 
@@ -115,6 +117,10 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
     for r in runs:   # a null column always has its reason next to it
         for n in gap_notes(r.row):
             click.echo(f"note: {n}", err=True)
+        if fmt == "table" and not output and by != "step":   # csv/json and the per-step dump stay one table
+            line = r.dp_balance_line()
+            if line:
+                click.echo(f"run {r.id}: {line}")
 
 
 @click.command()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..output import check_out_path, echo_json, emit, json_option, output_options
-from ..replay.results import load_answer, load_lines
+from ..replay.results import load_answer, load_lines, replay_extra_lines
 from ..run import ClusterSpec, Store
 from ..units import gib
 from ._options import (
@@ -46,13 +46,38 @@ def shape_options(fit_help: str):
         ints_option("--replicas", "replicas", one=True, help="Redundant slots per layer (default: the run's)."),
         fit_steps_option(help=fit_help))
 
+def _stall(ctx, param, value):
+    """--move-stall-ms: milliseconds (>= 0) or measured[:RUN], checked here, read by the facade."""
+    text = str(value).strip()
+    if text.lower().startswith("measured"):
+        return text
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0 or ms == float("inf"):
+        raise click.BadParameter(f"{value!r}: give milliseconds >= 0, or measured[:RUN] (the median rebalance the "
+                                 "engines logged)", param_hint="--move-stall-ms")
+    return ms
+
+
 move_options = _stack(
-    click.option("--stall-ms", type=float, default=0.0, show_default=True,
+    click.option("--move-stall-ms", "--stall-ms", "stall_ms", callback=_stall, default="0", show_default=True,
+                 metavar="MS|measured[:RUN]",
                  help="Time the engine stops per re-balance besides the weight transfer (e.g. 1800 for a "
-                      "synchronous SGLang rebalance)."),
+                      "synchronous SGLang rebalance), or 'measured': the median rebalance duration the engines "
+                      "logged in this store (view rebalance_timing; measured:RUN for one run's log)."),
     click.option("--move-overlap", type=click.FloatRange(0, 1), default=0.0, show_default=True,
                  help="Share of the weight transfer hidden behind compute: 0 = synchronous engine (the step "
                       "waits for it), e.g. 0.9 for an asynchronous one."),
+    click.option("--layers-per-step", type=click.IntRange(min=1), default=None, metavar="N",
+                 help="The engine moves N layers per step (TensorRT-LLM layer_updates_per_iter, SGLang chunked "
+                      "rebalance): each plan change is spread over steps, and its break-even is given under that "
+                      "schedule too (default: every layer at once)."),
+    click.option("--rank-speed", default=None, metavar="R:F,...|measured",
+                 help="Per-rank expert speed factors carried into the time answer: 0:1.0,1:1.1 (rank 1 takes 10%% "
+                      "longer per token; unnamed ranks 1.0) or 'measured' (each rank's expert time per token over "
+                      "the median rank's, from the run's spans: view rank_speed)."),
     click.option("--passes", type=int, default=None,
                  help="Passes per recorded step when the counts aggregate a recording (times per pass)."))
 
@@ -104,6 +129,8 @@ def _print_replay(res):
     if res.nodes_per_token_max is not None:
         click.echo(f"  per-token routing: exact dispatch bytes; nodes per token mean "
                    f"{res.nodes_per_token_mean:.2f}, max {res.nodes_per_token_max}")
+    for line in replay_extra_lines(res):
+        click.echo(line)
     for n in res.notes:
         click.echo(f"  note: {n}")
 
@@ -221,14 +248,21 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
               help="Steps for --chrome-trace (A:B or a comma list; default: the first judged).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=check_out_path, help="Drift: imbalance-over-time PNG.")
 @click.option("--no-rank-rows", is_flag=True, help="Do not write replay_rank rows (large replays).")
+@click.option("--replica-dispatch", type=click.Choice(("even", "least-loaded", "both")), default="even",
+              show_default=True,
+              help="Which copy of a replicated expert takes its tokens, for the load answer: even (every copy an "
+                   "equal share), least-loaded (per step, water-filled onto the lightest copies' ranks, a min-max "
+                   "split like DeepSeek's LPLB), or both side by side.")
+@click.option("--balance-tolerance", type=click.FloatRange(0, 10), default=None, metavar="F",
+              help="Policy cooccurrence: a rank may carry up to (1 + F) x the mean load (default 0.1).")
 @json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
                    "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
            window, max_moves, split, hardware, kernel, sms, max_nodes_per_token, no_fit, cost_model, stall_ms,
-           move_overlap, passes, chrome_trace,
-           trace_steps, plot, no_rank_rows, as_json, timeline_whatif):
+           move_overlap, layers_per_step, rank_speed, passes, chrome_trace, trace_steps, plot, no_rank_rows,
+           replica_dispatch, balance_tolerance, as_json, timeline_whatif):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
     stragglers, all-to-all bytes and layer time, against the recorded placement on the
     same steps, net of moving the experts.
@@ -250,7 +284,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         raise click.UsageError("give exactly one of --plan PLAN_ID or --policy P")
     run = Store(store).run(run_id)
     common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
-                  passes=passes, cost_model=cost_model)
+                  passes=passes, cost_model=cost_model, layers_per_step=layers_per_step, rank_speed=rank_speed)
     shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, ranks_per_node=rpn)
     a2a = dict(kernel=kernel, sms=sms, max_nodes_per_token=max_nodes_per_token)   # the all-to-all model's inputs
     if replan_every:
@@ -272,7 +306,8 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         given += ["--fit-steps"] if fit_window else []
         raise InputError(None, f"--plan {plan_id} replays a stored plan as it is: {', '.join(given)} would be ignored")
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
-                     rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
+                     rank_rows=not no_rank_rows, replica_dispatch=replica_dispatch,
+                     balance_tolerance=balance_tolerance, trace_steps=trace_steps if chrome_trace else None,
                      chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw, **a2a), **common)
     wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
@@ -356,7 +391,8 @@ def _print_drift(d, plot):
                    "at the same path, results are written here.")
 @output_options
 def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, kernel, sms,
-          max_nodes_per_token, cost_model, stall_ms, move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt,
+          max_nodes_per_token, cost_model, stall_ms, move_overlap, layers_per_step, rank_speed, passes, plot, all_runs,
+          save, workers, scheduler, fmt,
           output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
@@ -378,8 +414,9 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
     kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows,
               cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn, kernel=kernel, sms=sms,
                                   max_nodes_per_token=max_nodes_per_token),
-              split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
-              passes=passes, write=save, workers=workers, scheduler=scheduler or None, cost_model=cost_model)
+              split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap, layers_per_step=layers_per_step,
+              rank_speed=rank_speed, passes=passes, write=save, workers=workers, scheduler=scheduler or None,
+              cost_model=cost_model)
     if all_runs:
         from ..errors import UsageError
         from ..run import sweep_runs

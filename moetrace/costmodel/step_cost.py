@@ -65,6 +65,19 @@ class CostModel:
     #: what the replay's answers say about the model's inputs (the all-to-all kernel, its
     #: SMs, node-limited routing), one line each
     notes: list[str] = field(default_factory=list)
+    #: each rank's expert compute time relative to a typical rank (ranks on the last axis;
+    #: 1.1 = 10% slower), stated or measured from the run's spans
+    #: (:mod:`moetrace.replay.rank_speed`); None: every rank at one speed
+    rank_speed: tuple[float, ...] | None = None
+
+    def _speed(self, work):
+        """``work`` with each rank's (last axis) expert time scaled by its speed factor."""
+        if self.rank_speed is None or not np.ndim(work):
+            return work
+        sp = np.asarray(self.rank_speed, np.float64)
+        if np.shape(work)[-1] != sp.size:
+            raise ValueError(f"rank speed has {sp.size} ranks, the replay {np.shape(work)[-1]}")
+        return np.asarray(work, np.float64) * sp
 
     def describe(self) -> dict:
         return asdict(self)
@@ -89,6 +102,7 @@ class CostModel:
             if touched is None:
                 touched = np.greater(tokens, 0).astype(np.int32)
             work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        work = self._speed(work)
         if self.contention:
             compute = self.fixed_ns + work
             compute = compute + self.contention * overlap_ns(work)
@@ -122,6 +136,7 @@ class CostModel:
         else:
             disp = comb = self.transfer_ns(bytes_intra, bytes_inter) + self.latency_ns / 2
             work = self.a_ns * np.asarray(tokens) + self.b_ns * np.asarray(touched)
+        work = self._speed(work)
         compute = self.fixed_ns + work
         if self.contention:
             compute = compute + self.contention * overlap_ns(work)
