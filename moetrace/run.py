@@ -42,6 +42,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .domain.shape import ClusterSpec, Shape
+from .errors import InputError
 from .notebook import NotebookView
 from .storage.store import Store, open_store, register_facade
 
@@ -171,6 +172,15 @@ class Run(NotebookView):
 
         return tokens_per_expert(self.store, self.id)
 
+    def dp_balance_line(self) -> str | None:
+        """The run's attention data-parallel balance in one line (view ``dp_balance_summary``:
+        mean/max tokens per DP rank and the tokens-proportional barrier cost), None when no
+        step had tokens on a rank. No polars: ``moetrace skew`` prints it."""
+        from .domain.dp_balance import summary_line
+
+        rows = self.store.rows("SELECT * FROM dp_balance_summary WHERE run_id = ?", [self.id]).dicts()
+        return summary_line(rows[0]) if rows else None
+
     def dummy_steps(self, by: str = "rank") -> "pl.DataFrame":
         """Steps a rank ran with no tokens (to keep collectives aligned): ``by="rank"`` per
         rank with their time share (view ``dummy_steps``), ``"step"`` per step
@@ -265,18 +275,77 @@ class Run(NotebookView):
         return read_shape(self.store, self.id)
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
-                     passes=None, cost_model=None):
+                     passes=None, cost_model=None, cluster: ClusterSpec | None = None, replica_dispatch="even",
+                     balance_tolerance=None, layers_per_step=None, rank_speed=None):
+        from dataclasses import replace
+
         from .replay.cost_fit import run_cost_model
         from .replay.results import ReplayOptions
         from .replay.strategies import MoveCost
 
-        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model)
-        return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
-                             move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
+        # the cluster's all-to-all kernel, SMs and node limit choose the preset's dispatch/combine model
+        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model, cluster)
+        if rank_speed is not None:
+            from .replay.rank_speed import MEASURED, describe
 
-    def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
-        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`)."""
-        return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
+            speed, _ = self.rank_speed(rank_speed, cluster.ranks if cluster else None)
+            src = "measured from this run's expert spans, view rank_speed" if str(rank_speed).strip().lower() \
+                == MEASURED else "stated"
+            cost = replace(cost, rank_speed=tuple(speed.tolist()), source=f"{cost.source}; {describe(speed, src)}")
+        stall_ns, stall_source = self.move_stall(stall_ms)
+        return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
+                             move=MoveCost(stall_ns=stall_ns, overlap=overlap, stall_source=stall_source,
+                                           layers_per_step=layers_per_step),
+                             passes=passes, cost=cost, replica_dispatch=replica_dispatch,
+                             balance_tolerance=balance_tolerance)
+
+    def rank_speed(self, spec, ranks: int | None = None):
+        """Each rank's expert-time factor for the cost model, [R], and notes: ``spec`` a dict
+        {rank: factor} or ``"0:1.0,1:1.1"`` (stated; other ranks 1.0) or ``"measured"`` (the
+        view ``rank_speed`` of this run's spans). ``ranks``: the replay's rank count
+        (default the run's)."""
+        from .replay import rank_speed as rs
+
+        R = ranks or self.shape.num_ranks
+        if not R:
+            raise InputError(None, "--rank-speed: the run's rank count is unknown (give --ranks)")
+        if isinstance(spec, str) and spec.strip().lower() == rs.MEASURED:
+            rows = self.store.rows("SELECT rank, speed_ratio FROM rank_speed WHERE run_id = ?", [self.id]).rows
+            if not rows:
+                raise InputError(None, f"--rank-speed measured: run {self.id!r} has no expert_gemm spans with a step "
+                                       "and layer to measure ranks by (view rank_speed is empty); state the factors "
+                                       "instead, e.g. --rank-speed 0:1.0,1:1.1")
+            return rs.measured_vector([r[0] for r in rows], [r[1] for r in rows], R)
+        factors = spec if isinstance(spec, dict) else rs.parse_rank_speed(spec)
+        return rs.speed_vector(factors, R), []
+
+    def move_stall(self, stall_ms) -> tuple[float, str]:
+        """(stall ns per plan change, where it came from): ``stall_ms`` a number (stated) or
+        ``"measured"`` / ``"measured:RUN"`` (the median rebalance duration the engines logged,
+        view ``rebalance_timing``, over the store's runs or RUN's)."""
+        if not isinstance(stall_ms, str):
+            return float(stall_ms or 0.0) * 1e6, "stated"
+        text = stall_ms.strip()
+        if not text.lower().startswith("measured"):
+            try:
+                return float(text) * 1e6, "stated"
+            except ValueError:
+                raise InputError(None, f"--move-stall-ms {stall_ms!r}: give milliseconds or 'measured[:RUN]'") from None
+        _, _, src = text.partition(":")
+        q = "SELECT run_id, engine, rebalances, median_s FROM rebalance_timing WHERE rebalances > 0"
+        rows = self.store.rows(q + (" AND run_id = ?" if src else "") + " ORDER BY run_id, engine",
+                               [src] if src else None).rows
+        if not rows:
+            raise InputError(None, "--move-stall-ms measured: no logged rebalance with a duration in "
+                                   + (f"run {src!r}" if src else "this store") + " (ingest the engine's server log: "
+                                   "SGLang [EPLBManager] rebalance end time=..., vLLM rearrangement lines)")
+        run, engine, n, med = rows[0]
+        return float(med) * 1e9, f"measured: median of {n} {engine} rebalances logged in run {run}"
+
+    def cost_model(self, hardware: str = "H200", fit_cost: bool = True, cluster: ClusterSpec | None = None):
+        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`;
+        ``cluster``: its all-to-all kernel, SMs and node limit)."""
+        return self._replay_opts(hardware=hardware, fit_cost=fit_cost, cluster=cluster).cost
 
     def plan(self, policy: str | None = None, *, cluster: ClusterSpec | None = None, options=None):
         """A placement plan: ``policy`` (``moetrace.placement.planners.PLANNERS``) fitted on the
@@ -289,11 +358,13 @@ class Run(NotebookView):
         from functools import partial
 
         from .placement.plans import make_run_plan
+        from .replay.fanout import cooccurrence_over
         from .replay.load import read_load_total
 
         shape = self._replay_shape.with_cluster(cluster)
+        co = partial(cooccurrence_over, self.store, self.id, shape) if shape.has_routing else None
         return make_run_plan(self.store, self.id, shape, partial(read_load_total, self.store, self.id, shape),
-                             policy, cluster, options)
+                             policy, cluster, options, read_cooccurrence=co)
 
     def replay(self, plan=None, *, policy: str | None = None, cluster: ClusterSpec | None = None,
                fit_window: tuple[int, int] | None = None, in_sample: bool = False, write: bool = True,
@@ -309,8 +380,8 @@ class Run(NotebookView):
         (``.to_dict()`` is ``replay --json``)."""
         from .replay.judge import replay_run
 
-        return replay_run(self.store, self.id, self._replay_shape.with_cluster(cluster), self._replay_opts(**opts),
-                          plan, policy=policy,
+        ro = self._replay_opts(cluster=cluster, **opts)
+        return replay_run(self.store, self.id, self._replay_shape.with_cluster(cluster), ro, plan, policy=policy,
                           cluster=cluster, fit_window=fit_window, in_sample=in_sample, write=write,
                           trace_steps=trace_steps, chrome_trace=chrome_trace, params=opts)
 
@@ -327,7 +398,8 @@ class Run(NotebookView):
         shape = self._replay_shape.with_cluster(cluster)
         ps = shape.plan_shape(cluster)
         return drift(self.store, self.id, shape, policy, ps, every, window or every,
-                     self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
+                     self._replay_opts(cluster=cluster, **opts), max_moves=max_moves, write=write,
+                     static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
               cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None,
@@ -351,8 +423,9 @@ class Run(NotebookView):
         :class:`moetrace.replay.sweep.SweepJob`; :func:`sweep_runs` judges them)."""
         from .replay.sweep import plan_sweep
 
-        return plan_sweep(self.store, self.id, self._replay_shape.with_cluster(cluster), policy, list(replicas), list(intervals),
-                          windows, self._replay_opts(**opts), cluster, write=write, sweep_id=sweep_id)
+        return plan_sweep(self.store, self.id, self._replay_shape.with_cluster(cluster), policy, list(replicas),
+                          list(intervals), windows, self._replay_opts(cluster=cluster, **opts), cluster, write=write,
+                          sweep_id=sweep_id)
 
     @property
     def hardware(self) -> str | None:

@@ -6,6 +6,7 @@ import json
 import click
 
 from .. import open_store
+from ..errors import StoreError
 from ..output import Rows, emit, emit_rows, output_options
 from ..run import SKEW_BY
 from ._options import engine_options, engine_sql, out_dir_option, run_option
@@ -32,8 +33,10 @@ def _heavy_options(f):
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
 @click.option("--recompute", is_flag=True,
               help="Compute the per-(step, layer) views again even when the store holds them (and store the result).")
+@click.option("--no-save", is_flag=True,
+              help="Never write to the store: compute what is not stored, keep it for this report only.")
 @_heavy_options
-def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
+def report(store, run_id, out, quiet, recompute, no_save, batch_steps, memory_limit):
     """Summarize a run: per-layer skew, tokens per expert, imbalance vs batch size, dummy
     steps, and every other section installed (replay, all-to-all exposure). Prints the
     summary tables and writes a self-contained report.html, report.md and PNGs.
@@ -48,12 +51,14 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
     The per-(step, layer) results are stored in the store (tables cache_*, see
     `moetrace materialize`): the next report of the same run reads them instead, until the
     run, moetrace or the view SQL changes (then they are recomputed, said on stderr).
+    Storing them is a write (one transaction, after a crashed writer's leftovers are
+    recovered, as every writer does); with --no-save the report only reads the store.
     """
     from ..report.build import build_report
 
     st = open_store(store)
     rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
-                       progress=_progress, reuse=not recompute)
+                       progress=_progress, reuse=not recompute, save=not no_save)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)
@@ -89,7 +94,9 @@ def _skew_table(rows: Rows, nruns: int) -> Rows:
 @output_options
 def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, fmt, output):
     """Quick skew table: imbalance (max/mean rank tokens), efficiency, Gini and the hottest
-    expert, from the layer_skew / skew_summary views.
+    expert, from the layer_skew / skew_summary views; in table format (--by layer or run),
+    then one line of attention data-parallel balance (mean/max tokens per DP rank, view dp_balance_summary)
+    where the run records tokens per (step, rank).
 
     Example:
 
@@ -134,6 +141,10 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
     for r in runs:   # a null column always has its reason next to it
         for n in gap_notes(r.row):
             click.echo(f"note: {n}", err=True)
+        if fmt == "table" and not output and by != "step":   # csv/json and the per-step dump stay one table
+            line = r.dp_balance_line()
+            if line:
+                click.echo(f"run {r.id}: {line}")
 
 
 #: the skew table a terminal shows: the columns that say which layer and which rank, first
@@ -188,12 +199,17 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
     if not runs:
         click.echo("no runs")
         return
+    stored: list[str] = []
     for r in runs:
         if status_only:
             click.echo(r.cache_state().line())
             continue
-        before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
-                                      progress=_progress)
+        try:
+            before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
+                                          progress=_progress)
+        except StoreError as e:   # one transaction per run: the runs before this one are stored
+            raise StoreError(_partly_stored(e, r.id, stored, store)) from None
+        stored.append(r.id)
         if before.fresh and not force:
             click.echo(f"{after.line()}: kept")
         else:
@@ -226,6 +242,19 @@ def tokens(store, run_id, by, top, fmt, output):
     st = open_store(store)
     run = st.run(run_id)
     emit(tokens_table(st, run.id, by, top), fmt, output)
+
+
+def _partly_stored(error: Exception, run_id: str, stored: list[str], store: str) -> str:
+    """The one line of a materialize that failed at ``run_id`` after storing ``stored``
+    (each run's analysis is its own transaction: those stay stored, and are fresh, so a
+    rerun skips them and stores the rest)."""
+    msg = str(error)
+    if not stored:
+        return msg
+    msg = msg.replace("; nothing was written", "")
+    return (f"{msg}; run {run_id}'s analysis was not written, but {len(stored)} run(s) before it were stored "
+            f"({', '.join(stored[:5])}{' ...' if len(stored) > 5 else ''}): rerun `moetrace materialize {store}` "
+            f"to store the rest (stored runs are kept)")
 
 
 def register(cli):

@@ -13,7 +13,7 @@ from ..output import (
     json_option,
     output_options,
 )
-from ..replay.results import load_answer, load_lines
+from ..replay.results import load_answer, load_lines, replay_extra_lines
 from ..replay.strategies import fastest_text
 from ..run import ClusterSpec, Store
 from ..units import gib
@@ -22,6 +22,7 @@ from ._options import (
     fit_steps_option,
     hardware_option,
     ints_option,
+    kernel_options,
     policy_option,
     run_option,
     split_option,
@@ -54,13 +55,38 @@ def shape_options(fit_help: str):
         ints_option("--replicas", "replicas", one=True, help="Redundant slots per layer (default: the run's)."),
         fit_steps_option(help=fit_help))
 
+def _stall(ctx, param, value):
+    """--move-stall-ms: milliseconds (>= 0) or measured[:RUN], checked here, read by the facade."""
+    text = str(value).strip()
+    if text.lower().startswith("measured"):
+        return text
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0 or ms == float("inf"):
+        raise click.BadParameter(f"{value!r}: give milliseconds >= 0, or measured[:RUN] (the median rebalance the "
+                                 "engines logged)", param_hint="--move-stall-ms")
+    return ms
+
+
 move_options = _stack(
-    click.option("--stall-ms", type=float, default=0.0, show_default=True,
+    click.option("--move-stall-ms", "--stall-ms", "stall_ms", callback=_stall, default="0", show_default=True,
+                 metavar="MS|measured[:RUN]",
                  help="Time the engine stops per re-balance besides the weight transfer (e.g. 1800 for a "
-                      "synchronous SGLang rebalance)."),
+                      "synchronous SGLang rebalance), or 'measured': the median rebalance duration the engines "
+                      "logged in this store (view rebalance_timing; measured:RUN for one run's log)."),
     click.option("--move-overlap", type=click.FloatRange(0, 1), default=0.0, show_default=True,
                  help="Share of the weight transfer hidden behind compute: 0 = synchronous engine (the step "
                       "waits for it), e.g. 0.9 for an asynchronous one."),
+    click.option("--layers-per-step", type=click.IntRange(min=1), default=None, metavar="N",
+                 help="The engine moves N layers per step (TensorRT-LLM layer_updates_per_iter, SGLang chunked "
+                      "rebalance): each plan change is spread over steps, and its break-even is given under that "
+                      "schedule too (default: every layer at once)."),
+    click.option("--rank-speed", default=None, metavar="R:F,...|measured",
+                 help="Per-rank expert speed factors carried into the time answer: 0:1.0,1:1.1 (rank 1 takes 10%% "
+                      "longer per token; unnamed ranks 1.0) or 'measured' (each rank's expert time per token over "
+                      "the median rank's, from the run's spans: view rank_speed)."),
     click.option("--passes", type=int, default=None,
                  help="Passes per recorded step when the counts aggregate a recording (times per pass)."))
 
@@ -117,6 +143,8 @@ def _print_replay(res):
     if res.nodes_per_token_max is not None:
         _say(f"  per-token routing: exact dispatch bytes; nodes per token mean "
                    f"{res.nodes_per_token_mean:.2f}, max {res.nodes_per_token_max}")
+    for line in replay_extra_lines(res):
+        click.echo(line)
     for n in res.notes:
         _say(f"  note: {n}")
 
@@ -225,21 +253,30 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @click.option("--max-moves", type=int, default=None, help="Drift: move-aware re-plans with at most K moves each.")
 @split_option
 @hardware_option
+@kernel_options
 @click.option("--no-fit", "no_fit", is_flag=True, help="Use the preset even when the run has expert_gemm spans.")
 @cost_model_option
 @move_options
 @chrome_trace_option(help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
 @click.option("--trace-steps", callback=steps_list, default=None, metavar="A:B|A,B",
               help="Steps for --chrome-trace (A:B or a comma list; default: the first judged).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Drift: imbalance-over-time PNG.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=check_out_path, help="Drift: imbalance-over-time PNG.")
 @click.option("--no-rank-rows", is_flag=True, help="Do not write replay_rank rows (large replays).")
+@click.option("--replica-dispatch", type=click.Choice(("even", "least-loaded", "both")), default="even",
+              show_default=True,
+              help="Which copy of a replicated expert takes its tokens, for the load answer: even (every copy an "
+                   "equal share), least-loaded (per step, water-filled onto the lightest copies' ranks, a min-max "
+                   "split like DeepSeek's LPLB), or both side by side.")
+@click.option("--balance-tolerance", type=click.FloatRange(0, 10), default=None, metavar="F",
+              help="Policy cooccurrence: a rank may carry up to (1 + F) x the mean load (default 0.1).")
 @json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
                    "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
-           window, max_moves, split, hardware, no_fit, cost_model, stall_ms, move_overlap, passes, chrome_trace,
-           trace_steps, plot, no_rank_rows, as_json, timeline_whatif):
+           window, max_moves, split, hardware, kernel, sms, max_nodes_per_token, no_fit, cost_model, stall_ms,
+           move_overlap, layers_per_step, rank_speed, passes, chrome_trace, trace_steps, plot, no_rank_rows,
+           replica_dispatch, balance_tolerance, as_json, timeline_whatif):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
     stragglers, all-to-all bytes and layer time, against the recorded placement on the
     same steps, net of moving the experts.
@@ -261,12 +298,13 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         raise click.UsageError("give exactly one of --plan PLAN_ID or --policy P")
     run = Store(store).run(run_id)
     common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
-                  passes=passes, cost_model=cost_model)
+                  passes=passes, cost_model=cost_model, layers_per_step=layers_per_step, rank_speed=rank_speed)
     shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, ranks_per_node=rpn)
+    a2a = dict(kernel=kernel, sms=sms, max_nodes_per_token=max_nodes_per_token)   # the all-to-all model's inputs
     if replan_every:
         if not policy:
             raise click.UsageError("--replan-every needs --policy (the planner re-run at every re-plan)")
-        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw), max_moves=max_moves,
+        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw, **a2a), max_moves=max_moves,
                       static_window=fit_window, **common)
         if plot:
             from ..report.plots import drift_from_dict
@@ -282,8 +320,9 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         given += ["--fit-steps"] if fit_window else []
         raise InputError(None, f"--plan {plan_id} replays a stored plan as it is: {', '.join(given)} would be ignored")
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
-                     rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
-                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw), **common)
+                     rank_rows=not no_rank_rows, replica_dispatch=replica_dispatch,
+                     balance_tolerance=balance_tolerance, trace_steps=trace_steps if chrome_trace else None,
+                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw, **a2a), **common)
     wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
@@ -353,9 +392,10 @@ def _print_drift(d, plot, fit_window=None):
 @cluster_options
 @split_option
 @hardware_option
+@kernel_options
 @cost_model_option
 @move_options
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=check_out_path, help="Write the decision plot (PNG).")
 @click.option("--all-runs", is_flag=True,
               help="Sweep every run in the store (a run_id column; runs that cannot be swept are noted).")
 @click.option("--save", is_flag=True, help="Store every cell (replay_runs kind 'sweep', with its replay_layer rows).")
@@ -365,8 +405,10 @@ def _print_drift(d, plot, fit_window=None):
               help="Judge the cells on an existing Dask cluster (e.g. tcp://host:8786); workers read the store "
                    "at the same path, results are written here.")
 @output_options
-def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, cost_model,
-          stall_ms, move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt, output):
+def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, kernel, sms,
+          max_nodes_per_token, cost_model, stall_ms, move_overlap, layers_per_step, rank_speed, passes, plot, all_runs,
+          save, workers, scheduler, fmt,
+          output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
     (moving experts charged), extra expert memory per rank, bytes moved per hour and a
@@ -385,9 +427,11 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
             ParameterSource.ENVIRONMENT:
         scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
     kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows,
-              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn),
-              split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
-              passes=passes, write=save, workers=workers, scheduler=scheduler or None, cost_model=cost_model)
+              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn, kernel=kernel, sms=sms,
+                                  max_nodes_per_token=max_nodes_per_token),
+              split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap, layers_per_step=layers_per_step,
+              rank_speed=rank_speed, passes=passes, write=save, workers=workers, scheduler=scheduler or None,
+              cost_model=cost_model)
     if all_runs:
         from ..errors import UsageError
         from ..run import sweep_runs

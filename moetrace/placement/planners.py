@@ -4,8 +4,9 @@ A :class:`Plan` is ``phy2log [layers, slots]`` (the logical expert on every phys
 slot) plus the cluster shape: slot ``s`` lives on rank ``s // slots_per_rank``, rank
 ``r`` on node ``r // ranks_per_node``. Planners are registered by name in
 :data:`PLANNERS` (``contiguous``, ``greedy``, ``eplb``, ``eplb-global``,
-``one-per-rank``); each takes a load matrix ``[layers, experts]`` and a
-:class:`PlanShape` and returns a Plan. ``make_plan(name, load, shape)`` is the entry
+``one-per-rank``, ``cooccurrence``); each takes a load matrix ``[layers, experts]`` and a
+:class:`PlanShape` and returns a Plan (``cooccurrence`` also the co-occurrence counts of
+per-token routing). ``make_plan(name, load, shape)`` is the entry
 point.
 """
 from __future__ import annotations
@@ -193,17 +194,41 @@ def one_per_rank(load: np.ndarray, shape: PlanShape) -> Plan:
     return Plan(out, E, S, rpn, policy="one-per-rank")
 
 
-PLANNERS: dict[str, Callable[[np.ndarray, PlanShape], Plan]] = {
+def cooccurrence(load: np.ndarray, shape: PlanShape, cooccurrence=None, tolerance: float | None = None,
+                 max_swaps: int | None = None) -> Plan:
+    """Experts that the same tokens choose packed onto one rank and node within a load
+    tolerance (:mod:`.cooccurrence`); needs the co-occurrence counts [L, E, E] of per-token
+    routing."""
+    from .cooccurrence import DEFAULT_TOLERANCE, place
+
+    if cooccurrence is None:
+        raise InputError(None, "policy cooccurrence packs experts that the same tokens choose: it is fitted on the "
+                               "co-occurrence counts of per-token routing (a routing table), which `moetrace plan` "
+                               "and `moetrace replay` read; this run has none, or this command (sweep, drift) "
+                               "re-plans from aggregated counts only")
+    phy2log, params = place(load, cooccurrence, shape.num_ranks, shape.ranks_per_node, shape.num_slots,
+                            DEFAULT_TOLERANCE if tolerance is None else tolerance, max_swaps)
+    return Plan(phy2log, load.shape[1], shape.num_ranks, min(shape.ranks_per_node, shape.num_ranks),
+                policy="cooccurrence", params=params)
+
+
+PLANNERS: dict[str, Callable[..., Plan]] = {
     "contiguous": contiguous,
     "greedy": greedy,
     "eplb": eplb,
     "eplb-global": eplb_global,
     "one-per-rank": one_per_rank,
+    "cooccurrence": cooccurrence,
 }
+#: planners that need more than the load, with the keyword they take it by
+NEEDS_ROUTING = {"cooccurrence": "cooccurrence"}
 
 
-def make_plan(policy: str, load, shape: PlanShape, layers=None, plan_id: str | None = None) -> Plan:
-    """Run planner ``policy`` on ``load [layers, experts]`` for ``shape``."""
+def make_plan(policy: str, load, shape: PlanShape, layers=None, plan_id: str | None = None, *,
+              cooccurrence=None, tolerance: float | None = None) -> Plan:
+    """Run planner ``policy`` on ``load [layers, experts]`` for ``shape``; ``cooccurrence``
+    [layers, experts, experts] (tokens that chose both) and the load ``tolerance`` for the
+    planners of :data:`NEEDS_ROUTING`."""
     if policy not in PLANNERS:
         raise InputError(None, f"unknown policy {policy!r} (choose from {', '.join(PLANNERS)})")
     load = np.asarray(load, dtype=np.float64)
@@ -211,7 +236,8 @@ def make_plan(policy: str, load, shape: PlanShape, layers=None, plan_id: str | N
         raise InputError(None, f"load must be [layers, experts], got shape {load.shape}")
     check_shape(shape, load.shape[1], policy)
     try:
-        plan = PLANNERS[policy](load, shape)
+        extra = {"cooccurrence": cooccurrence, "tolerance": tolerance} if policy in NEEDS_ROUTING else {}
+        plan = PLANNERS[policy](load, shape, **extra)
     except ValueError as e:
         raise InputError(None, f"policy {policy}: {e}") from None
     plan = replace(plan, layers=np.arange(load.shape[0]) if layers is None else np.asarray(layers),

@@ -18,7 +18,7 @@ from ..domain.shape import ClusterSpec, Shape
 from ..errors import InputError
 from .moves import moves_between, replan
 from .plan_store import expert_count, load_plan
-from .planners import Plan, make_plan
+from .planners import NEEDS_ROUTING, Plan, make_plan
 from .relabel import relabel
 
 
@@ -92,9 +92,12 @@ ReadTotal = Callable[[tuple[int, int] | None], tuple[np.ndarray, np.ndarray]]
 
 
 def make_run_plan(store, run_id: str, shape: Shape, read_total: ReadTotal, policy: str | None = None,
-                  cluster: ClusterSpec | None = None, options: PlanOptions | None = None) -> PlanResult:
+                  cluster: ClusterSpec | None = None, options: PlanOptions | None = None,
+                  read_cooccurrence=None) -> PlanResult:
     """Fit (``policy``), import (``options.import_file``), re-plan with a move budget from
-    ``options.start``, or export a stored plan; relabel, count moves, store and export."""
+    ``options.start``, or export a stored plan; relabel, count moves, store and export.
+    ``read_cooccurrence(step ids)`` -> [L, E, E]: the co-occurrence counts a planner of
+    :data:`.planners.NEEDS_ROUTING` is fitted on (None: the run has no per-token routing)."""
     from . import plan_files as plan_io
 
     o, c = options or PlanOptions(), cluster or ClusterSpec()
@@ -127,7 +130,9 @@ def make_run_plan(store, run_id: str, shape: Shape, read_total: ReadTotal, polic
     relabel_info = None
     if policy:
         ps = shape.plan_shape(c)
-        p = make_plan(policy, total, ps, layers=shape.layers)
+        extra = {"cooccurrence": read_cooccurrence(ids) if read_cooccurrence else None} \
+            if policy in NEEDS_ROUTING else {}
+        p = make_plan(policy, total, ps, layers=shape.layers, **extra)
         if start_plan_id:
             base = load_plan(store, run_id, start_plan_id, shape)
         if relabel_to_start and base is not None:

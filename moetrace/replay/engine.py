@@ -355,9 +355,10 @@ def pair_columns(plans: tuple[Plan, ...]):
 def pair_applies(plans, split: str, top_k, cost: CostModel) -> bool:
     """Whether :func:`replay_pair` replays ``plans`` (else :func:`replay_load` one by one):
     one slot per rank, the even split over replicas, a known top_k and a cost model whose
-    rank time is a function of the rank's own values (no contention term)."""
+    rank time is a function of the rank's own values (no contention term, one speed for
+    every rank: the pair kernel times columns, not ranks)."""
     p0 = plans[0]
-    return (split != "hash" and bool(top_k) and cost.fused_comm and not cost.contention
+    return (split != "hash" and bool(top_k) and cost.fused_comm and not cost.contention and cost.rank_speed is None
             and all(p.slots_per_rank == 1 and p.num_experts == p0.num_experts and p.num_layers == p0.num_layers
                     for p in plans))
 

@@ -12,10 +12,12 @@ from ..costmodel import step_cost as costmod
 from ..domain.shape import ClusterSpec, Shape, Timing
 from ..domain.windows import first_half
 from ..errors import InputError
+from ..placement.moves import moves_between
 from ..placement.plan_store import recorded_plan
-from ..placement.planners import Plan, PlanShape, make_plan
+from ..placement.planners import NEEDS_ROUTING, Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
 from .cost_fit import _cost
+from .dispatch_compare import DispatchCompare, rules_of
 from .engine import (
     Block,
     approximation_notes,
@@ -26,6 +28,7 @@ from .engine import (
     replay_load,
     replay_pair,
 )
+from .fanout import cooccurrence_over, fanout_answer
 from .load import (
     iter_load,
     read_load,
@@ -33,6 +36,7 @@ from .load import (
     routing_block,
     routing_has_slots,
 )
+from .move_schedule import scheduled_changes
 from .results import (
     ReplayOptions,
     ReplayResult,
@@ -187,6 +191,17 @@ def judge_plan(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions
 
     # the next chunk is read while this one is replayed (not with per-token routing: its blocks query the store)
     chunks = iter_load(store, run_id, sub, chunk, with_slots=with_slots, read_ahead=not shape.has_routing)
+    compare = None
+    if opts.replica_dispatch != "even":    # the load under each dispatch rule, from the same chunks
+        compare = DispatchCompare(rules_of(opts.replica_dispatch), {"plan": plan, "recorded": recorded}
+                                  if not is_rec else {"recorded": recorded})
+
+        def tapped(it):
+            for c in it:
+                compare.add(c[1])
+                yield c
+
+        chunks = tapped(chunks)
     try:
         j = judge_stream(chunks, plan, recorded, fn, cost, shape.expert_bytes, opts.move, timing=timing, kind=kind,
                          on_block=on_block, on_recorded=on_recorded, name=policy or plan.policy,
@@ -199,7 +214,7 @@ def judge_plan(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions
                       (is_rec and mode == "counts"))
     notes += approximation_notes(blk_probe, opts.split, is_rec and mode == "counts", shape.has_routing,
                                  shape.top_k is not None)
-    notes += judged.notes + list(extra_notes)
+    notes += judged.notes + list(extra_notes) + list(cost.notes)
     if is_rec and "contiguous assumed" in (recorded.policy or ""):
         notes.append("no placement recorded for this run: its own layout is taken as contiguous (slot = expert)")
     if is_rec and mode == "routing":
@@ -218,6 +233,23 @@ def judge_plan(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions
                        timing, policy or (f"plan {plan.plan_id}" if plan.plan_id and not fitted else plan.policy),
                        max(agg["nmax"]) if agg["nmax"] else None,
                        float(np.mean(agg["nmean"])) if agg["nmean"] else None, agg["traffic"], agg["rtraffic"])
+    if compare is not None:
+        res.dispatch = compare.answer()
+        basis = ["counts per logical expert, split over the copies by each rule"]
+        if shape.has_routing:
+            basis.append("the load answer above replays each token and picks its copy by the token's hash")
+        if mode != "plan":
+            basis.append("its recorded half takes the recorded slots or per-slot counts")
+        res.dispatch["basis"] = "; ".join(basis)
+    if shape.has_routing and shape.num_ranks:
+        res.fanout = fanout_answer(store, run_id, shape, plan, j.steps)
+    if opts.move.layers_per_step and j.changes:
+        try:
+            per_layer = moves_between(recorded, plan) if len(j.changes) == 1 else None
+        except ValueError:
+            per_layer = None
+        res.schedules = scheduled_changes(j.changes, plan.num_layers, opts.move.stall_ns, opts.move.layers_per_step,
+                                          opts.move.overlap, per_layer)
     if kept:
         res.trace = PredictedSteps(
             steps=np.concatenate([k[0] for k in kept]), layers=plan.layers, cost_source=cost.source,
@@ -238,14 +270,19 @@ def judge_plan(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions
 
 
 def fit_plan(store, run_id, shape: Shape, policy: str, plan_shape: PlanShape, fit_window=None,
-             plan_id=None, in_sample: bool = False) -> tuple[Plan, JudgedSteps]:
+             plan_id=None, in_sample: bool = False, tolerance: float | None = None) -> tuple[Plan, JudgedSteps]:
     """Plan ``policy`` fitted on the steps of ``fit_window`` (default the first half), and
-    the steps that judge it (after the window; all with ``in_sample``)."""
+    the steps that judge it (after the window; all with ``in_sample``). A planner that
+    packs by co-occurrence gets the fit steps' co-occurrence counts (and ``tolerance``)."""
     fw, notes = default_fit_window(shape, fit_window, in_sample)
     ids, total = read_load_total(store, run_id, shape, fw)
     if ids.size == 0:
         raise InputError(None, f"--fit-steps {fw[0]}:{fw[1]} holds no recorded steps")
-    plan = make_plan(policy, total, plan_shape, layers=shape.layers, plan_id=plan_id)
+    extra = {}
+    if policy in NEEDS_ROUTING:
+        extra = {"cooccurrence": cooccurrence_over(store, run_id, shape, ids) if shape.has_routing else None,
+                 "tolerance": tolerance}
+    plan = make_plan(policy, total, plan_shape, layers=shape.layers, plan_id=plan_id, **extra)
     # moves are counted after relabeling in every command (plan, replay, drift, sweep): a
     # planner's rank numbering is arbitrary, so the plan is renamed to keep experts where
     # the recorded placement has them
@@ -307,7 +344,8 @@ def replay_run(store, run_id: str, shape: Shape, opts: ReplayOptions, plan=None,
     judged = None
     if plan is None:
         ps = shape.plan_shape(cluster, streamed=True)
-        plan, judged = fit_plan(store, run_id, shape, policy, ps, fit_window, in_sample=in_sample)
+        plan, judged = fit_plan(store, run_id, shape, policy, ps, fit_window, in_sample=in_sample,
+                                tolerance=opts.balance_tolerance)
     elif isinstance(plan, str):
         pid = plan
         plan = load_plan(store, run_id, pid, shape)

@@ -332,3 +332,44 @@ def routing_block(store, run_id, shape: Shape, plan: Plan, split: str, ids: np.n
     rs = tbl.column("slot").to_numpy(zero_copy_only=False)[keep] if use_recorded_slot else None
     return replay_routing(ti[keep], li[keep], tok[keep], src[keep], tbl.column("expert").to_numpy()[keep], ids.size,
                           plan, split, shape.bytes_per_token, recorded_slot=rs)
+
+
+def read_choices(store, run_id, shape: Shape, lo: int, hi: int) -> list[np.ndarray]:
+    """The routed tokens of steps ``lo <= step < hi``, per layer of ``shape.layers``: int
+    [tokens, k] logical expert choices (one row per (step, token), columns in router order,
+    -1 where a token has fewer choices): what fan-out and co-occurrence are counted on."""
+    tbl = store.arrow("""SELECT step, layer, token, choice, expert FROM routing
+                         WHERE run_id = ? AND step >= ? AND step < ?""", [run_id, int(lo), int(hi)])
+    out = []
+    layer = tbl.column("layer").to_numpy()
+    if not tbl.num_rows:
+        return [np.zeros((0, 1), np.int64) for _ in shape.layers]
+    k = int(tbl.column("choice").to_numpy().max()) + 1
+    for li in shape.layers:
+        sel = layer == li
+        step, tok = tbl.column("step").to_numpy()[sel], tbl.column("token").to_numpy()[sel]
+        ch, ex = tbl.column("choice").to_numpy()[sel].astype(np.int64), tbl.column("expert").to_numpy()[sel]
+        if not sel.any():
+            out.append(np.zeros((0, k), np.int64))
+            continue
+        keys, row = np.unique(np.stack([step, tok], axis=1), axis=0, return_inverse=True)
+        a = np.full((keys.shape[0], k), -1, np.int64)
+        a[row.ravel(), ch] = ex
+        out.append(a)
+    return out
+
+
+def read_recorded_fanout(store, run_id, steps: np.ndarray) -> dict | None:
+    """The view ``dispatch_fanout`` over ``steps``: tokens, ranks and nodes per token
+    (token-weighted), and where the destinations came from; None without rows."""
+    lo, hi = (int(steps.min()), int(steps.max())) if steps.size else (0, -1)
+    r = store.rows("""SELECT sum(tokens) AS tokens, sum(ranks_per_token * tokens) AS ranks,
+                             sum(nodes_per_token * tokens) AS nodes, bool_or(expected) AS expected,
+                             string_agg(DISTINCT placement_source, ',') AS source
+                      FROM dispatch_fanout WHERE run_id = ? AND step >= ? AND step <= ?""",
+                   [run_id, lo, hi]).dicts()[0]
+    if not r["tokens"]:
+        return None
+    n = float(r["tokens"])
+    return {"tokens": int(n), "ranks_per_token": float(r["ranks"]) / n, "nodes_per_token": float(r["nodes"]) / n,
+            "expected": bool(r["expected"]), "placement_source": r["source"]}

@@ -190,6 +190,11 @@ class ReplayOptions:
     passes: int | None = None
     #: the cost model to use (None: :func:`cost_model`, preset or fitted from spans)
     cost: costmod.CostModel | None = None
+    #: replica dispatch rules to answer the load under, side by side (``even``,
+    #: ``least-loaded`` or ``both``: :mod:`.dispatch_compare`); ``even`` alone adds nothing
+    replica_dispatch: str = "even"
+    #: the load tolerance of the ``cooccurrence`` policy (None: its default, 10% over the mean)
+    balance_tolerance: float | None = None
 
 
 def new_replay_id(prefix: str = "r") -> str:
@@ -227,6 +232,12 @@ class ReplayResult(NotebookView):
     traffic: np.ndarray | None = None
     recorded_traffic: np.ndarray | None = None
     trace: PredictedSteps | None = None
+    #: destination ranks and nodes per token, recorded vs plan (:func:`.fanout.fanout_answer`)
+    fanout: dict | None = None
+    #: the load answer under each replica dispatch rule asked for (:mod:`.dispatch_compare`)
+    dispatch: dict | None = None
+    #: each plan change spread over steps as the engine moves layers (:mod:`.move_schedule`)
+    schedules: list | None = None
 
     @property
     def load(self) -> LoadAnswer | None:
@@ -277,6 +288,17 @@ class ReplayResult(NotebookView):
         if self.nodes_per_token_max is not None:
             d["nodes_per_token_max"] = self.nodes_per_token_max
             d["nodes_per_token_mean"] = self.nodes_per_token_mean
+        if self.fanout is not None:
+            f = self.fanout
+            d["fanout"] = f
+            d["recorded_ranks_per_token"] = f["recorded"]["ranks_per_token"]
+            d["ranks_per_token"] = f["plan"]["ranks_per_token"]
+            d["recorded_nodes_per_token"] = f["recorded"]["nodes_per_token"]
+            d["nodes_per_token"] = f["plan"]["nodes_per_token"]
+        if self.dispatch is not None and d["load"] is not None:
+            d["load"]["replica_dispatch"] = self.dispatch
+        if self.schedules is not None:
+            d["move_schedules"] = [asdict(x) for x in self.schedules]
         return d
 
 
@@ -410,3 +432,30 @@ def _runs_row(res: ReplayResult, kind: str, params: dict) -> pa.Table:
         "verdict": _one(j.verdict, S),
         "verdict_reason": _one(j.verdict_reason, S), "time_per": _one(d["time_per"], S),
         "plan_desc": _one(res.plan_desc, S)})
+
+
+def replay_extra_lines(res: ReplayResult, indent: str = "  ") -> list[str]:
+    """What ``replay`` prints of the fan-out, the replica dispatch rules and the move
+    schedule (each only when the replay computed it)."""
+    out = []
+    f = res.fanout
+    if f is not None and f["plan"]["ranks_per_token"] is not None:
+        rec, pl = f["recorded"], f["plan"]
+        src = rec.get("placement_source") or ""
+        out.append(f"{indent}dispatch fan-out: {rec['ranks_per_token']:.2f} ranks / {rec['nodes_per_token']:.2f} nodes "
+                   f"per token recorded ({src}) -> {pl['ranks_per_token']:.2f} / {pl['nodes_per_token']:.2f} under "
+                   f"the plan, over {pl['tokens']:,} routed tokens" + (" (expected over replica picks)"
+                                                                      if rec.get("expected") or pl.get("expected")
+                                                                      else ""))
+    if res.dispatch is not None:
+        from .dispatch_compare import text
+
+        out += [f"{indent}{line}" for line in text(res.dispatch).splitlines()]
+    if res.schedules:
+        for c, sc in zip(res.judged.changes, res.schedules):
+            be = "never" if sc.break_even_steps is None else f"{sc.break_even_steps:.1f} steps"
+            now = "never" if c.break_even_steps is None else f"{c.break_even_steps:.1f}"
+            out.append(f"{indent}move schedule: {sc.layers_per_step} layer(s) per step over {sc.steps} step(s), "
+                       f"worst step +{sc.worst_step_ns / 1e6:.3f} ms, gain lost while layers wait "
+                       f"{sc.transition_loss_ns / 1e6:.3f} ms: break-even {be} (all layers at once: {now})")
+    return out

@@ -44,15 +44,22 @@ MIN_JUDGED_STEPS = 10
 
 @dataclass
 class MoveCost:
-    """What a plan change costs besides the bytes: ``stall_ns`` per re-plan, and the share
-    ``overlap`` of the weight transfer an asynchronous engine hides (0 = synchronous)."""
+    """What a plan change costs besides the bytes: ``stall_ns`` per re-plan (``stall_source``:
+    stated, or measured from the engines' logged rebalances), the share ``overlap`` of the
+    weight transfer an asynchronous engine hides (0 = synchronous), and ``layers_per_step``:
+    the layers the engine moves per step (None: all at once; :mod:`.move_schedule` spreads a
+    change over steps and gives its break-even under that schedule)."""
     stall_ns: float = 0.0
     overlap: float = 0.0
+    stall_source: str = "stated"
+    layers_per_step: int | None = None
 
     def describe(self) -> str:
         mode = "synchronous (the transfer stalls the step)" if self.overlap == 0 else (
             f"asynchronous ({self.overlap:.0%} of the transfer hidden)")
-        return f"moves: {mode}, stall {self.stall_ns / 1e6:g} ms per re-plan"
+        src = "" if self.stall_source == "stated" else f" ({self.stall_source})"
+        sched = "" if not self.layers_per_step else f", {self.layers_per_step} layer(s) moved per step"
+        return f"moves: {mode}, stall {self.stall_ns / 1e6:g} ms per re-plan{src}{sched}"
 
 
 @dataclass

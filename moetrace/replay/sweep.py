@@ -16,6 +16,7 @@ from ..placement.planners import PlanShape, check_shape, make_plan
 from ..placement.relabel import relabel
 from .cost_fit import _cost
 from .judge import _in_memory, _InMemory, _too_short
+from .move_schedule import scheduled_changes
 from .results import (
     ReplayOptions,
     ReplayResult,
@@ -54,6 +55,9 @@ class SweepRow:
     verdict: str
     why: str
     skipped: str | None = None
+    #: with --layers-per-step N: N, and the median break-even when each change moves N layers a step
+    layers_per_step: int | None = None
+    scheduled_break_even_steps: float | None = None
 
 
 @dataclass
@@ -221,6 +225,13 @@ def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
         j.moved_experts, j.moved_bytes / 2**30,
         sum(c.bytes for c in j.changes[1:]) / 2**30 / hours if hours > 0 else None,
         float(np.median(be)) if be else None, j.verdict, j.verdict_reason)
+    mc = job.opts.move
+    if mc.layers_per_step:
+        sb = [c.break_even_steps for c in scheduled_changes(j.changes, shape.layers.size, mc.stall_ns,
+                                                             mc.layers_per_step, mc.overlap)
+              if c.break_even_steps is not None]
+        row.layers_per_step = mc.layers_per_step
+        row.scheduled_break_even_steps = float(np.median(sb)) if sb else None
     return SweepCellResult(cell.index, row, j, layer_tbls)
 
 
@@ -248,7 +259,7 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
     shape, J, cost, opts = job.shape, job.first, job.opts.cost, job.opts
     T, timing = shape.steps.size, shape.timing(opts.passes)
     band = costmod.error_band(cost)
-    notes = list(shape.notes) + _time_note(shape, timing) + job.described + [
+    notes = list(shape.notes) + _time_note(shape, timing) + job.described + list(cost.notes) + [
         f"every row judged on the same {T - J} steps (from step {int(shape.steps[J])}), after the largest fit window "
         f"{J}; static plans fitted on the `window` steps before them, re-plans on the trailing `window` steps",
         f"baseline: the recorded placement ({job.recorded_policy}) on those steps, same cost model "
