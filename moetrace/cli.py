@@ -81,6 +81,15 @@ def _where(ctx, e: MoetraceError) -> str:
     return ", ".join(parts) + ": " if parts else ""
 
 
+def _error_text(e: MoetraceError) -> str:
+    """The error as printed: one line, except a SQL error pointing into the query, whose
+    "LINE n: ..." and caret lines stay under it as DuckDB aligned them (each line escaped)."""
+    text = str(e)
+    if text.startswith("SQL error") and "\nLINE " in text:
+        return "\n".join(one_line(x) for x in text.split("\n"))
+    return one_line(e)
+
+
 class MoetraceGroup(click.Group):
     """Loads command modules on demand and turns MoetraceError into a one-line message
     and its exit code (2 for bad input)."""
@@ -117,7 +126,7 @@ class MoetraceGroup(click.Group):
         try:
             return super().invoke(ctx)
         except MoetraceError as e:
-            click.echo(f"moetrace: error: {_where(ctx, e)}{one_line(e)}", err=True)
+            click.echo(f"moetrace: error: {_where(ctx, e)}{_error_text(e)}", err=True)
             ctx.exit(e.exit_code)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
             raise
