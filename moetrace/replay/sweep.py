@@ -224,7 +224,10 @@ def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
         None if j.net_step_ns is None else (j.net_step_ns / j.recorded_step_ns - 1) * 100,
         j.moved_experts, j.moved_bytes / 2**30,
         sum(c.bytes for c in j.changes[1:]) / 2**30 / hours if hours > 0 else None,
-        float(np.median(be)) if be else None, j.verdict, j.verdict_reason)
+        float(np.median(be)) if be else None, j.verdict,
+        # a row of --format csv/json stands alone: its reason carries the band's source (the
+        # terminal table says it once, in the notes)
+        j.verdict_reason + (f" ({costmod.error_band(m.cost)[1]})" if "band" in j.verdict_reason else ""))
     mc = job.opts.move
     if mc.layers_per_step:
         sb = [c.break_even_steps for c in scheduled_changes(j.changes, shape.layers.size, mc.stall_ns,
