@@ -33,7 +33,8 @@ def _heavy_options(f):
 @click.option("--recompute", is_flag=True,
               help="Compute the per-(step, layer) views again even when the store holds them (and store the result).")
 @_heavy_options
-def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
+@engine_options
+def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit, engine, master, remote):
     """Summarize a run: per-layer skew, tokens per expert, imbalance vs batch size, dummy
     steps, and every other section installed (replay, all-to-all exposure). Prints the
     summary tables and writes a self-contained report.html, report.md and PNGs.
@@ -48,12 +49,16 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit):
     The per-(step, layer) results are stored in the store (tables cache_*, see
     `moetrace materialize`): the next report of the same run reads them instead, until the
     run, moetrace or the view SQL changes (then they are recomputed, said on stderr).
+    With --engine spark they are computed on Spark (the same rows), then stored alike.
     """
+    from ..analyze.on_engine import compute_with
     from ..report.build import build_report
 
     st = open_store(store)
-    rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
-                       progress=_progress, reuse=not recompute)
+    with engine_sql(st, engine, master, remote) as sql:
+        rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
+                           progress=_progress, reuse=not recompute,
+                           compute=compute_with(sql) if sql is not None else None)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)
@@ -119,7 +124,8 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
 @click.option("--status", "status_only", is_flag=True, help="Only say, per run, whether its stored results are fresh.")
 @click.option("--clear", is_flag=True, help="Remove the stored results (of --run, else of every run).")
 @_heavy_options
-def materialize(store, run_id, force, status_only, clear, batch_steps, memory_limit):
+@engine_options
+def materialize(store, run_id, force, status_only, clear, batch_steps, memory_limit, engine, master, remote):
     """Compute each run's per-(step, layer) analysis views (layer_skew, tokens_per_expert,
     skew_by_batch, skew_decomposition, run_shape, layer_placement and the report's
     whole-run distributions) once and store them in the store, so that `moetrace report`,
@@ -138,7 +144,8 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
     key) and cache_<view>, under each run's partition, written as one transaction. The key
     is the moetrace and DuckDB versions, a hash of the views' SQL and a fingerprint of the
     run's input files: when it no longer matches (the run re-ingested, moetrace upgraded,
-    a view changed) the results are recomputed.
+    a view changed) the results are recomputed. With --engine spark they are computed on
+    Spark (the same rows), then stored alike.
     """
     st = open_store(store)
     if clear:
@@ -150,19 +157,23 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
     if not runs:
         click.echo("no runs")
         return
-    for r in runs:
-        if status_only:
+    if status_only:
+        for r in runs:
             click.echo(r.cache_state().line())
-            continue
-        before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
-                                      progress=_progress)
-        if before.fresh and not force:
-            click.echo(f"{after.line()}: kept")
-        else:
-            rows = sum(json.loads(after.header["rows_json"]).values())
-            click.echo(f"run {r.id}: stored analysis {after.header['cache_id']} ({rows:,} rows, computed in "
-                       f"{after.header['compute_s']:.1f} s)" + (f"; replaced a stale one ({before.reason})"
-                                                                if before.status == "stale" else ""))
+        return
+    from ..analyze.on_engine import compute_with
+
+    with engine_sql(st, engine, master, remote) as sql:
+        for r in runs:
+            before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
+                                          progress=_progress, compute=compute_with(sql) if sql is not None else None)
+            if before.fresh and not force:
+                click.echo(f"{after.line()}: kept")
+            else:
+                rows = sum(json.loads(after.header["rows_json"]).values())
+                click.echo(f"run {r.id}: stored analysis {after.header['cache_id']} ({rows:,} rows, computed in "
+                           f"{after.header['compute_s']:.1f} s" + (" on Spark" if sql is not None else "") + ")"
+                           + (f"; replaced a stale one ({before.reason})" if before.status == "stale" else ""))
 
 
 def register(cli):
