@@ -152,7 +152,7 @@ def _arrays(r: dict, sz: dict, estimator: str = "median"):
 def _block(routing, phy2log: np.ndarray, ranks: int, sz: dict):
     """Replay of a run's routing under ``phy2log``: tokens, touched, bytes [t, L, R]."""
     from moetrace.placement.planners import Plan
-    from moetrace.replay.engine import replay_routing
+    from moetrace.replay.token_replay import replay_routing
 
     plan = Plan(phy2log, sz["experts"], ranks, ranks)
     rt = routing
@@ -257,7 +257,7 @@ def score(name: str, ranks: int, data: dict, sz: dict) -> list[dict]:
     the replay of A's routing under its plan (what :func:`run_matrix` keeps)."""
     from types import SimpleNamespace
 
-    from moetrace.replay.calibrate_fit import fit_layer_model
+    from moetrace.costmodel.calibrate_fit import fit_layer_model
 
     blk = {pol: SimpleNamespace(**{k: np.asarray(d[k], np.float64)
                                    for k in ("tokens", "touched", "bytes_intra", "bytes_inter")})

@@ -76,7 +76,7 @@ def time_grid(hidden: int, inter: int, dtype: str, experts: list[int], tokens: l
 def fit(rows: list[dict], tile: int | None = None) -> dict:
     """Least squares of time = a · rows + b · experts (rows rounded up to ``tile`` per expert
     when given); relative residuals, so small and large cells weigh alike."""
-    from moetrace.replay.calibrate_fit import nonneg_lstsq
+    from moetrace.costmodel.calibrate import nonneg_lstsq
 
     n = np.array([r["experts"] for r in rows], np.float64)
     t = np.array([r["tokens_per_expert"] for r in rows], np.float64)

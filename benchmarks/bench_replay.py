@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import main, peak_rss_mib, result, timer  # noqa: E402
 from moetrace.costmodel.step_cost import preset  # noqa: E402
 from moetrace.placement.planners import PlanShape, make_plan  # noqa: E402
-from moetrace.replay.engine import layer_metrics, replay_load, replay_routing  # noqa: E402
-from moetrace.replay.load import RunShape, iter_load  # noqa: E402
+from moetrace.replay.engine import layer_metrics, replay_load  # noqa: E402
+from moetrace.replay.load import iter_load, read_shape  # noqa: E402
+from moetrace.replay.token_replay import replay_routing  # noqa: E402
 from moetrace.run import Store  # noqa: E402
 
 L, E, K, B, R, RPN = 58, 256, 8, 8192, 32, 8
@@ -151,7 +152,7 @@ def run(size: str = "small") -> list[dict]:
                       "hidden": HIDDEN, "dtype_bytes": DTYPE}, {"expert_load": chunks()}, run_id="bench")
         st = Store(os.path.join(d, "st"))
         with timer() as t:
-            shape = RunShape.from_store(st, "bench")
+            shape = read_shape(st, "bench")
             n = 0
             for ids, _load, _ in iter_load(st, "bench", shape, chunk_steps=500):
                 n += ids.size

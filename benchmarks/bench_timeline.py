@@ -44,7 +44,7 @@ def run(size: str) -> list[dict]:
     from moetrace.collect import ingest
     from moetrace.produce.refrun import RefRunConfig
     from moetrace.produce.refrun import run as refrun
-    from moetrace.replay.timeline_whatif_store import run_whatifs
+    from moetrace.replay.timeline_whatif_store import WhatIfOptions, run_whatifs
     from moetrace.run import Store
 
     cfg = SIZES[size]
@@ -57,7 +57,7 @@ def run(size: str) -> list[dict]:
         for mb in (1, 2):
             refrun(RefRunConfig(**cfg, seed=1, micro_batches=mb), tmp / f"mb{mb}")
             ids[mb] = ingest(st, [tmp / f"mb{mb}"])[0].run_id
-        rep = run_whatifs(st, ids[1], disagg=False, domains=(), write=False)
+        rep = run_whatifs(st, ids[1], WhatIfOptions(disagg=False, domains=()), write=False)
         delay = _delay(st, tmp, cfg) if size == "full" else []
         measured = st.sql("""SELECT avg(ns) AS ns FROM (SELECT step, max(end_ns - start_ns) AS ns FROM steps
                              WHERE run_id = ? GROUP BY step)""", [ids[2]])["ns"][0]

@@ -5,6 +5,8 @@ answer in words, a short table. ``NotebookView`` gives a class ``_repr_markdown_
 objects by their attributes only and imports nothing of moetrace."""
 from __future__ import annotations
 
+from .units import ns_to_ms, pct_change
+
 #: at most this many table rows in a notebook cell (the full data: .frame(), .to_dict())
 MAX_ROWS = 12
 
@@ -63,14 +65,6 @@ def to_html(title: str, answer: str, rows: list[dict], notes=()) -> str:
     return "".join(out) + "</div>"
 
 
-def _ms(ns) -> float | None:
-    return None if ns is None else ns / 1e6
-
-
-def _pct(x, ref) -> str:
-    return "" if x is None or not ref else f" ({100 * (x / ref - 1):+.1f}%)".replace("-", "−")
-
-
 # ----------------------------------------------------------------------------- the views
 def run_view(run) -> tuple:
     """A run: its source and shape, and what its shape leaves unknown."""
@@ -92,10 +86,10 @@ def replay_view(res) -> tuple:
     same steps, and the verdict."""
     j, s = res.judged, res.judged.summary
     rows = [{"placement": "recorded", "mean_imbalance": j.recorded.mean_imbalance,
-             "gross_ms": _ms(j.recorded_step_ns), "net_ms": _ms(j.recorded_step_ns), "moved_experts": 0}]
+             "gross_ms": ns_to_ms(j.recorded_step_ns), "net_ms": ns_to_ms(j.recorded_step_ns), "moved_experts": 0}]
     if j.kind != "recorded":
-        rows.append({"placement": res.policy, "mean_imbalance": s.mean_imbalance, "gross_ms": _ms(j.gross_step_ns),
-                     "net_ms": _ms(j.net_step_ns), "moved_experts": j.moved_experts})
+        rows.append({"placement": res.policy, "mean_imbalance": s.mean_imbalance, "gross_ms": ns_to_ms(j.gross_step_ns),
+                     "net_ms": ns_to_ms(j.net_step_ns), "moved_experts": j.moved_experts})
     imb = ("" if s.mean_imbalance is None or j.recorded.mean_imbalance is None else
            f"The busiest rank carries {s.mean_imbalance:.2f}× the mean rank's tokens vs {j.recorded.mean_imbalance:.2f}× "
            "recorded. ")
@@ -110,16 +104,16 @@ def drift_view(d) -> tuple:
     rows, rec_ns = [], None
     for k, j in d.results.items():
         rec_ns = j.recorded_step_ns if rec_ns is None else rec_ns
-        rows.append({"plan": k, "mean_imbalance": j.summary.mean_imbalance, "gross_ms": _ms(j.gross_step_ns),
-                     "net_ms": _ms(j.net_step_ns), "moved_experts": j.moved_experts, "verdict": j.verdict})
+        rows.append({"plan": k, "mean_imbalance": j.summary.mean_imbalance, "gross_ms": ns_to_ms(j.gross_step_ns),
+                     "net_ms": ns_to_ms(j.net_step_ns), "moved_experts": j.moved_experts, "verdict": j.verdict})
     f = d.fastest()
     answer = (f"Re-planning every {d.every} steps from the last {d.window}, judged on {d.steps.size} steps against the "
-              f"recorded placement ({_ms(rec_ns):.3f} ms per step). " if rec_ns is not None else
+              f"recorded placement ({ns_to_ms(rec_ns):.3f} ms per step). " if rec_ns is not None else
               f"Re-planning every {d.every} steps from the last {d.window}, judged on {d.steps.size} steps. ")
     if f is not None and f.net_step_ns is not None:
         lead = ("Fastest net" if f.recorded_step_ns is None or f.net_step_ns < f.recorded_step_ns else
                 "No plan beats the recorded placement net; the closest")
-        answer += (f"{lead}: {f.kind}, {_ms(f.net_step_ns):.3f} ms{_pct(f.net_step_ns, f.recorded_step_ns)} "
+        answer += (f"{lead}: {f.kind}, {ns_to_ms(f.net_step_ns):.3f} ms{pct_change(f.net_step_ns, f.recorded_step_ns)} "
                    f"with its {f.moved_experts} expert moves charged (the oracle is a bound, not a plan).")
     else:
         answer += "No plan has a time per step to compare."
@@ -139,7 +133,7 @@ def sweep_view(sw) -> tuple:
         lead = ("Fastest net" if b.recorded_ms is None or b.net_ms < b.recorded_ms else
                 "No cell beats the recorded placement net; the closest")
         answer = (f"{lead}: {b.replicas} redundant slots, {how} (fit window {b.window}): {b.net_ms:.3f} ms vs "
-                  f"{b.recorded_ms:.3f} ms recorded{_pct(b.net_ms, b.recorded_ms)}, verdict: {b.verdict}; all "
+                  f"{b.recorded_ms:.3f} ms recorded{pct_change(b.net_ms, b.recorded_ms)}, verdict: {b.verdict}; all "
                   f"{len(ok)} cells judged on the same steps.")
     else:
         answer = "No cell has a net time per step."

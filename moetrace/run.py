@@ -15,8 +15,8 @@ HolisticTraceAnalysis's ``TraceAnalysis``: open a store, take one run, ask it qu
     run.kernels()                  # kernel names by kind with total time
     run.waits()                    # WaitResult: who waited for whom across ranks (wait matrix)
     run.whatif(domains=(8, 16, 72))  # two micro-batches, attention/FFN disaggregation, NVLink domain size
-    run.plan("eplb", replicas=32)  # a placement plan fitted on the run's load
-    run.replay(policy="eplb", replicas=32)   # predicted loads and step time under that plan
+    run.plan("eplb", cluster=ClusterSpec(replicas=32))  # a placement plan fitted on the run's load
+    run.replay(policy="eplb", cluster=ClusterSpec(replicas=32))  # predicted loads and step time under it
     run.drift("eplb", every=10)    # static vs re-planned vs oracle placement over time
     run.sweep("eplb", replicas=[0, 16, 32])  # the operator's decision table
     run.calibrate(judge=["rb"])    # fit the cost model on measured spans, judge on another run
@@ -38,10 +38,10 @@ or is None, never a silent default.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from .domain.shape import ClusterSpec, Shape
 from .notebook import NotebookView
 from .storage.store import Store, open_store, register_facade
 
@@ -55,34 +55,6 @@ if TYPE_CHECKING:  # imported for annotations only: run.py stays light to import
 
 #: the ways :meth:`Run.skew` groups the per-(step, layer) imbalance
 SKEW_BY = ("layer", "run", "step")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A run's model and cluster shape, as the SQL views see it (view ``run_shape``), plus
-    the sizes only the ``runs`` row records. None where the run does not say."""
-
-    num_experts: int | None
-    experts_from: str | None       # 'runs' or 'max expert id + 1'
-    num_ranks: int | None          # None: no rank metrics (runs.num_ranks and a recorded placement both absent)
-    ranks_from: str | None         # 'runs' or 'recorded placement'
-    num_slots: int | None
-    top_k: int | None
-    num_layers: int | None = None
-    ranks_per_node: int | None = None
-    num_groups: int | None = None
-    hidden: int | None = None
-    dtype_bytes: int | None = None
-    expert_bytes: int | None = None
-
-    @classmethod
-    def from_rows(cls, view_row: dict, runs_row: dict) -> "Shape":
-        """The view's columns first, the ``runs`` row for the columns the view lacks."""
-        kw = {}
-        for f in fields(cls):
-            v = view_row.get(f.name) if f.name in view_row else runs_row.get(f.name)
-            kw[f.name] = v
-        return cls(**kw)
 
 
 class Run(NotebookView):
@@ -260,13 +232,14 @@ class Run(NotebookView):
 
         return wait_shift(self.store, self.id, steps_a, steps_b, by=by)
 
-    def whatif(self, **kw):
+    def whatif(self, *, write: bool = True, trace_path=None, **options):
         """Two-micro-batch overlap, attention/FFN disaggregation and NVLink domain size on
-        the recorded timeline (:func:`moetrace.replay.timeline_whatif_store.run_whatifs`, keyword
-        options as there; writes ``replay_whatif`` unless ``write=False``)."""
-        from .replay.timeline_whatif_store import run_whatifs
+        the recorded timeline (:func:`moetrace.replay.timeline_whatif_store.run_whatifs`;
+        keyword options as :class:`~moetrace.replay.timeline_whatif_store.WhatIfOptions`;
+        writes ``replay_whatif`` unless ``write=False``)."""
+        from .replay.timeline_whatif_store import WhatIfOptions, run_whatifs
 
-        return run_whatifs(self.store, self.id, **kw)
+        return run_whatifs(self.store, self.id, WhatIfOptions(**options), write=write, trace_path=trace_path)
 
     def stored_whatifs(self) -> "pl.DataFrame | None":
         """The newest ``replay_whatif`` rows of each kind written for this run (long form,
@@ -288,17 +261,17 @@ class Run(NotebookView):
     # ------------------------------------------------------------------ what-ifs (replay)
     @cached_property
     def _replay_shape(self):
-        from .replay.load import RunShape
+        from .replay.load import read_shape
 
-        return RunShape.from_store(self.store, self.id)
+        return read_shape(self.store, self.id)
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
-                     passes=None):
+                     passes=None, cost_model=None):
         from .replay.cost_fit import run_cost_model
         from .replay.results import ReplayOptions
         from .replay.strategies import MoveCost
 
-        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost)
+        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model)
         return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 
@@ -306,111 +279,79 @@ class Run(NotebookView):
         """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`)."""
         return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
 
-    def plan(self, policy: str | None = None, *, ranks: int | None = None, replicas: int | None = None,
-             groups: int | None = None, nodes: int | None = None, rpn: int | None = None,
-             fit_window: tuple[int, int] | None = None, plan_id: str | None = None, start: str | None = None,
-             import_file=None, max_moves: int | None = None, target_imbalance: float | None = None,
-             store: bool = False, out=None, out_format: str = "sglang", relabel: bool = True):
+    def plan(self, policy: str | None = None, *, cluster: ClusterSpec | None = None, options=None):
         """A placement plan: ``policy`` (``moetrace.placement.planners.PLANNERS``) fitted on the
-        run's summed load (steps ``fit_window`` = (A, B), A <= step < B; default all) and
-        renamed to keep experts where ``start`` (default the recorded plan) has them; or
-        ``import_file``; or ``start`` re-planned with a move budget. Stored with
-        ``store=True``, exported to ``out``. Returns a
-        :class:`moetrace.replay.make_plan.PlanResult` (plan, moves, imbalance on the fit load)."""
-        from .replay.make_plan import make_run_plan
+        run's summed load on ``cluster`` (:class:`~moetrace.domain.shape.ClusterSpec`; None:
+        the run's own) and renamed to keep experts where the start plan (default the recorded
+        one) has them; or a plan file imported, or a stored plan re-planned with a move budget
+        (``options``: a :class:`moetrace.placement.plans.PlanOptions`: fit window, start plan,
+        import file, move budget, plan id, store, export). Returns a
+        :class:`moetrace.placement.plans.PlanResult` (plan, moves, imbalance on the fit load)."""
+        from functools import partial
 
-        return make_run_plan(self.store, self.id, self._replay_shape, policy=policy, ranks=ranks, replicas=replicas,
-                             groups=groups, nodes=nodes, rpn=rpn, fit_window=fit_window, start_plan_id=start,
-                             import_file=import_file, max_moves=max_moves, target_imbalance=target_imbalance,
-                             plan_id=plan_id, store_plan=store, out_file=out, out_format=out_format,
-                             relabel_to_start=relabel)
+        from .placement.plans import make_run_plan
+        from .replay.load import read_load_total
 
-    def replay(self, plan=None, *, policy: str | None = None, fit_window: tuple[int, int] | None = None,
-               in_sample: bool = False, write: bool = True, trace_steps=None, chrome_trace=None, ranks=None,
-               replicas=None, groups=None, nodes=None, rpn=None, **opts):
+        shape = self._replay_shape
+        return make_run_plan(self.store, self.id, shape, partial(read_load_total, self.store, self.id, shape),
+                             policy, cluster, options)
+
+    def replay(self, plan=None, *, policy: str | None = None, cluster: ClusterSpec | None = None,
+               fit_window: tuple[int, int] | None = None, in_sample: bool = False, write: bool = True,
+               trace_steps=None, chrome_trace=None, **opts):
         """Judge ``plan`` (a Plan, a stored plan id, or ``"recorded"``: the run's own
         placement) or a ``policy`` fitted on ``fit_window`` (default the first half of the
-        steps) against the recorded placement on the same steps: out-of-sample (the steps
-        after the fit window) unless ``in_sample``. Options: split, hardware, fit_cost,
-        rank_rows, stall_ms, overlap (share of the weight transfer hidden), passes. Writes
-        ``replay_*`` tables unless ``write=False``. Returns a
-        :class:`moetrace.replay.results.ReplayResult` (``.to_dict()`` is ``replay --json``)."""
-        from .formats import plan_files as plan_io
-        from .placement.planners import Plan
-        from .replay.judge_plan import fit_plan, judged_steps, replay
-        from .replay.plan_store import load_plan
+        steps) on ``cluster`` (None: the run's own) against the recorded placement on the
+        same steps: out-of-sample (the steps after the fit window) unless ``in_sample``.
+        Options: split, hardware, fit_cost, rank_rows, stall_ms, overlap (share of the weight
+        transfer hidden), passes. Writes ``replay_*`` tables unless ``write=False``; with
+        ``chrome_trace`` (a path) the predicted timeline of ``trace_steps`` (default the first
+        judged step) is written there. Returns a :class:`moetrace.replay.results.ReplayResult`
+        (``.to_dict()`` is ``replay --json``)."""
+        from .replay.judge import replay_run
 
-        shape, o = self._replay_shape, self._replay_opts(**opts)
-        notes: list[str] = []
-        judged = None
-        if plan is None:
-            ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn, streamed=True)
-            plan, judged = fit_plan(self.store, self.id, shape, policy, ps, fit_window, in_sample=in_sample)
-        elif isinstance(plan, str):
-            pid = plan
-            plan = load_plan(self.store, self.id, pid, shape)
-            meta = plan_io.plan_meta(self.store, self.id, pid)
-            if pid != "recorded" and meta is not None and meta.get("fit_end") is not None:
-                judged = judged_steps(shape, (int(meta["fit_start"]), int(meta["fit_end"])), in_sample, pid)
-            else:
-                notes = plan_io.fit_notes(meta, shape.steps, pid)
-        elif not isinstance(plan, Plan):
-            raise TypeError("plan must be a Plan, a stored plan id or 'recorded'")
-        if chrome_trace and not trace_steps:
-            trace_steps = [int(judged.steps[0]) if judged is not None else int(shape.steps[0])]
-        res = replay(self.store, self.id, shape, plan, o, judged=judged, write=write, fitted=policy is not None,
-                             extra_notes=notes, trace_steps=trace_steps,
-                             params={"policy": policy, "plan": plan.plan_id, "fit_window": fit_window,
-                                     "in_sample": in_sample, **{k: v for k, v in opts.items()}})
-        if chrome_trace:
-            from .errors import InputError
-            from .replay.trace import chrome_trace as write_trace
+        return replay_run(self.store, self.id, self._replay_shape, self._replay_opts(**opts), plan, policy=policy,
+                          cluster=cluster, fit_window=fit_window, in_sample=in_sample, write=write,
+                          trace_steps=trace_steps, chrome_trace=chrome_trace, params=opts)
 
-            tr = res.trace
-            if tr is None:
-                raise InputError(None, f"--trace-steps {trace_steps}: none of these steps were judged")
-            write_trace(chrome_trace, tr["steps"], tr["layers"], tr["tokens"], tr["touched"], tr["dispatch_ns"],
-                        tr["compute_ns"], tr["layer_ns"], res.plan_desc, tr["cost_source"], tr.get("combine_ns"))
-        return res
-
-    def drift(self, policy: str, every: int, window: int | None = None, *, max_moves: int | None = None,
-              static_window: tuple[int, int] | None = None, write: bool = True, ranks=None, replicas=None,
-              groups=None, nodes=None, rpn=None, **opts):
+    def drift(self, policy: str, every: int, window: int | None = None, *, cluster: ClusterSpec | None = None,
+              max_moves: int | None = None, static_window: tuple[int, int] | None = None, write: bool = True,
+              **opts):
         """Static plan vs re-planning every ``every`` steps from the trailing ``window``
-        steps (default ``every``; with ``max_moves`` move-aware) vs an oracle, judged on the
-        steps after the first window against the recorded placement, net of moving experts.
+        steps (default ``every``; with ``max_moves`` move-aware) vs an oracle, on ``cluster``
+        (None: the run's own), judged on the steps after the first window against the
+        recorded placement, net of moving experts.
         Returns a :class:`moetrace.replay.drift.DriftResult`."""
         from .replay.drift import drift
 
-        ps = self._replay_shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+        ps = self._replay_shape.plan_shape(cluster)
         return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
-                             self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
+                     self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
-              ranks: int | None = None, groups=None, nodes=None, rpn=None, write: bool = False,
-              sweep_id: str | None = None, workers: int | None = None, scheduler: str | None = None, **opts):
+              cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None,
+              workers: int | None = None, scheduler: str | None = None, **opts):
         """The operator's decision table: replica budgets x re-plan intervals x fit windows,
         judged on the same steps against the recorded placement: net time, extra memory per
-        rank, moved bytes per hour, verdict. ``write`` stores every cell (``replay_runs``
-        kind ``sweep`` and its ``replay_layer`` rows). ``workers`` (a local Dask cluster of
-        that many processes) or ``scheduler`` (an existing one, ``tcp://host:8786``) fan
-        the cells out (:mod:`moetrace.replay.distributed`): same rows, written once, here.
-        Returns a :class:`moetrace.replay.sweep.SweepResult` (``.frame()``, ``.rows``,
-        ``.notes``)."""
-        job = self.plan_sweep(policy, replicas, intervals, windows, ranks=ranks, groups=groups, nodes=nodes,
-                              rpn=rpn, write=write, sweep_id=sweep_id, **opts)
-        return run_sweeps(self.store, [job], workers=workers, scheduler=scheduler)[0]
+        rank, moved bytes per hour, verdict (``cluster``: ranks, groups, nodes, ranks per node;
+        its ``replicas`` is ignored, the budgets are ``replicas``). ``write`` stores every
+        cell (``replay_runs`` kind ``sweep`` and its ``replay_layer`` rows). ``workers`` (a
+        local Dask cluster of that many processes) or ``scheduler`` (an existing one,
+        ``tcp://host:8786``) fan the cells out (:mod:`moetrace.replay.distributed`): same rows,
+        written once, here. :func:`sweep_runs` with this one run. Returns a
+        :class:`moetrace.replay.sweep.SweepResult` (``.frame()``, ``.rows``, ``.notes``)."""
+        return sweep_runs(self.store, [self.id], policy, replicas=replicas, intervals=intervals, windows=windows,
+                          cluster=cluster, write=write, sweep_id=sweep_id, workers=workers, scheduler=scheduler,
+                          **opts)[0][0]
 
     def plan_sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
-                   ranks: int | None = None, groups=None, nodes=None, rpn=None, write: bool = False,
-                   sweep_id: str | None = None, **opts):
+                   cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None, **opts):
         """The sweep's cells, checked, nothing judged yet (a
-        :class:`moetrace.replay.sweep.SweepJob` for :func:`run_sweeps`)."""
+        :class:`moetrace.replay.sweep.SweepJob`; :func:`sweep_runs` judges them)."""
         from .replay.sweep import plan_sweep
 
         return plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
-                                  windows, self._replay_opts(**opts), ranks=ranks, groups=groups, nodes=nodes,
-                                  rpn=rpn, write=write, sweep_id=sweep_id)
+                          windows, self._replay_opts(**opts), cluster, write=write, sweep_id=sweep_id)
 
     @property
     def hardware(self) -> str | None:
@@ -453,25 +394,14 @@ def _clear_store_cache(store: Store) -> dict[str, int]:
 register_facade(Run, _clear_store_cache)
 
 
-def run_sweeps(store, jobs, workers: int | None = None, scheduler: str | None = None) -> list:
-    """Judge planned sweeps (:meth:`Run.plan_sweep`, one per run: plans x windows x budgets
-    x runs) in this process, or as independent tasks on a local Dask cluster of ``workers``
-    processes / the existing one at ``scheduler``; each stored sweep is written here, once
-    per run. Returns one :class:`moetrace.replay.sweep.SweepResult` per job."""
-    if workers is None and scheduler is None:
-        from .replay.sweep import finish_sweep, run_sweep_cells
-
-        return [finish_sweep(store, job, run_sweep_cells(store, job)) for job in jobs]
-    from .replay import distributed
-
-    return distributed.sweep(store, jobs, workers=workers, scheduler=scheduler)
-
-
 def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = None, scheduler: str | None = None,
                **kw) -> tuple[list, list[str]]:
-    """The sweep of every run in ``run_ids`` (keyword arguments as :meth:`Run.sweep`),
-    fanned out together: (results of the runs that can be swept, notes naming the runs
-    that cannot and why). All runs refused: the first run's error."""
+    """The one sweep entry point: the sweep of every run in ``run_ids`` (keyword arguments
+    as :meth:`Run.plan_sweep`), its cells judged in this process, or as independent tasks
+    on a local Dask cluster of ``workers`` processes / the existing one at ``scheduler``
+    (:mod:`moetrace.replay.distributed`); each stored sweep is written here, once per run.
+    Returns (one :class:`moetrace.replay.sweep.SweepResult` per run that can be swept,
+    notes naming the runs that cannot and why). All runs refused: the first run's error."""
     from .errors import InputError
 
     jobs, skipped, first = [], [], None
@@ -483,7 +413,14 @@ def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = No
             skipped.append(f"run {rid} not swept: {e.message}")
     if not jobs:
         raise first or InputError(None, "the store has no runs to sweep")
-    return run_sweeps(store, jobs, workers=workers, scheduler=scheduler), skipped
+    if workers is None and scheduler is None:
+        from .replay.sweep import finish_sweep, run_sweep_cells
+
+        return [finish_sweep(store, job, run_sweep_cells(store, job)) for job in jobs], skipped
+    from .replay import distributed
+
+    with distributed.client_for(workers, scheduler) as client:
+        return distributed.run_jobs(client, store, jobs), skipped
 
 
-__all__ = ["Run", "Shape", "SKEW_BY", "Store", "open_store", "run_sweeps", "sweep_runs"]
+__all__ = ["Run", "Shape", "ClusterSpec", "SKEW_BY", "Store", "open_store", "sweep_runs"]

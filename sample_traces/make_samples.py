@@ -10,10 +10,14 @@ Writes, in the generic collector's canonical columns (ingest with `moetrace inge
   1024 tokens per step) for exact dispatch-byte replay.
 
 The real CPU expert-parallel runs (refrun/, refrun_eplb/, refrun_eplb_plan.json) come from
-`moetrace refrun` (timings differ on every run):
+`moetrace refrun` (timings differ on every run; the routing is the same under any placement).
+Hidden 512 and 128 tokens per rank, the fidelity matrix's size: at hidden 64 the expert
+block's per-call overhead dwarfs its GEMMs. Five timed passes give the CPU basis that
+`moetrace calibrate` judges on:
 
-    moetrace refrun sample_traces/refrun --ranks 4 --experts 16 --layers 2 --steps 8 \
-        --tokens-per-rank 32 --prefill-tokens 64 --skew 1.0 --idle 3:2 --idle 5:3 --seed 0
+    moetrace refrun sample_traces/refrun --ranks 4 --experts 16 --layers 2 --steps 8 --hidden 512 \
+        --ffn 1024 --tokens-per-rank 128 --prefill-tokens 256 --skew 1.0 --idle 3:2 --idle 5:3 --seed 0 \
+        --repeats 5
     moetrace ingest sample_traces/refrun --store st --run-id refrun
     moetrace plan st --run refrun --policy eplb --replicas 4 --plan-id eplb4 --export sample_traces/refrun_eplb_plan.json
     moetrace refrun sample_traces/refrun_eplb <same options> --placement sample_traces/refrun_eplb_plan.json

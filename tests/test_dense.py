@@ -255,13 +255,13 @@ def test_read_counts(tmp_path, layout):
 def test_read_load_total_is_the_sum_by_hand(tmp_path, layout):
     """What a planner is fitted on: the window's counts summed per (layer, expert), read a
     few steps at a time, equal to numpy's sum of the counts written."""
-    from moetrace.replay.load import RunShape, read_load_total
+    from moetrace.replay.load import read_load_total, read_shape
 
     T, L, E, R = 9, 3, 16, 4
     c = _counts(T, L, E, seed=8)
     steps, layers = np.arange(3, 3 + T) * 2, np.array([1, 4, 5])
     st = _stores(tmp_path, c, steps, layers, _run(E, R, L))[0 if layout == "long" else 1]
-    shape = RunShape.from_store(st, "r")
+    shape = read_shape(st, "r")
     for window, sel in (((10, 19), [2, 3, 4, 5, 6]), (None, list(range(T))), ((100, 200), [])):
         ids, total = read_load_total(st, "r", shape, window, chunk_steps=3)
         assert ids.tolist() == steps[sel].tolist()
@@ -298,7 +298,7 @@ def test_generic_ingest_dense_with_groups_across_batches(tmp_path, monkeypatch, 
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    from moetrace.collect import generic, ingest
+    from moetrace.collect import _generic_read, ingest
 
     T, L, E = 7, 3, 10
     counts = np.random.default_rng(5).poisson(4.0, size=(T, L, E)).astype(np.int64)
@@ -306,7 +306,7 @@ def test_generic_ingest_dense_with_groups_across_batches(tmp_path, monkeypatch, 
                   "expert": np.tile(np.arange(E), T * L), "tokens": counts.reshape(-1)})
     f = tmp_path / f"load.{suffix}"
     pq.write_table(t, f) if suffix == "parquet" else pacsv.write_csv(t, f)
-    monkeypatch.setattr(generic, "BATCH_ROWS", 13)      # 13 rows: groups of 10 straddle batches
+    monkeypatch.setattr(_generic_read, "BATCH_ROWS", 13)      # 13 rows: groups of 10 straddle batches
     st = Store(tmp_path / "st", create=True)
     (res,) = ingest(st, [f], options={"num_ranks": 2}, run_id="r")
     assert res.rows.get("expert_counts") == T * L            # stored densely

@@ -112,8 +112,8 @@ def test_overlap_is_the_pairwise_min_sum():
 def test_contention_by_hand_and_recovered_by_the_fit():
     from types import SimpleNamespace
 
+    from moetrace.costmodel import calibrate_fit as cal
     from moetrace.costmodel.step_cost import CostModel
-    from moetrace.replay import calibrate_fit as cal
 
     # 3 ranks, work 10, 20, 40 ns, contention 0.5: rank 0 loses 0.5 * (10 + 10) = 10,
     # rank 1 0.5 * (10 + 20) = 15, rank 2 0.5 * (10 + 20) = 15

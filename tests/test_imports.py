@@ -67,15 +67,17 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 
 #: the layers, bottom first: a module may import its own layer and the layers before it.
 #: "ground" is the top-level files every layer uses; ``costmodel`` (a pure GPU cost model)
-#: imports only the ground files; ``placement`` is pure numpy and sits below ``formats``
-#: because plan files are read into its ``Plan``; the package's own ``__init__`` (lazy
-#: public names), ``cli`` and ``commands`` are the top.
+#: imports only the ground files; ``placement`` holds every plan module (planners, plan
+#: files, plans made and stored) and sits above ``formats`` because its plan-file reader
+#: parses TRT-LLM's YAML with ``formats.safe_yaml``; it reads and writes plans only through
+#: the files and the store object it is handed, never importing ``storage``; the package's
+#: own ``__init__`` (lazy public names), ``cli`` and ``commands`` are the top.
 LAYERS = [
     ("ground", {"moetrace.version", "moetrace.errors", "moetrace.output", "moetrace.safety", "moetrace.safety_pickle",
-                "moetrace.streams", "moetrace.notebook", "moetrace.shape_gaps"}),
+                "moetrace.streams", "moetrace.notebook", "moetrace.units"}),
     ("domain", {"moetrace.domain"}),
-    ("placement", {"moetrace.placement"}),
     ("formats", {"moetrace.formats"}),
+    ("placement", {"moetrace.placement"}),
     ("costmodel", {"moetrace.costmodel"}),
     ("storage", {"moetrace.storage"}),
     ("collect", {"moetrace.collect"}),

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.collect import generic
+from moetrace.collect import _generic_read, generic
 from moetrace.storage.store import Store
 
 from .helpers import tree_hash
@@ -20,7 +20,7 @@ from .helpers import tree_hash
 
 @pytest.fixture
 def small_batches(monkeypatch):
-    monkeypatch.setattr(generic, "BATCH_ROWS", 1000)   # many batches and (step, layer) groups across batch edges
+    monkeypatch.setattr(_generic_read, "BATCH_ROWS", 1000)   # many batches and (step, layer) groups across batch edges
 
 
 def _file(path, steps=150, layers=3, experts=8, seed=0, **override):

@@ -197,7 +197,7 @@ BAD = [
     ("not an object", GOOD + "\n[1, 2]", "line 2", "NCCL Inspector record"),
     ("both perf kinds", _line().replace('"coll_perf"', '"p2p_perf": {"p2p": "Send", "p2p_sn": 0, '
                                                        '"p2p_msg_size_bytes": 1, "p2p_exec_time_us": 1}, "coll_perf"'),
-     "line 1", "exactly one"),
+     "line 1", "both coll_perf and p2p_perf"),
 ]
 
 

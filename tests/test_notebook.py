@@ -7,7 +7,7 @@ import re
 from html.parser import HTMLParser
 
 from moetrace.produce.synth import SynthConfig, synth
-from moetrace.run import Store
+from moetrace.run import ClusterSpec, Store
 
 from .helpers import module_fixture
 
@@ -69,7 +69,7 @@ def test_run_shows_its_shape_and_what_is_unknown(run, tmp_path):
 
 @module_fixture
 def results(run):
-    rep = run.replay(policy="eplb", replicas=4, fit_window=(0, 12), write=False)
+    rep = run.replay(policy="eplb", cluster=ClusterSpec(replicas=4), fit_window=(0, 12), write=False)
     drift = run.drift("eplb", every=6, write=False)
     sweep = run.sweep("eplb", replicas=[0, 4], intervals=[6])
     return rep, drift, sweep

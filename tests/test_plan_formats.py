@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from moetrace.errors import InputError
-from moetrace.formats import plan_files as plan_io
+from moetrace.placement import plan_files as plan_io
 from moetrace.placement.planners import Plan
 
 # 4 experts on 6 slots over 2 ranks (3 slots each), model layers 3 and 4 (dense 0-2)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moetrace.errors import InputError
-from moetrace.formats import plan_files as plan_io
+from moetrace.placement import plan_files as plan_io
 from moetrace.placement.moves import moves_between, replan
 from moetrace.placement.planners import PLANNERS, Plan, PlanShape, make_plan
 from moetrace.produce.synth import SynthConfig, generate

@@ -116,13 +116,13 @@ def test_replay_prediction_matches_second_real_run(runs):
 
 def test_replay_engine_reproduces_second_run(runs):
     from moetrace.placement.planners import Plan
-    from moetrace.replay import engine
+    from moetrace.replay.token_replay import replay_routing
 
     _, st, ra, rb = runs
     rt = st.sql("SELECT step, layer, token, src_rank, expert FROM routing WHERE run_id = ?", [ra])
     plan = Plan(np.array([REPLICATED] * L), E, R, R)
-    blk = engine.replay_routing(rt["step"].to_numpy(), rt["layer"].to_numpy(), rt["token"].to_numpy(),
-                                rt["src_rank"].to_numpy(), rt["expert"].to_numpy(), STEPS, plan, "hash", 64)
+    blk = replay_routing(rt["step"].to_numpy(), rt["layer"].to_numpy(), rt["token"].to_numpy(),
+                         rt["src_rank"].to_numpy(), rt["expert"].to_numpy(), STEPS, plan, "hash", 64)
     got = st.sql("SELECT step, layer, slot, sum(tokens) t FROM expert_load WHERE run_id = ? GROUP BY ALL", [rb])
     meas = np.zeros((STEPS, L, R))
     for s, layer, slot, t in got.iter_rows():

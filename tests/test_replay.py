@@ -383,16 +383,17 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
     """A planner that numbers its ranks at random (as EPLB's numbering is arbitrary) re-planning
     an unchanging load: the re-planned placement never changes, so after relabeling no
     expert moves; imbalance equals that of the unshuffled planner."""
+    from moetrace.domain.shape import ClusterSpec
     from moetrace.placement.planners import Plan, make_plan
     from moetrace.replay import strategies
     from moetrace.replay.drift import drift
-    from moetrace.replay.load import RunShape
+    from moetrace.replay.load import read_shape
     from moetrace.replay.results import ReplayOptions
-    from moetrace.replay.sweep import sweep
+    from moetrace.replay.sweep import finish_sweep, plan_sweep, run_sweep_cells
 
     st, per = _constant_load_store(tmp_path / "c")
-    shape = RunShape.from_store(st, "c")
-    ps = shape.plan_shape(replicas=4)
+    shape = read_shape(st, "c")
+    ps = shape.plan_shape(ClusterSpec(replicas=4))
     opts = ReplayOptions(fit_cost=False)
     plain = drift(st, "c", shape, "greedy", ps, 2, 2, opts, write=False).to_dict()
     rng = np.random.default_rng(0)
@@ -425,7 +426,8 @@ def test_full_replans_are_relabeled_to_the_previous_plan(tmp_path, monkeypatch):
             rl[li, s_ // spr] += per[li, e] / cnt[e]
     assert d["replan"]["mean_imbalance"] == pytest.approx((rl.max(axis=1) / rl.mean(axis=1)).mean(), rel=1e-6)
     # the sweep's re-plan rows go through the same path
-    rows = sweep(st, "c", shape, "greedy", [4], [2], [2], opts).rows
+    job = plan_sweep(st, "c", shape, "greedy", [4], [2], [2], opts)
+    rows = finish_sweep(st, job, run_sweep_cells(st, job)).rows
     assert rows[-1].moved_experts == rows[0].moved_experts     # re-planning moves nothing after the first plan
 
 
@@ -468,7 +470,7 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
                            ("m", "moves", "w", 8, 40, 4), ("w", "greedy", "recorded", 2, 5, 3)]
 
     def plan_io_notes(meta, pid):
-        from moetrace.formats.plan_files import fit_notes
+        from moetrace.placement.plan_files import fit_notes
 
         return fit_notes(meta, np.arange(12), pid)
 
@@ -487,10 +489,10 @@ def test_stored_plans_keep_their_fit_window_and_replay_says_in_sample(tmp_path):
     assert any("imported" in n and "unknown" in n for n in notes("imp"))
     assert not any("fitted" in n for n in notes("recorded"))
     # a plan stored before the plans table existed: the replay says it cannot tell
-    from moetrace.formats import plan_files as plan_io
-    from moetrace.replay.load import RunShape
-    from moetrace.replay.plan_store import load_plan
+    from moetrace.placement import plan_files as plan_io
+    from moetrace.placement.plan_store import load_plan
+    from moetrace.replay.load import read_shape
 
-    p = load_plan(st, "c", "w", RunShape.from_store(st, "c"))
+    p = load_plan(st, "c", "w", read_shape(st, "c"))
     st.append("c", {"placement": plan_io.plan_table(p, "old")})
     assert any("no stored fit window" in n for n in notes("old"))

@@ -113,13 +113,13 @@ def test_time_band_is_the_gpu_cost_models_band(tiny):
 
 
 def test_sweep_rows_carry_the_exact_straggler_tokens(tiny):
-    from moetrace.replay.load import RunShape
+    from moetrace.replay.load import read_shape
     from moetrace.replay.results import ReplayOptions
     from moetrace.replay.sweep import finish_sweep, plan_sweep, run_sweep_cells
 
     path, tok = tiny
     st = Store(path)
-    shape = RunShape.from_store(st, "tiny")
+    shape = read_shape(st, "tiny")
     job = plan_sweep(st, "tiny", shape, "greedy", [0], [], [8], ReplayOptions(fit_cost=False))
     cells = run_sweep_cells(st, job)
     res = finish_sweep(st, job, cells)

@@ -147,7 +147,8 @@ def _store(path, T=70, L=3, E=12, R=16, rpn=4):
 def _replay(path, monkeypatch, *, pair: bool, threads: int, read_ahead: bool):
     import pyarrow.parquet as pq
 
-    from moetrace.replay import judge_plan, load
+    from moetrace.replay import judge as judge_plan
+    from moetrace.replay import load
     from moetrace.run import Store
 
     with monkeypatch.context() as mp:

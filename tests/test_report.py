@@ -11,7 +11,7 @@ import pytest
 
 from moetrace.produce.synth import SynthConfig, synth
 from moetrace.report import build as rbuild
-from moetrace.run import Store
+from moetrace.run import ClusterSpec, Store
 
 from .helpers import module_fixture, run_row
 
@@ -401,7 +401,7 @@ def test_every_predicted_time_carries_its_error_band(tmp_path):
     assert "uncalibrated" not in head
     rows = [r for r in sec.markdown.splitlines() if r.startswith("| ") and "plan" not in r]
     assert rows and all(want in r for r in rows)     # every timed row of the table has its band
-    run.replay(policy="eplb", replicas=4, fit_window=(0, 12))
+    run.replay(policy="eplb", cluster=ClusterSpec(replicas=4), fit_window=(0, 12))
     run.drift("eplb", every=6)
     sec = replay_section("stored")
     head = sec.markdown.split("\n\n")[0]

@@ -10,8 +10,9 @@ from .helpers.import_graph import MODULES, _resolve, _target
 
 SECTIONS = "moetrace.report.sections"
 #: what a section may import from moetrace: the report package itself, the table printer,
-#: the error types, and the kernel-kind vocabulary (constants only, no classifier call)
-ALLOWED = ("moetrace.report", "moetrace.output", "moetrace.errors")
+#: the number formatters (times, percentages, bytes), the error types, and the kernel-kind
+#: vocabulary (constants only, no classifier call)
+ALLOWED = ("moetrace.report", "moetrace.output", "moetrace.units", "moetrace.errors")
 VOCABULARY = "moetrace.domain.kernels"
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from moetrace.report import build as rbuild
 from moetrace.report import plots
-from moetrace.report.base import fmt_ns, md_table
+from moetrace.report.base import md_table
+from moetrace.units import time_text as fmt_ns
 
 
 @pytest.fixture

@@ -237,7 +237,7 @@ def test_reader_opened_before_a_tables_first_file_sees_it(slot_store):  # noqa: 
     assert reader.sql("SELECT count(*) AS n FROM plans")["n"][0] == 0  # views defined: plans is empty
     assert reader.sql("SELECT count(*) AS n FROM replay_runs")["n"][0] == 0
     writer = Store(path, create=True)
-    from moetrace.formats.plan_files import plan_ids
+    from moetrace.placement.plan_files import plan_ids
 
     _cli(["plan", path, "--policy", "greedy", "--replicas", "4", "--plan-id", "p1"])
     _cli(["replay", path, "--plan", "recorded"])
@@ -285,8 +285,8 @@ def test_sigkilled_plan_leaves_before_or_after(slot_store, tmp_path):  # noqa: F
     before_hash, before = tree_hash(template), _physical_counts(template)
     # each kill in its own process, forked from one that imported the CLI and the plan's modules
     writers = _ForkedWriters(tmp_path, SIGKILL_AT_REPLACE.format(repo=str(REPO)), preload=(
-        "moetrace.cli", "moetrace.commands.replay_cmds", "moetrace.run", "moetrace.replay.make_plan",
-        "moetrace.formats.plan_files", "moetrace.storage.check"))
+        "moetrace.cli", "moetrace.commands.replay_cmds", "moetrace.run", "moetrace.placement.plans",
+        "moetrace.placement.plan_files", "moetrace.storage.check"))
     for k in (1, 2, 3):  # journal, placement, plans
         store = tmp_path / f"s{k}"
         shutil.copytree(template, store)

@@ -9,12 +9,19 @@ Inspector's coll_sn counts per collective function and its log holds completed o
 only). Definitions (collectives only: point-to-point operations count p2p_seq, not seq):
 
 * a rank's progress in a group: ``last_scheduled`` = the highest seq it recorded in any
-  state, ``last_started`` = in state started or completed, ``last_completed`` = completed;
+  state, ``last_started`` = in state started or completed, ``last_completed`` = finished:
+  in state completed, or a gloo entry (op_name ``gloo:...``) that is ``retired`` (gloo never
+  marks an entry started or completed; it retires it when the work ends, while an NCCL
+  entry retired but not completed timed out);
   where the dump keeps pg_status (``comm_groups.last_*_seq``), ``reached`` = the larger of
   last_scheduled and pg_status last_enqueued (pg_status outlives the ring buffer);
+* a rank's ``done`` in a group: the larger of last_completed and pg_status
+  last_completed (the collector puts gloo's pg_status, which counts every operation, into
+  collective seq ids);
 * the group's stuck collective: the lowest seq that some rank entered (recorded, or
-  enqueued by pg_status) and did not complete; none when every rank completed all it
-  entered;
+  enqueued by pg_status) above its ``done`` (a group's collectives end in order on a
+  rank: one finished means the ones before it ended too, whatever their entries say);
+  none when every rank completed all it entered;
 * waiting ranks: members that reached the stuck seq and did not complete it; ranks that
   never reached it: members with a dump whose ``reached`` is below it; members without a
   dump are listed apart (nothing can be said of them);
@@ -57,7 +64,9 @@ def _ranks(xs) -> str:
 
 def hang_result(store, run_id: str) -> HangResult:
     """The run's hang post-mortem (see the module docstring)."""
-    coll = store.sql("""SELECT rank, grp, group_desc, op, op_name, seq, state, input_sizes, input_dtypes
+    coll = store.sql("""SELECT rank, grp, group_desc, op, op_name, seq, state, input_sizes, input_dtypes,
+                               state = 'completed' OR (coalesce(retired, false) AND op_name LIKE 'gloo:%')
+                                 AS finished
                         FROM collectives WHERE run_id = ? AND source = 'flight_recorder' AND NOT is_p2p
                           AND seq IS NOT NULL""", [run_id])
     cg = store.sql("""SELECT rank, grp, group_desc, members, last_enqueued_seq, last_started_seq, last_completed_seq
@@ -66,7 +75,7 @@ def hang_result(store, run_id: str) -> HangResult:
     prog = (coll.group_by("grp", "rank").agg(
         pl.len().alias("entries"), pl.col("seq").max().alias("last_scheduled"),
         pl.col("seq").filter(pl.col("state") != "scheduled").max().alias("last_started"),
-        pl.col("seq").filter(pl.col("state") == "completed").max().alias("last_completed")))
+        pl.col("seq").filter(pl.col("finished")).max().alias("last_completed")))
     st = cg.select("grp", "rank", pl.col("last_enqueued_seq").alias("status_enqueued"),
                    pl.col("last_started_seq").alias("status_started"),
                    pl.col("last_completed_seq").alias("status_completed"))
@@ -85,8 +94,13 @@ def hang_result(store, run_id: str) -> HangResult:
     rows, lines = [], []
     for g in sorted(members):
         p = prog.filter(pl.col("grp") == g)
-        cand = coll.filter((pl.col("grp") == g) & (pl.col("state") != "completed"))["seq"].to_list()
-        for reached, done in p.select("status_enqueued", "status_completed").iter_rows():
+        # an unfinished entry is open unless its rank finished a later collective of the group
+        # or pg_status says it completed: a group's collectives end in order on a rank, and
+        # the backend records an end some time after it (gloo: from its worker threads)
+        cand = (coll.filter((pl.col("grp") == g) & ~pl.col("finished"))
+                .join(p.select("rank", "done"), on="rank", how="left")
+                .filter(pl.col("done").is_null() | (pl.col("seq") > pl.col("done")))["seq"].to_list())
+        for reached, done in p.select("status_enqueued", "done").iter_rows():
             if reached is not None and (done is None or reached > done):
                 cand.append((done if done is not None else -1) + 1)
         mem = sorted(members[g])

@@ -92,6 +92,22 @@ _REGISTRY: dict[str, Collector] = {}
 _LOADED = False
 
 
+def source_label(paths: Sequence[Path]) -> str:
+    """``runs.source`` of a run read from ``paths``: their names (up to four), else the
+    name of the folder they share and how many files (``dumps/ (8 files)``); relative
+    paths are resolved first, so files given as ``a.log b.log ...`` name the folder they
+    are in rather than an empty one."""
+    import os
+
+    if len(paths) <= 4:
+        return ",".join(p.name for p in paths)
+    try:
+        common = Path(os.path.commonpath([str(Path(p).resolve().parent) for p in paths]))
+    except ValueError:   # different drives
+        common = Path(paths[0]).resolve().parent
+    return f"{common.name or common}/ ({len(paths)} files)"
+
+
 def register(collector: Collector) -> Collector:
     _REGISTRY[collector.name] = collector
     return collector

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import zlib
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated
 
@@ -32,11 +31,11 @@ from ..safety import (
     checked_int,
     max_inflated,
 )
+from ._chrome_ts import TsTexts as _TsTexts
+from ._chrome_ts import dur_column, int_or_none, ts_column
 from ._launch_context import CONTEXT_CAT, keep_cpu_op
-from ._polars import pl
 from ._profile import CPU_SCHEMA, GPU_SCHEMA
 
-MAX_DUR_NS = 3600 * 10**9          # an event longer than an hour is corrupt
 BATCH = 4000                       # events decoded to records at a time (cache-sized)
 # ids must fit their columns (device, stream: int32; correlation: int64): a value beyond
 # is a ValidationError naming the event, never an overflow later
@@ -99,50 +98,6 @@ def rank_from_name(name: str, path=None) -> int | None:
         m = pat.search(name)
         if m:   # a rank in a file name is range-checked like one in the trace
             return checked_int(m.group(1), 0, SHAPE_MAX - 1, path or name, "rank in the file name")
-    return None
-
-
-def ts_to_ns(texts: list[bytes], base_ns: int, path: Path, offset: int) -> list[int]:
-    """Decimal µs text -> integer ns (+ base), exactly; rounds half away from zero past ns."""
-    out = []
-    for j, t in enumerate(texts):
-        s = t.decode("ascii", "replace") if isinstance(t, (bytes, bytearray, memoryview)) else str(t)
-        neg = s.startswith("-")
-        body = s[1:] if neg else s
-        ip, dot, fp = body.partition(".")
-        if ip.isdigit() and (not fp or fp.isdigit()):
-            v = int(ip) * 1000 + int((fp + "000")[:3] or 0)
-            if len(fp) > 3 and fp[3] >= "5":
-                v += 1
-        else:
-            shown = s if len(s) <= 40 else s[:37] + "..."
-            try:
-                d = Decimal(s.strip().strip('"'))
-            except InvalidOperation:
-                raise InputError(path, f"timestamp {shown!r} is not a number", f"event {offset + j}") from None
-            if not d.is_finite():
-                raise InputError(path, f"timestamp {shown!r} is not finite", f"event {offset + j}")
-            if d != 0 and d.adjusted() > 30:  # 1e999999999: refused before any arithmetic can overflow
-                raise InputError(path, f"timestamp {shown!r} µs is outside the 64-bit ns range", f"event {offset + j}")
-            neg = d < 0
-            v = int((abs(d) * 1000).to_integral_value(rounding="ROUND_HALF_UP"))
-        ns = base_ns + (-v if neg else v)
-        if not -(2 ** 63) <= ns < 2 ** 63:
-            raise InputError(path, f"timestamp {s!r} µs is outside the 64-bit ns range", f"event {offset + j}")
-        out.append(ns)
-    return out
-
-
-def _int(v) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        try:
-            return int(v)
-        except ValueError:
-            return None
     return None
 
 
@@ -394,7 +349,7 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
     for ts_list, dur_list, idx, cols in ((acc.ts["gpu"], acc.gpu_dur, acc.gpu_idx, gpu),
                                          (acc.ts["cpu"], acc.cpu_dur, acc.cpu_idx, cpu)):
         starts = ts_column(ts_list, idx, base_ns, path)
-        durs = _dur_column(dur_list, idx, path)
+        durs = dur_column(dur_list, idx, path)
         if len(starts) and starts.min() < 0:
             j = int(starts.arg_min())
             raise InputError(path, f"event starts at a negative time ({starts[j]} ns since the epoch"
@@ -453,34 +408,6 @@ class _Acc:
                 raws.clear()
 
 
-class _TsTexts:
-    """The ``ts`` texts of one column: per batch, the numbers joined by commas (a number
-    holds no comma), or, for a batch with a string, list or object value, each text on
-    its own."""
-
-    def __init__(self):
-        self.parts: list = []
-        self.n = 0
-
-    def add(self, raws: list) -> None:
-        joined = b",".join(raws)
-        plain = b'"' not in joined and b"[" not in joined and b"{" not in joined  # numbers (or null/true)
-        self.parts.append(joined if plain else [bytes(r) for r in raws])
-        self.n += len(raws)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def joined(self) -> bytes:
-        return b",".join(p if isinstance(p, bytes) else b",".join(p) for p in self.parts)
-
-    def texts(self) -> list:
-        out: list = []
-        for p in self.parts:
-            out.extend(p.split(b",") if isinstance(p, bytes) else p)
-        return out
-
-
 def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
     """Columns of one decoded batch (comprehensions: the per-event cost is what matters)."""
     gpu, gpu_ts, gpu_dur, gpu_idx = acc.gpu, acc.gpu_ts, acc.gpu_dur, acc.gpu_idx
@@ -516,9 +443,9 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
         gpu["name"].extend([str(e.name) for _, e in g])
         gpu["cat"].extend([_CAT_CANON.get(e.cat, e.cat) for _, e in g])
         gpu["device"].extend([e.args.device if e.args is not None and e.args.device is not None
-                              else ((e.pid if type(e.pid) is int else _int(e.pid)) or 0) for _, e in g])
+                              else ((e.pid if type(e.pid) is int else int_or_none(e.pid)) or 0) for _, e in g])
         gpu["stream"].extend([e.args.stream if e.args is not None and e.args.stream is not None
-                              else ((e.tid if type(e.tid) is int else _int(e.tid)) or 0) for _, e in g])
+                              else ((e.tid if type(e.tid) is int else int_or_none(e.tid)) or 0) for _, e in g])
         gpu["correlation"].extend([e.args.correlation if e.args is not None else None for _, e in g])
         gpu["coll_arg"].extend([e.args.collective if e.args is not None else None for _, e in g])
         acc.gpu_pg.extend([_pg_of(e.args) for _, e in g])
@@ -528,15 +455,15 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
     lr = [(i, e) for i, e in lr if e.args is not None and e.args.correlation is not None]
     if lr:
         launch["correlation"].extend([e.args.correlation for _, e in lr])
-        launch["pid"].extend([(e.pid if type(e.pid) is int else _int(e.pid)) for _, e in lr])
-        launch["tid"].extend([(e.tid if type(e.tid) is int else _int(e.tid)) for _, e in lr])
+        launch["pid"].extend([(e.pid if type(e.pid) is int else int_or_none(e.pid)) for _, e in lr])
+        launch["tid"].extend([(e.tid if type(e.tid) is int else int_or_none(e.tid)) for _, e in lr])
         launch_ts.extend([e.ts for _, e in lr])
         acc.launch_idx.extend([b0 + i for i, _ in lr])
     if c:
         cpu["name"].extend([str(e.name) for _, e in c])
         cpu["cat"].extend([CONTEXT_CAT if i in ctx_at else _CAT_CANON.get(e.cat, e.cat) for i, e in c])
-        cpu["pid"].extend([(e.pid if type(e.pid) is int else _int(e.pid)) for _, e in c])
-        cpu["tid"].extend([(e.tid if type(e.tid) is int else _int(e.tid)) for _, e in c])
+        cpu["pid"].extend([(e.pid if type(e.pid) is int else int_or_none(e.pid)) for _, e in c])
+        cpu["tid"].extend([(e.tid if type(e.tid) is int else int_or_none(e.tid)) for _, e in c])
         cpu_ts.extend([e.ts for _, e in c])
         cpu_dur.extend([e.dur for _, e in c])
         cpu_idx.extend([b0 + i for i, _ in c])
@@ -582,71 +509,3 @@ def _plain(raw: msgspec.Raw) -> str:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return ""
     return b.decode("ascii", "replace") if b and re.fullmatch(rb"-?\d+", b) else ""
-
-
-_NUM_RE = r"^-?\d+(?:\.\d*)?$"
-_INTS_DEC = msgspec.json.Decoder(list[int])
-
-
-def ts_column(ts_list, idx: list | None, base_ns: int, path: Path) -> pl.Series:
-    """Decimal µs texts (msgspec Raw slices, or :class:`_TsTexts`) -> exact integer ns
-    (+ base), vectorized.
-
-    All integers (absolute-epoch µs): decoded as one JSON array of ints, times 1000.
-    Otherwise exact decimal arithmetic on the text: integer part * 1000 + the first three
-    decimals, rounded half away from zero on the fourth; anything else (exponents, quoted
-    numbers) goes through Decimal one value at a time."""
-    if not len(ts_list):
-        return pl.Series("t", [], pl.Int64)
-    limit = (2**63 - 1 - abs(base_ns)) // 1000 - 1
-    if isinstance(ts_list, _TsTexts):
-        joined = ts_list.joined()
-    else:
-        joined = b",".join(ts_list)
-    try:
-        ints = pl.Series("t", _INTS_DEC.decode(b"[" + joined + b"]"), pl.Int64)
-    except (msgspec.DecodeError, msgspec.ValidationError, OverflowError, TypeError):
-        ints = None
-    if ints is not None and len(ints) == len(ts_list) and -limit < ints.min() and ints.max() < limit:
-        return (ints * 1000 + base_ns).alias("t")
-    del ints
-    if isinstance(ts_list, _TsTexts):
-        ts_list = ts_list.texts()
-    for j, t in enumerate(ts_list):
-        if not len(t):
-            raise InputError(path, "complete event without ts", f"event {idx[j] if idx else j}")
-    text = pl.Series("t", [b"\n".join(ts_list).decode("utf-8", "replace")], pl.Utf8).str.split("\n").explode()
-    del joined
-    ok = text.str.contains(_NUM_RE)
-    neg = text.str.starts_with("-")
-    body = text.str.strip_prefix("-")
-    parts = body.str.split_exact(".", 1).struct.unnest()
-    frac = parts["field_1"].fill_null("").str.pad_end(4, "0")
-    ip = parts["field_0"].cast(pl.Int64, strict=False)
-    v = ip * 1000 + frac.str.slice(0, 3).cast(pl.Int64, strict=False) + (frac.str.slice(3, 1) >= "5").cast(pl.Int64)
-    v = pl.select(pl.when(neg).then(-v).otherwise(v)).to_series()
-    # where ip * 1000 (+ base) could wrap around int64, take the exact (range-checked) path
-    bad = ~ok | v.is_null() | ip.is_null() | (ip >= limit)
-    if bad.any():
-        vals = v.to_list()
-        for j in bad.arg_true().to_list():
-            vals[j] = ts_to_ns([text[j].encode()], 0, path, idx[j] if idx else j)[0]
-        v = pl.Series("t", vals, pl.Int64)
-    return (v + base_ns).alias("t")
-
-
-def _dur_column(dur_list: list, idx: list, path: Path) -> pl.Series:
-    d = pl.Series("d", dur_list, pl.Float64, strict=False)
-    if d.null_count():   # every event kept is a complete ('X') one: its dur says when it ended
-        j = d.is_null().arg_true()[0]
-        raise InputError(path, "a complete ('X') event has no numeric dur, so when it ended is unknown",
-                         f"event {idx[j]}")
-    ns = (d * 1000).round(0)
-    bad = (ns < 0) | (ns > MAX_DUR_NS) | d.is_nan()
-    if bad.any():
-        j = bad.arg_true()[0]
-        v = dur_list[j]
-        if v is not None and v < 0:
-            raise InputError(path, f"event has a negative duration ({v} µs)", f"event {idx[j]}")
-        raise InputError(path, f"event lasts {v} µs (over an hour): corrupt trace", f"event {idx[j]}")
-    return ns.cast(pl.Int64)

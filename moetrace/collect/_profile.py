@@ -33,6 +33,7 @@ from ..domain.kernels import (
     normalize_name,
 )
 from . import _launch_context as lctx
+from . import source_label
 from ._polars import Dtypes, pl
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
@@ -423,7 +424,7 @@ def run_data(paths, sha256: str, time_base: str, num_ranks: int, options: dict, 
     from . import RunData
 
     run = {
-        "source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+        "source": source_label(paths),
         "source_sha256": sha256,
         "time_base": time_base,
         "num_ranks": num_ranks,

@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InputError, UsageError
+from ..safety import SHAPE_MAX
 from ..storage import schema
 
 
@@ -51,7 +52,6 @@ MAX_COUNT = 2**40
 _SHAPE = {"num_layers": "--layers", "num_experts": "--experts", "top_k": "--top-k", "num_ranks": "--ranks",
           "ranks_per_node": "--ranks-per-node", "num_slots": "num_slots", "num_groups": "num_groups",
           "dp_size": "--dp-size"}
-_SHAPE_MAX = 1 << 24
 
 
 def _err(file, msg: str):
@@ -76,8 +76,8 @@ def check_shape(values: dict, file=None, source: str = "option") -> None:
                 raise ValueError
         except (TypeError, ValueError, OverflowError):
             raise _err(file, f"{name} = {str(v)[:30]!r} is not a whole number") from None
-        if not 1 <= n <= _SHAPE_MAX:
-            raise _err(file, f"{name} = {n} is out of range (1..{_SHAPE_MAX})")
+        if not 1 <= n <= SHAPE_MAX:
+            raise _err(file, f"{name} = {n} is out of range (1..{SHAPE_MAX})")
         got[k] = n
     E, k_, R, rpn, P = (got.get(x) for x in ("num_experts", "top_k", "num_ranks", "ranks_per_node", "num_slots"))
     if E and k_ and k_ > E:

@@ -47,7 +47,7 @@ import pyarrow as pa
 
 from ..domain.hashing import sha256_files
 from ..errors import InputError
-from . import Collector, RunData, _arrays, register
+from . import Collector, RunData, _arrays, register, source_label
 
 RECV = ("cumulative_local_expert_recv_stats", "num_recv_tokens_per_expert_list", "packed_recv_count", "recv_count")
 WAIT = {"dispatch_wait_recv_cost_stats": "dispatch", "combine_wait_recv_cost_stats": "combine"}
@@ -204,8 +204,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
                           "ranks")
     if ignored:
         approx.append(f"{len(ignored)} arrays that are not DeepEP counters were not read ({', '.join(ignored[:5])})")
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ "
-                                                                            f"({len(paths)} files)",
+    run = {"source": source_label(paths),
            "source_sha256": sha256_files(paths), "collector": "deepep", "time_base": "none",
            "num_layers": options.get("num_layers") or L, "num_experts": R * E_local if E_local else
            options.get("num_experts"),

@@ -33,7 +33,7 @@ from ..domain.kernels import normalize_collective
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, json_loads, limit, limit_error
 from ..safety_pickle import is_pickle, load_plain
-from . import Collector, RunData, register
+from . import Collector, RunData, register, source_label
 from ._polars import Dtypes, pl
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -57,6 +57,9 @@ class _Entry(msgspec.Struct, kw_only=True):
     time_discovered_completed_ns: _U63 | None = None
     duration_ms: float | None = None
     is_p2p: bool | None = None
+    op_id: _U63 | None = None
+    retired: bool | None = None
+    timeout_ms: _SIZE | None = None
 
 
 class _PgConfig(msgspec.Struct):
@@ -69,7 +72,7 @@ class _Dump(msgspec.Struct):
     version: str | int | float
     entries: list[_Entry] = []
     pg_config: dict[str, _PgConfig] = {}
-    pg_status: dict[str, dict[str, _U63 | str]] = {}
+    pg_status: dict[str, dict[str, _SIZE | str]] = {}
     comm_lib_version: str | None = None
 
 
@@ -86,9 +89,16 @@ def op_of(profiling_name: str) -> str:
 def _sniff(path: Path, head: bytes) -> bool:
     if is_pickle(head):
         return b"pg_config" in head or (b"entries" in head and b"profiling_name" in head)
+    # dump_json sorts the keys (nlohmann::json): comm_lib_version, entries (each entry's keys
+    # from collective_seq_id on), nccl_comm_state, pg_config, pg_status, version. version and
+    # pg_config can lie past the head, so the entries' own keys identify the dump too.
     text = head.lstrip()
-    return text.startswith(b"{") and b'"version"' in head and (
-        b'"pg_config"' in head or (b'"entries"' in head and b'"profiling_name"' in head))
+    if not text.startswith(b"{"):
+        return False
+    if b'"pg_config"' in head and (b'"version"' in head or b'"pg_status"' in head):
+        return True
+    return b'"entries"' in head and b'"collective_seq_id"' in head and (
+        b'"profiling_name"' in head or b'"p2p_seq_id"' in head or b'"comm_lib_version"' in head)
 
 
 def _load(path: Path) -> tuple[dict, bytes, str]:
@@ -149,21 +159,28 @@ def _parse(path: Path, rank: int, notes: list[str]) -> tuple[list[dict], list[di
                          f"entry {m.group(1)}" if m else None) from None
     members: dict[str, list[int] | None] = {}
     descs: dict[str, str | None] = {}
+    cfg_ranks: dict[str, object] = {}
     for g, cfg in d.pg_config.items():
         name = cfg.name or g
+        cfg_ranks[name] = cfg.ranks
         members[name] = _members(path, name, cfg, notes)
         descs[name] = cfg.desc
     rows = []
     pg_names: dict[int, str] = {}
     seen: dict[int, int] = {}
+    used: set[str] = set()
+    op_seq: dict[str, dict[int, int]] = {}   # gloo group -> {op_id: collective_seq_id}
     for i, e in enumerate(d.entries):
         if e.record_id in seen:
             raise InputError(path, f"record_id {e.record_id} appears twice (entries {seen[e.record_id]} and {i})",
                              f"entry {i}")
         seen[e.record_id] = i
         g, desc = e.process_group
+        used.add(g)
         if e.pg_id is not None:
             pg_names.setdefault(e.pg_id, g)
+        if e.profiling_name.startswith("gloo:") and e.op_id is not None and not e.is_p2p:
+            op_seq.setdefault(g, {})[e.op_id] = e.collective_seq_id
         if e.duration_ms is not None and not (0 <= e.duration_ms < 1e9):
             raise InputError(path, f"duration_ms {e.duration_ms!r} is negative, not finite or over 11 days",
                              f"entry {i}")
@@ -186,7 +203,7 @@ def _parse(path: Path, rank: int, notes: list[str]) -> tuple[list[dict], list[di
             "peer": peer, "msg_bytes": None,
             "input_sizes": json.dumps(e.input_sizes), "output_sizes": json.dumps(e.output_sizes),
             "input_dtypes": json.dumps(e.input_dtypes), "output_dtypes": json.dumps(e.output_dtypes),
-            "state": e.state, "created_ns": e.time_created_ns, "started_ns": a, "completed_ns": b,
+            "state": e.state, "retired": e.retired, "created_ns": e.time_created_ns, "started_ns": a, "completed_ns": b,
             "duration_ns": round(e.duration_ms * 1e6) if e.duration_ms is not None else None,
             "timing_source": "cuda_event" if e.duration_ms is not None else None,
             "algo_bw_gbps": None, "bus_bw_gbps": None,
@@ -214,11 +231,21 @@ def _parse(path: Path, rank: int, notes: list[str]) -> tuple[list[dict], list[di
                                            "whole number") from None
             if v is not None and not (-1 <= v < 2**63):
                 raise InputError(path, f"pg_status {excerpt(pg_id, 20)}.{key} = {v} is out of range")
+            # -1: nothing yet (and always for last_started without TORCH_NCCL_ENABLE_TIMING)
             vals[key] = v if v is None or v >= 0 else None
-        status[g] = vals
+        status[g] = _gloo_status(vals, op_seq.get(g)) if g in op_seq else vals
     if unmapped:
         notes.append(f"{path.name}: pg_status of {unmapped} group id(s) with no entry left in the buffer (their "
                      "names are unknown): not kept")
+    if op_seq:
+        notes.append(f"{path.name}: gloo pg_status counts every operation of a group (op_id, point-to-point "
+                     "included); translated to collective sequence ids through the entries' op_id")
+    for g in [g for g in members if g == "" and g not in used]:
+        # gloo registers a group's ranks before it has a name, all under "": such an entry
+        # names no group the entries use
+        notes.append(f"{path.name}: pg_config lists ranks {excerpt(str(cfg_ranks.get(g)), 40)} under an empty group "
+                     "name no entry uses (gloo registers groups before naming them): members taken from the dumps")
+        del members[g]
     groups = []
     for g in sorted(members):
         mem, st = members[g], status.get(g, {})
@@ -233,11 +260,26 @@ def _parse(path: Path, rank: int, notes: list[str]) -> tuple[list[dict], list[di
     return rows, groups, info
 
 
+def _gloo_status(vals: dict, op_seq: dict[int, int]) -> dict:
+    """pg_status of a gloo group in collective sequence ids. gloo's pg_status holds the
+    work's sequence number, which counts every operation of the group (the entries' op_id;
+    ProcessGroupGloo::enqueue), while the entries' collective_seq_id counts collectives only:
+    the value becomes the seq of the last collective at or before that op_id (a send or recv
+    has no entry). Below the oldest op_id left in the buffer nothing says: NULL."""
+    ids = sorted(op_seq)
+    out = {}
+    for k, v in vals.items():
+        at = [i for i in ids if v is not None and i <= v]
+        out[k] = op_seq[at[-1]] if at else None
+    return out
+
+
 _COLL_SCHEMA = Dtypes(rank="Int32", source="Utf8", entry="Int64", grp="Utf8", group_desc="Utf8",
                       group_rank="Int32", group_size="Int32", op="Utf8", op_name="Utf8",
                       is_p2p="Boolean", seq="Int64", p2p_seq="Int64", record_id="Int64",
                       peer="Int32", msg_bytes="Int64", input_sizes="Utf8", output_sizes="Utf8",
-                      input_dtypes="Utf8", output_dtypes="Utf8", state="Utf8", created_ns="Int64",
+                      input_dtypes="Utf8", output_dtypes="Utf8", state="Utf8", retired="Boolean",
+                      created_ns="Int64",
                       started_ns="Int64", completed_ns="Int64", duration_ns="Int64",
                       timing_source="Utf8", algo_bw_gbps="Float64", bus_bw_gbps="Float64")
 _GROUP_SCHEMA = Dtypes(rank="Int32", source="Utf8", grp="Utf8", group_desc="Utf8", group_rank="Int32",
@@ -292,7 +334,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     meta = {"format": "flight_recorder", "version": versions, "encoding": sorted({i["kind"] for i in infos}),
             "comm_lib_version": sorted({i["comm_lib_version"] for i in infos if i["comm_lib_version"]}),
             "files": [p.name for p in paths], "ranks": ranks}
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+    run = {"source": source_label(paths),
            "source_sha256": h, "time_base": "epoch", "num_ranks": options.get("num_ranks") or len(set(ranks)),
            "ranks_per_node": options.get("ranks_per_node"), "approximations": json.dumps(approx),
            "meta_json": json.dumps(meta)}

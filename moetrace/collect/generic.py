@@ -6,7 +6,7 @@ needs ``step, layer, token, expert`` (optional ``choice, src_rank, slot, gate``;
 expert_load so every metric works on it. Each file is one run.
 
 expert_load files stream (benchmarks/results/scale_log.md): Parquet and JSONL are read in batches of
-:data:`BATCH_ROWS` rows, CSV in 8 MiB blocks (pyarrow's streaming reader). A first pass
+:data:`._generic_read.BATCH_ROWS` rows, CSV in 8 MiB blocks (pyarrow's streaming reader). A first pass
 checks every batch (integer columns, nulls, negative values, ids inside the shape given
 and the contract's int32) and notes the shape; the rows are written in a second pass over the file,
 batch by batch, so memory does not grow with the file. A file whose rows are complete
@@ -18,7 +18,6 @@ DuckDB over the key columns (it spills), or ruled out by the dense order.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -31,6 +30,13 @@ from ..domain.hashing import sha256_files
 from ..errors import InputError
 from ..streams import Rereadable, prefetched
 from . import Collector, RunData, head, register
+from ._generic_read import (
+    _columns,
+    _frames,
+    _jsonl_batches,
+    _parquet_batches,
+    _row,
+)
 from .checks import MAX_COUNT
 
 if TYPE_CHECKING:   # polars is imported where a path needs it (a command's start-up)
@@ -40,9 +46,6 @@ LOAD_REQ = ["step", "layer", "expert", "tokens"]
 LOAD_OPT = ["slot", "src_rank"]
 ROUTE_REQ = ["step", "layer", "token", "expert"]
 ROUTE_OPT = ["choice", "src_rank", "slot", "gate"]
-_INT_COLS = {"step", "layer", "expert", "tokens", "slot", "src_rank", "token", "choice"}
-#: rows per batch of the streamed expert_load path
-BATCH_ROWS = 1 << 20
 #: progress lines on stderr for files of more rows than this (or with ``--set progress=1``)
 PROGRESS_ROWS = 8_000_000
 
@@ -62,184 +65,6 @@ def _kind_of(path: Path, head: bytes) -> str | None:
 
 def _sniff(path: Path, head: bytes) -> bool:
     return _kind_of(path, head) is not None
-
-
-def _jsonl_batches(path: Path, batch_rows: int | None = None, meta: list | None = None) -> Iterator[pl.DataFrame]:
-    """The JSON objects of a JSONL file, :data:`BATCH_ROWS` lines at a time. Metadata
-    records (``{"type": "meta", ...}``, :func:`._jsonl_meta.is_meta`) are skipped and, when
-    ``meta`` is a list, appended to it as (line, record)."""
-    from ._jsonl_meta import is_meta
-
-    batch_rows = batch_rows or BATCH_ROWS
-    rows = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise InputError(path, f"invalid JSON: {e.msg}", f"line {i}") from None
-            if not isinstance(obj, dict):
-                raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
-            if is_meta(obj):
-                if meta is not None:
-                    meta.append((i, obj))
-                continue
-            for k in _INT_COLS.intersection(obj):
-                if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
-                    raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
-            rows.append(obj)
-            if len(rows) >= batch_rows:
-                yield _json_frame(path, rows)
-                rows = []
-    if rows:
-        yield _json_frame(path, rows)
-
-
-def _json_frame(path: Path, rows: list[dict]) -> pl.DataFrame:
-    import polars as pl
-
-    try:
-        return pl.DataFrame(rows, infer_schema_length=None)
-    except Exception as e:
-        raise InputError(path, f"inconsistent column types: {e}") from None
-
-
-def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
-    """Integer columns as Int64 (``offset``: rows before this batch, for positions)."""
-    import polars as pl
-
-    for c in df.columns:
-        if c not in _INT_COLS:
-            continue
-        s = df[c]
-        if s.dtype.is_float():
-            bad = s.is_nan() | (s != s.round(0))
-            if bad.any():
-                i = int(bad.arg_max())
-                raise InputError(path, f"column {c!r} holds a non-integer value {s[i]!r}", _row(path, offset + i + 1))
-        elif not s.dtype.is_integer() and s.dtype != pl.Null:
-            try:
-                df = df.with_columns(pl.col(c).cast(pl.Int64, strict=True))
-                continue
-            except Exception:
-                i = _first_uncastable(s)
-                raise InputError(path, f"column {c!r} must be integer, got {s[i]!r}" if i is not None else
-                                 f"column {c!r} must be integer, got {s.dtype}",
-                                 _row(path, offset + i + 1) if i is not None else None) from None
-        try:
-            df = df.with_columns(pl.col(c).cast(pl.Int64))
-        except Exception:  # e.g. a 128-bit integer polars read from a huge literal
-            i = _first_uncastable(s)
-            pos = _row(path, offset + i + 1) if i is not None else None
-            raise InputError(path, f"column {c!r} holds a value outside the 64-bit integer range", pos) from None
-    return df
-
-
-def _first_uncastable(s: pl.Series) -> int | None:
-    """Index of the first non-null value of ``s`` that is no 64-bit integer (None: not found,
-    or a type such as a list that has no per-value cast)."""
-    import polars as pl
-
-    try:
-        bad = s.cast(pl.Int64, strict=False).is_null() & s.is_not_null()
-    except Exception:
-        return None
-    return int(bad.arg_max()) if bad.any() else None
-
-
-def _row(path: Path, row: int) -> str:
-    """Where data row ``row`` (1-based, the header not counted) is: in a CSV also its line
-    (the header is line 1), so an editor's line number finds it."""
-    name = str(path).lower()
-    if name.endswith((".parquet", ".jsonl", ".ndjson")):
-        return f"row {row}"
-    return f"row {row}, line {row + 1}"
-
-
-def _parse_error(path: Path, e: BaseException) -> InputError:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    m = re.search(r"Row #(\d+)", msg)       # pyarrow's CSV reader counts lines, the header being line 1
-    pos = _row(path, int(m.group(1)) - 1) if m else None
-    return InputError(path, f"cannot parse: {msg}", pos)
-
-
-def _parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
-    """A Parquet file's rows in record batches of :data:`BATCH_ROWS` (``columns``: only those)."""
-    import pyarrow.parquet as pq
-
-    from ..safety import arrow_path
-
-    try:
-        it = pq.ParquetFile(arrow_path(path)).iter_batches(batch_size=BATCH_ROWS, columns=columns)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:
-        raise _parse_error(path, e) from None
-    while True:
-        try:
-            b = next(it)
-        except StopIteration:
-            return
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            raise _parse_error(path, e) from None
-        if b.num_rows:
-            yield b
-
-
-def _frames(path: Path, meta: list | None = None) -> Iterator[pl.DataFrame]:
-    """The file's rows in batches: Parquet by row batches of :data:`BATCH_ROWS`, JSONL by
-    as many lines, CSV by 8 MiB blocks (pyarrow's streaming reader; column types from the
-    first block)."""
-    import polars as pl
-
-    if path.name.lower().endswith(".parquet"):
-        for b in _parquet_batches(path):
-            yield pl.from_arrow(b)
-        return
-    if path.name.lower().endswith((".jsonl", ".ndjson")):
-        it = _jsonl_batches(path, meta=meta)
-    else:
-        import pyarrow.csv as pacsv
-
-        def csv_batches():
-            reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=8 << 20, use_threads=False),
-                                    convert_options=pacsv.ConvertOptions(null_values=[""]))  # "NaN" is a value
-            for b in reader:
-                yield pl.from_arrow(b)
-        it = csv_batches()
-    while True:
-        try:
-            df = next(it)
-        except StopIteration:
-            return
-        except (InputError, KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            raise _parse_error(path, e) from None
-        if df.height:
-            yield df
-
-
-def _columns(df: pl.DataFrame, path: Path, req: list[str], opt: list[str], offset: int = 0) -> pl.DataFrame:
-    """The ``req`` and ``opt`` columns of ``df``: integers as Int64, required ones without
-    nulls, absent optional ones added as nulls (``offset``: rows before this batch)."""
-    import polars as pl
-
-    cols = set(df.columns)
-    df = _ints(df.select([c for c in req + opt if c in cols]), path, offset)
-    for c in req:
-        if df[c].null_count():
-            i = int(df[c].is_null().arg_max())
-            raise InputError(path, f"column {c!r} is empty", _row(path, offset + i + 1))
-    for c in opt:
-        if c not in df.columns:
-            df = df.with_columns(pl.lit(None, dtype=pl.Int64 if c != "gate" else pl.Float32).alias(c))
-    return df
 
 
 #: the order the range checks of a batch run in (the first bad value of the first column

@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from ..domain.hashing import sha256_files
 from ..errors import InputError
-from . import Collector, RunData, _arrays, head, register
+from . import Collector, RunData, _arrays, head, register, source_label
 from .checks import MAX_COUNT
 
 _TRACE_KEYS = ("top_indices", "num_tokens", "topk")
@@ -315,8 +315,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     if kind == "trace" and not options.get("num_experts"):
         approx.append("num_experts inferred from the highest expert id")
     L = int(options.get("num_layers") or layer.max() + 1)
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} "
-                                                                            "files)",
+    run = {"source": source_label(paths),
            "source_sha256": sha256_files(paths), "collector": "megatron", "time_base": "none",
            "num_layers": L, "num_experts": E, "top_k": k, "num_ranks": R,
            "ranks_per_node": options.get("ranks_per_node"), "num_slots": options.get("num_slots") or E,

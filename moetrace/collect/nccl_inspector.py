@@ -30,7 +30,7 @@ import msgspec
 from ..domain.kernels import normalize_collective
 from ..errors import InputError
 from ..safety import check_regular_file, excerpt, limit, limit_error
-from . import Collector, RunData, register
+from . import Collector, RunData, register, source_label
 from ._polars import pl
 
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -99,7 +99,10 @@ class _Record(msgspec.Struct):
     p2p_perf: _P2p | None = None
 
 
-_DEC = msgspec.json.Decoder(_Record)
+# lax decoding: the writer prints its doubles with "%lf" and a NaN as the string "nan"
+# (plugins/profiler/inspector/json.cc jsonDouble), and a whole-number count may come as a
+# float (5663.0) from builds that format through a double; a fraction is still refused
+_DEC = msgspec.json.Decoder(_Record, strict=False)
 
 #: NCCL's function names (ncclFuncToString) in moetrace's spelling (one per function: coll_sn
 #: is counted per function, so AllGather and AllGatherV must stay apart)
@@ -140,7 +143,8 @@ def _parse(path: Path) -> tuple[list[dict], dict]:
         raise InputError(path, f"cannot read: {e.strerror}") from None
     cap = limit("max_line_bytes") * 16
     rows: list[dict] = []
-    info = {"hosts": set(), "pids": set(), "versions": set(), "sources": set(), "verbose": 0, "no_kernel_ts": 0}
+    info = {"hosts": set(), "pids": set(), "versions": set(), "sources": set(), "verbose": 0, "no_kernel_ts": 0,
+            "other": 0, "nan_bw": 0}
     seen: dict[tuple, int] = {}
     for ln, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
@@ -155,8 +159,13 @@ def _parse(path: Path) -> tuple[list[dict], dict]:
         except msgspec.DecodeError as e:
             raise InputError(path, f"invalid JSON: {excerpt(str(e), 120)}", f"line {ln}") from None
         h, m = rec.header, rec.metadata
-        if (rec.coll_perf is None) == (rec.p2p_perf is None):
-            raise InputError(path, "a record needs exactly one of coll_perf and p2p_perf", f"line {ln}")
+        if rec.coll_perf is not None and rec.p2p_perf is not None:
+            raise InputError(path, "a record holds both coll_perf and p2p_perf", f"line {ln}")
+        if rec.coll_perf is None and rec.p2p_perf is None:
+            # a record of another kind (statistics of the dump itself, a future record type):
+            # neither a collective nor a P2P operation; counted and said, never a row
+            info["other"] += 1
+            continue
         if h.rank >= h.n_ranks:
             raise InputError(path, f"header.rank {h.rank} is not below header.n_ranks {h.n_ranks}", f"line {ln}")
         if not h.id or len(h.id) > 64:
@@ -194,8 +203,12 @@ def _parse(path: Path) -> tuple[list[dict], dict]:
             raise InputError(path, f"{key[3]} #{key[4]} of communicator {excerpt(h.id, 24)} (rank {h.rank}) appears "
                                    f"twice (lines {seen[key]} and {ln})", f"line {ln}")
         seen[key] = ln
-        for v in (row["algo_bw_gbps"], row["bus_bw_gbps"]):
-            if v is not None and not (v == v and abs(v) != float("inf")):
+        for k in ("algo_bw_gbps", "bus_bw_gbps"):
+            v = row[k]
+            if v is not None and v != v:   # "nan": the writer's bandwidth of a zero-time operation
+                row[k] = None
+                info["nan_bw"] += 1
+            elif v is not None and abs(v) == float("inf"):
                 raise InputError(path, "bandwidth is not a finite number", f"line {ln}")
         if row["timing_source"]:
             info["sources"].add(row["timing_source"])
@@ -212,7 +225,8 @@ def _parse(path: Path) -> tuple[list[dict], dict]:
             row["started_ns"] = row["completed_ns"] = None
         rows.append(row)
     if not rows:
-        raise InputError(path, "no NCCL Inspector records (the file holds only blank lines)")
+        raise InputError(path, "no NCCL Inspector collective or P2P records (the file holds only blank lines"
+                               + (f" and {info['other']} record(s) of another kind)" if info["other"] else ")"))
     return rows, info
 
 
@@ -320,16 +334,16 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     verbose = sum(i["verbose"] for i in infos)
     cols = ["rank", "source", "entry", "grp", "group_desc", "group_rank", "group_size", "op", "op_name", "is_p2p",
             "seq", "p2p_seq", "record_id", "peer", "msg_bytes", "input_sizes", "output_sizes", "input_dtypes",
-            "output_dtypes", "state", "created_ns", "started_ns", "completed_ns", "duration_ns", "timing_source",
+            "output_dtypes", "state", "retired", "created_ns", "started_ns", "completed_ns", "duration_ns", "timing_source",
             "algo_bw_gbps", "bus_bw_gbps"]
     schema = {"rank": pl.Int32, "source": pl.Utf8, "entry": pl.Int64, "grp": pl.Utf8, "group_desc": pl.Utf8,
               "group_rank": pl.Int32, "group_size": pl.Int32, "op": pl.Utf8, "op_name": pl.Utf8,
               "is_p2p": pl.Boolean, "seq": pl.Int64, "p2p_seq": pl.Int64, "record_id": pl.Int64, "peer": pl.Int32,
               "msg_bytes": pl.Int64, "input_sizes": pl.Utf8, "output_sizes": pl.Utf8, "input_dtypes": pl.Utf8,
-              "output_dtypes": pl.Utf8, "state": pl.Utf8, "created_ns": pl.Int64, "started_ns": pl.Int64,
+              "output_dtypes": pl.Utf8, "state": pl.Utf8, "retired": pl.Boolean, "created_ns": pl.Int64, "started_ns": pl.Int64,
               "completed_ns": pl.Int64, "duration_ns": pl.Int64, "timing_source": pl.Utf8,
               "algo_bw_gbps": pl.Float64, "bus_bw_gbps": pl.Float64}
-    coll = pl.DataFrame([{c: r[c] for c in cols} for r in rows], schema=schema, orient="row")
+    coll = pl.DataFrame([{c: r.get(c) for c in cols} for r in rows], schema=schema, orient="row")
     # a communicator's size must agree wherever it is recorded
     sizes = coll.group_by("grp").agg(pl.col("group_size").n_unique().alias("n"), pl.col("group_size").min().alias("a"),
                                      pl.col("group_size").max().alias("b")).filter(pl.col("n") > 1)
@@ -375,14 +389,24 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     if any(not v.startswith("v4.") for v in versions):
         approx.append(f"inspector_output_format_version {', '.join(versions)}: moetrace reads the v4.0 layout "
                       "(NVIDIA/nccl 5067397); fields may have moved")
+    if any(v != "v4.0" and v.startswith("v4.") for v in versions):
+        approx.append(f"inspector_output_format_version {', '.join(versions)}: read with the v4.0 fields "
+                      "(NVIDIA/nccl 5067397 writes v4.0 only); fields it does not know are ignored")
+    other = sum(i["other"] for i in infos)
+    if other:
+        approx.append(f"{other} record(s) with neither coll_perf nor p2p_perf (e.g. statistics of the dump "
+                      "itself) are not operations: counted here, not stored")
+    nan_bw = sum(i["nan_bw"] for i in infos)
+    if nan_bw:
+        approx.append(f"{nan_bw} bandwidth value(s) written as \"nan\" (an operation timed at 0 us) are NULL")
     h = hashlib.sha256()
     for p in paths:
         h.update(hashlib.sha256(p.read_bytes()).hexdigest().encode())
     R = len(set(coll["rank"].to_list()))
     meta = {"format": "nccl_inspector", "inspector_output_format_version": versions, "files": [p.name for p in paths],
             "hostnames": sorted(set().union(*(i["hosts"] for i in infos))), "verbose_records": verbose,
-            "records": coll.height, "timing_sources": srcs}
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+            "records": coll.height, "timing_sources": srcs, "other_records": other}
+    run = {"source": source_label(paths),
            "source_sha256": h.hexdigest(), "time_base": "epoch" if verbose else "none",
            "num_ranks": options.get("num_ranks") or R, "ranks_per_node": options.get("ranks_per_node"),
            "approximations": json.dumps(approx) if approx else None, "meta_json": json.dumps(meta)}

@@ -35,7 +35,8 @@ from ..safety import (
     sqlite_ro_uri,
 )
 from . import Collector, RunData, register
-from ._chrome_json import MAX_DUR_NS, rank_from_name
+from ._chrome_json import rank_from_name
+from ._chrome_ts import MAX_DUR_NS
 from ._polars import pl
 from ._profile import CPU_SCHEMA, GPU_SCHEMA, LAUNCH_SCHEMA, RankEvents, build, run_data
 

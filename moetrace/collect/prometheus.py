@@ -54,6 +54,11 @@ MAX_EVENTS = 100_000   # rearrangement rows one counter step may make
 _SCAN = 1 << 20
 
 
+#: the prefix of NCCL Inspector's Prometheus-mode families (nccl_bus_bandwidth_gbs,
+#: nccl_collective_exec_time_microseconds, nccl_p2p_*)
+_INSPECTOR_PROM = b"nccl_"
+
+
 def _sniff(path: Path, head: bytes) -> bool:
     name = path.name.lower()
     if not (name.endswith(_EXT) or "." not in name):
@@ -65,11 +70,12 @@ def _sniff(path: Path, head: bytes) -> bool:
     lines = [l.strip() for l in whole if l.strip() and not l.startswith("#")][:5]
     if not (re.search(r"^# (?:TYPE|HELP) [a-zA-Z_:]", text, re.M) or (lines and all(_SAMPLE.match(l) for l in lines))):
         return False
-    if b"eplb_" in head:
+    if b"eplb_" in head or _INSPECTOR_PROM in head:
         return True
     try:
         with open(path, "rb") as f:
-            return b"eplb_" in f.read(_SCAN)
+            body = f.read(_SCAN)
+            return b"eplb_" in body or _INSPECTOR_PROM in body
     except OSError:
         return False
 
@@ -232,6 +238,12 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
                 row["process"] = ",".join(x for x in (row["process"], f"forward_mode={fm}") if x)
             rows.append(row)
     if not rows and not prev_count and not prev_sum:
+        if any(f.startswith(_INSPECTOR_PROM.decode()) for f in other):
+            # NCCL_INSPECTOR_PROM_DUMP=1 (plugins/profiler/inspector/inspector_prom.cc): gauges per
+            # communicator, collective and message-size bucket, no per-operation record
+            raise InputError(paths[0], "NCCL Inspector Prometheus-mode metrics (nccl_* gauges per communicator and "
+                                       "message-size bucket) hold no per-operation record: write the Inspector's "
+                                       "JSON lines instead (NCCL_INSPECTOR_PROM_DUMP=0) and ingest those")
         raise InputError(paths[0], "no vLLM or SGLang EPLB metric in the scrape(s) "
                                    f"({sum(other.values())} samples of {len(other)} other families)")
     if not rows:
@@ -265,7 +277,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     rows.sort(key=lambda r: (r["ts_ns"] or 0, r["file"], r["line"]))
     table = pa.table({c: pa.array([r.get(c) for r in rows], _TYPES.get(c, pa.float64())) for c in COLUMNS})
     srcs = [p for _, p, _ in scrapes]
-    run = {"source": srcs[0].name if single else f"{srcs[0].parent.name}/ ({len(srcs)} scrapes)",
+    run = {"source": srcs[0].name if single else f"{srcs[0].resolve().parent.name}/ ({len(srcs)} scrapes)",
            "source_sha256": sha256_files(srcs), "collector": "prometheus", "time_base": "epoch",
            "num_layers": options.get("num_layers"), "num_experts": options.get("num_experts"),
            "top_k": options.get("top_k"), "num_ranks": options.get("num_ranks"),

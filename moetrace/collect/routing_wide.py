@@ -14,9 +14,12 @@ IPC (``.arrow`` / ``.feather`` / ``.ipc``). Columns:
 - gates (optional): a list column named one of :data:`GATE_COLS`, same lengths.
 - layer: a ``layer`` (or ``layer_id``) column, else the file name (``layer_7.parquet``,
   ``layer-07``, ``layers.7``, ``l7_...``), else refused; not both for nested lists.
-- step: a ``step`` column; else ``--set tokens_per_step=N`` cuts the rows into steps of N
-  tokens in file order; else the whole file is one pseudo-step (said).
-- token: a ``token`` column, else the row order within (step, layer) (said);
+- step: a ``step`` column; else, in a per-token log with a ``token_idx`` column (vLLM
+  route-logging patches: req_id, token_idx, layer), a step starts wherever token_idx does
+  not grow within a layer's rows (said); else ``--set tokens_per_step=N`` cuts the rows
+  into steps of N tokens in file order; else the whole file is one pseudo-step (said).
+- token: a ``token`` column, else ``token_idx``, else the row order within (step, layer)
+  (said);
   src_rank: a ``src_rank`` / ``rank`` / ``dp_rank`` column when present.
 
 Serving-API responses saved as JSON lines are read directly: SGLang ``/generate``
@@ -40,17 +43,27 @@ import pyarrow.compute as pc
 
 from ..domain.hashing import sha256_files
 from ..errors import InputError
-from . import Collector, RunData, register
+from . import Collector, RunData, register, source_label
+from ._routing_responses import (
+    _LISTED,
+    _RESP,
+    _is_responses,
+    _npy_header,
+    _npy_requests,
+    _responses,
+)
 from .sglang import _ranges
 
 EXPERT_COLS = ("indices", "experts", "expert_ids", "topk_ids", "topk_indices", "routed_experts", "selected_experts")
 GATE_COLS = ("scores", "gates", "gate", "weights", "topk_weights", "routing_weights", "probs")
 RANK_COLS = ("src_rank", "rank", "dp_rank")
+#: a request id column (counted and said)
+REQUEST_COLS = ("req_id", "request_id", "rid")
+#: a token's index within its forward pass, where there is no token column
+TOKEN_COLS = ("token_idx", "token_index")
 _LAYER_NAME = re.compile(r"(?:^|[^a-z])(?:layers?|l)[_\-.]?(\d+)(?:[^0-9]|$)", re.I)
 _ARROW_EXT = (".arrow", ".feather", ".ipc")
 _PQ_MAGIC = b"PAR1"
-_RESP = re.compile(rb'"routed_experts"\s*:\s*"')   # a serving-API response: base64 routed experts
-_LISTED = re.compile(rb'"routed_experts"\s*:\s*\[\s*\[\s*\[')   # a saved request: [tokens][layers][k] lists
 _IPC_MAGIC = b"ARROW1"
 
 
@@ -105,16 +118,6 @@ def _is_routed_npy(path: Path, head: bytes) -> bool:
     except ValueError:
         return False
     return len(shape) == 3 and dtype.kind in "iu"
-
-
-def _npy_header(raw: bytes):
-    import io
-
-    bio = io.BytesIO(raw)
-    version = np.lib.format.read_magic(bio)
-    shape, _, dtype = (np.lib.format.read_array_header_1_0(bio) if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0(bio))
-    return shape, dtype
 
 
 def _sniff(path: Path, head: bytes) -> bool:
@@ -195,157 +198,6 @@ def _read_jsonl(path: Path, meta: list | None = None) -> pa.Table:
     if t.num_rows == 0:
         raise InputError(path, "file holds no rows")
     return t
-
-
-# ----------------------------------------------------------------------------- serving-API responses
-def _is_responses(path: Path) -> bool:
-    from . import head
-
-    h = head(path, 65536)
-    return path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and bool(_RESP.search(h) or _LISTED.search(h))
-
-
-def _responses(path: Path, options: dict, approx: set[str]) -> pa.Table:
-    """SGLang ``/generate`` responses (``meta_info.routed_experts``: base64 int32
-    ``[tokens, layers, k]``) or vLLM completion responses (``choices[i].routed_experts``:
-    base64 ``.npy``), one JSON document per line (a list of them = a batch): one step per
-    returned sequence, token = position in it."""
-    from ..safety import json_loads
-
-    seqs = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        text = f.read()
-    docs = ([(1, json_loads(path, text))] if path.name.lower().endswith(".json") else
-            [(i, json_loads(path, line, f"line {i}")) for i, line in enumerate(text.splitlines(), 1) if line.strip()])
-    for i, doc in docs:
-        for j, item in enumerate(doc if isinstance(doc, list) else [doc]):
-            where = f"line {i}" + (f" item {j}" if isinstance(doc, list) else "")
-            if not isinstance(item, dict):
-                raise InputError(path, "expected a JSON object (a serving-API response)", where)
-            if item.get("routed_experts") is not None:          # a saved per-request record
-                seqs.append(_decode(path, item["routed_experts"], f"{where} routed_experts", options, None))
-            elif isinstance(item.get("choices") or item.get("outputs"), list):   # vLLM completion / RequestOutput
-                for c, ch in enumerate(item.get("choices") or item["outputs"]):
-                    s = ch.get("routed_experts") if isinstance(ch, dict) else None
-                    if s is not None:
-                        seqs.append(_decode(path, s, f"{where} choices[{c}]", options, None))
-            elif isinstance(item.get("meta_info"), dict) and item["meta_info"].get("routed_experts") is not None:
-                mi = item["meta_info"]
-                n = None
-                if isinstance(mi.get("prompt_tokens"), int) and isinstance(mi.get("completion_tokens"), int):
-                    n = mi["prompt_tokens"] + mi["completion_tokens"] - 1
-                seqs.append(_decode(path, mi["routed_experts"], f"{where} meta_info", options, n))
-    if not seqs:
-        raise InputError(path, "no routed_experts in any response (was the server started with "
-                               "--enable-return-routed-experts and the request sent with return_routed_experts?)")
-    shapes = {a.shape[1:] for a in seqs}
-    if len(shapes) > 1:
-        raise InputError(path, f"responses disagree on [layers, top_k]: {sorted(shapes)}")
-    L, K = shapes.pop()
-    flat = np.concatenate([a.reshape(-1) for a in seqs]).astype(np.int32)
-    experts = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(pa.array(flat), K), L)
-    approx.add("serving-API responses: each returned sequence is one step (a request, not a forward pass); token = "
-               "position in the sequence (prompt and output, the last sampled token has no routing)")
-    return pa.table({"step": np.repeat(np.arange(len(seqs)), [a.shape[0] for a in seqs]),
-                     "token": np.concatenate([np.arange(a.shape[0]) for a in seqs]), "routed_experts": experts})
-
-
-def _decode(path: Path, s, where: str, options: dict, tokens: int | None) -> np.ndarray:
-    """[tokens, layers, k] int array of one base64 routed_experts field."""
-    import base64
-    import binascii
-    import io
-
-    from ..safety import check_array_elements
-
-    if isinstance(s, list):                      # saved from CompletionOutput.routed_experts.tolist()
-        return _routed_array(path, s, where)
-    if not isinstance(s, str):
-        raise InputError(path, "routed_experts is not a base64 string or a [tokens][layers][top_k] list", where)
-    try:
-        raw = base64.b64decode(s, validate=True)
-    except (binascii.Error, ValueError):
-        raise InputError(path, "routed_experts is not valid base64", where) from None
-    if raw[:6] == b"\x93NUMPY":                 # vLLM: .npy bytes, shape and dtype in the header
-        bio = io.BytesIO(raw)
-        try:
-            version = np.lib.format.read_magic(bio)
-            shape, _, dtype = (np.lib.format.read_array_header_1_0(bio) if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0(bio))
-        except ValueError as e:
-            raise InputError(path, f"routed_experts .npy header: {e}", where) from None
-        if len(shape) != 3 or dtype.kind not in "iu":
-            raise InputError(path, f"routed_experts .npy is {dtype} {list(shape)}, expected integer [tokens, layers, "
-                                   "top_k]", where)
-        check_array_elements(path, shape, "routed_experts")
-        try:
-            return np.load(io.BytesIO(raw), allow_pickle=False).astype(np.int64)
-        except ValueError as e:
-            raise InputError(path, f"routed_experts .npy: {e}", where) from None
-    if len(raw) % 4:                             # SGLang: raw little-endian int32 [tokens, layers, k]
-        raise InputError(path, f"routed_experts holds {len(raw)} bytes, not whole int32 values", where)
-    a = np.frombuffer(raw, "<i4").astype(np.int64)
-    k = options.get("top_k")
-    if not k:
-        raise InputError(path, "SGLang routed_experts carry no shape: give --top-k (and the responses' "
-                               "prompt_tokens / completion_tokens, or --layers = the model's num_hidden_layers)", where)
-    k = int(k)
-    if tokens is None and options.get("num_layers"):
-        tokens = a.size // (k * int(options["num_layers"]))
-    if not tokens or a.size % (tokens * k):
-        raise InputError(path, f"{a.size} expert ids do not split into {tokens} tokens x layers x top_k {k}", where)
-    return a.reshape(tokens, a.size // (tokens * k), k)
-
-
-def _routed_array(path: Path, v, where: str | None) -> np.ndarray:
-    """A [tokens, layers, top_k] integer array from JSON lists (no booleans, no fractions,
-    rectangular), as vLLM's ``CompletionOutput.routed_experts`` holds it."""
-    from ..safety import check_array_elements
-
-    try:
-        a = np.array(v)
-    except (ValueError, TypeError, OverflowError):
-        a = None
-    if a is None or a.dtype == object or a.ndim != 3:
-        got = list(a.shape) if a is not None and a.dtype != object else "ragged or out of range"
-        raise InputError(path, f"routed_experts has shape {got}, expected integer [tokens, layers, top_k]", where)
-    check_array_elements(path, a.shape, "routed_experts")
-    if a.size and a.dtype.kind not in "iu":
-        raise InputError(path, f"routed_experts must hold integer expert ids, got {a.dtype}", where)
-    return a.astype(np.int64)
-
-
-def _npy_requests(paths: list[Path], approx: set[str]) -> pa.Table:
-    """vLLM routed_experts arrays saved with np.save, one file per request: step = the
-    file's position in name order, token = position in the sequence."""
-    from ..safety import check_npy_headers, check_regular_file
-
-    seqs = []
-    for p in paths:
-        check_regular_file(p)
-        check_npy_headers(p)
-        from . import head
-
-        try:
-            shape, dtype = _npy_header(head(p, 4096))
-        except ValueError as e:
-            raise InputError(p, f"malformed .npy header: {e}") from None
-        if len(shape) != 3 or dtype.kind not in "iu":
-            raise InputError(p, f"routed_experts .npy is {dtype} {list(shape)}, expected integer [tokens, layers, top_k]")
-        try:
-            seqs.append(np.load(p, allow_pickle=False).astype(np.int64))
-        except ValueError as e:
-            raise InputError(p, f"cannot read .npy: {e}") from None
-    shapes = {a.shape[1:] for a in seqs}
-    if len(shapes) > 1:
-        raise InputError(paths[0], f"requests disagree on [layers, top_k]: {sorted(shapes)}")
-    L, K = shapes.pop()
-    flat = np.concatenate([a.reshape(-1) for a in seqs])
-    experts = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(pa.array(flat), K), L)
-    approx.add("vLLM routed_experts arrays: each file is one request (step = its position in name order, a request, "
-               "not a forward pass); token = position in the sequence")
-    return pa.table({"step": np.repeat(np.arange(len(seqs)), [a.shape[0] for a in seqs]),
-                     "token": np.concatenate([np.arange(a.shape[0]) for a in seqs]), "routed_experts": experts})
 
 
 def _int_column(t: pa.Table, name: str, path: Path) -> np.ndarray:
@@ -476,10 +328,40 @@ def _from_table(path: Path, t: pa.Table, approx: set[str]) -> dict:
            "k": int(k_of.max()) if k_of.size else 0}
     for c in ("step", "token"):
         out[c] = _int_column(t, c, path)[rows] if c in t.column_names else None
+    if out["token"] is None:
+        tcol = next((c for c in TOKEN_COLS if c in t.column_names), None)
+        if tcol is not None:
+            out["token"] = _steps_from_token_index(t, tcol, path, out, approx)
     rc = next((c for c in RANK_COLS if c in t.column_names), None)
     out["src_rank"] = _int_column(t, rc, path)[rows] if rc else None
     out["nrows"] = n
     return out
+
+
+def _steps_from_token_index(t: pa.Table, tcol: str, path: Path, out: dict, approx: set[str]) -> np.ndarray:
+    """Tokens (per entry) from a per-request log's token index; without a step column, the
+    steps too: a step (one forward pass) starts wherever, in one layer's rows in file
+    order, the token index does not grow (the logger counts tokens within a pass: vLLM
+    route-logging patches write req_id, token_idx, layer per token)."""
+    tok_rows = _int_column(t, tcol, path)
+    req = next((c for c in REQUEST_COLS if c in t.column_names), None)
+    nreq = len(pc.unique(t.column(req))) if req is not None else None
+    if out["step"] is None:
+        layer_rows = np.zeros(t.num_rows, np.int64)
+        lc = next((c for c in ("layer", "layer_id") if c in t.column_names), None)
+        if lc is not None:
+            layer_rows = _int_column(t, lc, path)
+        step_rows = np.zeros(t.num_rows, np.int64)
+        for lay in np.unique(layer_rows):
+            idx = np.flatnonzero(layer_rows == lay)
+            tk = tok_rows[idx]
+            new = np.ones(idx.size, bool)
+            new[1:] = tk[1:] <= tk[:-1]
+            step_rows[idx] = np.cumsum(new) - 1
+        out["step"] = step_rows[out["row"]]
+        approx.add(f"no step column: a step starts wherever {tcol} does not grow (one forward pass per run of "
+                   f"growing {tcol}, per layer in file order)" + (f"; {nreq} request(s) ({req})" if nreq else ""))
+    return tok_rows[out["row"]]
 
 
 def _collect(paths: list[Path], options: dict) -> list[RunData]:
@@ -590,7 +472,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     if not options.get("num_layers"):
         approx.add("num_layers inferred from the highest layer id")
     ks = sorted(approx)
-    run = {"source": ",".join(p.name for p in paths) if len(paths) <= 4 else f"{paths[0].parent.name}/ ({len(paths)} files)",
+    run = {"source": source_label(paths),
            "source_sha256": sha256_files(paths), "collector": "routing_wide", "time_base": "none",
            "num_layers": L, "num_experts": E, "top_k": options.get("top_k") or k,
            "num_ranks": options.get("num_ranks"), "ranks_per_node": options.get("ranks_per_node"),

@@ -18,7 +18,7 @@ rank) with ``num_tokens`` = count / k (inferred, and said), a rank with none bei
 step. ``rank{r}_raw.safetensors`` files (raw token choices) are not read.
 
 The EPLB config YAML (``moe_config.load_balancer``: ``num_slots``,
-``layer_updates_per_iter``, ``initial_global_assignments``; see :mod:`moetrace.formats.plan_files`)
+``layer_updates_per_iter``, ``initial_global_assignments``; see :mod:`moetrace.placement.plan_files`)
 given alongside the folder becomes the run's recorded placement: slots in consecutive
 blocks per EP rank. With ``layer_updates_per_iter`` > 0 TensorRT-LLM moves experts online,
 so the initial assignment is only where the run started (and the run says so).
@@ -37,7 +37,7 @@ import pyarrow as pa
 from ..domain.hashing import sha256_files
 from ..domain.ranks import UNKNOWN_RPN_NOTE, node_of, ranks_per_node_or_all
 from ..errors import InputError
-from ..formats.plan_files import looks_like_trtllm_yaml, read_trtllm_yaml
+from ..placement.plan_files import looks_like_trtllm_yaml, read_trtllm_yaml
 from ..safety import INT64, SHAPE_MAX, checked_int, excerpt, json_loads, limit, limit_error
 from . import Collector, RunData, register
 from .sglang import _ranges

@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from ..output import check_out_path
+from ..safety import SHAPE_MAX
 
 
 class LazyChoice(click.Choice):
@@ -114,10 +115,6 @@ def policy_option(f=None, *, default=None, help="Planner."):
     return deco(f) if f is not None else deco
 
 
-def steps_option(*names, help: str, dest: str | None = None):
-    """A step window option in the one A:B syntax (steps A <= step < B)."""
-    decls = list(names) + ([dest] if dest else [])
-    return click.option(*decls, callback=steps_range, default=None, metavar="A:B", help=help)
 
 
 def out_dir_option(f=None, *, help="Folder to write into."):
@@ -268,7 +265,7 @@ def count(lo: int, hi: int) -> click.IntRange:
     return click.IntRange(lo, hi)
 
 
-SHAPE = 2**24          # ranks, layers, experts, slots, groups (docs/hardening.md)
+SHAPE = SHAPE_MAX      # ranks, layers, experts, slots, groups: the one shape bound (docs/hardening.md)
 BIG = 2**40            # steps, moves, intervals: far past any run, far from int64 overflow
 SEED = 2**63 - 1
 

@@ -110,7 +110,7 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
         parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
                  for r in runs]
         emit_rows(Rows.concat([p for p in parts if p.height] or parts[:1]), fmt, output)
-    from ..shape_gaps import gap_notes
+    from ..domain.shape import gap_notes
 
     for r in runs:   # a null column always has its reason next to it
         for n in gap_notes(r.row):

@@ -7,13 +7,10 @@ import polars as pl
 
 from ..output import echo_json, emit, json_option, output_options
 from ..run import Store
+from ..units import percent
 from ._options import hardware_option, steps_range
 
 _steps_range = steps_range
-
-
-def _pct(v):
-    return None if v is None else round(100.0 * v, 2)
 
 
 def metrics_frame(summary: dict) -> pl.DataFrame:
@@ -25,16 +22,16 @@ def metrics_frame(summary: dict) -> pl.DataFrame:
     out = []
     for (role, rid, m), w in zip(rows, walls):
         out.append({"role": role, "run_id": rid, "cells": m.get("cells_measured"), "pairs": m.get("pairs"),
-                    "expert_mape_pct": _pct(m.get("expert_mape")), "expert_bias_pct": _pct(m.get("expert_bias")),
-                    "straggler_mape_pct": _pct(m.get("straggler_mape")),
-                    "straggler_bias_pct": _pct(m.get("straggler_bias")),
-                    "straggler_hit_pct": _pct(m.get("straggler_hit_rate")),
-                    "chance_pct": _pct(m.get("straggler_chance")),
-                    "comm_mape_pct": _pct(m.get("comm_mape")), "layer_mape_pct": _pct(m.get("layer_mape")),
-                    "layer_bias_pct": _pct(m.get("layer_bias")),
+                    "expert_mape_pct": percent(m.get("expert_mape"), 2), "expert_bias_pct": percent(m.get("expert_bias"), 2),
+                    "straggler_mape_pct": percent(m.get("straggler_mape"), 2),
+                    "straggler_bias_pct": percent(m.get("straggler_bias"), 2),
+                    "straggler_hit_pct": percent(m.get("straggler_hit_rate"), 2),
+                    "chance_pct": percent(m.get("straggler_chance"), 2),
+                    "comm_mape_pct": percent(m.get("comm_mape"), 2), "layer_mape_pct": percent(m.get("layer_mape"), 2),
+                    "layer_bias_pct": percent(m.get("layer_bias"), 2),
                     # the same fit and judgement on the wall clock (host slowdown included), beside
-                    "wall_layer_mape_pct": _pct(w.get("layer_mape")) if w else None,
-                    "wall_expert_mape_pct": _pct(w.get("expert_mape")) if w else None})
+                    "wall_layer_mape_pct": percent(w.get("layer_mape"), 2) if w else None,
+                    "wall_expert_mape_pct": percent(w.get("expert_mape"), 2) if w else None})
     df = pl.DataFrame(out, schema={"role": pl.Utf8, "run_id": pl.Utf8, "cells": pl.Int64, "pairs": pl.Int64,
                                      "expert_mape_pct": pl.Float64, "expert_bias_pct": pl.Float64,
                                      "straggler_mape_pct": pl.Float64, "straggler_bias_pct": pl.Float64,
@@ -50,13 +47,17 @@ def fit_lines(summary: dict) -> list[str]:
     r2 = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     res = f["expert_residuals"]
     lines = [
-        f"calibration {summary['calibration_id']}: fitted on run {f['fit_run_id']} steps {f['steps'][0]}..{f['steps'][1]}",
+        f"calibration {summary['calibration_id']}: fitted on run {f['fit_run_id']} steps "
+        + (f.get("steps_text") or f"{f['steps'][0]}..{f['steps'][1]}"),
         f"  expert time = {f['a_ns']:.1f} ns x tokens + {f['b_ns']:.1f} ns x slots touched   "
         f"(R^2 {r2(f['expert_r2'])} on {f['expert_points']} (step, layer, rank) cells; residual rmse "
         f"{res.get('rmse_ns', 0) / 1e3:.1f} us, |error| p50 {res.get('p50_abs_pct', 0):.1f}% p90 "
         f"{res.get('p90_abs_pct', 0):.1f}%)",
     ]
-    if f["comm_points"]:
+    if f.get("method") == "layer":
+        lines.append(f"  all-to-all = {f['comm_latency_ns'] / 1e3:.1f} us latency per layer (the median of the layer "
+                     "time beyond the slowest rank's experts) + 2 x bytes / bandwidth (from the preset)")
+    elif f["comm_points"]:
         bw = lambda c: "not bytes-bound" if not c else f"{1 / c:.2f} GB/s"  # noqa: E731
         lines.append(f"  all-to-all = {f['comm_latency_ns'] / 1e3:.1f} us + bytes intra / {bw(f['comm_ns_per_byte_intra'])}"
                      f" + bytes inter / {bw(f['comm_ns_per_byte_inter'])}   (R^2 {r2(f['comm_r2'])} on "
@@ -64,6 +65,14 @@ def fit_lines(summary: dict) -> list[str]:
     for n in list(f.get("input_notes", [])) + list(f.get("notes", [])):
         lines.append(f"  note: {n}")
     return lines
+
+
+def band_line(summary: dict) -> str:
+    """The model's band and where it was measured, in words."""
+    b = summary["band"]
+    if b["rel_error"] is None:
+        return f"band: none ({b['source']})"
+    return f"band: ±{100 * b['rel_error']:.1f}%, the {b['source']}; fitted on steps {b['fit_steps']}"
 
 
 def basis_line(summary: dict) -> str:
@@ -95,6 +104,16 @@ def basis_line(summary: dict) -> str:
 @click.option("--loss", type=click.Choice(["l2", "mape"]), default="l2", show_default=True,
               help="l2: least squares (as replay fits); mape: minimize the mean absolute percentage error "
                    "(robust to preempted or warming-up cells).")
+@click.option("--method", type=click.Choice(["auto", "layer", "cells"]), default="auto", show_default=True,
+              help="layer: the fidelity basis (a, b from each rank's expert time, the all-to-all latency from the "
+                   "layer times); cells: each rank's expert and all-to-all spans fitted on their own; auto: layer "
+                   "for timed passes (refrun --repeats), cells for profiler kernels.")
+@click.option("--held-out", type=click.Choice(["auto", "blocks", "half", "none"]), default="auto", show_default=True,
+              help="Without --judge-run: judge the fit run on its own held-out steps. blocks: alternate whole blocks "
+                   "of --block steps (fit, judge, fit, ...); half: fit the first half, judge the second; none: "
+                   "the fit only (in-sample). auto: blocks unless --judge-run or --judge-steps is given.")
+@click.option("--block", type=click.IntRange(1, None), default=None, metavar="N",
+              help="Steps per block of --held-out blocks (default: a quarter of the steps).")
 @click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")
 @click.option("--basis", type=click.Choice(["auto", "cpu", "wall"]), default="auto", show_default=True,
@@ -103,8 +122,8 @@ def basis_line(summary: dict) -> str:
                    "has it, with the wall-clock errors and the host slowdown beside.")
 @json_option(help="Print the whole summary (fit, residuals, metrics) as JSON.")
 @output_options
-def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, calibration_id,
-              no_store, basis, as_json, fmt, output):
+def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_steps, hardware, loss, method,
+              held_out, block, calibration_id, no_store, basis, as_json, fmt, output):
     """Fit the replay cost model on a run's measured spans and judge it on another run.
 
     Per (step, layer, rank) the fit run's expert_gemm spans give the measured expert
@@ -116,9 +135,15 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
     rank) time per (step, layer), and how often the predicted straggler rank is the
     measured one. The cells go to the `calibration` table (SQL, and the report).
 
+    With one run and no --judge-run, the run is judged on its own held-out steps (whole
+    blocks of steps, never a step it was fitted on), and that error is the band the model
+    is stored with: a replay, sweep or drift of the run then uses the fitted model and
+    says so.
+
     Example:
 
     \b
+        moetrace calibrate st --run gpu_trace --load gpu_trace=engine_dump
         moetrace refrun ra --ranks 4 --experts 16 --skew 1.2 --store st
         moetrace plan st --run ra --policy eplb --replicas 4 --export eplb4.json
         moetrace refrun rb --ranks 4 --experts 16 --skew 1.2 --placement eplb4.json --store st
@@ -135,7 +160,8 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         load_runs[st.resolve_run(a)] = st.resolve_run(b)
     summary = st.run(rid).calibrate(judges, fit_steps=fit_steps, judge_steps=judge_steps, hardware=hardware, loss=loss,
                                     load_runs=load_runs, step_offset=step_offset,
-                                    write=not no_store, calibration_id=calibration_id, basis=basis)
+                                    write=not no_store, calibration_id=calibration_id, basis=basis, method=method,
+                                    held_out=held_out, block=block)
     if as_json:
         echo_json(summary)
         return
@@ -147,10 +173,14 @@ def calibrate(store, fit_run, judge_runs, loads, step_offset, fit_steps, judge_s
         for n in j["notes"]:
             if n not in summary["fit"].get("input_notes", []):
                 click.echo(f"note ({j['run_id']}): {n}")
+    click.echo(band_line(summary))
     if summary["stored"]:
-        judged = f", 'judge' on {', '.join(judges)}" if judges else ""
+        judged = [j["run_id"] for j in summary["judged"]]
+        judged_s = f", 'judge' on {', '.join(dict.fromkeys(judged))}" if judged else ""
+        users = rid + (f" and of run {load_runs[rid]} (its routing/load)" if load_runs.get(rid) else "")
         click.echo(f"stored as calibration_id '{summary['calibration_id']}' in table calibration "
-                   f"(role 'fit' on run {rid}{judged})")
+                   f"(role 'fit' on run {rid}{judged_s}); replay, sweep and drift of run {users} use this model "
+                   f"(of other runs: --cost-model {rid})")
 
 
 def register(cli: click.Group) -> None:

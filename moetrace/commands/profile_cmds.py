@@ -12,8 +12,8 @@ from ._options import engine_options, engine_sql, run_option
 @click.command("kernels")
 @click.argument("store", type=click.Path(file_okay=False))
 @run_option
-@click.option("--kind", default=None, help="Only this kind (dispatch, combine, a2a_other, expert_gemm, attention, "
-                                           "compute_other, memcpy, memset, comm_other).")
+@click.option("--kind", default=None, help="Only this kind (dispatch, combine, a2a_other, expert_gemm, moe_other, "
+                                           "attention, compute_other, memcpy, memset, comm_other).")
 @click.option("--top", "limit", type=int, default=15, show_default=True,
               help="Names per kind (0 = all).")
 @output_options

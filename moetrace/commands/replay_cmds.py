@@ -6,7 +6,8 @@ import click
 
 from ..output import check_out_path, echo_json, emit, json_option, output_options
 from ..replay.results import load_answer, load_lines
-from ..run import Store
+from ..run import ClusterSpec, Store
+from ..units import gib
 from ._options import (
     chrome_trace_option,
     fit_steps_option,
@@ -55,17 +56,13 @@ move_options = _stack(
                  help="Passes per recorded step when the counts aggregate a recording (times per pass)."))
 
 
-def _gib(b):
-    return b / 2**30
-
-
 def _print_changes(j, indent="  "):
     if not j.changes:
         return
     c0 = j.changes[0]
     be = [c.break_even_steps for c in j.changes]
-    click.echo(f"{indent}moves: {j.moved_experts} expert copies, {_gib(j.moved_bytes):.2f} GiB "
-               f"({_gib(sum(c.bytes_inter for c in j.changes)):.2f} GiB inter-node) in {len(j.changes)} change(s), "
+    click.echo(f"{indent}moves: {j.moved_experts} expert copies, {gib(j.moved_bytes):.2f} GiB "
+               f"({gib(sum(c.bytes_inter for c in j.changes)):.2f} GiB inter-node) in {len(j.changes)} change(s), "
                f"charged {sum(c.charged_ns for c in j.changes) / 1e6:.3f} ms in all")
     if j.gross_step_ns is None:
         click.echo(f"{indent}break-even: no time per step to weigh the moves against")
@@ -109,6 +106,13 @@ def _print_replay(res):
     for n in res.notes:
         click.echo(f"  note: {n}")
 
+
+
+#: the cost model `moetrace calibrate` fitted on another run (same option on replay, drift, sweep)
+cost_model_option = click.option(
+    "--cost-model", "cost_model", default=None, metavar="RUN_ID",
+    help="Time with the cost model `moetrace calibrate` fitted on RUN_ID (its band measured on held-out steps or "
+         "judged runs). Default: the model calibrated on this run's own trace where one is stored.")
 
 @click.command()
 @store_argument
@@ -170,10 +174,13 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
                        GROUP BY plan_id ORDER BY plan_id""", [run.id]) if st.has_files("placement") else pl.DataFrame()
         emit(df if df.height else pl.DataFrame({"plan_id": ["recorded (contiguous, not stored)"]}))
         return
-    res = run.plan(policy, ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn, fit_window=fit_window,
-                   plan_id=plan_id, start=plan_id_in, import_file=import_file, max_moves=max_moves,
-                   target_imbalance=target_imbalance, store=not no_store, out=out_file, out_format=out_format,
-                   relabel=not no_relabel)
+    from ..placement.plans import PlanOptions
+
+    res = run.plan(policy, cluster=ClusterSpec(ranks, replicas, groups, nodes, rpn),
+                   options=PlanOptions(fit_window=fit_window, plan_id=plan_id, start=plan_id_in,
+                                       import_file=import_file, max_moves=max_moves,
+                                       target_imbalance=target_imbalance, store=not no_store, out=out_file,
+                                       out_format=out_format, relabel=not no_relabel))
     if as_json:
         echo_json(res.to_dict())
         return
@@ -186,7 +193,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
     if res.moved is not None and res.start is not res.plan:
         extra = (f" (ranks renamed to match {res.start.plan_id}; {res.moves_without_relabel} with the "
                  f"planner's own numbering)" if res.relabeled else "")
-        click.echo(f"  moves vs {res.start.plan_id}: {res.moved} expert copies, {_gib(res.moved_bytes):.2f} GiB" + extra)
+        click.echo(f"  moves vs {res.start.plan_id}: {res.moved} expert copies, {gib(res.moved_bytes):.2f} GiB" + extra)
     if res.stored_rows is not None:
         click.echo(f"  stored {res.stored_rows} placement rows as plan_id {res.plan_id!r}")
     if res.out:
@@ -205,6 +212,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @split_option
 @hardware_option
 @click.option("--no-fit", "no_fit", is_flag=True, help="Use the preset even when the run has expert_gemm spans.")
+@cost_model_option
 @move_options
 @chrome_trace_option(help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
 @click.option("--trace-steps", callback=steps_list, default=None, metavar="A:B|A,B",
@@ -216,8 +224,8 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
                    "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
-           window, max_moves, split, hardware, no_fit, stall_ms, move_overlap, passes, chrome_trace, trace_steps,
-           plot, no_rank_rows, as_json, timeline_whatif):
+           window, max_moves, split, hardware, no_fit, cost_model, stall_ms, move_overlap, passes, chrome_trace,
+           trace_steps, plot, no_rank_rows, as_json, timeline_whatif):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
     stragglers, all-to-all bytes and layer time, against the recorded placement on the
     same steps, net of moving the experts.
@@ -239,12 +247,13 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         raise click.UsageError("give exactly one of --plan PLAN_ID or --policy P")
     run = Store(store).run(run_id)
     common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
-                  passes=passes)
-    shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+                  passes=passes, cost_model=cost_model)
+    shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, ranks_per_node=rpn)
     if replan_every:
         if not policy:
             raise click.UsageError("--replan-every needs --policy (the planner re-run at every re-plan)")
-        d = run.drift(policy, replan_every, window, max_moves=max_moves, static_window=fit_window, **common, **shape_kw)
+        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw), max_moves=max_moves,
+                      static_window=fit_window, **common)
         if plot:
             from ..report.plots import drift_from_dict
 
@@ -255,12 +264,12 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         _print_drift(d, plot)
         return
     if plan_id and (fit_window or any(v is not None for v in shape_kw.values())):
-        given = [f"--{k.replace('rpn', 'ranks-per-node')}" for k, v in shape_kw.items() if v is not None]
+        given = [f"--{k.replace('_', '-')}" for k, v in shape_kw.items() if v is not None]
         given += ["--fit-steps"] if fit_window else []
         raise InputError(None, f"--plan {plan_id} replays a stored plan as it is: {', '.join(given)} would be ignored")
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
-                     chrome_trace=chrome_trace, **common, **shape_kw)
+                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw), **common)
     wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
@@ -296,7 +305,7 @@ def _print_drift(d, plot):
         t = (f"gross {j.gross_step_ns / 1e6:.3f} ms, net {j.net_step_ns / 1e6:.3f} ms ({j.vs_recorded()})"
              if j.gross_step_ns is not None else "no time per step")
         click.echo(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_text()}  {t}  moved "
-                   f"{j.moved_experts} experts ({_gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
+                   f"{j.moved_experts} experts ({gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
         la = load_answer(j)
         if la is not None:
             click.echo(f"          load (exact): {la.verdict}: {la.reason}")
@@ -329,6 +338,7 @@ def _print_drift(d, plot):
 @cluster_options
 @split_option
 @hardware_option
+@cost_model_option
 @move_options
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
 @click.option("--all-runs", is_flag=True,
@@ -340,8 +350,8 @@ def _print_drift(d, plot):
               help="Judge the cells on an existing Dask cluster (e.g. tcp://host:8786); workers read the store "
                    "at the same path, results are written here.")
 @output_options
-def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, stall_ms,
-          move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt, output):
+def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, cost_model,
+          stall_ms, move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt, output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
     (moving experts charged), extra expert memory per rank, bytes moved per hour and a
@@ -359,9 +369,10 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
     if workers is not None and click.get_current_context().get_parameter_source("scheduler") is \
             ParameterSource.ENVIRONMENT:
         scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
-    kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows, ranks=ranks, groups=groups,
-              nodes=nodes, rpn=rpn, split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
-              passes=passes, write=save, workers=workers, scheduler=scheduler or None)
+    kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows,
+              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn),
+              split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
+              passes=passes, write=save, workers=workers, scheduler=scheduler or None, cost_model=cost_model)
     if all_runs:
         from ..errors import UsageError
         from ..run import sweep_runs

@@ -124,7 +124,7 @@ def ingest(paths, store_path, fmt, run_id, extra, **opts):
         else:
             click.echo(f"run {res.run_id} ({rd.run.get('collector')}): " + rows_written(res.rows, rd.run))
             if any(t in rd.tables for t in ("expert_load", "expert_counts", "routing")):
-                from ..shape_gaps import shape_gaps
+                from ..domain.shape import shape_gaps
 
                 for g in shape_gaps(rd.run):   # what it could not know, said now, not as a null later
                     click.echo(f"warning: run {res.run_id}: {g}", err=True)
@@ -167,7 +167,7 @@ def runs(store, fmt, output):
     emit_rows(Rows(cols + keep, [runs.types[i] for i in at] + ["BIGINT"] * len(keep),
                    [tuple(r[i] for i in at) + tuple(counts.get((r[rid], t)) for t in keep) for r in runs.rows]),
               fmt, output)
-    from ..shape_gaps import gap_notes
+    from ..domain.shape import gap_notes
 
     for row in runs.dicts():   # every null shape value with its reason
         for n in gap_notes(row):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 #: figure name -> (engine, the engine's formula, its source, how it becomes max/mean)
 DEFINITIONS: dict[str, tuple[str, str, str, str]] = {
     "vllm_balancedness": (
@@ -60,3 +62,13 @@ def definition(figure: str) -> str:
     """The one-line definition stored with a converted value."""
     engine, formula, source, conv = DEFINITIONS[figure]
     return f"{engine}: {formula} [{source}]; {conv}"
+
+
+def imbalance(tokens: np.ndarray, *, mx: np.ndarray | None = None, mean: np.ndarray | None = None) -> np.ndarray:
+    """max / mean rank tokens over the last axis; NaN where no tokens were routed. The one
+    definition replay uses; ``layer_skew`` computes the same in SQL. ``mx`` and ``mean``:
+    ``tokens.max(axis=-1)`` and ``tokens.mean(axis=-1)`` when the caller already has them."""
+    mx = tokens.max(axis=-1) if mx is None else mx
+    mean = tokens.mean(axis=-1) if mean is None else mean
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)

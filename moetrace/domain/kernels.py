@@ -8,8 +8,11 @@ beside this module, with the columns::
 
 Each rule belongs to one family, named in its ``match`` column (empty: ``name``):
 
-* ``name``: ``pattern`` (a Python regular expression) is searched in the *normalized*
-  kernel name;
+* ``name``: ``pattern`` (a Python regular expression) is searched in the kernel's
+  *base name* (:func:`base_name`: the normalized name without template arguments and
+  parameter list, so ``finalizeKernelVecLoad<..., cutlass::bfloat16_t>`` is not a CUTLASS
+  GEMM; a generic launcher such as ``cutlass::device_kernel<X>`` keeps ``X``); user rules
+  (``--kernel-rules``) are searched in the whole normalized name;
 * ``context``: ``context`` is searched in the names of the CPU ranges the kernel was
   launched under (Kineto ``cpu_op`` / ``user_annotation``, Nsight NVTX ranges on the
   launching thread; see :mod:`moetrace.collect._launch_context`), innermost first;
@@ -26,7 +29,10 @@ The order, first match wins (:data:`RULE_ORDER`):
 3. built-in ``name`` rules, in file order: a known library's kernel is what its name says
    wherever it was launched (a DeepEP dispatch under a ``moe_forward`` range is a dispatch);
 4. built-in ``context`` rules: kernels no name rule knows (``nvjet*``, cuBLAS, CUTLASS
-   GEMMs) take the kind of the MoE range they were launched under;
+   GEMMs) take the kind of the MoE range they were launched under: a GEMM under a router
+   or gate range is the gate (``moe_other``), top-k / softmax / permute / gather /
+   scatter / finalize kernels under any MoE range are ``moe_other``, and only then is a
+   GEMM under an MoE or expert range an ``expert_gemm``;
 5. built-in ``stream`` rules (none ship: stream ids are not portable);
 6. default: ``compute_other``.
 
@@ -34,7 +40,9 @@ The order, first match wins (:data:`RULE_ORDER`):
 ``category``, ``user``, ``name``, ``context``, ``stream``, ``default``).
 
 Kinds: ``dispatch``, ``combine``, ``a2a_other`` (notify, barrier of the all-to-all
-library), ``expert_gemm``, ``attention``, ``compute_other``, ``memcpy``, ``memset``,
+library), ``expert_gemm``, ``moe_other`` (the MoE layer's other work: the router's gate
+GEMM, top-k / softmax, permute / unpermute, gather / scatter, finalize), ``attention``,
+``compute_other``, ``memcpy``, ``memset``,
 ``comm_other`` (collectives that are not an all-to-all). A rule may also say ``a2a``: an
 all-to-all whose direction the kernel name does not tell (NCCL SendRecv, a host
 ``gloo:all_to_all``); the collector resolves it to dispatch or combine from annotations
@@ -56,12 +64,12 @@ from pathlib import Path
 
 from ..errors import InputError
 
-KINDS = ("dispatch", "combine", "a2a_other", "expert_gemm", "attention", "compute_other",
+KINDS = ("dispatch", "combine", "a2a_other", "expert_gemm", "moe_other", "attention", "compute_other",
          "memcpy", "memset", "comm_other", "idle")
 #: kinds a rule may give (``a2a`` is resolved to dispatch/combine by the collector)
 RULE_KINDS = frozenset(KINDS) | {"a2a"}
 A2A_KINDS = ("dispatch", "combine", "a2a_other")
-COMPUTE_KINDS = ("expert_gemm", "attention", "compute_other")
+COMPUTE_KINDS = ("expert_gemm", "moe_other", "attention", "compute_other")
 #: backends whose host-side collective ops name a collective (``nccl:all_to_all``,
 #: ``c10d::alltoall_base_``, ``gloo:all_to_all``): the one list of collective prefixes
 COLLECTIVE_BACKENDS = ("nccl", "gloo", "c10d", "mpi", "ucc", "xccl", "hccl", "rccl")
@@ -91,6 +99,51 @@ _CASTS = [
     (re.compile(r"\((?:int|short|char|unsigned short|unsigned char|signed char)\)(-?\d+)"), r"\1"),
 ]
 _WS = re.compile(r"\s+")
+
+
+#: generic launcher templates whose kernel is their template argument
+#: (``cutlass::device_kernel<flash::FlashAttnBwd<...>>``, ``cutlass::Kernel<MoeFCGemm<...>>``,
+#: ``ck_tile::kentry<...>``): their own name says nothing, so a rule reads all of it
+_LAUNCHER_RE = re.compile(r"(?:^|::)(?:device_kernel|Kernel2?|kentry|kernel_entry)$")
+_ANON = "(anonymous namespace)"
+
+
+@lru_cache(maxsize=1 << 16)
+def base_name(norm: str) -> str:
+    """A normalized kernel name without its template arguments and parameter list:
+    ``moe::dev::finalize::finalizeKernelVecLoad<..., cutlass::bfloat16_t, ...>(Params)`` ->
+    ``moe::dev::finalize::finalizeKernelVecLoad``, the name rules' subject (a type named in
+    a template argument is not what the kernel does). A launcher template
+    (:data:`_LAUNCHER_RE`) keeps its arguments (the kernel it launches), less its
+    parameter list; a name whose brackets do not balance stays whole."""
+    out: list[str] = []
+    depth = 0
+    i, n = 0, len(norm)
+    cut = None   # where the launcher's template arguments start
+    while i < n:
+        c = norm[i]
+        if depth == 0 and norm.startswith(_ANON, i):
+            out.append(_ANON)
+            i += len(_ANON)
+            continue
+        if c == "<":
+            if depth == 0 and not norm.startswith("<<", i) and _LAUNCHER_RE.search("".join(out).rstrip()):
+                cut = i
+            depth += 1
+        elif c == ">":
+            depth -= 1
+            if depth < 0:
+                return norm
+            if depth == 0 and cut is not None:
+                return norm[:i + 1]
+        elif c == "(" and depth == 0:
+            break
+        elif depth == 0:
+            out.append(c)
+        i += 1
+    if depth != 0:
+        return norm
+    return "".join(out).strip() or norm
 
 
 @lru_cache(maxsize=1 << 16)
@@ -163,8 +216,11 @@ class Rule:
     context: re.Pattern | None = None
     stream: re.Pattern | None = None
 
-    def matches(self, norm: str, coll: str, context: tuple[str, ...], stream: str | None) -> bool:
-        if self.pattern is not None and not self.pattern.search(norm):
+    def matches(self, norm: str, coll: str, context: tuple[str, ...], stream: str | None,
+                base: str | None = None) -> bool:
+        # built-in rules read the kernel's own (base) name; a user rule reads the whole name
+        subject = norm if self.source != "built-in" or base is None else base
+        if self.pattern is not None and not self.pattern.search(subject):
             return False
         if self.collective is not None and not self.collective.search(coll):
             return False
@@ -283,9 +339,10 @@ class Classifier:
         if "memset" in cat:
             return "memset", "category"
         norm = normalize_name(name)
+        base = base_name(norm)
         coll = normalize_collective(collective) or ""
         for r, by in self.ordered:
-            if r.matches(norm, coll, context, stream):
+            if r.matches(norm, coll, context, stream, base):
                 return r.kind, by
         return "compute_other", "default"
 

@@ -66,7 +66,7 @@ def _best_move(row, w, slot_rank, R, max_cost):
     rl, cnt, pc = _rank_loads(row, w, slot_rank, R)
     h = int(np.argmax(rl))
     cur = rl[h]
-    best = (0.0, 0, None, -1, -1, cur)
+    best: tuple[float, int, str | None, int, int, float] = (0.0, 0, None, -1, -1, float(cur))
     hot_slots = np.flatnonzero(slot_rank == h)
     if max_cost >= 2:
         # swaps: hot slot s with slot t elsewhere
@@ -78,10 +78,10 @@ def _best_move(row, w, slot_rank, R, max_cost):
         new_max = np.maximum(cur - delta, rl[c] + delta)
         diff_expert = row[s_idx] != row[t_idx]
         new_max = np.where(diff_expert & (delta > 0), new_max, np.inf)
-        k = np.unravel_index(np.argmin(new_max), new_max.shape)
-        g = (cur - new_max[k]) / 2.0
+        ij = np.unravel_index(np.argmin(new_max), new_max.shape)
+        g = (cur - new_max[ij]) / 2.0
         if g > best[0] + 1e-12:
-            best = (g, 2, "swap", int(s_idx[k]), int(t_idx[k]), float(new_max[k]))
+            best = (float(g), 2, "swap", int(s_idx[ij]), int(t_idx[ij]), float(new_max[ij]))
     if max_cost >= 1:
         # overwrite a redundant copy (slot t, expert x with cnt>1) with a copy of hot expert e
         red = np.flatnonzero(cnt[row] > 1)
@@ -130,7 +130,7 @@ def replan(prev: Plan, load, max_moves: int | None = None, target_imbalance: flo
         rl, _, _ = _rank_loads(rows[li], w_all[li], sr, R)
         return rl.mean() <= 0 or rl.max() / rl.mean() <= target_imbalance
 
-    heap = []
+    heap: list[tuple] = []
     for li in range(prev.num_layers):
         if not done(li) and w_all[li].sum() > 0:
             b = _best_move(rows[li], w_all[li], sr, R, min(2, budget))

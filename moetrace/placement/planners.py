@@ -11,11 +11,12 @@ point.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ..domain.ranks import contiguous_experts, node_of
+from ..domain.shape import PlanShape, check_shape
 from ..errors import InputError
 from .eplb import rebalance_experts, replica_counts
 
@@ -26,7 +27,8 @@ class Plan:
     num_experts: int
     num_ranks: int
     ranks_per_node: int
-    layers: np.ndarray | None = None   # layer ids of the rows (default 0..L-1)
+    #: layer ids of the rows: any int sequence, None = 0..L-1; an int64 array once constructed
+    layers: Any = None
     policy: str = "contiguous"
     plan_id: str | None = None
     params: dict = field(default_factory=dict)
@@ -111,43 +113,6 @@ class Plan:
                 + (f"{g} expert groups" if g is not None else "expert groups not used"))
 
 
-@dataclass
-class PlanShape:
-    """The cluster a planner plans for. ``num_groups`` None = unknown (hierarchical EPLB
-    refuses it). Contradictions (nodes x ranks per node != ranks, slots that do not divide
-    over ranks) are refused by :func:`check_shape`."""
-    num_ranks: int
-    ranks_per_node: int
-    num_slots: int
-    num_groups: int | None = 1
-    num_nodes: int | None = None
-
-    def nodes(self) -> int:
-        return self.num_nodes or max(1, self.num_ranks // self.ranks_per_node)
-
-
-def check_shape(shape: PlanShape, num_experts: int, policy: str | None = None) -> None:
-    """InputError naming the options when the cluster settings contradict each other."""
-    R, rpn, S = shape.num_ranks, shape.ranks_per_node, shape.num_slots
-    if R < 1 or rpn < 1:
-        raise InputError(None, f"--ranks {R} and --ranks-per-node {rpn} must be >= 1")
-    if shape.num_nodes is not None and shape.num_nodes * rpn != R:
-        raise InputError(None, f"--nodes {shape.num_nodes} x --ranks-per-node {rpn} = {shape.num_nodes * rpn} is not "
-                               f"--ranks {R}")
-    if S < num_experts:
-        raise InputError(None, f"{S} slots cannot hold {num_experts} experts (--replicas must be >= 0)")
-    if policy != "one-per-rank" and S % R:
-        raise InputError(None, f"{S} slots ({S - num_experts} redundant, --replicas) do not divide evenly over "
-                               f"--ranks {R}")
-    if policy == "eplb":
-        if shape.num_groups is None:
-            raise InputError(None, "hierarchical EPLB needs the model's expert group count, which this run does not "
-                                   "record: give --groups N (DeepSeek-V3/R1: 8; ingest with --groups to store it), "
-                                   "or use --policy eplb-global")
-        if num_experts % shape.num_groups:
-            raise InputError(None, f"--groups {shape.num_groups} does not divide the {num_experts} experts")
-
-
 def _contiguous_rows(L: int, E: int, S: int) -> np.ndarray:
     """vLLM's initial map: range(E), then slot i holds expert i % E (:mod:`moetrace.domain.ranks`)."""
     return np.tile(contiguous_experts(E, S), (L, 1))
@@ -176,7 +141,7 @@ def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
         rank_load = np.zeros(R)
         rank_n = np.zeros(R, np.int64)
         holds = np.zeros((R, E), bool)
-        rows = [[] for _ in range(R)]
+        rows: list[list[int]] = [[] for _ in range(R)]
         for j in order:
             e = items[j]
             free = rank_n < spr
@@ -194,8 +159,11 @@ def greedy(load: np.ndarray, shape: PlanShape) -> Plan:
 def eplb(load: np.ndarray, shape: PlanShape) -> Plan:
     """DeepSeek's EPLB with the model's groups: hierarchical when the groups divide over the
     nodes, else (as the published algorithm does) global; the policy name says which."""
-    phy2log, _, _ = rebalance_experts(load, shape.num_slots, shape.num_groups, shape.nodes(), shape.num_ranks)
-    hier = shape.num_groups % shape.nodes() == 0
+    G = shape.num_groups
+    if G is None:       # check_shape refuses it first; here for the type checker and direct callers
+        raise InputError(None, "hierarchical EPLB needs the model's expert group count (--groups N)")
+    phy2log, _, _ = rebalance_experts(load, shape.num_slots, G, shape.nodes(), shape.num_ranks)
+    hier = G % shape.nodes() == 0
     return Plan(phy2log, load.shape[1], shape.num_ranks, shape.ranks_per_node,
                 policy="eplb" if hier else "eplb-global",
                 params={"hierarchical": bool(hier), "num_groups": shape.num_groups, "num_nodes": shape.nodes(),

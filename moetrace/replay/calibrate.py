@@ -26,10 +26,9 @@ slowest rank. This module checks those predictions against what a profiler measu
    among them), the all-to-all error per cell, and the layer time (the slowest rank's
    expert + all-to-all time, the model's layer time) per (step, layer).
 
-Metric definitions, exactly as :func:`metrics` computes them from the stored rows, so SQL
-over the ``calibration`` table reproduces them: a cell enters the expert metrics when its
-measured expert time is > 0; a (step, layer) enters the straggler metrics when any of its
-cells does; a cell enters the all-to-all metrics when its measured all-to-all time is > 0.
+The arithmetic on the cells (metrics, held-out split, band) is
+:mod:`moetrace.costmodel.calibrate`; the fits are :mod:`moetrace.costmodel.calibrate_fit`. This module is the
+adapter that reads the store and writes the ``calibration`` table.
 """
 from __future__ import annotations
 
@@ -41,9 +40,20 @@ import numpy as np
 import pyarrow as pa
 
 from ..costmodel import step_cost as costmod
+from ..costmodel.calibrate import (
+    HELD_OUT,
+    Cells,
+    block_size,
+    metrics,
+    model_band,
+    split_steps,
+    steps_text,
+    straggler_flags,
+    take,
+)
+from ..costmodel.calibrate_fit import LAYER_TERMS, METHODS, Fit, fit, fit_layer, fit_layer_model
 from ..costmodel.step_cost import ErrorBand
 from ..errors import InputError
-from .calibrate_fit import LAYER_TERMS, TIE_RTOL, Cells, Fit, fit, fit_layer_model
 
 # ----------------------------------------------------------------------------- observe
 BASES = ("auto", "cpu", "wall")
@@ -87,6 +97,35 @@ def resolve_basis(store, run_id: str, basis: str = "auto") -> str:
     return basis
 
 
+def _timed(store, run_id: str) -> bool:
+    """Whether ``run_id`` has timed passes (``cell_times``, a refrun with --repeats)."""
+    return bool(store.has_files("cell_times") and store.sql(
+        "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [run_id])["n"][0] > 0)
+
+
+def _check_trace(store, spans_run: str, load_run: str) -> None:
+    """Refuse, in one line saying what the trace has and what it lacks, a profiler trace
+    whose kernels cannot be put against the tokens they carried."""
+    has = lambda t: store.has_files(t) and store.sql(  # noqa: E731
+        f"SELECT count(*) AS n FROM {t} WHERE run_id = ?", [load_run])["n"][0] > 0
+    if has("expert_load") or has("routing"):
+        return
+    inv = store.sql("""SELECT kind, count(*) AS n, count(layer) AS with_layer, count(DISTINCT step) AS steps FROM spans
+                       WHERE run_id = ? AND kind IN ('dispatch', 'combine', 'expert_gemm') GROUP BY kind""",
+                    [spans_run])
+    got = {k: (n, la, st) for k, n, la, st in inv.iter_rows()}
+    kinds = ", ".join(f"{got[k][0]} {k}" for k in ("dispatch", "combine", "expert_gemm") if k in got) or "no MoE"
+    steps = max((v[2] for v in got.values()), default=0)
+    lacks = [f"no routing or expert load of run {load_run!r} says how many tokens they carried (ingest the "
+             f"engine's dump of the same steps and pass --load {spans_run}=LOAD_RUN)"]
+    if got.get("expert_gemm", (0, 1))[1] == 0:
+        lacks.append("its expert_gemm kernels carry no layer (no 'layer N' range around their launch)")
+    if steps < 2:
+        lacks.append(f"a held-out band needs 2 steps or more (it has {steps})")
+    raise InputError(None, f"run {spans_run!r}: cannot calibrate: its trace has {kinds} kernels in {steps} step(s), "
+                           f"but {'; '.join(lacks)}")
+
+
 def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_run: str | None = None,
             step_offset: int = 0, basis: str = "wall") -> Cells:
     """Per (step, layer, rank) model inputs and measured span times of ``run_id``.
@@ -105,9 +144,9 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
     run_id = load_run or run_id
     from dataclasses import replace
 
+    from ..placement.plan_store import recorded_plan
     from .engine import replay_load
-    from .load import RunShape, iter_load, routing_block, routing_has_slots
-    from .plan_store import recorded_plan
+    from .load import iter_load, read_shape, routing_block, routing_has_slots
 
     timed = store.has_files("cell_times") and store.sql(
         "SELECT count(*) AS n FROM cell_times WHERE run_id = ?", [spans_run])["n"][0] > 0
@@ -115,7 +154,9 @@ def observe(store, run_id: str, step_range: tuple[int, int] | None = None, load_
             "SELECT count(*) AS n FROM spans WHERE run_id = ?", [spans_run])["n"][0] == 0):
         raise InputError(None, f"run {spans_run!r} has no profiler spans: calibration needs a Kineto or Nsight trace "
                                "(or a refrun) ingested into the same run")
-    shape = RunShape.from_store(store, run_id)
+    if not timed:
+        _check_trace(store, spans_run, run_id)
+    shape = read_shape(store, run_id)
     plan = recorded_plan(store, run_id, shape)
     notes = list(shape.notes)
     if load_run and load_run != spans_run:
@@ -274,79 +315,8 @@ def fit_from_cell_times(store, run_id: str, base: costmod.CostModel | None = Non
     return m
 
 
-# ----------------------------------------------------------------------------- judge
-def straggler_flags(step, layer, measured, predicted):
-    """Per cell: is it the measured straggler of its (step, layer) (the argmax, lowest rank
-    on ties), is it among the predicted stragglers (every rank within TIE_RTOL of the max)."""
-    key = np.unique(np.stack([step, layer], axis=1), axis=0, return_inverse=True)[1].ravel()
-    n = int(key.max()) + 1 if key.size else 0
-    mmax = np.full(n, -np.inf)
-    np.maximum.at(mmax, key, measured)
-    pmax = np.full(n, -np.inf)
-    np.maximum.at(pmax, key, predicted)
-    is_m = measured == mmax[key]
-    # first (lowest index: cells are ordered by rank within a pair) measured max only
-    first = np.zeros(n, np.int64) - 1
-    for i in np.flatnonzero(is_m)[::-1]:
-        first[key[i]] = i
-    meas_flag = np.zeros(measured.size, bool)
-    meas_flag[first[first >= 0]] = True
-    pred_flag = predicted >= pmax[key] - TIE_RTOL * np.abs(pmax[key])
-    return meas_flag, pred_flag
-
-
-def metrics(step, layer, measured, predicted, comm_measured=None, comm_predicted=None) -> dict:
-    """The judged errors (module docstring). Percentages are fractions (0.1 = 10%)."""
-    out: dict = {}
-    m = measured > 0
-    out["cells"] = int(step.size)
-    out["cells_measured"] = int(m.sum())
-    if m.any():
-        rel = (predicted[m] - measured[m]) / measured[m]
-        out["expert_mape"] = float(np.abs(rel).mean())
-        out["expert_bias"] = float(rel.mean())
-        out["expert_total_ratio"] = float(predicted[m].sum() / measured[m].sum())
-    mf, pf = straggler_flags(step, layer, measured, predicted)
-    key, inv = np.unique(np.stack([step, layer], axis=1), axis=0, return_inverse=True)
-    inv = inv.ravel()
-    n = key.shape[0]
-    mmax = np.zeros(n)
-    np.maximum.at(mmax, inv, measured)
-    pmax = np.full(n, -np.inf)
-    np.maximum.at(pmax, inv, predicted)
-    hit = np.zeros(n, bool)
-    np.logical_or.at(hit, inv, mf & pf)
-    ok = mmax > 0
-    out["pairs"] = int(ok.sum())
-    if ok.any():
-        srel = (pmax[ok] - mmax[ok]) / mmax[ok]
-        out["straggler_mape"] = float(np.abs(srel).mean())
-        out["straggler_bias"] = float(srel.mean())
-        out["straggler_hit_rate"] = float(hit[ok].mean())
-        out["straggler_chance"] = float((1.0 / np.bincount(inv, minlength=n)[ok]).mean())   # a random guess
-    if comm_measured is not None and comm_predicted is not None:
-        # layer time: the slowest rank's expert + all-to-all time (the model's rank time)
-        lm = np.zeros(n)
-        np.maximum.at(lm, inv, measured + comm_measured)
-        lp = np.full(n, -np.inf)
-        np.maximum.at(lp, inv, predicted + comm_predicted)
-        has_comm = np.zeros(n, bool)
-        np.logical_or.at(has_comm, inv, comm_measured > 0)
-        lok = ok & has_comm
-        if lok.any():
-            lrel = (lp[lok] - lm[lok]) / lm[lok]
-            out["layer_mape"] = float(np.abs(lrel).mean())
-            out["layer_bias"] = float(lrel.mean())
-        cm = comm_measured > 0
-        out["comm_cells"] = int(cm.sum())
-        if cm.any():
-            crel = (comm_predicted[cm] - comm_measured[cm]) / comm_measured[cm]
-            out["comm_mape"] = float(np.abs(crel).mean())
-            out["comm_bias"] = float(crel.mean())
-    return out
-
-
-def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: int) -> pa.Table:
+def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: int,
+               model_json: str | None = None) -> pa.Table:
     ex, cm = f.predict(c)
     mf, pf = straggler_flags(c.step, c.layer, c.expert_ns, ex)
     n = c.size
@@ -368,6 +338,7 @@ def cell_table(c: Cells, f: Fit, calibration_id: str, role: str, created_at_ns: 
         "comm_ns_per_byte_intra": const(f.comm_ns_per_byte_intra, pa.float64()),
         "comm_ns_per_byte_inter": const(f.comm_ns_per_byte_inter, pa.float64()),
         "expert_r2": const(f.expert_r2, pa.float64()), "comm_r2": const(f.comm_r2, pa.float64()),
+        "model_json": const(model_json, pa.string()),
     })
 
 
@@ -378,17 +349,34 @@ def new_calibration_id() -> str:
 def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None, judge_steps=None,
               hardware: str = "H200", loss: str = "l2", write: bool = True,
               calibration_id: str | None = None, load_runs: dict | None = None, step_offset: int = 0,
-              basis: str = "auto") -> dict:
-    """Fit on ``fit_run``, judge on each of ``judge_runs`` (or, with none, on the fit run
-    itself: in-sample, said so). Stores the cells in ``calibration`` unless ``write`` is
-    False. Returns a summary dict (fit parameters and one metrics dict per judged run).
+              basis: str = "auto", method: str = "auto", held_out: str = "auto", block: int | None = None,
+              keep_model: bool = False) -> dict:
+    """Fit on ``fit_run``, judge on each of ``judge_runs``; with none, on held-out steps of
+    the fit run itself (``held_out``, :data:`~moetrace.costmodel.calibrate.HELD_OUT`: 'auto' = 'blocks',
+    alternating whole blocks of ``block`` steps; 'none' = the fit only, in-sample). Stores
+    the cells in ``calibration`` unless ``write`` is False, the fitted model (with the band
+    it was judged at) on the fit rows, for replays to use. Returns a summary dict (fit
+    parameters, one metrics dict per judged run, the band).
 
     ``basis`` (see :func:`observe`): 'auto' judges on the CPU basis when the fit run and
     every judged run have it (refrun timed passes) and on the wall clock otherwise. On the
     CPU basis the same fit and judgement on the wall clock come beside it (``wall_clock``,
-    not stored) with each run's host slowdown (``host_slowdown``)."""
-    from .load import RunShape
+    not stored) with each run's host slowdown (``host_slowdown``).
 
+    ``method`` (:data:`~moetrace.costmodel.calibrate_fit.METHODS`): 'auto' fits on the fidelity basis
+    ('layer': per-rank expert times and the layer times) where the runs carry timed passes,
+    else each cell's expert and all-to-all spans on their own ('cells')."""
+    from .load import read_shape
+
+    if method not in METHODS:
+        raise InputError(None, f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    if held_out not in HELD_OUT:
+        raise InputError(None, f"unknown held-out scheme {held_out!r} (choose from {', '.join(HELD_OUT)})")
+    if held_out == "auto":
+        held_out = "none" if judge_runs or judge_steps else "blocks"
+    elif held_out != "none" and (judge_runs or judge_steps):
+        raise InputError(None, f"--held-out {held_out} judges the fit run's own steps: leave out --judge-run and "
+                               "--judge-steps")
     cid = calibration_id or new_calibration_id()
     now = time.time_ns()
     load_runs = load_runs or {}
@@ -398,16 +386,25 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     else:
         for r in runs:
             resolve_basis(store, r, basis)
-    shape = RunShape.from_store(store, load_runs.get(fit_run) or fit_run)
+    if method == "auto":
+        method = "layer" if all(_timed(store, r) for r in runs) else "cells"
+    for r in runs:
+        if not _timed(store, r) and store.has_files("spans"):
+            _check_trace(store, r, load_runs.get(r) or r)
+    shape = read_shape(store, load_runs.get(fit_run) or fit_run)
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
-    out = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
-                        basis, cid, now)
-    tables = out.pop("_tables")
+    ctx = dict(store=store, fit_run=fit_run, judge_runs=list(judge_runs), fit_steps=fit_steps, judge_steps=judge_steps,
+               base=base, loss=loss, load_runs=load_runs, step_offset=step_offset, cid=cid, now=now, method=method,
+               held_out=held_out, block=block)
+    out = _calibrate_on(basis=basis, **ctx)
+    tables, model = out.pop("_tables"), out.pop("_model")
+    if keep_model:      # the fitted CostModel itself, for a replay that calibrates in memory
+        out["model"] = model
     out["basis"] = basis
     out["host_slowdown"] = {r: host_slowdown(store, r) for r in runs}
     if basis == "cpu":
-        wall = _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset,
-                             "wall", cid, now)
+        wall = _calibrate_on(basis="wall", **ctx)
+        wall.pop("_model")
         out["wall_clock"] = {"fit": {"metrics": wall["fit"]["metrics"]},
                              "judged": [{"run_id": j["run_id"], "metrics": j["metrics"]} for j in wall["judged"]]}
     if write:
@@ -417,41 +414,57 @@ def calibrate(store, fit_run: str, judge_runs: list[str] = (), *, fit_steps=None
     return out
 
 
-def _calibrate_on(store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset, basis,
-                  cid, now) -> dict:
+def _calibrate_on(*, store, fit_run, judge_runs, fit_steps, judge_steps, base, loss, load_runs, step_offset, basis,
+                  cid, now, method, held_out, block) -> dict:
     cf = observe(store, fit_run, fit_steps, load_runs.get(fit_run), step_offset, basis)
-    f = fit(cf, base, loss)
+    held = None
+    if held_out != "none":
+        fs, js = split_steps(cf.step, held_out, block)
+        held = take(cf, np.isin(cf.step, js))
+        cf = take(cf, np.isin(cf.step, fs))
+    f = fit_layer(cf, base) if method == "layer" else fit(cf, base, loss)
     ex, cm = f.predict(cf)
     fit_metrics = metrics(cf.step, cf.layer, cf.expert_ns, ex, cf.comm_ns, cm)
-    out = {"calibration_id": cid, "loss": loss, "fit": {**f.describe(), "steps": _steps_of(cf), "metrics": fit_metrics,
-                                          "input_notes": cf.notes}, "judged": []}
-    tables = {fit_run: [cell_table(cf, f, cid, "fit", now)]}
-    targets = list(judge_runs)
-    for rid in targets:
-        same = rid == fit_run
-        cj = observe(store, rid, judge_steps, load_runs.get(rid), step_offset, basis)
-        if same and not judge_steps:
+    out = {"calibration_id": cid, "loss": loss, "method": method, "held_out": held_out,
+           "fit": {**f.describe(), "steps": _steps_of(cf), "steps_text": steps_text(cf.step),
+                   "metrics": fit_metrics, "input_notes": cf.notes}, "judged": []}
+    judged = [(rid, observe(store, rid, judge_steps, load_runs.get(rid), step_offset, basis)) for rid in judge_runs]
+    if held is not None:
+        judged.append((fit_run, held))
+    cells = {}
+    for rid, cj in judged:
+        if held is not None and cj is held:
+            note = (f"held out: steps {steps_text(cj.step)} of the fit run (whole "
+                    + (f"blocks of {block_size(cf, cj)} steps" if held_out == "blocks" else "second half")
+                    + f"), fitted on steps {steps_text(cf.step)}")
+        elif rid == fit_run and not judge_steps:
             note = "judged on the fit run itself (in-sample)"
-        elif same:
+        elif rid == fit_run:
             note = f"judged on steps [{judge_steps[0]}, {judge_steps[1]}) of the fit run"
         else:
             note = None
         pe, pc = f.predict(cj)
         mt = metrics(cj.step, cj.layer, cj.expert_ns, pe, cj.comm_ns, pc)
-        out["judged"].append({"run_id": rid, "steps": _steps_of(cj), "metrics": mt,
-                              "notes": cj.notes + ([note] if note else [])})
-        tables.setdefault(rid, []).append(cell_table(cj, f, cid, "judge", now))
-    out["_tables"] = tables
+        out["judged"].append({"run_id": rid, "steps": _steps_of(cj), "steps_text": steps_text(cj.step),
+                              "held_out": cj is held, "metrics": mt, "notes": cj.notes + ([note] if note else [])})
+        cells[rid] = cells.get(rid, []) + [cj]
+    out["band"] = model_band(out, cid, load_runs.get(fit_run), basis)
+    if out["band"]["rel_error"] is not None:
+        f.model.rel_error, f.model.rel_error_source = out["band"]["rel_error"], out["band"]["source"]
+    model_json = json.dumps({**f.model.describe(), "calibration": {
+        k: out["band"][k] for k in ("calibration_id", "fit_run_id", "load_run_id", "fit_steps", "judged", "rel_error",
+                                    "what", "method", "basis")}}, sort_keys=True, default=float)
+    tables = {fit_run: [cell_table(cf, f, cid, "fit", now, model_json)]}
+    for rid, cs in cells.items():
+        for cj in cs:
+            tables.setdefault(rid, []).append(cell_table(cj, f, cid, "judge", now))
+    out["_tables"], out["_model"] = tables, f.model
     return out
 
 
 def _steps_of(c: Cells) -> list[int]:
     s = np.unique(c.step)
     return [int(s.min()), int(s.max())] if s.size else []
-
-
-def summary_json(summary: dict) -> str:
-    return json.dumps(summary, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
 
 
 # ----------------------------------------------------------------------------- stored

@@ -9,13 +9,15 @@ import numpy as np
 
 from ..costmodel import choose
 from ..costmodel import step_cost as costmod
+from ..domain.shape import Shape
+from ..placement.plan_store import recorded_plan
 from .calibrate import error_band, fit_from_cell_times, run_hardware
-from .load import RunShape, read_load
-from .plan_store import recorded_plan
+from .calibrated_model import own_trace_model, stored_model
+from .load import read_load, read_shape
 
 
 # ----------------------------------------------------------------------------- cost model
-def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunShape | None = None):
+def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: Shape | None = None):
     """Fit a and b from the run's expert_gemm spans that carry step, layer and rank,
     against the recorded per-rank tokens and slots touched. None when the run has too few."""
     if not store.has_files("spans"):
@@ -25,7 +27,7 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunS
                       GROUP BY ALL""", [run_id])
     if df.height < 8:
         return None
-    shape = shape or RunShape.from_store(store, run_id)
+    shape = shape or read_shape(store, run_id)
     if shape.num_ranks is None:
         return None
     plan = recorded_plan(store, run_id, shape)
@@ -35,7 +37,7 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: RunS
                                  df["layer"].to_numpy(), df["rank"].to_numpy(), df["dur"].to_numpy(), base)
 
 
-def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
+def cost_model(store, run_id: str, shape: Shape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
     """The preset, or (with ``fit``) the model fitted from the run's expert_gemm spans. The
     measured error band and the timed-pass fit come on top in :func:`run_cost_model`."""
     model = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
@@ -44,14 +46,21 @@ def cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit:
     return model
 
 
-def _cost(store, run_id, shape: RunShape, opts) -> costmod.CostModel:
+def _cost(store, run_id, shape: Shape, opts) -> costmod.CostModel:
     return opts.cost if opts.cost is not None else cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
 
 
-def run_cost_model(store, run_id: str, shape: RunShape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
-    """What the run facade passes in as ``ReplayOptions.cost``: the timed-pass fit of
-    :mod:`.calibrate`, else the spans fit, else the preset, carrying the error band of the
-    newest out-of-sample calibration on the run's hardware."""
+def run_cost_model(store, run_id: str, shape: Shape, hardware: str = "H200", fit: bool = True,
+                   cost_model_run: str | None = None) -> costmod.CostModel:
+    """What the run facade passes in as ``ReplayOptions.cost``: the model ``calibrate``
+    stored for this run (or, ``cost_model_run``, for that run) with its held-out band; else
+    one fitted in memory on held-out blocks of the run's own trace; else the timed-pass fit
+    of :mod:`.calibrate`, else the spans fit, else the preset, carrying the error band of the newest out-of-sample calibration on the run's hardware."""
+    stored = stored_model(store, run_id, cost_model_run) if (fit or cost_model_run) else None
+    if stored is None and fit:
+        stored = own_trace_model(store, run_id, hardware)
+    if stored is not None:
+        return stored
     base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
     fitted = (fit_from_cell_times(store, run_id, base) or fit_cost_from_store(store, run_id, base, shape)) if fit else None
     band = error_band(store, run_hardware(store, run_id) if fitted is not None else hardware)

@@ -143,12 +143,3 @@ def run_jobs(client, store, jobs: list[sweeps.SweepJob], cells_per_task: int = 1
     for n, part in zip(owner, gathered):
         results[n].extend(part)
     return [sweeps.finish_sweep(store, job, res) for job, res in zip(jobs, results)]
-
-
-def sweep(store, jobs: list[sweeps.SweepJob], workers: int | None = None, scheduler: str | None = None,
-          cells_per_task: int = 1) -> list[sweeps.SweepResult]:
-    """Run planned sweeps (:func:`moetrace.replay.sweeps.plan_sweep`, one per run) on a
-    local cluster of ``workers`` processes or on the scheduler at ``scheduler``; the
-    results equal the single-process sweep's."""
-    with client_for(workers, scheduler) as client:
-        return run_jobs(client, store, jobs, cells_per_task)

@@ -6,13 +6,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..costmodel import step_cost as costmod
+from ..domain.shape import Shape, Timing
 from ..errors import InputError
 from ..notebook import NotebookView
 from ..placement.planners import PlanShape, make_plan
 from ..placement.relabel import relabel
 from .cost_fit import _cost
-from .judge_plan import _in_memory, _too_short
-from .load import RunShape
+from .judge import _in_memory, _too_short
 from .results import (
     ReplayOptions,
     ReplayResult,
@@ -23,7 +23,7 @@ from .results import (
     load_answer,
     new_replay_id,
 )
-from .strategies import Fixed, Judged, MoveCost, Oracle, Replan, Timing, fastest, judge
+from .strategies import Fixed, Judged, MoveCost, Oracle, Replan, fastest, judge
 
 
 # ----------------------------------------------------------------------------- drift
@@ -102,7 +102,7 @@ class DriftResult(NotebookView):
         return out
 
 
-def drift(store, run_id: str, shape: RunShape, policy: str, plan_shape: PlanShape, every: int, window: int,
+def drift(store, run_id: str, shape: Shape, policy: str, plan_shape: PlanShape, every: int, window: int,
           opts: ReplayOptions, max_moves: int | None = None, write: bool = True, static_window=None) -> DriftResult:
     """Static plan (fitted on the ``window`` steps before the judged ones, or
     ``static_window``) vs re-planning every ``every`` steps from the trailing ``window``

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..costmodel.step_cost import CostModel
-from ..domain.ranks import node_of
+from ..domain.balance import imbalance
 from ..errors import InputError
 from ..placement.planners import Plan
 from .accumulate import Summary, SummaryAccumulator
@@ -33,16 +33,6 @@ from .accumulate import Summary, SummaryAccumulator
 SPLITS = ("even", "hash", "local")
 
 
-def blas_single_thread():
-    """One BLAS thread for the many small per-layer matmuls: OpenBLAS's thread pool costs
-    more than it gives on [steps, experts] x [experts, ranks] products (10x slower on a
-    busy 2-core machine). Uses threadpoolctl when installed (extra ``fast``)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
-_HASH = np.uint64(2654435761)
 
 #: glibc's malloc gives a freed block back to the system once more than 128 KiB sit free at
 #: the top of the heap (or unmaps it, above its mmap threshold), so every [steps, layers,
@@ -98,7 +88,7 @@ class Block:
     #: dispatch bytes summed over the block, source rank x destination rank [R, R] (exact
     #: per-token replays only; the diagonal is 0: a token's own rank costs nothing)
     traffic: np.ndarray | None = None
-    #: estimated bytes (:func:`estimate_dispatch`): the tokens each rank receives [t, L, R]
+    #: estimated bytes (:func:`_estimate_dispatch`): the tokens each rank receives [t, L, R]
     #: and the bytes per received token inside / between nodes, so that
     #: ``bytes_intra = received * per_token[0]`` and ``bytes_inter = received * per_token[1]``
     #: (the cost model then times the all-to-all in one pass: :meth:`CostModel.comm_received_ns`)
@@ -115,15 +105,6 @@ def _slot_replica_index(plan: Plan) -> np.ndarray:
         sorted_e = plan.phy2log[li][order]
         first = np.searchsorted(sorted_e, sorted_e)
         out[li, order] = np.arange(S) - first
-    return out
-
-
-def _per_layer_matmul(a: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """out[t, l, :] = a[t, l, :] @ m[l] for a [T, L, E] and m [L, E, R] (BLAS per layer)."""
-    T, L, _ = a.shape
-    out = np.empty((T, L, m.shape[2]), np.result_type(a, m))
-    for li in range(L):
-        np.matmul(a[:, li, :], m[li], out=out[:, li, :])
     return out
 
 
@@ -182,20 +163,6 @@ def _rank_sum(per_slot: np.ndarray, T: int, L: int, R: int, spr: int, dtype=None
     return v.sum(axis=3, dtype=dtype)
 
 
-def estimate_dispatch(load: np.ndarray, plan: Plan, top_k: int | None, bytes_per_token: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes each rank receives in the dispatch, without per-token data: a token reaches
-    rank r unless it misses every copy there, each copy taking load/copies of the step's
-    B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks (the
-    token's own rank costs nothing, its node's other ranks are intra-node). Without
-    ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so).
-    float32 throughout (a probability per rank; the bytes are an estimate), except with one
-    slot per rank, where P = x/B exactly: the rank receives its own tokens (at most B), in
-    the load's precision."""
-    intra, inter, _, _ = _estimate_dispatch(load, plan, top_k, bytes_per_token)
-    return intra, inter
-
-
 def received_cap(load: np.ndarray, top_k: int, dtype=np.float64) -> np.ndarray:
     """The step's tokens B = assignments / top_k per (step, layer) [t, L]: no rank receives
     more (counts of real routing never give one copy more; synthetic ones may)."""
@@ -203,9 +170,16 @@ def received_cap(load: np.ndarray, top_k: int, dtype=np.float64) -> np.ndarray:
 
 
 def _estimate_dispatch(load, plan, top_k, bytes_per_token, arrays: _PlanArrays | None = None, even_tokens=None):
-    """(intra bytes, inter bytes, tokens received or None, (intra, inter) bytes per received token).
-    ``even_tokens``: the plan's per-rank tokens under the even split, when the caller has
-    them (one slot per rank: they are the tokens received)."""
+    """Bytes each rank receives in the dispatch, without per-token data: (intra bytes, inter
+    bytes, tokens received or None, (intra, inter) bytes per received token). A token
+    reaches rank r unless it misses every copy there, each copy taking load/copies of the
+    step's B tokens independently, P = 1 - prod(1 - x/B); source ranks uniform over ranks
+    (the token's own rank costs nothing, its node's other ranks are intra-node). Without
+    ``top_k`` the tokens per step are unknown: no bytes (zeros; the caller says so).
+    float32 throughout (a probability per rank; the bytes are an estimate), except with one
+    slot per rank, where P = x/B exactly: the rank receives its own tokens (at most B), in
+    the load's precision. ``even_tokens``: the plan's per-rank tokens under the even split,
+    when the caller has them (one slot per rank: they are the tokens received)."""
     T, L, E = load.shape
     if not top_k:
         z = np.zeros((T, L, plan.num_ranks))
@@ -461,90 +435,13 @@ def _metrics_from(tok, rank_ns) -> LayerMetrics:
     load_strag = np.argmax(tok, axis=2)
     mx = np.take_along_axis(tok, load_strag[..., None], axis=2)[..., 0]     # = tok.max(axis=2)
     mean = tok.mean(axis=2)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        imb = np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
+    imb = imbalance(tok, mx=mx, mean=mean)
     undefined = np.isnan(imb)
     strag = np.argmax(rank_ns, axis=2)
     layer_ns = np.take_along_axis(rank_ns, strag[..., None], axis=2)[..., 0]
     strag[undefined] = -1
     load_strag[undefined] = -1
     return LayerMetrics(mx, mean, imb, strag, layer_ns, None, None, rank_ns, load_strag, rank_ns.mean(axis=2))
-
-
-def replay_routing(step_idx, layer_idx, token, src_rank, expert, T: int, plan: Plan, split: str,
-                   bytes_per_token: int, recorded_slot=None) -> Block:
-    """Exact replay of per-token routing rows (index arrays) against ``plan``: each token
-    goes once to each distinct destination rank; bytes received per rank, intra vs inter
-    node; a token staying on its own rank moves nothing. ``recorded_slot`` (the physical
-    slot each row went to, when the engine recorded it and ``plan`` is the plan it ran)
-    replaces the replica choice."""
-    L, R, spr, rpn = plan.num_layers, plan.num_ranks, plan.slots_per_rank, plan.ranks_per_node
-    E = plan.num_experts
-    ti = np.asarray(step_idx, np.int64)
-    li = np.asarray(layer_idx, np.int64)
-    tok = np.asarray(token, np.int64)
-    src = np.asarray(src_rank, np.int64)
-    e = np.asarray(expert, np.int64)
-    cnt = plan.logcnt()
-    maxc = int(cnt.max())
-    log2phy = np.full((L, E, maxc), -1, np.int64)
-    rep = _slot_replica_index(plan)
-    for l in range(L):
-        log2phy[l, plan.phy2log[l], rep[l]] = np.arange(plan.num_slots)
-    h = (tok.astype(np.uint64) * _HASH) % np.uint64(1 << 32)
-    slot = log2phy[li, e, (h % cnt[li, e].astype(np.uint64)).astype(np.int64)]
-    if split == "local":
-        on_rank = np.full((L, E, R), -1, np.int64)
-        on_node = np.full((L, E, plan.num_nodes), -1, np.int64)
-        srank, snode = plan.slot_rank, plan.slot_node
-        for l in range(L):
-            for s in range(plan.num_slots - 1, -1, -1):   # lowest slot wins
-                on_rank[l, plan.phy2log[l, s], srank[s]] = s
-                on_node[l, plan.phy2log[l, s], snode[s]] = s
-        src_ok = np.clip(src, 0, R - 1)
-        a = on_rank[li, e, src_ok]
-        b = on_node[li, e, node_of(src_ok, rpn)]
-        slot = np.where(a >= 0, a, np.where(b >= 0, b, slot))
-    if recorded_slot is not None:
-        rs = np.asarray(recorded_slot, np.int64)
-        if rs.size and (rs.max() >= plan.num_slots or (rs >= 0).sum() != rs.size
-                        or (plan.phy2log[li, np.maximum(rs, 0)] != e).any()):
-            raise InputError(None, "recorded routing slots do not match the plan's experts")
-        slot = rs
-    dst = slot // spr
-    tl = ti * L + li
-    cells = T * L
-    tokens = np.bincount(tl * R + dst, minlength=cells * R).reshape(T, L, R).astype(np.float64)
-    hit = np.zeros((cells, plan.num_slots), bool)
-    hit[tl, slot] = True
-    touched = hit.reshape(T, L, R, spr).sum(axis=3)
-    # dense (cell, token) x destination-rank marks: a token goes once to each distinct rank
-    maxtok = int(tok.max()) + 1 if tok.size else 1
-    row = tl * maxtok + tok
-    marks = np.zeros((cells * maxtok, R), bool)
-    marks[row, dst] = True
-    src_of = np.full(cells * maxtok, -1, np.int64)
-    src_of[row] = src
-    nz_row, d = np.nonzero(marks)
-    s = src_of[nz_row]
-    cell = nz_row // maxtok
-    remote = s != d
-    same_node = node_of(s, rpn) == node_of(d, rpn)
-    w_intra = (remote & same_node).astype(np.float64) * bytes_per_token
-    w_inter = (remote & ~same_node).astype(np.float64) * bytes_per_token
-    intra = np.bincount(cell * R + d, weights=w_intra, minlength=cells * R).reshape(T, L, R)
-    inter = np.bincount(cell * R + d, weights=w_inter, minlength=cells * R).reshape(T, L, R)
-    traffic = np.bincount(np.clip(s, 0, R - 1) * R + d, weights=w_intra + w_inter, minlength=R * R).reshape(R, R)
-    # nodes per token (node-limited routing shows as a small maximum)
-    nn = plan.num_nodes
-    used = src_of >= 0
-    if R % rpn == 0:
-        per_tok = marks[used].reshape(-1, nn, rpn).any(axis=2).sum(axis=1)
-    else:
-        per_tok = np.array([len(set(node_of(np.flatnonzero(m), rpn).tolist())) for m in marks[used]])
-    return Block(tokens, touched, intra, inter, exact_bytes=True,
-                 nodes_per_token_max=int(per_tok.max()) if per_tok.size else 0,
-                 nodes_per_token_mean=float(per_tok.mean()) if per_tok.size else 0.0, traffic=traffic)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -567,15 +464,6 @@ class LayerMetrics:
     rank_ns_mean: np.ndarray | None = None
     # dispatch_ns / compute_ns are None when the all-to-all was timed in one pass from the
     # received tokens (:func:`layer_metrics`); :func:`rank_parts` gives them
-
-
-def imbalance(tokens: np.ndarray) -> np.ndarray:
-    """max / mean rank tokens over the last axis; NaN where no tokens were routed. The one
-    definition replay uses; ``layer_skew`` computes the same in SQL."""
-    mx = tokens.max(axis=-1)
-    mean = tokens.mean(axis=-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
 
 
 def layer_metrics(block: Block, cost: CostModel) -> LayerMetrics:
@@ -616,8 +504,7 @@ def rank_parts(block: Block, cost: CostModel) -> tuple[np.ndarray, np.ndarray, n
 def _layer_metrics(tok, touched, intra, inter, cost: CostModel, received=None, per_token=None) -> LayerMetrics:
     mx = tok.max(axis=2)
     mean = tok.mean(axis=2)
-    with np.errstate(divide="ignore", invalid="ignore"):    # = imbalance(tok), its max and mean reused
-        imb = np.where(mean > 0, mx / np.where(mean > 0, mean, 1), np.nan)
+    imb = imbalance(tok, mx=mx, mean=mean)
     if received is not None:
         rank_ns = cost.compute_ns(tok, touched)
         rank_ns += cost.comm_received_ns(received, per_token)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -16,139 +16,83 @@ from ..domain.model_shape import (
     DEFAULT_MOE_INTERMEDIATE,
     default_expert_bytes,
 )
-from ..domain.ranks import ranks_per_node_or_all
+from ..domain.shape import Shape
 from ..errors import InputError
-from ..placement.planners import Plan, PlanShape, check_shape
-from .budget import STREAMED_STEPS, check_replay_memory, check_slots
-from .engine import Block, replay_routing
-from .strategies import Timing
+from ..placement.planners import Plan
+from .engine import Block
+from .token_replay import replay_routing
 
 
 # ----------------------------------------------------------------------------- shape
-@dataclass
-class RunShape:
-    """A run's shape as the metrics see it. ``None`` = the run does not record it."""
-    num_experts: int
-    num_ranks: int | None
-    ranks_per_node: int | None
-    num_slots: int
-    num_groups: int | None
-    top_k: int | None
-    hidden: int
-    dtype_bytes: int
-    expert_bytes: int
-    layers: np.ndarray
-    steps: np.ndarray
-    has_slot: bool
-    has_routing: bool
-    notes: list[str] = field(default_factory=list)
-    ranks_from: str | None = None
-    #: the counts aggregate many passes (one pseudo-step per recording); passes when known
-    aggregate: bool = False
-    passes: int | None = None
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.hidden * self.dtype_bytes
-
-    def timing(self, passes: int | None = None) -> Timing:
-        if not self.aggregate:
-            return Timing()
-        return Timing(timed=False, per_pass=passes or self.passes)
-
-    def plan_shape(self, ranks=None, replicas=None, groups=None, nodes=None, rpn=None, streamed: bool = False
-                   ) -> PlanShape:
-        """The cluster a planner plans for: the run's, with the options given. Contradictions
-        exit 2 naming the options (:func:`planners.check_shape`). The memory check sizes the
-        steps held at once: all of them (drift, sweep: the run's load in memory), or with
-        ``streamed`` one read of :data:`.budget.STREAMED_STEPS` (a replay of one plan reads
-        the run in chunks: an hour and a week of a fleet need the same memory)."""
-        R = ranks or self.num_ranks
-        if not R:
-            raise InputError(None, "the run's expert-parallel rank count is unknown (runs.num_ranks empty, no "
-                                   "recorded placement): give --ranks N (or ingest with --ranks)")
-        if rpn is None and nodes:
-            if R % nodes:
-                raise InputError(None, f"--nodes {nodes} does not divide --ranks {R}")
-            rpn = R // nodes
-        if rpn is None:
-            rpn = ranks_per_node_or_all(self.ranks_per_node, R)
-        if replicas is not None:
-            S = self.num_experts + replicas
+def read_shape(store, run_id: str) -> Shape:
+    """The run's :class:`~moetrace.domain.shape.Shape` for a replay: the ``run_shape`` view,
+    the steps and layers of the recorded load, and the values a replay cannot do without
+    filled in where the run is silent (ranks per node from the recorded placement's nodes,
+    else all ranks on one node; hidden size, bytes per element and per expert from
+    :mod:`moetrace.domain.model_shape`), each assumption a line of ``shape.notes``."""
+    run = store.run_row(run_id)
+    notes = []
+    # DuckDB's rows and Arrow columns, not polars frames (a command's start-up)
+    sh = store.rows("SELECT * FROM run_shape WHERE run_id = ?", [run_id]).dicts()
+    # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
+    st = store.rows("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
+                              (SELECT count(slot) FROM expert_load_long WHERE run_id = ?) ns""",
+                    [run_id, run_id]).dicts()[0]
+    if not sh or st["lo"] is None:
+        raise InputError(None, f"run {run_id!r} has no expert_load rows to replay")
+    sh = sh[0]
+    steps = store.numpy("SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step",
+                        [run_id])["step"]
+    layers = store.numpy("SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer",
+                         [run_id])["layer"]
+    E, R, S = int(sh["num_experts"]), sh["num_ranks"], int(sh["num_slots"])
+    if sh["experts_from"] != "runs":
+        notes.append(f"runs.num_experts unknown: {E} ({sh['experts_from']})")
+    rpn = run.get("ranks_per_node")
+    if R is None:
+        notes.append("expert-parallel rank count unknown (ingest with --ranks): give --ranks to plan or replay")
+    elif not rpn:
+        nodes = None
+        if store.has_files("placement"):
+            nodes = store.rows("SELECT max(node) + 1 AS n FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
+                               [run_id]).rows[0][0]
+        if nodes and R % int(nodes) == 0:
+            rpn = R // int(nodes)
+            notes.append(f"runs.ranks_per_node unknown: {rpn} from the recorded placement ({R} ranks on "
+                         f"{int(nodes)} nodes)")
         else:
-            S = self.num_slots if ranks is None or ranks == self.num_ranks else self.num_experts
-        ps = PlanShape(R, rpn, S, groups if groups is not None else self.num_groups, nodes)
-        check_slots(S, self.num_experts)   # before any array is sized by it (replay/budget.py)
-        check_shape(ps, self.num_experts, None)
-        held = min(int(self.steps.size), STREAMED_STEPS) if streamed else int(self.steps.size)
-        check_replay_memory(S, held, int(self.layers.size))
-        return ps
-
-    def describe(self) -> str:
-        return (f"{self.num_ranks or '?'} ranks ({self.ranks_from or 'unknown'}), "
-                f"{self.ranks_per_node or '?'} per node, {self.num_slots} slots, "
-                f"{self.num_groups if self.num_groups is not None else '?'} groups, top_k {self.top_k or '?'}")
-
-    @classmethod
-    def from_store(cls, store, run_id: str) -> "RunShape":
-        run = store.run_row(run_id)
-        notes = []
-        # DuckDB's rows and Arrow columns, not polars frames (a command's start-up)
-        sh = store.rows("SELECT * FROM run_shape WHERE run_id = ?", [run_id]).dicts()
-        # step_layers / expert_load_long: the dense rows' steps and layers without unnesting them
-        st = store.rows("""SELECT (SELECT min(step) FROM step_layers WHERE run_id = ?) lo,
-                                  (SELECT count(slot) FROM expert_load_long WHERE run_id = ?) ns""",
-                        [run_id, run_id]).dicts()[0]
-        if not sh or st["lo"] is None:
-            raise InputError(None, f"run {run_id!r} has no expert_load rows to replay")
-        sh = sh[0]
-        steps = store.numpy("SELECT DISTINCT step FROM step_layers WHERE run_id = ? ORDER BY step",
-                            [run_id])["step"]
-        layers = store.numpy("SELECT DISTINCT layer FROM step_layers WHERE run_id = ? ORDER BY layer",
-                             [run_id])["layer"]
-        E, R, S = int(sh["num_experts"]), sh["num_ranks"], int(sh["num_slots"])
-        if sh["experts_from"] != "runs":
-            notes.append(f"runs.num_experts unknown: {E} ({sh['experts_from']})")
-        rpn = run.get("ranks_per_node")
-        if R is None:
-            notes.append("expert-parallel rank count unknown (ingest with --ranks): give --ranks to plan or replay")
-        elif not rpn:
-            nodes = None
-            if store.has_files("placement"):
-                nodes = store.rows("SELECT max(node) + 1 AS n FROM placement WHERE run_id = ? AND plan_id = 'recorded'",
-                                   [run_id]).rows[0][0]
-            if nodes and R % int(nodes) == 0:
-                rpn = R // int(nodes)
-            else:
-                notes.append("ranks per node unknown (ingest with --ranks-per-node): all ranks taken as one node "
-                             "(all-to-all and expert moves over NVLink only)")
-        G = run.get("num_groups")
-        k = sh["top_k"]
-        hidden = run.get("hidden")
-        if not hidden:
-            hidden = DEFAULT_HIDDEN
-            notes.append(f"runs.hidden unknown: {DEFAULT_HIDDEN} assumed for dispatch bytes")
-        db = run.get("dtype_bytes")
-        if not db:
-            db = DEFAULT_DTYPE_BYTES
-            notes.append(f"runs.dtype_bytes unknown: {DEFAULT_DTYPE_BYTES} bytes per element assumed for dispatch bytes")
-        eb = run.get("expert_bytes") or default_expert_bytes(hidden)
-        if not run.get("expert_bytes"):
-            notes.append(f"runs.expert_bytes unknown: 3 x hidden x {DEFAULT_MOE_INTERMEDIATE} = {eb} bytes per expert assumed")
-        has_routing = store.has_files("routing") and store.rows(
-            "SELECT count(*) n FROM (SELECT 1 FROM routing WHERE run_id = ? LIMIT 1)", [run_id]).rows[0][0] > 0
-        approx = json.loads(run.get("approximations") or "[]")
-        aggregate = any("pseudo-step" in a for a in approx)
-        passes = None
-        if aggregate:
-            try:
-                passes = json.loads(run.get("meta_json") or "{}").get("num_passes")
-            except ValueError:
-                passes = None
-        return cls(E, int(R) if R else None, int(rpn) if rpn else None, S, int(G) if G else None,
-                   int(k) if k else None, int(hidden), int(db), int(eb), layers.astype(np.int64),
-                   steps.astype(np.int64), bool(st["ns"]), bool(has_routing), notes, sh["ranks_from"],
-                   aggregate, int(passes) if passes else None)
+            notes.append("ranks per node unknown (ingest with --ranks-per-node): all ranks taken as one node "
+                         "(all-to-all and expert moves over NVLink only)")
+    G = run.get("num_groups")
+    k = sh["top_k"]
+    hidden = run.get("hidden")
+    if not hidden:
+        hidden = DEFAULT_HIDDEN
+        notes.append(f"runs.hidden unknown: {DEFAULT_HIDDEN} assumed for dispatch bytes")
+    db = run.get("dtype_bytes")
+    if not db:
+        db = DEFAULT_DTYPE_BYTES
+        notes.append(f"runs.dtype_bytes unknown: {DEFAULT_DTYPE_BYTES} bytes per element assumed for dispatch bytes")
+    eb = run.get("expert_bytes") or default_expert_bytes(hidden)
+    if not run.get("expert_bytes"):
+        notes.append(f"runs.expert_bytes unknown: 3 x hidden x {DEFAULT_MOE_INTERMEDIATE} = {eb} bytes per expert assumed")
+    has_routing = store.has_files("routing") and store.rows(
+        "SELECT count(*) n FROM (SELECT 1 FROM routing WHERE run_id = ? LIMIT 1)", [run_id]).rows[0][0] > 0
+    approx = json.loads(run.get("approximations") or "[]")
+    aggregate = any("pseudo-step" in a for a in approx)
+    passes = None
+    if aggregate:
+        try:
+            passes = json.loads(run.get("meta_json") or "{}").get("num_passes")
+        except ValueError:
+            passes = None
+    return Shape(num_experts=E, experts_from=sh["experts_from"], num_ranks=int(R) if R else None,
+                 ranks_from=sh["ranks_from"], num_slots=S, top_k=int(k) if k else None,
+                 num_layers=sh.get("num_layers", run.get("num_layers")), ranks_per_node=int(rpn) if rpn else None,
+                 num_groups=int(G) if G else None, hidden=int(hidden), dtype_bytes=int(db), expert_bytes=int(eb),
+                 layers=layers.astype(np.int64), steps=steps.astype(np.int64), has_slot=bool(st["ns"]),
+                 has_routing=bool(has_routing), aggregate=aggregate, passes=int(passes) if passes else None,
+                 notes=notes)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -158,13 +102,13 @@ class RunShape:
 PIECE_ELEMENTS = 1 << 18
 
 
-def piece_steps(shape: RunShape, elements: int = PIECE_ELEMENTS) -> int:
+def piece_steps(shape: Shape, elements: int = PIECE_ELEMENTS) -> int:
     """Steps per piece for ``shape``: ``elements`` / (layers x max(experts, ranks)), at least 1."""
     width = max(shape.num_experts, shape.num_ranks or 0, shape.num_slots)
     return max(1, elements // max(1, shape.layers.size * width))
 
 
-def _reads(store, run_id: str, shape: RunShape, chunk_steps: int, with_slots: bool, ahead: bool):
+def _reads(store, run_id: str, shape: Shape, chunk_steps: int, with_slots: bool, ahead: bool):
     """:func:`_read_chunk` of every ``chunk_steps`` steps in order; with ``ahead`` the next
     chunk is read on a thread while the caller works on this one (Parquet decoding
     releases the GIL): two chunks in memory instead of one."""
@@ -185,7 +129,7 @@ def _reads(store, run_id: str, shape: RunShape, chunk_steps: int, with_slots: bo
             del got         # this chunk is done with before the one after next is read
 
 
-def _group_pieces(store, run_id: str, shape: RunShape, groups, spans, ahead: bool):
+def _group_pieces(store, run_id: str, shape: Shape, groups, spans, ahead: bool):
     """The pieces ``spans`` (step id arrays, in order) cut from the run's row groups read one
     at a time (the next one on a thread with ``ahead``): no read decodes a group twice or
     holds more than the groups a piece spans. A piece the groups do not give exactly (steps
@@ -254,7 +198,7 @@ def _group_pieces(store, run_id: str, shape: RunShape, groups, spans, ahead: boo
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
+def iter_load(store, run_id: str, shape: Shape, chunk_steps: int = 2000,
               with_slots: bool = False, piece: int | None = None, read_ahead: bool = False
               ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
     """Yield (step ids [t], load [t, L, E] float64, slot_load [t, L, S] or None): the store is
@@ -290,7 +234,7 @@ def iter_load(store, run_id: str, shape: RunShape, chunk_steps: int = 2000,
         del load, slot_load     # (with read_ahead: two chunks in memory, not three)
 
 
-def _read_chunk(store, run_id: str, shape: RunShape, ids: np.ndarray, with_slots: bool):
+def _read_chunk(store, run_id: str, shape: Shape, ids: np.ndarray, with_slots: bool):
     """(ids, counts [t, L, E] (int64 or float64), slot_load or None) of steps ``ids``."""
     layers, E, S = shape.layers, shape.num_experts, shape.num_slots
     want_slots = with_slots and shape.has_slot
@@ -333,7 +277,7 @@ def _read_chunk(store, run_id: str, shape: RunShape, ids: np.ndarray, with_slots
     return ids, load, slot_load
 
 
-def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
+def read_load(store, run_id: str, shape: Shape, step_range: tuple[int, int] | None = None,
               max_steps: int | None = None, with_slots: bool = False):
     """(step ids, load [T, L, E], slot_load or None) for all steps (or lo <= step < hi; at most max_steps)."""
     steps = shape.steps
@@ -348,7 +292,7 @@ def read_load(store, run_id: str, shape: RunShape, step_range: tuple[int, int] |
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), sl
 
 
-def read_load_total(store, run_id: str, shape: RunShape, step_range: tuple[int, int] | None = None,
+def read_load_total(store, run_id: str, shape: Shape, step_range: tuple[int, int] | None = None,
                     chunk_steps: int = 500) -> tuple[np.ndarray, np.ndarray]:
     """(step ids, load summed over those steps [L, E] float64): what a planner is fitted on,
     without holding the steps' loads (a 1,000-step window of the fleet shape is 119 MB in
@@ -373,7 +317,7 @@ def routing_has_slots(store, run_id) -> bool:
     return r[0] > 0 and r[0] == r[1]
 
 
-def routing_block(store, run_id, shape: RunShape, plan: Plan, split: str, ids: np.ndarray,
+def routing_block(store, run_id, shape: Shape, plan: Plan, split: str, ids: np.ndarray,
                   use_recorded_slot: bool = False) -> Block:
     """Exact replay of the run's per-token routing rows of steps ``ids`` against ``plan``."""
     tbl = store.arrow("""SELECT step, layer, token, src_rank, expert, slot FROM routing

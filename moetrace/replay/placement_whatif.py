@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..costmodel import step_cost as costmod
+from ..domain.shape import ClusterSpec, Shape, Timing
 from ..errors import InputError
 from ..placement.planners import make_plan
 from ..placement.relabel import relabel
-from .judge_plan import _in_memory
-from .load import RunShape
+from .judge import _in_memory
 from .results import LoadAnswer, _time_note, load_answer
-from .strategies import Fixed, Judged, MoveCost, Timing, fastest, judge
+from .strategies import Fixed, Judged, MoveCost, fastest, judge
 
 
 # ----------------------------------------------------------------------------- report what-if
@@ -39,7 +39,7 @@ class PlacementWhatIf:
         return costmod.error_band(self.cost)
 
 
-def placement_whatif(store, run_id: str, shape: RunShape, max_cells: int = 2_000_000, hardware: str = "H200",
+def placement_whatif(store, run_id: str, shape: Shape, max_cells: int = 2_000_000, hardware: str = "H200",
                      move: MoveCost | None = None) -> PlacementWhatIf | None:
     """Recorded vs greedy, eplb-global and hierarchical EPLB (when the group count is known;
     with one replica per rank too), fitted on the first half of the (first ``max_cells``
@@ -66,7 +66,7 @@ def placement_whatif(store, run_id: str, shape: RunShape, max_cells: int = 2_000
         notes.append("hierarchical EPLB left out: the run does not record its expert group count (ingest with --groups)")
     for pol, rep in pols:
         try:
-            ps = shape.plan_shape(replicas=rep)
+            ps = shape.plan_shape(ClusterSpec(replicas=rep))
             p = make_plan(pol, fit, ps, layers=shape.layers, plan_id=f"{pol}+{rep}")
         except InputError as e:
             notes.append(f"{pol} +{rep} replicas left out: {e.message}")

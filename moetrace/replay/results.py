@@ -10,15 +10,16 @@ import numpy as np
 import pyarrow as pa
 
 from ..costmodel import step_cost as costmod
+from ..domain.budget import STREAMED_STEPS
 from ..domain.ranks import node_of
+from ..domain.shape import Shape, Timing
 from ..notebook import NotebookView
 from ..placement.planners import Plan
 from ..storage.schema import repeated_string
 from .accumulate import LoadTotals, rel_error_text
-from .budget import STREAMED_STEPS
 from .engine import Block
-from .load import RunShape
-from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, Timing, compare_text
+from .strategies import DOES_NOT, NOT_ENOUGH, PAYS_OFF, Judged, MoveCost, compare_text
+from .trace import PredictedSteps
 
 
 # ----------------------------------------------------------------------------- the exact half
@@ -195,7 +196,7 @@ def new_replay_id(prefix: str = "r") -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def _time_note(shape: RunShape, timing: Timing) -> list[str]:
+def _time_note(shape: Shape, timing: Timing) -> list[str]:
     if not shape.aggregate:
         return []
     if timing.per_pass:
@@ -225,7 +226,7 @@ class ReplayResult(NotebookView):
     nodes_per_token_mean: float | None = None
     traffic: np.ndarray | None = None
     recorded_traffic: np.ndarray | None = None
-    trace: dict | None = None
+    trace: PredictedSteps | None = None
 
     @property
     def load(self) -> LoadAnswer | None:

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..costmodel.step_cost import CostModel, error_band
+from ..domain.shape import PlanShape, Timing
 from ..placement.moves import move_copies, replan
-from ..placement.planners import Plan, PlanShape, make_plan
+from ..placement.planners import Plan, make_plan
 from ..placement.relabel import relabel
 from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
 from .engine import Block, LayerMetrics, Summary, layer_metrics, ordered_map, reuse_freed_memory
@@ -261,14 +262,6 @@ def _metrics(replay_fn, ids, load, slot_load, plan, recorded, cost, per_pass) ->
         m2 = layer_metrics(scaled, cost)
         m.layer_ns, m.rank_ns, m.dispatch_ns, m.compute_ns = m2.layer_ns, m2.rank_ns, m2.dispatch_ns, m2.compute_ns
     return block, m
-
-
-@dataclass
-class Timing:
-    """How time per step is told: per step (``per_pass`` None, ``timed`` True), per pass
-    of an aggregate with a known pass count, or not at all (aggregate, passes unknown)."""
-    timed: bool = True
-    per_pass: int | None = None
 
 
 def _rank_mean(m: LayerMetrics) -> np.ndarray:

@@ -7,15 +7,15 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from ..costmodel import step_cost as costmod
+from ..domain.budget import check_sweep_cells
+from ..domain.shape import ClusterSpec, Shape
 from ..errors import InputError
 from ..notebook import NotebookView
+from ..placement.plan_store import recorded_plan
 from ..placement.planners import PlanShape, check_shape, make_plan
 from ..placement.relabel import relabel
-from .budget import check_sweep_cells
 from .cost_fit import _cost
-from .judge_plan import _in_memory, _InMemory, _too_short
-from .load import RunShape
-from .plan_store import recorded_plan
+from .judge import _in_memory, _InMemory, _too_short
 from .results import (
     ReplayOptions,
     ReplayResult,
@@ -119,7 +119,7 @@ class SweepJob:
     counts and judging the cells happen in :func:`run_sweep_cells` (here, or on a cluster
     worker: :mod:`moetrace.replay.distributed`); :func:`finish_sweep` assembles and writes."""
     run_id: str
-    shape: RunShape
+    shape: Shape
     policy: str
     opts: ReplayOptions
     windows: list[int]
@@ -135,12 +135,14 @@ class SweepJob:
         return [c for c in self.items if isinstance(c, SweepCell)]
 
 
-def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
-               windows: list[int] | None, opts: ReplayOptions, ranks: int | None = None, groups=None, nodes=None,
-               rpn=None, *, write: bool = False, sweep_id: str | None = None) -> SweepJob:
+def plan_sweep(store, run_id: str, shape: Shape, policy: str, replicas: list[int], intervals: list[int],
+               windows: list[int] | None, opts: ReplayOptions, cluster: ClusterSpec | None = None, *,
+               write: bool = False, sweep_id: str | None = None) -> SweepJob:
     """The cells of a sweep, checked before anything is read or run: replica budgets x
-    (static, re-plan intervals) x fit windows. The cost model is fixed here (every cell,
-    wherever it runs, uses the same one)."""
+    (static, re-plan intervals) x fit windows, on ``cluster`` (its ``replicas`` is replaced
+    by each budget). The cost model is fixed here (every cell, wherever it runs, uses the
+    same one). The one sweep entry point is :func:`moetrace.run.sweep_runs`."""
+    cluster = cluster or ClusterSpec()
     opts = replace(opts, cost=_cost(store, run_id, shape, opts))
     T = shape.steps.size
     windows = sorted(set(windows or [max(intervals) if intervals else max(1, T // 2)]))
@@ -151,7 +153,7 @@ def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[
     items, described = [], []
     for rep in replicas:
         try:
-            ps = shape.plan_shape(ranks=ranks, replicas=rep, groups=groups, nodes=nodes, rpn=rpn)
+            ps = shape.plan_shape(replace(cluster, replicas=rep))
             check_shape(ps, shape.num_experts, policy)
             if not described:
                 described.append(
@@ -170,7 +172,8 @@ def plan_sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[
     if items and not any(isinstance(c, SweepCell) for c in items):
         raise InputError(None, "no replica budget can be planned: " + items[0].skipped)
     params = {"policy": policy, "replicas": list(replicas), "replan_every": list(intervals), "windows": windows,
-              "ranks": ranks, "groups": groups, "nodes": nodes, "ranks_per_node": rpn, "split": opts.split,
+              "ranks": cluster.ranks, "groups": cluster.groups, "nodes": cluster.nodes,
+              "ranks_per_node": cluster.ranks_per_node, "split": opts.split,
               "passes": opts.passes, "move": asdict(opts.move)}
     return SweepJob(run_id, shape, policy, opts, windows, J, items, described,
                     recorded_plan(store, run_id, shape).policy, sid, params)
@@ -267,16 +270,3 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
             layers += r.layer_tables
         store.append(job.run_id, {"replay_layer": layers, "replay_runs": runs})
     return SweepResult(rows, notes, job.sweep_id, job.run_id)
-
-
-def sweep(store, run_id: str, shape: RunShape, policy: str, replicas: list[int], intervals: list[int],
-          windows: list[int] | None, opts: ReplayOptions, ranks: int | None = None, groups=None, nodes=None,
-          rpn=None, *, write: bool = False, sweep_id: str | None = None) -> SweepResult:
-    """Replica budgets x (static, re-plan intervals) x fit windows, all judged on the same
-    steps (after the largest window) against the recorded placement, net of moves, in this
-    process (:func:`moetrace.replay.distributed.sweep` fans the same cells out on a Dask
-    cluster). Returns the rows and the notes that qualify them; ``write`` stores each cell
-    (``replay_runs`` kind ``sweep``, ids ``<sweep_id>-<cell>``, and its ``replay_layer`` rows)."""
-    job = plan_sweep(store, run_id, shape, policy, replicas, intervals, windows, opts, ranks, groups, nodes, rpn,
-                     write=write, sweep_id=sweep_id)
-    return finish_sweep(store, job, run_sweep_cells(store, job))

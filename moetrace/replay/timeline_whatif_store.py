@@ -112,7 +112,7 @@ def overlap_inputs(store, run_id: str) -> dict | None:
 def disagg_inputs(store, run_id: str) -> dict:
     """Measured per-token times of the run (None for what it cannot measure)."""
     sp = store.sql("""SELECT coalesce(sum(end_ns - start_ns) FILTER (WHERE kind = 'expert_gemm'), 0) AS expert_ns,
-                             coalesce(sum(end_ns - start_ns) FILTER (WHERE kind IN ('attention', 'compute_other')), 0)
+                             coalesce(sum(end_ns - start_ns) FILTER (WHERE kind IN ('moe_other', 'attention', 'compute_other')), 0)
                                  AS other_ns,
                              count(DISTINCT layer) FILTER (WHERE kind IN ('dispatch', 'combine')) AS layers
                       FROM spans WHERE run_id = ? AND step IS NOT NULL""", [run_id]).row(0, named=True)
@@ -182,13 +182,39 @@ def traffic(store, run_id: str) -> tuple[np.ndarray, np.ndarray, list[str]] | No
 
 
 # ----------------------------------------------------------------------------- run
-def run_whatifs(store, run_id: str, *, overlap: bool = True, disagg: bool = True, domains=(8, 16, 72),
-                split_extra_ns: float = 0.0, a2a_latency_ns: float | None = None, hardware: str = "H200", tokens: float | None = None,
-                gpus: int | None = None, ta_ns: float | None = None, te_ns: float | None = None,
-                tc_ns: float | None = None, fa_ns: float = 0.0, fe_ns: float = 0.0, max_micro_batches: int = 8,
-                write: bool = True, trace_path: str | Path | None = None) -> WhatIfReport:
-    """Run the what-ifs the run has data for, write ``replay_whatif`` rows (``write``) and
-    the overlap's Chrome trace (``trace_path``). Options given override measured inputs."""
+@dataclass(frozen=True)
+class WhatIfOptions:
+    """Which timeline what-ifs to run and the inputs that override what the run measured:
+    ``overlap`` (two micro-batches: ``split_extra_ns`` added per split, ``a2a_latency_ns``),
+    ``disagg`` (attention/FFN disaggregation: ``tokens``, ``gpus``, attention / expert /
+    transfer time ``ta_ns`` / ``te_ns`` / ``tc_ns``, fixed costs ``fa_ns`` / ``fe_ns``, at most
+    ``max_micro_batches``) and the NVLink ``domains`` sizes (on ``hardware``'s links)."""
+    overlap: bool = True
+    disagg: bool = True
+    domains: tuple = (8, 16, 72)
+    split_extra_ns: float = 0.0
+    a2a_latency_ns: float | None = None
+    hardware: str = "H200"
+    tokens: float | None = None
+    gpus: int | None = None
+    ta_ns: float | None = None
+    te_ns: float | None = None
+    tc_ns: float | None = None
+    fa_ns: float = 0.0
+    fe_ns: float = 0.0
+    max_micro_batches: int = 8
+
+
+def run_whatifs(store, run_id: str, options: WhatIfOptions | None = None, *, write: bool = True,
+                trace_path: str | Path | None = None) -> WhatIfReport:
+    """Run the what-ifs the run has data for (:class:`WhatIfOptions`), write ``replay_whatif``
+    rows (``write``) and the overlap's Chrome trace (``trace_path``). Options given override
+    measured inputs."""
+    o = options or WhatIfOptions()
+    overlap, disagg, domains, split_extra_ns = o.overlap, o.disagg, o.domains, o.split_extra_ns
+    a2a_latency_ns, hardware, tokens, gpus = o.a2a_latency_ns, o.hardware, o.tokens, o.gpus
+    ta_ns, te_ns, tc_ns, fa_ns, fe_ns, max_micro_batches = o.ta_ns, o.te_ns, o.tc_ns, o.fa_ns, o.fe_ns, \
+        o.max_micro_batches
     rep = WhatIfReport(f"w-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", run_id)
     run = store.run_row(run_id)
     if overlap:

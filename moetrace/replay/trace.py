@@ -4,18 +4,36 @@ and the time it waits at the barrier for the straggler."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 
-def chrome_trace(path, steps, layers, tokens, touched, dispatch_ns, compute_ns, layer_ns, plan_desc: str,
-                 cost_source: str, combine_ns=None) -> Path:
-    """``steps [t]``, ``layers [L]``; tokens/touched/dispatch_ns/compute_ns ``[t, L, R]``
-    (``combine_ns`` too; None: the combine takes as long as the dispatch); layer_ns
-    ``[t, L]``. Times are laid out from 0; each layer starts when the previous layer's
-    barrier releases."""
-    combine_ns = dispatch_ns if combine_ns is None else combine_ns
+@dataclass
+class PredictedSteps:
+    """A replay's predicted timeline of a few steps: ``steps [t]``, ``layers [L]``;
+    tokens / touched / dispatch_ns / compute_ns ``[t, L, R]`` (``combine_ns`` too; None:
+    the combine takes as long as the dispatch); ``layer_ns [t, L]``; the cost model's
+    ``cost_source``."""
+    steps: np.ndarray
+    layers: np.ndarray
+    tokens: np.ndarray
+    touched: np.ndarray
+    dispatch_ns: np.ndarray
+    compute_ns: np.ndarray
+    layer_ns: np.ndarray
+    cost_source: str
+    combine_ns: np.ndarray | None = None
+
+
+def chrome_trace(path, predicted: PredictedSteps, plan_desc: str) -> Path:
+    """Write ``predicted`` (:class:`PredictedSteps`) to ``path``. Times are laid out from 0;
+    each layer starts when the previous layer's barrier releases."""
+    p = predicted
+    steps, layers, tokens, touched, layer_ns = p.steps, p.layers, p.tokens, p.touched, p.layer_ns
+    dispatch_ns, compute_ns, cost_source = p.dispatch_ns, p.compute_ns, p.cost_source
+    combine_ns = dispatch_ns if p.combine_ns is None else p.combine_ns
     ev = []
     T, L, R = tokens.shape
     for ti in range(T):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import polars as pl
 
+from ..units import time_text
+
 
 @dataclass
 class Figure:
@@ -43,20 +45,6 @@ class ReportContext:
         return self.store.run(self.run_id)
 
 
-def fmt_ns(ns) -> str:
-    """A time in nanoseconds as a person reads it: ns, µs, ms or s (the largest unit in which it
-    reads at least 1), four significant digits: 87577.5 -> "87.58 µs", 29070674 -> "29.07 ms"."""
-    if ns is None:
-        return ""
-    v = float(ns)
-    if v == 0:
-        return "0"
-    for name, size in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
-        if abs(v) >= size:
-            return f"{v / size:.4g} {name}"
-    return f"{v:.4g} ns"
-
-
 def cell(v, float_fmt: str = "{:.3f}") -> str:
     """One table cell: yes/no for booleans, the float format for floats, empty for null."""
     if isinstance(v, bool):
@@ -68,7 +56,7 @@ def cell(v, float_fmt: str = "{:.3f}") -> str:
 
 def md_table(df: pl.DataFrame, float_fmt: str = "{:.3f}", max_rows: int = 40) -> str:
     """A polars frame as a Markdown table (first max_rows rows). Columns named ``*_ns`` are
-    shown as times with their unit (µs, ms, s: :func:`fmt_ns`) under the name without
+    shown as times with their unit (µs, ms, s: :func:`time_text`) under the name without
     ``_ns``; booleans read yes/no."""
     if df.height == 0:
         return "_(no rows)_"
@@ -77,7 +65,7 @@ def md_table(df: pl.DataFrame, float_fmt: str = "{:.3f}", max_rows: int = 40) ->
     heads = [c[:-3] if t else c for c, t in zip(cols, is_ns)]
     lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in df.head(max_rows).iter_rows():
-        lines.append("| " + " | ".join(fmt_ns(v) if t else cell(v, float_fmt) for v, t in zip(row, is_ns)) + " |")
+        lines.append("| " + " | ".join(time_text(v) if t else cell(v, float_fmt) for v, t in zip(row, is_ns)) + " |")
     if df.height > max_rows:
         lines.append(f"\n_({df.height} rows, first {max_rows} shown)_")
     return "\n".join(lines)

@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 
+from ..units import gib
+
 DPI = 110
 STYLE = {
     "figure.facecolor": "white",
@@ -252,25 +254,6 @@ def stacked(path, labels, parts: dict[str, np.ndarray], *, title: str, xlabel: s
 
 
 # ----------------------------------------------------------------------------- style helpers
-def from_zero(ax, x: bool = False, y: bool = True, headroom: float = 0.12):
-    """Start the value axes at zero (a 1.5% difference must look like 1.5%), with headroom
-    for labels above the highest point."""
-    if y:
-        lo, hi = ax.get_ylim()
-        ax.set_ylim(0, max(hi, 1e-12) * (1 + headroom))
-    if x:
-        lo, hi = ax.get_xlim()
-        ax.set_xlim(0, max(hi, 1e-12) * (1 + headroom))
-
-
-def label_points(ax, xs, ys, labels, color=None, fontsize: int = 7):
-    """Labels beside markers, offset so they never sit on a marker; alternate above/below
-    when neighbours are close."""
-    for i, (x, y, t) in enumerate(zip(xs, ys, labels)):
-        ax.annotate(str(t), (x, y), textcoords="offset points", xytext=(6, 6 if i % 2 == 0 else -10),
-                    fontsize=fontsize, color=color, ha="left", va="bottom" if i % 2 == 0 else "top")
-
-
 BYTE_UNITS = (("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30), ("TiB", 2.0**40), ("PiB", 2.0**50))
 TIME_UNITS = (("ns", 1.0), ("µs", 1e3), ("ms", 1e6), ("s", 1e9))
 
@@ -349,8 +332,8 @@ def place_labels(ax, xs, ys, texts, colors=None, fontsize: int = 7, gap_px: floa
     return anns
 
 
-def _gib(b) -> str:
-    return "" if b is None else f", {b / 2**30:.2f} GiB moved"
+def _moved_label(b) -> str:
+    return "" if b is None else f", {gib(b):.2f} GiB moved"
 
 
 # ----------------------------------------------------------------------------- replay
@@ -372,7 +355,7 @@ def drift(path, step, curves: list[tuple[str, np.ndarray, float | None, int | No
     styles = {"oracle": "--"}
     for name, y, mean, moved, moved_bytes in curves:
         lab = name + (f" (mean {mean:.3f}×" if mean is not None else " (")
-        lab += (f", {moved} expert moves" if moved is not None else "") + _gib(moved_bytes) + ")"
+        lab += (f", {moved} expert moves" if moved is not None else "") + _moved_label(moved_bytes) + ")"
         if name == "oracle":
             lab += " — fitted on the judged steps: a lower bound"
         ax.plot(step, y, styles.get(name, "-"), lw=1.2, label=lab)

@@ -8,16 +8,15 @@ measured expert time per (step, layer, rank) for the newest calibration.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import polars as pl
 
-from ..base import Figure, ReportContext, Section, fmt_ns, md_table
+from ...units import percent, time_text
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 65
-
-
-def _pct(v):
-    return None if v is None else round(100.0 * v, 1)
 
 
 def build(ctx: ReportContext) -> Section | None:
@@ -30,23 +29,31 @@ def build(ctx: ReportContext) -> Section | None:
             "calibration_id": r["calibration_id"], "role": r["role"], "fit_run": r["fit_run_id"],
             "steps": f"{r['first_step']}..{r['last_step']}", "a_ns": r["a_ns"], "b_ns": r["b_ns"],
             "fit_r2": r["expert_r2"], "cells": r["cells"],
-            "expert_mape_%": _pct(r["expert_mape"]), "expert_bias_%": _pct(r["expert_bias"]),
-            "straggler_mape_%": _pct(r["straggler_mape"]), "straggler_hit_%": _pct(r["straggler_hit_rate"]),
-            "chance_%": _pct(r["straggler_chance"]), "comm_mape_%": _pct(r["comm_mape"]),
-            "layer_mape_%": _pct(r["layer_mape"])})
+            "expert_mape_%": percent(r["expert_mape"]), "expert_bias_%": percent(r["expert_bias"]),
+            "straggler_mape_%": percent(r["straggler_mape"]), "straggler_hit_%": percent(r["straggler_hit_rate"]),
+            "chance_%": percent(r["straggler_chance"]), "comm_mape_%": percent(r["comm_mape"]),
+            "layer_mape_%": percent(r["layer_mape"])})
     tbl = pl.DataFrame(rows)
-    top = df.row(0, named=True)
-    what = ("judged with parameters fitted on run " + str(top["fit_run_id"]) if top["role"] == "judge"
-            else "fitted on this run (in-sample)")
-    head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {fmt_ns(top['a_ns'])} × tokens + "
-            f"{fmt_ns(top['b_ns'])} × slots touched. Per (step, layer, rank) the predicted expert time is off by "
-            f"{_pct(top['expert_mape'])}% on average (bias {_pct(top['expert_bias']):+}%); the straggler's time per "
-            f"(step, layer) by {_pct(top['straggler_mape'])}%, and the predicted straggler rank is the measured one in "
-            f"{_pct(top['straggler_hit_rate'])}% of {top['pairs']} (step, layer) (a random guess: "
-            f"{_pct(top['straggler_chance'])}%).")
+    # the newest calibration's out-of-sample rows where it has them (a run judged on its own
+    # held-out steps holds both roles)
+    newest = df.filter(pl.col("calibration_id") == df["calibration_id"][0])
+    judged = newest.filter(pl.col("role") == "judge")
+    top = (judged if judged.height else newest).row(0, named=True)
+    if top["role"] != "judge":
+        what = "fitted on this run (in-sample)"
+    elif top["fit_run_id"] == ctx.run_id:
+        what = (f"judged on held-out steps {_held_steps(ctx, top)} of this run, fitted on its other steps")
+    else:
+        what = "judged with parameters fitted on run " + str(top["fit_run_id"])
+    head = (f"Newest calibration {top['calibration_id']} ({what}): expert time = {time_text(top['a_ns'])} × tokens + "
+            f"{time_text(top['b_ns'])} × slots touched. Per (step, layer, rank) the predicted expert time is off by "
+            f"{percent(top['expert_mape'])}% on average (bias {percent(top['expert_bias']):+}%); the straggler's time per "
+            f"(step, layer) by {percent(top['straggler_mape'])}%, and the predicted straggler rank is the measured one in "
+            f"{percent(top['straggler_hit_rate'])}% of {top['pairs']} (step, layer) (a random guess: "
+            f"{percent(top['straggler_chance'])}%).")
     if top["layer_mape"] is not None:
-        head += (f" The layer time (slowest rank's expert + all-to-all time) is off by {_pct(top['layer_mape'])}% "
-                 f"(bias {_pct(top['layer_bias']):+}%).")
+        head += (f" The layer time (slowest rank's expert + all-to-all time) is off by {percent(top['layer_mape'])}% "
+                 f"(bias {percent(top['layer_bias']):+}%).")
     fit = ctx.store.run(str(top["fit_run_id"]))
     hw, band = fit.hardware, fit.error_band()
     head += (f" Error band of time predictions on this hardware ({hw or 'unknown'}): {band.text()}; a predicted "
@@ -63,6 +70,20 @@ def build(ctx: ReportContext) -> Section | None:
         figs.append(p)
     return Section("calibration", "Cost-model calibration", markdown="\n".join(md), terminal="\n".join(term),
                    figures=figs, notes=notes)
+
+
+def _held_steps(ctx: ReportContext, top: dict) -> str:
+    """The held-out steps as calibrate wrote them on the fit rows ('2–3, 6–7'); the first
+    and last step for calibrations stored before they carried the model."""
+    d = ctx.sql("SELECT any_value(model_json) AS m FROM calibration WHERE run_id = ? AND calibration_id = ? "
+                "AND role = 'fit'", [ctx.run_id, top["calibration_id"]]) if "model_json" in ctx.sql(
+                    "SELECT * FROM calibration LIMIT 0").columns else None
+    if d is not None and d.height and d["m"][0]:
+        judged = json.loads(d["m"][0]).get("calibration", {}).get("judged", [])
+        mine = [j["steps"] for j in judged if j.get("held_out")]
+        if mine:
+            return mine[0]
+    return f"{top['first_step']}..{top['last_step']}"
 
 
 def _scatter(ctx: ReportContext, cid: str, role: str) -> Figure | None:

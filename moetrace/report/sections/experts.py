@@ -6,8 +6,9 @@ import json
 
 import numpy as np
 
+from ...units import time_text
 from .. import plots
-from ..base import Figure, ReportContext, Section, fmt_ns, md_table
+from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 20
 # Below a few hundred tokens per expert the expert GEMM reads weights rather than computes.
@@ -48,8 +49,8 @@ def weight_bound(ctx: ReportContext) -> tuple[int, str, str]:
     a, b, src, whose = cost
     short = src.split(":", 1)[0].split(";", 1)[0].strip() or "cost model"
     return (max(1, int(round(b / a))), short,
-            f"the hardware {whose} cost model uses ({short}: {fmt_ns(b)} to read an expert's weights vs "
-            f"{fmt_ns(a)} per token)")
+            f"the hardware {whose} cost model uses ({short}: {time_text(b)} to read an expert's weights vs "
+            f"{time_text(a)} per token)")
 
 
 def quantile_from_counts(values: np.ndarray, counts: np.ndarray, q: float) -> float | None:

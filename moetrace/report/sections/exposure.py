@@ -11,6 +11,7 @@ import numpy as np
 import polars as pl
 
 from ...domain.kernels import A2A_KINDS, COMPUTE_KINDS
+from ...units import ms_text
 from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 40
@@ -20,10 +21,6 @@ LANES = [("compute", COMPUTE_KINDS, "#8C8C8C",
          ("combine", ("combine",), "#DD8452", "orange = combine"),
          ("a2a other", ("a2a_other",), "#55A868", "green = notify/barrier kernels")]
 MAX_TIMELINE_RANKS = 8
-
-
-def _ms(ns) -> str:
-    return "–" if ns is None else f"{ns / 1e6:.2f} ms"
 
 
 def build(ctx: ReportContext) -> Section | None:
@@ -43,8 +40,8 @@ def build(ctx: ReportContext) -> Section | None:
     # a CPU-only trace (gloo): the all-to-alls and the compute are host ops on device -1, not kernels
     host = bool(ctx.sql("SELECT bool_and(device < 0) AS h FROM spans WHERE run_id = ?", [rid])["h"][0])
     what, dev = ("host ops", "host") if host else ("kernels", "device")
-    head = (f"All-to-all {what} ran for {_ms(tot_comm)} (union per rank, step, layer, micro-batch and kind); "
-            f"**{_ms(tot_exp)} ({100 * tot_exp / max(tot_comm, 1):.1f}%) was exposed** — no compute "
+    head = (f"All-to-all {what} ran for {ms_text(tot_comm)} (union per rank, step, layer, micro-batch and kind); "
+            f"**{ms_text(tot_exp)} ({100 * tot_exp / max(tot_comm, 1):.1f}%) was exposed** — no compute "
             f"{what[:-1]} ran on the same {dev} meanwhile.")
     if ranks.height and ranks["exposed_share_of_step"].drop_nulls().len():
         worst = ranks.sort("exposed_share_of_step", descending=True, nulls_last=True).row(0, named=True)
@@ -197,8 +194,8 @@ def unlabelled_sentence(pres: dict) -> str | None:
     n = pres.get("unlabelled_comm_spans") or 0
     if not n:
         return None
-    return (f"{n} collective kernel(s) ({_ms(pres.get('unlabelled_comm_ns'))} in all, the longest "
-            f"{_ms(pres.get('unlabelled_comm_max_ns'))}) have no CPU-side collective op (no launch record), so which "
+    return (f"{n} collective kernel(s) ({ms_text(pres.get('unlabelled_comm_ns'))} in all, the longest "
+            f"{ms_text(pres.get('unlabelled_comm_max_ns'))}) have no CPU-side collective op (no launch record), so which "
             "collective they belong to is unknown: they are left out of the exposure above (an NCCL SendRecv among "
             "them may be an all-to-all).")
 

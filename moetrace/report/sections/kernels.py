@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from ...units import share_text
 from .. import plots
 from ..base import Figure, ReportContext, Section, md_table
 
@@ -27,10 +28,6 @@ def breakdown(ctx: ReportContext) -> tuple[pl.DataFrame, pl.DataFrame]:
     return tot, kt
 
 
-def _pct(share: float) -> str:
-    return "<0.1%" if 0 < share < 0.0005 else f"{100 * share:.1f}%"
-
-
 def build(ctx: ReportContext) -> Section | None:
     rid = ctx.run_id
     tot, kt = breakdown(ctx)
@@ -41,7 +38,7 @@ def build(ctx: ReportContext) -> Section | None:
     what = "host time (CPU-only trace: top-level CPU ops and host collectives)" if host else "kernel time"
     n_ranks, n_steps = kt["rank"].n_unique(), kt["step"].drop_nulls().n_unique()
     total = int(tot["kernel_ns"].sum())
-    parts = ", ".join(f"{KIND_NAMES.get(k, k)} {_pct(s)}" for k, s in zip(tot["kind"], tot["share"]))
+    parts = ", ".join(f"{KIND_NAMES.get(k, k)} {share_text(s)}" for k, s in zip(tot["kind"], tot["share"]))
     outside = int(kt.filter(pl.col("step").is_null())["kernel_ns"].sum())
     head = (f"By kind, over {n_ranks} rank{'s' if n_ranks != 1 else ''} and {n_steps} "
             f"step{'s' if n_steps != 1 else ''}"

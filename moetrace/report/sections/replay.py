@@ -13,6 +13,7 @@ import json
 import numpy as np
 import polars as pl
 
+from ...units import ms_text, ms_to_ns, pct_change
 from .. import plots
 from ..base import Figure, ReportContext, Section, md_table
 
@@ -20,11 +21,9 @@ ORDER = 60
 WHATIF_MAX_CELLS = 2_000_000    # steps x layers x experts read for the in-memory what-if
 
 
-def _ms(ms: float | None) -> str:
-    """A time given in ms, in µs when it is small (tiny models would all read 0.00 ms)."""
-    if ms is None:
-        return "no time"
-    return f"{ms:.2f} ms" if ms >= 0.1 else f"{ms * 1e3:.2f} µs"
+def _ms(ns: float | None) -> str:
+    """A predicted time given in ns: ms, in µs below 0.1 ms."""
+    return ms_text(ns, none="no time", micro_below_ms=0.1)
 
 
 def _band(rel: float | None) -> str:
@@ -38,12 +37,6 @@ def band_sentence(bands: list[tuple[float | None, str]]) -> str:
     return ("Every time in this section is predicted by the cost model (the recorded placement's too: the same "
             "model on the recorded plan) and carries its error band: "
             + "; ".join(f"{_band(r)} ({src})" for r, src in uniq) + ".")
-
-
-def _pct(x, rec) -> str:
-    if x is None or rec is None or not rec:
-        return ""
-    return f" ({(x / rec - 1) * 100:+.1f}%)".replace("-", "−")
 
 
 def _stored(ctx: ReportContext):
@@ -90,15 +83,15 @@ def _whatif_section(ctx, w) -> Section:
         if bi is not None:
             text += f" Most balanced: **{bi.name}** at {bi.summary.mean_imbalance:.2f}×."
     elif best is None:
-        text = (f"The recorded placement runs at {_ms(rec.gross_step_ns / 1e6)} {b} per {unit}; no other plan could "
+        text = (f"The recorded placement runs at {_ms(rec.gross_step_ns)} {b} per {unit}; no other plan could "
                 f"be made. {band_sentence([w.error_band])}")
     else:
         la = w.load_answer(best)
         exact = (f"Exact (counted, no time model): with **{best.name}** {la.reason}. " if la else "")
-        text = exact + (f"Recorded placement: max/mean **{rec.summary.mean_imbalance:.2f}×**, {_ms(rec.gross_step_ns / 1e6)} "
-                f"{b} of MoE time per {unit}. Fastest net: **{best.name}**, {_ms(best.net_step_ns / 1e6)} {b} vs "
-                f"{_ms(best.recorded_step_ns / 1e6)} {b} recorded{_pct(best.net_step_ns, best.recorded_step_ns)} "
-                f"(gross {_ms(best.gross_step_ns / 1e6)} {b}; {best.moved_experts} expert moves charged), max/mean "
+        text = exact + (f"Recorded placement: max/mean **{rec.summary.mean_imbalance:.2f}×**, {_ms(rec.gross_step_ns)} "
+                f"{b} of MoE time per {unit}. Fastest net: **{best.name}**, {_ms(best.net_step_ns)} {b} vs "
+                f"{_ms(best.recorded_step_ns)} {b} recorded{pct_change(best.net_step_ns, best.recorded_step_ns)} "
+                f"(gross {_ms(best.gross_step_ns)} {b}; {best.moved_experts} expert moves charged), max/mean "
                 f"{best.summary.mean_imbalance:.2f}×. Verdict: **{best.verdict}** ({best.verdict_reason}). "
                 f"{band_sentence([w.error_band])} Run `moetrace replay` / `moetrace sweep` for stored results, drift "
                 "and the decision table.")
@@ -203,8 +196,9 @@ def fastest_sentence(deployable: pl.DataFrame) -> str:
     scope = (" (replays judged on different steps are compared by their change from the recorded placement on "
              f"their own steps, never by their times: {b['step_sets']} sets of judged steps here)"
              if b["step_sets"] > 1 else "")
-    what = (f"**{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(b['net_ms'])} {tb} vs {_ms(b['recorded_ms'])} {tb} "
-            f"recorded{_pct(b['net_ms'], b['recorded_ms'])}, gross {_ms(b['predicted_ms'])} {tb}, "
+    what = (f"**{b['policy']}** ({b['kind']}; {b['plan']}): {_ms(ms_to_ns(b['net_ms']))} {tb} vs "
+            f"{_ms(ms_to_ns(b['recorded_ms']))} {tb} "
+            f"recorded{pct_change(b['net_ms'], b['recorded_ms'])}, gross {_ms(ms_to_ns(b['predicted_ms']))} {tb}, "
             f"{b['moved_experts']} expert moves; judged on {b['judged_on']}")
     verdict = f" Verdict: **{b['verdict']}**" + (f" ({b['verdict_reason']})." if b["verdict_reason"] else ".")
     if b["ratio"] >= 1.0:
@@ -265,13 +259,13 @@ def drift_caption(means: dict, nets: dict | None = None) -> str:
             share = (st - rp) / (st - orc)
             out += (f" Re-planning from a trailing window closes {100 * share:.0f}% of the imbalance gap between the "
                     "static plan and the oracle")
-            out += (f", but it is slower net: {_ms(net_r / 1e6)} vs {_ms(net_s / 1e6)} per step for the static plan, "
+            out += (f", but it is slower net: {_ms(net_r)} vs {_ms(net_s)} per step for the static plan, "
                     "its expert moves costing more than the balance saves." if slower else ".")
         else:
             out += f" Re-planning lowers it by {st - rp:.3f}×"
-            out += (f" but is slower net ({_ms(net_r / 1e6)} vs {_ms(net_s / 1e6)} static)." if slower else ".")
+            out += (f" but is slower net ({_ms(net_r)} vs {_ms(net_s)} static)." if slower else ".")
     if net_s is not None and net_r is not None and not slower:
-        out += f" Net of moves: re-planned {_ms(net_r / 1e6)} vs static {_ms(net_s / 1e6)} per step."
+        out += f" Net of moves: re-planned {_ms(net_r)} vs static {_ms(net_s)} per step."
     return out + " The table above charges each re-plan its expert moves."
 
 

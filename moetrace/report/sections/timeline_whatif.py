@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from ..base import ReportContext, Section, fmt_ns, md_table
+from ...units import time_text
+from ..base import ReportContext, Section, md_table
 
 ORDER = 62
 
@@ -59,7 +60,7 @@ def build(ctx: ReportContext) -> Section | None:
     # times read in µs/ms with their unit in the cell (the raw ns with decimals read as noise)
     is_ns = pl.col("unit") == "ns"
     shown = whole.with_columns(
-        [pl.when(is_ns).then(pl.col(c).map_elements(fmt_ns, return_dtype=pl.Utf8))
+        [pl.when(is_ns).then(pl.col(c).map_elements(time_text, return_dtype=pl.Utf8))
          .otherwise(pl.col(c).round(1).cast(pl.Utf8)).alias(c) for c in ("before", "after")]
         + [pl.when(is_ns).then(pl.lit("time")).otherwise(pl.col("unit")).alias("unit")])
     md = "\n\n".join(lines) + "\n\n" + md_table(shown)

@@ -2,7 +2,7 @@
 --
 -- A group is (run, rank, step, layer, micro_batch, kind). comm_ns is the length of the
 -- union of the group's all-to-all spans; overlapped_ns the part of that union during
--- which a compute span (expert_gemm, attention, compute_other) ran on any stream of the
+-- which a compute span (expert_gemm, moe_other, attention, compute_other) ran on any stream of the
 -- same device; exposed_ns = comm_ns - overlapped_ns. Unions are computed with window
 -- functions (gaps and islands), the overlap with a range join of two disjoint unions.
 
@@ -34,7 +34,7 @@ CREATE OR REPLACE VIEW compute_islands AS
 WITH c AS (
     SELECT run_id, rank, device, start_ns, end_ns
     FROM spans
-    WHERE kind IN ('expert_gemm', 'attention', 'compute_other')
+    WHERE kind IN ('expert_gemm', 'moe_other', 'attention', 'compute_other')
 ), o AS (
     SELECT *,
            max(end_ns) OVER (PARTITION BY run_id, rank, device ORDER BY start_ns, end_ns

@@ -105,7 +105,7 @@ WITH s AS (
            count(*) FILTER (WHERE sp.kind IN ('dispatch', 'combine', 'a2a_other')) AS a2a_spans,
            count(*) FILTER (WHERE sp.kind IN ('dispatch', 'combine', 'a2a_other')
                             AND (kn.name LIKE '%internode_ll%' OR kn.name LIKE '%low_latency%')) AS ll_spans,
-           count(*) FILTER (WHERE sp.kind IN ('expert_gemm', 'attention', 'compute_other')) AS compute_spans
+           count(*) FILTER (WHERE sp.kind IN ('expert_gemm', 'moe_other', 'attention', 'compute_other')) AS compute_spans
     FROM spans sp
     LEFT JOIN kernel_names kn ON kn.run_id = sp.run_id AND kn.name_id = sp.name_id
     GROUP BY sp.run_id, sp.rank, sp.device, sp.stream

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 
+from ..domain.shape import Shape
 from ..errors import InputError
-from ..placement.planners import Plan, align_layers, contiguous
-from .load import RunShape
+from .planners import Plan, align_layers, contiguous
 
 
 # ----------------------------------------------------------------------------- plans
@@ -41,21 +41,29 @@ def plan_from_rows(df, plan_id: str, num_experts: int, ranks_per_node: int | Non
         raise InputError(None, f"plan {plan_id!r} cannot be replayed: {e}") from None
 
 
-def recorded_plan(store, run_id: str, shape: RunShape) -> Plan:
+def expert_count(shape: Shape) -> int:
+    """The run's expert count (the ``run_shape`` view always gives one: the runs column or
+    the largest expert id + 1)."""
+    if shape.num_experts is None:
+        raise InputError(None, "the run's expert count is unknown: ingest with --experts")
+    return int(shape.num_experts)
+
+
+def recorded_plan(store, run_id: str, shape: Shape) -> Plan:
     """The run's own placement (plan_id 'recorded'), else contiguous (slot = expert)."""
     df = store.numpy("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND "
                        "plan_id = 'recorded'", [run_id]) if store.has_files("placement") else None
     if df is not None and df["layer"].size:
-        p = align_layers(plan_from_rows(df, "recorded", shape.num_experts, shape.ranks_per_node), shape.layers)
+        p = align_layers(plan_from_rows(df, "recorded", expert_count(shape), shape.ranks_per_node), shape.layers)
         p.policy = "recorded"
         return p
     ps = shape.plan_shape()
-    p = contiguous(np.zeros((shape.layers.size, shape.num_experts)), ps)
+    p = contiguous(np.zeros((shape.layers.size, expert_count(shape))), ps)
     p.layers, p.plan_id, p.policy = shape.layers, "recorded", "recorded (contiguous assumed)"
     return p
 
 
-def load_plan(store, run_id: str, plan_id: str, shape: RunShape) -> Plan:
+def load_plan(store, run_id: str, plan_id: str, shape: Shape) -> Plan:
     if plan_id == "recorded":
         return recorded_plan(store, run_id, shape)
     df = store.sql("SELECT layer, slot, rank, node, expert FROM placement WHERE run_id = ? AND plan_id = ?",
@@ -64,8 +72,8 @@ def load_plan(store, run_id: str, plan_id: str, shape: RunShape) -> Plan:
         ids = store.sql("SELECT DISTINCT plan_id FROM placement WHERE run_id = ?", [run_id])["plan_id"].to_list() \
             if store.has_files("placement") else []
         raise InputError(None, f"run {run_id!r} has no plan {plan_id!r} (plans: {', '.join(ids) or 'none'})")
-    p = align_layers(plan_from_rows(df, plan_id, shape.num_experts, shape.ranks_per_node), shape.layers)
-    from ..formats.plan_files import plan_meta
+    p = align_layers(plan_from_rows(df, plan_id, expert_count(shape), shape.ranks_per_node), shape.layers)
+    from .plan_files import plan_meta
 
     meta = plan_meta(store, run_id, plan_id)
     if meta is not None:

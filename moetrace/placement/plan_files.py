@@ -30,9 +30,9 @@ import pyarrow as pa
 
 from ..domain.ranks import node_of
 from ..errors import InputError
-from ..placement.eplb import rebalance_experts
-from ..placement.planners import Plan
 from ..safety import excerpt
+from .eplb import rebalance_experts
+from .planners import Plan
 
 FORMATS = ("sglang", "eplb", "trtllm", "vllm-ascend")
 
@@ -171,7 +171,7 @@ def looks_like_trtllm_yaml(head: bytes) -> bool:
 def read_trtllm_yaml(path: str | Path, num_experts: int | None = None) -> TrtllmEplbConfig:
     """Read a TensorRT-LLM EPLB config YAML (top level, or under ``moe_config.load_balancer``)
     with ``yaml.safe_load``; every problem is an InputError naming the file."""
-    from .safe_yaml import load as load_yaml
+    from ..formats.safe_yaml import load as load_yaml
 
     path = Path(path)
     doc = load_yaml(path)   # aliases counted expanded (max_yaml_nodes) before a value is built
@@ -228,7 +228,7 @@ def _read_vllm_ascend(path: Path, doc: dict) -> tuple[np.ndarray, np.ndarray, in
         raise InputError(path, "layer_list must be a non-empty list")
     if isinstance(n, bool) or not isinstance(n, int) or n != len(ll):
         raise InputError(path, f"moe_layer_count {n!r} differs from the {len(ll)} entries of layer_list")
-    rows, ids, R = [], [], None
+    rows, ids, R = [], [], 0      # R: layer_list[0]'s device count (ll is not empty)
     for i, layer in enumerate(ll):
         where = f"layer_list[{i}]"
         if not isinstance(layer, dict) or not isinstance(layer.get("device_list"), list):
@@ -240,7 +240,7 @@ def _read_vllm_ascend(path: Path, doc: dict) -> tuple[np.ndarray, np.ndarray, in
         cnt = layer.get("device_count", len(devs))
         if cnt != len(devs):
             raise InputError(path, f"{where}.device_count {cnt!r} differs from the {len(devs)} devices listed")
-        R = R if R is not None else len(devs)
+        R = R if i else len(devs)
         if len(devs) != R or not R:
             raise InputError(path, f"{where} lists {len(devs)} devices, layer_list[0] lists {R}")
         row, per = [], None
@@ -263,7 +263,7 @@ def _read_vllm_ascend(path: Path, doc: dict) -> tuple[np.ndarray, np.ndarray, in
     widths = {len(r) for r in rows}
     if len(widths) != 1:
         raise InputError(path, f"layers hold different slot counts: {sorted(widths)}")
-    return np.asarray(rows, np.int64), np.asarray(ids, np.int64), int(R)
+    return np.asarray(rows, np.int64), np.asarray(ids, np.int64), R
 
 
 def import_plan(path: str | Path, num_experts: int, num_ranks: int, ranks_per_node: int,

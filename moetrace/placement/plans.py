@@ -1,18 +1,25 @@
 """What ``moetrace plan`` does: fit, import, re-plan from a plan, relabel, move accounting,
-store, export."""
+store, export.
+
+The run's summed load comes in through ``read_total`` (the replay's loader,
+``moetrace.replay.load.read_load_total``, bound to the run by the facade), so this module
+reads no trace itself: it plans on arrays and reads and writes plans through the store it
+is given (:mod:`.plan_store`, :mod:`.plan_files`)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from ..domain.balance import imbalance
+from ..domain.shape import ClusterSpec, Shape
 from ..errors import InputError
-from ..placement.moves import moves_between, replan
-from ..placement.planners import Plan, make_plan
-from ..placement.relabel import relabel
-from .engine import imbalance
-from .load import RunShape, read_load_total
-from .plan_store import load_plan
+from .moves import moves_between, replan
+from .plan_store import expert_count, load_plan
+from .planners import Plan, make_plan
+from .relabel import relabel
 
 
 # ----------------------------------------------------------------------------- moetrace plan
@@ -60,13 +67,41 @@ def _mean_imbalance(plan: Plan, total: np.ndarray) -> float | None:
     return float(np.nanmean(v)) if np.isfinite(v).any() else None
 
 
-def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=None, replicas=None, groups=None,
-                  nodes=None, rpn=None, fit_window=None, start_plan_id=None, import_file=None, max_moves=None,
-                  target_imbalance=None, plan_id=None, store_plan=True, out_file=None, out_format="sglang",
-                  relabel_to_start=True) -> PlanResult:
-    """Fit (``policy``), import (``import_file``), re-plan with a move budget from
-    ``start_plan_id``, or export a stored plan; relabel, count moves, store and export."""
-    from ..formats import plan_files as plan_io
+@dataclass(frozen=True)
+class PlanOptions:
+    """What ``moetrace plan`` is asked beyond the policy and the cluster: the fit window
+    (steps A <= step < B; None: all), the plan to start from (``start``: a stored plan id,
+    default the recorded one), a plan file to import, a move budget (``max_moves`` /
+    ``target_imbalance``: re-plan ``start``), the new plan's id, whether it is stored, the
+    file it is exported to and that file's format, and whether ranks are renamed to keep
+    experts where ``start`` has them."""
+    fit_window: tuple[int, int] | None = None
+    start: str | None = None
+    import_file: str | Path | None = None
+    max_moves: int | None = None
+    target_imbalance: float | None = None
+    plan_id: str | None = None
+    store: bool = True
+    out: str | Path | None = None
+    out_format: str = "sglang"
+    relabel: bool = True
+
+
+#: ``read_total(fit_window)`` -> (step ids [T], summed load [L, E]) of the run
+ReadTotal = Callable[[tuple[int, int] | None], tuple[np.ndarray, np.ndarray]]
+
+
+def make_run_plan(store, run_id: str, shape: Shape, read_total: ReadTotal, policy: str | None = None,
+                  cluster: ClusterSpec | None = None, options: PlanOptions | None = None) -> PlanResult:
+    """Fit (``policy``), import (``options.import_file``), re-plan with a move budget from
+    ``options.start``, or export a stored plan; relabel, count moves, store and export."""
+    from . import plan_files as plan_io
+
+    o, c = options or PlanOptions(), cluster or ClusterSpec()
+    ranks, replicas, groups, nodes, rpn = c.ranks, c.replicas, c.groups, c.nodes, c.ranks_per_node
+    fit_window, start_plan_id, import_file = o.fit_window, o.start, o.import_file
+    max_moves, target_imbalance, plan_id = o.max_moves, o.target_imbalance, o.plan_id
+    store_plan, out_file, out_format, relabel_to_start = o.store, o.out, o.out_format, o.relabel
 
     moves_mode = max_moves is not None or target_imbalance is not None
     if import_file is not None:
@@ -83,14 +118,15 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
                                "or --plan ID with --max-moves")
     if policy and import_file:
         raise InputError(None, "give --policy or --import, not both")
-    ids, total = read_load_total(store, run_id, shape, fit_window)
+    ids, total = read_total(fit_window)
     if ids.size == 0 and (policy or moves_mode):
         what = f"--fit-steps {fit_window[0]}:{fit_window[1]}" if fit_window else "the run"
         raise InputError(None, f"{what} holds no recorded steps")
     base = load_plan(store, run_id, "recorded", shape) if shape.num_ranks else None
-    info, relabel_info = {}, None
+    info: dict = {}
+    relabel_info = None
     if policy:
-        ps = shape.plan_shape(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, rpn=rpn)
+        ps = shape.plan_shape(c)
         p = make_plan(policy, total, ps, layers=shape.layers)
         if start_plan_id:
             base = load_plan(store, run_id, start_plan_id, shape)
@@ -100,10 +136,11 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
         R = ranks or shape.num_ranks
         if not R:
             raise InputError(None, "the run's rank count is unknown: give --ranks for the imported plan")
-        ps = shape.plan_shape(ranks=R, nodes=nodes, rpn=rpn)
-        p = plan_io.import_plan(import_file, shape.num_experts, R, ps.ranks_per_node, shape.layers,
+        ps = shape.plan_shape(ClusterSpec(ranks=R, nodes=nodes, ranks_per_node=rpn))
+        p = plan_io.import_plan(import_file, expert_count(shape), R, ps.ranks_per_node, shape.layers,
                                 shape.num_groups or 1)
     else:
+        assert start_plan_id is not None     # one of policy, import_file, start_plan_id (checked above)
         start = load_plan(store, run_id, start_plan_id, shape)
         if moves_mode:
             p, info = replan(start, total, max_moves=max_moves, target_imbalance=target_imbalance)
@@ -117,9 +154,9 @@ def make_run_plan(store, run_id: str, shape: RunShape, *, policy=None, ranks=Non
         moved = int(moves_between(base, p).sum()) if base.num_ranks == p.num_ranks else None
     except ValueError:
         moved = None
-    res = PlanResult(run_id, pid, p, base, int(ids.size), tuple(fit_window) if fit_window else None,
+    res = PlanResult(run_id, pid, p, base, int(ids.size), (fit_window[0], fit_window[1]) if fit_window else None,
                      _mean_imbalance(p, total), _mean_imbalance(base, total) if base.num_slots else None, moved,
-                     moved * shape.expert_bytes if moved is not None else None,
+                     moved * shape.expert_bytes if moved is not None and shape.expert_bytes is not None else None,
                      bool(relabel_info and relabel_info["relabeled"]),
                      relabel_info["moves_before"] if relabel_info and relabel_info["relabeled"] else None,
                      fitted=bool(policy or info))

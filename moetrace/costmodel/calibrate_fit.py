@@ -7,30 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..costmodel import step_cost as costmod
 from ..errors import InputError
-
-TIE_RTOL = 1e-9
-
-
-@dataclass
-class Cells:
-    """One entry per (step, layer, rank) of one run: model inputs and measured times."""
-    run_id: str
-    step: np.ndarray
-    layer: np.ndarray
-    rank: np.ndarray
-    tokens: np.ndarray
-    touched: np.ndarray
-    bytes_intra: np.ndarray
-    bytes_inter: np.ndarray
-    expert_ns: np.ndarray          # measured, 0 where the rank had no expert span
-    comm_ns: np.ndarray            # measured dispatch + combine, 0 where none
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return int(self.step.size)
+from . import step_cost as costmod
+from .calibrate import LOSSES, Cells, _resid, fit_mape, layer_grids, nonneg_lstsq, r2
 
 
 @dataclass
@@ -47,10 +26,14 @@ class Fit:
     comm_r2: float | None
     comm_resid: dict
     notes: list[str] = field(default_factory=list)
+    #: how it was fitted: 'cells' (each rank's expert and all-to-all time on its own) or
+    #: 'layer' (the fidelity basis: expert times per rank, the all-to-all latency from the
+    #: layer times; :func:`fit_layer`)
+    method: str = "cells"
 
     def predict(self, c: Cells) -> tuple[np.ndarray, np.ndarray]:
         """Predicted (expert ns, all-to-all ns) per cell."""
-        ex = self.model.a_ns * c.tokens + self.model.b_ns * c.touched
+        ex = self.model.fixed_ns + self.model.a_ns * c.tokens + self.model.b_ns * c.touched
         cm = (self.comm_latency_ns + self.comm_ns_per_byte_intra * c.bytes_intra
               + self.comm_ns_per_byte_inter * c.bytes_inter)
         return ex, cm
@@ -62,59 +45,11 @@ class Fit:
                 "comm_ns_per_byte_inter": self.comm_ns_per_byte_inter, "comm_points": self.comm_points,
                 "comm_r2": self.comm_r2, "comm_residuals": self.comm_resid,
                 "nvlink_Bps": self.model.nvlink_Bps, "internode_Bps": self.model.internode_Bps,
+                "fixed_ns": self.model.fixed_ns, "method": self.method,
                 "source": self.model.source, "notes": self.notes}
 
 
 # ----------------------------------------------------------------------------- fit
-def _resid(y: np.ndarray, pred: np.ndarray) -> dict:
-    if y.size == 0:
-        return {}
-    r = pred - y
-    rel = np.abs(r) / y
-    return {"rmse_ns": float(np.sqrt((r ** 2).mean())), "mean_abs_ns": float(np.abs(r).mean()),
-            "p50_abs_pct": float(100 * np.percentile(rel, 50)), "p90_abs_pct": float(100 * np.percentile(rel, 90)),
-            "max_abs_pct": float(100 * rel.max())}
-
-
-def r2(y: np.ndarray, pred: np.ndarray) -> float | None:
-    ss = float(((y - y.mean()) ** 2).sum()) if y.size else 0.0
-    return 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None
-
-
-def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient ≥ 0: drop the most negative one, refit, repeat."""
-    active = [j for j in range(X.shape[1]) if np.any(X[:, j] != 0)]
-    coef = np.zeros(X.shape[1])
-    while active:
-        c, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
-        if (c >= 0).all():
-            coef[active] = c
-            break
-        active.pop(int(np.argmin(c)))
-    return coef
-
-
-LOSSES = ("l2", "mape")
-
-
-def fit_mape(X: np.ndarray, y: np.ndarray, iters: int = 100) -> np.ndarray:
-    """Coefficients ≥ 0 minimizing the mean absolute percentage error Σ|X·c − y| / y
-    (iteratively reweighted least squares from the relative-L2 solution; y > 0)."""
-    w = 1.0 / y
-    coef = nonneg_lstsq(X * w[:, None], y * w)
-    best, best_err = coef, float(np.abs(X @ coef - y).dot(w))
-    for _ in range(iters):
-        r = np.abs(X @ coef - y) * w
-        ww = w / np.sqrt(np.maximum(r, 1e-6))          # sqrt: the LS weights are squared
-        coef = nonneg_lstsq(X * ww[:, None], y * ww)
-        err = float(np.abs(X @ coef - y).dot(w))
-        if err < best_err - 1e-12 * best_err:
-            best, best_err = coef, err
-        elif err >= best_err:
-            break
-    return best
-
-
 def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fit:
     """Fit the expert and all-to-all parameters on the cells with measured expert time.
 
@@ -132,8 +67,11 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
         raise InputError(None, f"run {c.run_id!r}: every measured cell has the same token count; a and b cannot "
                                "be told apart (profile more steps, or a skewed load)")
     y = c.expert_ns[m]
+    model: costmod.CostModel | None
     if loss == "l2":
+        # (not None: at least 8 cells with a spread of tokens, checked above)
         model = costmod.fit_expert_time(c.tokens[m], c.touched[m], y, base)
+        assert model is not None
     else:
         a, b = fit_mape(np.stack([c.tokens[m], c.touched[m]], axis=1), y)
         model = costmod.CostModel(float(a), float(b), base.nvlink_Bps, base.internode_Bps, source="")
@@ -149,8 +87,9 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
         lat, cin, cout = (float(v) for v in coef)
         cp = lat + cin * c.bytes_intra[cm] + cout * c.bytes_inter[cm]
         comm_r2, comm_res = r2(c.comm_ns[cm], cp), _resid(c.comm_ns[cm], cp)
-        nv = 1e9 / cin if cin > 0 else base.nvlink_Bps
-        io = 1e9 / cout if cout > 0 else base.internode_Bps
+        # the replay's all-to-all is dispatch + combine = latency + 2 x bytes / bandwidth
+        nv = 2e9 / cin if cin > 0 else base.nvlink_Bps
+        io = 2e9 / cout if cout > 0 else base.internode_Bps
         if cin <= 0 and c.bytes_intra[cm].any():
             notes.append("intra-node all-to-all time does not grow with bytes in this run: fitted as a constant latency (the cost model keeps the preset NVLink bandwidth)")
         if not c.bytes_inter[cm].any():
@@ -158,7 +97,8 @@ def fit(c: Cells, base: costmod.CostModel | None = None, loss: str = "l2") -> Fi
         model = costmod.CostModel(model.a_ns, model.b_ns, nv, io, source=(
             f"calibrated on run {c.run_id} ({loss}): a, b from {int(m.sum())} (step, layer, rank) expert times; "
             f"all-to-all latency and bandwidth from {int(cm.sum())} cells"),
-            fit={"points": int(m.sum()), "r2": r2(y, pred), "comm_latency_ns": lat, "comm_r2": comm_r2})
+            fit={"points": int(m.sum()), "r2": r2(y, pred), "comm_latency_ns": lat, "comm_r2": comm_r2},
+            latency_ns=lat)
     else:
         notes.append("fewer than 3 cells with all-to-all spans: all-to-all not fitted (preset bandwidths)")
         cin, cout = 1e9 / base.nvlink_Bps, 1e9 / base.internode_Bps
@@ -242,3 +182,38 @@ def fit_layer_model(block, expert_ns: np.ndarray, layer_ns: np.ndarray, terms=("
 
 #: the terms the fidelity matrix (benchmarks/bench_fidelity.py) keeps: see docs/calibration.md
 LAYER_TERMS = ("tokens", "slot", "latency")
+#: how ``calibrate`` fits: 'layer' = the fidelity matrix's basis (:func:`fit_layer`), 'cells'
+#: = each cell's expert and all-to-all time on their own (:func:`fit`); 'auto' takes
+#: 'layer' where the measured all-to-all time of a rank is the layer time less its experts
+#: (timed passes of a reference run) and 'cells' where the profiler timed each rank's
+#: dispatch and combine kernels
+METHODS = ("auto", "layer", "cells")
+
+
+def fit_layer(c: Cells, base: costmod.CostModel | None = None, terms=LAYER_TERMS) -> Fit:
+    """The fidelity matrix's fit (:func:`fit_layer_model` with ``terms``) as a :class:`Fit`:
+    a, b (and a fixed cost) from each rank's expert time, the all-to-all latency (and with
+    ``bytes`` a bandwidth) from the layer times. Its all-to-all prediction per cell is the
+    model's dispatch + combine: latency + 2 x bytes / bandwidth."""
+    base = base or costmod.preset("H200")
+    m = c.expert_ns > 0
+    if m.sum() < 8:
+        raise InputError(None, f"run {c.run_id!r}: {int(m.sum())} (step, layer, rank) cells with expert times; "
+                               "the fit needs at least 8")
+    blk, ex, lay = layer_grids(c)
+    model = fit_layer_model(blk, ex, lay, terms, base, c.run_id)
+    model.source = (f"calibrated on run {c.run_id} ({', '.join(terms)}; the fidelity basis): a, b from "
+                    f"{int(m.sum())} (step, layer, rank) expert times, all-to-all latency from {lay.size} layer times")
+    cin, cout = 2e9 / model.nvlink_Bps, 2e9 / model.internode_Bps
+    y = c.expert_ns[m]
+    pred = model.fixed_ns + model.a_ns * c.tokens[m] + model.b_ns * c.touched[m]
+    cm = c.comm_ns > 0
+    cp = model.latency_ns + cin * c.bytes_intra[cm] + cout * c.bytes_inter[cm]
+    notes = [f"method layer: the fidelity basis ({', '.join(terms)})"]
+    if "bytes" not in terms:
+        notes.append("all-to-all bandwidths from " + base.source.split(":")[0] + " (not fitted)")
+    return Fit(model, c.run_id, int(m.sum()), r2(y, pred), _resid(y, pred), model.latency_ns, cin, cout,
+               int(cm.sum()), r2(c.comm_ns[cm], cp) if cm.any() else None,
+               _resid(c.comm_ns[cm], cp) if cm.any() else {}, notes, method="layer")
+
+

@@ -4,7 +4,7 @@ Imports only errors / safety and numpy.
 """
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ..safety import INT64, _range_name, excerpt
 
 def _first_bad(value, lo: int, hi: int, where: str):
     """(index path, value) of the first element of nested lists outside lo..hi or not an int."""
-    stack = [((), value)]
+    stack: list[tuple[tuple[int, ...], Any]] = [((), value)]
     while stack:
         idx, v = stack.pop()
         if isinstance(v, (list, tuple)):
@@ -117,10 +117,3 @@ def check_eplb_agrees(path, doc: dict, p2l: np.ndarray) -> None:
                 s = int(np.flatnonzero(seen != 1)[0])
                 raise InputError(path, f"log2phy of layer {l} lists slot {s} {int(seen[s])} times, phy2log once "
                                        "(the file contradicts itself)")
-
-
-def finite_number(path, value, key: str, lo: float = -math.inf, hi: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)) \
-            or not lo <= float(value) <= hi:
-        raise InputError(path, f"{key} = {excerpt(repr(value), 30)} is not a finite number within {lo:g}..{hi:g}")
-    return float(value)

@@ -1,6 +1,6 @@
 """One plan (stored, imported, fitted on a window, or the recorded one) judged against the
 recorded placement on the same steps: gross and net time, moves, break-even, verdict
-(:func:`replay`, what ``moetrace replay`` does), and the in-memory load the drift and the
+(:func:`judge_plan`, what ``moetrace replay`` does), and the in-memory load the drift and the
 sweep judge many plans on."""
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..costmodel import step_cost as costmod
+from ..domain.shape import ClusterSpec, Shape, Timing
 from ..domain.windows import first_half
 from ..errors import InputError
+from ..placement.plan_store import recorded_plan
 from ..placement.planners import Plan, PlanShape, make_plan
 from ..placement.relabel import relabel
 from .cost_fit import _cost
@@ -24,8 +26,13 @@ from .engine import (
     replay_load,
     replay_pair,
 )
-from .load import RunShape, iter_load, read_load, read_load_total, routing_block, routing_has_slots
-from .plan_store import recorded_plan
+from .load import (
+    iter_load,
+    read_load,
+    read_load_total,
+    routing_block,
+    routing_has_slots,
+)
 from .results import (
     ReplayOptions,
     ReplayResult,
@@ -37,7 +44,8 @@ from .results import (
     traffic_table,
 )
 from .spool import Spool
-from .strategies import Timing, judge_stream
+from .strategies import judge_stream
+from .trace import PredictedSteps
 
 
 # ----------------------------------------------------------------------------- replay of one plan
@@ -49,7 +57,7 @@ class JudgedSteps:
     notes: list[str] = field(default_factory=list)
 
 
-def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, plan_id: str | None = None) -> JudgedSteps:
+def judged_steps(shape: Shape, fit: tuple[int, int] | None, in_sample: bool, plan_id: str | None = None) -> JudgedSteps:
     """Out-of-sample by default: a plan fitted on [a, b) is judged on the steps from b on;
     ``in_sample`` judges it on every step (and says so)."""
     all_steps = shape.steps
@@ -71,7 +79,7 @@ def judged_steps(shape: RunShape, fit: tuple[int, int] | None, in_sample: bool, 
                         f"{int(after[0])} on"])
 
 
-def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tuple[int, int], list[str]]:
+def default_fit_window(shape: Shape, fit_window, in_sample: bool) -> tuple[tuple[int, int], list[str]]:
     """--fit-steps, else the first half of the steps (all steps with --in-sample)."""
     if fit_window is not None:
         return tuple(fit_window), []
@@ -83,7 +91,7 @@ def default_fit_window(shape: RunShape, fit_window, in_sample: bool) -> tuple[tu
                         f"on the rest"]
 
 
-def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
+def _replay_fn(store, run_id, shape: Shape, split: str, recorded_slots: str):
     """The block replayer the core calls: per-token routing when the run has it, recorded
     per-slot counts for the recorded plan when it has them, else the counts."""
     use_routing = shape.has_routing
@@ -115,7 +123,7 @@ def _replay_fn(store, run_id, shape: RunShape, split: str, recorded_slots: str):
     return fn
 
 
-def _recorded_mode(store, run_id, shape: RunShape) -> str:
+def _recorded_mode(store, run_id, shape: Shape) -> str:
     """How the recorded plan is replayed: 'routing' (per-token rows with slots), 'counts'
     (per-slot counts: exact per-rank tokens), or 'plan' (the split over replicas)."""
     if shape.has_routing and routing_has_slots(store, run_id):
@@ -125,9 +133,9 @@ def _recorded_mode(store, run_id, shape: RunShape) -> str:
     return "plan"
 
 
-def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions, *, judged: JudgedSteps | None = None,
-           kind: str = "replay", policy: str | None = None, params: dict | None = None, write: bool = True,
-           extra_notes=(), trace_steps=None, fitted: bool = False) -> ReplayResult:
+def judge_plan(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions, *, judged: JudgedSteps | None = None,
+               kind: str = "replay", policy: str | None = None, params: dict | None = None, write: bool = True,
+               extra_notes=(), trace_steps=None, fitted: bool = False) -> ReplayResult:
     """Judge ``plan`` against the recorded placement on ``judged`` steps (default all),
     stream the run in step chunks, write ``replay_layer``/``replay_rank``/``replay_runs``
     (and ``replay_traffic`` with per-token routing)."""
@@ -211,11 +219,11 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
                        max(agg["nmax"]) if agg["nmax"] else None,
                        float(np.mean(agg["nmean"])) if agg["nmean"] else None, agg["traffic"], agg["rtraffic"])
     if kept:
-        res.trace = {"steps": np.concatenate([k[0] for k in kept]),
-                     **{name: np.concatenate([k[i] for k in kept])
-                        for i, name in enumerate(("tokens", "touched", "dispatch_ns", "compute_ns", "layer_ns",
-                                                               "combine_ns"), 1)},
-                     "layers": plan.layers, "cost_source": cost.source}
+        res.trace = PredictedSteps(
+            steps=np.concatenate([k[0] for k in kept]), layers=plan.layers, cost_source=cost.source,
+            **{name: np.concatenate([k[i] for k in kept])
+               for i, name in enumerate(("tokens", "touched", "dispatch_ns", "compute_ns", "layer_ns", "combine_ns"),
+                                        1)})
     if write:
         tables = {"replay_layer": layer_tbls, "replay_rank": rank_tbls,
                   "replay_runs": _runs_row(res, kind, params or {})}
@@ -229,7 +237,7 @@ def replay(store, run_id: str, shape: RunShape, plan: Plan, opts: ReplayOptions,
     return res
 
 
-def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape, fit_window=None,
+def fit_plan(store, run_id, shape: Shape, policy: str, plan_shape: PlanShape, fit_window=None,
              plan_id=None, in_sample: bool = False) -> tuple[Plan, JudgedSteps]:
     """Plan ``policy`` fitted on the steps of ``fit_window`` (default the first half), and
     the steps that judge it (after the window; all with ``in_sample``)."""
@@ -250,7 +258,7 @@ def fit_plan(store, run_id, shape: RunShape, policy: str, plan_shape: PlanShape,
     return plan, js
 
 
-def _too_short(shape: RunShape, T: int, what: str, hint: str = "") -> str:
+def _too_short(shape: Shape, T: int, what: str, hint: str = "") -> str:
     if shape.aggregate:
         return (f"the run's counts aggregate a recording into {T} pseudo-step(s): there are no steps to re-plan over "
                 "or judge after a window; moetrace replay --policy P --in-sample answers imbalance on them")
@@ -272,7 +280,7 @@ class _InMemory:
     fn: object
 
 
-def _in_memory(store, run_id, shape: RunShape, split: str, cost: costmod.CostModel, passes=None,
+def _in_memory(store, run_id, shape: Shape, split: str, cost: costmod.CostModel, passes=None,
                max_steps=None) -> _InMemory:
     mode = _recorded_mode(store, run_id, shape)
     ids, load, slot_load = read_load(store, run_id, shape, max_steps=max_steps, with_slots=mode == "counts")
@@ -282,3 +290,42 @@ def _in_memory(store, run_id, shape: RunShape, split: str, cost: costmod.CostMod
                            shape.bytes_per_token)
 
     return _InMemory(ids, load, slot_load, recorded_plan(store, run_id, shape), mode, cost, shape.timing(passes), fn)
+
+
+def replay_run(store, run_id: str, shape: Shape, opts: ReplayOptions, plan=None, *, policy: str | None = None,
+               cluster: ClusterSpec | None = None, fit_window=None, in_sample: bool = False, write: bool = True,
+               trace_steps=None, chrome_trace=None, params: dict | None = None) -> ReplayResult:
+    """What ``moetrace replay`` does (:meth:`moetrace.run.Run.replay`): ``plan`` (a Plan, a
+    stored plan id or ``"recorded"``) or ``policy`` fitted on ``fit_window`` on ``cluster``,
+    judged by :func:`judge_plan`; the predicted timeline of ``trace_steps`` written to
+    ``chrome_trace`` when given. ``params``: the caller's options, stored with the result."""
+    from ..placement import plan_files as plan_io
+    from ..placement.plan_store import load_plan
+    from .trace import chrome_trace as write_trace
+
+    notes: list[str] = []
+    judged = None
+    if plan is None:
+        ps = shape.plan_shape(cluster, streamed=True)
+        plan, judged = fit_plan(store, run_id, shape, policy, ps, fit_window, in_sample=in_sample)
+    elif isinstance(plan, str):
+        pid = plan
+        plan = load_plan(store, run_id, pid, shape)
+        meta = plan_io.plan_meta(store, run_id, pid)
+        if pid != "recorded" and meta is not None and meta.get("fit_end") is not None:
+            judged = judged_steps(shape, (int(meta["fit_start"]), int(meta["fit_end"])), in_sample, pid)
+        else:
+            notes = plan_io.fit_notes(meta, shape.steps, pid)
+    elif not isinstance(plan, Plan):
+        raise TypeError("plan must be a Plan, a stored plan id or 'recorded'")
+    if chrome_trace and not trace_steps:
+        trace_steps = [int(judged.steps[0]) if judged is not None else int(shape.steps[0])]
+    res = judge_plan(store, run_id, shape, plan, opts, judged=judged, write=write, fitted=policy is not None,
+                     extra_notes=notes, trace_steps=trace_steps,
+                     params={"policy": policy, "plan": plan.plan_id, "fit_window": fit_window,
+                             "in_sample": in_sample, **(params or {})})
+    if chrome_trace:
+        if res.trace is None:
+            raise InputError(None, f"--trace-steps {trace_steps}: none of these steps were judged")
+        write_trace(chrome_trace, res.trace, res.plan_desc)
+    return res
