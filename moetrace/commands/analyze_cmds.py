@@ -55,8 +55,11 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit, engi
     from ..report.build import build_report
 
     st = open_store(store)
+    rid = st.resolve_run(run_id)
+    if engine == "spark" and not recompute and st.run(rid).cache_state().fresh:
+        engine = "duckdb"     # the stored analysis is read: no Spark session to start
     with engine_sql(st, engine, master, remote) as sql:
-        rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
+        rep = build_report(st, rid, out, batch_steps=batch_steps, memory_limit=memory_limit,
                            progress=_progress, reuse=not recompute,
                            compute=compute_with(sql) if sql is not None else None)
     if not quiet:
