@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from .errors import MoetraceError
+from .errors import MoetraceError, one_line
 from .output import OUT_PATH_CHECKS
 from .storage.paths import refuse_inside_store
 from .version import __version__
@@ -102,7 +102,7 @@ class MoetraceGroup(click.Group):
         try:
             return super().invoke(ctx)
         except MoetraceError as e:
-            click.echo(f"moetrace: error: {e}", err=True)
+            click.echo(f"moetrace: error: {one_line(e)}", err=True)
             ctx.exit(e.exit_code)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
             raise
@@ -115,7 +115,7 @@ class MoetraceGroup(click.Group):
         except Exception as e:  # an internal error: one line and exit 1; --debug shows the traceback
             if ctx.params.get("debug") or os.environ.get("MOETRACE_DEBUG"):
                 raise
-            text = " ".join(str(e).split())[:300]
+            text = one_line(" ".join(str(e).split())[:300])
             click.echo(f"moetrace: internal error: {type(e).__name__}: {text} (rerun with --debug for the "
                        "traceback)", err=True)
             ctx.exit(1)
@@ -129,11 +129,11 @@ class MoetraceGroup(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else (prog_name or "moetrace")
-            text = " ".join(e.format_message().split())
+            text = one_line(" ".join(e.format_message().split()))
             click.echo(f"moetrace: error: {where}: {text} (see '{where} --help')", err=True)
             sys.exit(e.exit_code)
         except click.exceptions.ClickException as e:
-            click.echo(f"moetrace: error: {' '.join(e.format_message().split())}", err=True)
+            click.echo(f"moetrace: error: {one_line(' '.join(e.format_message().split()))}", err=True)
             sys.exit(e.exit_code)
         except click.exceptions.Abort:
             click.echo("Aborted!", err=True)
@@ -255,6 +255,9 @@ def cli(debug):
 
 
 def main(argv=None):
+    from .errors import TerminalGuard
+
+    TerminalGuard.install()   # escapes from file names never reach a terminal raw
     return cli.main(args=argv, prog_name="moetrace")
 
 

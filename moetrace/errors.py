@@ -3,10 +3,80 @@
 `InputError` is the one exception for bad input: it names the file and, where known, the
 position (row, column, event index, byte offset). The CLI turns it into a one-line message
 on stderr and exit code 2; the store is never touched when it is raised.
+
+:func:`shown` is the one way text from outside (a file name, a value) reaches a message:
+control characters, escape sequences and line breaks are written escaped (``\\x1b``,
+``\\n``), so a name can neither split a message into two lines nor drive a terminal
+(set its title, clear its screen). :func:`one_line` applies it to a whole message.
 """
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
+
+
+def _escape(ch: str) -> str:
+    o = ord(ch)
+    if ch == "\n":
+        return "\\n"
+    if ch == "\t":
+        return "\\t"
+    if ch == "\r":
+        return "\\r"
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+#: Unicode categories written escaped: controls (C0, DEL, C1: ESC, BEL, CSI), format
+#: characters (bidirectional overrides that reorder what a terminal shows), line and
+#: paragraph separators, surrogates (undecodable bytes of a name) and unassigned ones
+_HIDDEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
+
+
+def shown(text) -> str:
+    """``text`` (a name, a path, a value) as it may appear in a message or on a terminal:
+    every control or invisible character escaped; printable text, non-ASCII letters
+    included, unchanged."""
+    s = str(text)
+    if s.isprintable() and s.isascii():
+        return s
+    return "".join(_escape(c) if unicodedata.category(c) in _HIDDEN else c for c in s)
+
+
+def one_line(text) -> str:
+    """A whole message as one printable line (:func:`shown`)."""
+    return shown(str(text).rstrip("\n"))
+
+
+class TerminalGuard:
+    """A text stream that writes to a terminal: every control character but line ends
+    and tabs is written escaped (:func:`shown`), whatever printed it (a file name in a
+    table, a note, a run's source), so nothing read from a file can set the window's
+    title or clear the screen. Installed by the CLI on a stdout/stderr that is a tty;
+    output to a pipe or a file stays byte for byte."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        if not (text.isascii() and text.isprintable()):
+            text = "\n".join("\t".join(shown(part) for part in line.split("\t")) for line in text.split("\n"))
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    @staticmethod
+    def install() -> None:
+        import sys
+
+        for name in ("stdout", "stderr"):
+            s = getattr(sys, name)
+            try:
+                tty = s is not None and not isinstance(s, TerminalGuard) and s.isatty()
+            except (AttributeError, ValueError, OSError):
+                tty = False
+            if tty:
+                setattr(sys, name, TerminalGuard(s))
 
 
 class MoetraceError(Exception):
@@ -24,7 +94,7 @@ class InputError(MoetraceError):
         self.file = str(file) if file is not None else None
         self.message = message
         self.position = position
-        where = self.file or "<input>"
+        where = shown(self.file) if self.file is not None else "<input>"
         if position:
             where = f"{where} ({position})"
         super().__init__(f"{where}: {message}")

@@ -1,9 +1,23 @@
-"""Shared output formatting for every command that prints rows (table, csv, json)."""
+"""Shared output formatting for every command that prints rows (table, csv, json), and
+:class:`AtomicOutput`, the one way moetrace writes a file a user named (``-o``, report
+files, plan exports, plots, trace exports).
+
+An output is never opened by its name or by a guessable temporary name (another user of a
+shared folder could plant a symlink there and have moetrace overwrite any file it can
+write): it is written inside a fresh private folder created beside the target
+(``mkdtemp``: mode 0700, a random name, never following a link), created there with
+``O_CREAT|O_EXCL|O_NOFOLLOW``, then renamed over the target, which a rename replaces
+without following. A target that is a symlink, a folder or not a regular file is refused.
+"""
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,9 +62,100 @@ OUT_PATH_CHECKS: list = []
 def check_out_path(ctx, param, value):
     """click callback of -o/--out options: run :data:`OUT_PATH_CHECKS` on the path."""
     if value is not None:
+        opt = param.opts[0] if param is not None else "-o"
+        folder_ok = bool(getattr(getattr(param, "type", None), "dir_okay", False)) and os.path.isdir(value)
+        if os.path.islink(value) and not folder_ok:
+            from .errors import UsageError
+
+            raise UsageError(f"{opt} {shown_name(value)}: is a symbolic link; moetrace does not write through "
+                             "links (remove it or name another file)")
         for check in OUT_PATH_CHECKS:
-            check(value, param.opts[0] if param is not None else "-o")
+            check(value, opt)
     return value
+
+
+class AtomicOutput:
+    """A file ``path`` written atomically and without following links (module docstring):
+    write to :attr:`tmp` (or :meth:`open` it), then :meth:`commit`; :meth:`abort` (or an
+    exception inside ``with``) leaves ``path`` as it was and removes the private folder.
+    Refusals are one-line :class:`~moetrace.errors.UsageError` naming ``what`` and the path."""
+
+    def __init__(self, path: str | os.PathLike, what: str = "-o"):
+        from .errors import UsageError
+
+        self.path = Path(path)
+        self.what = what
+        shown = shown_name(self.path)
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise UsageError(f"{what} {shown}: cannot write ({e.strerror})") from None
+        if st is not None:
+            if stat.S_ISLNK(st.st_mode):
+                raise UsageError(f"{what} {shown}: is a symbolic link; moetrace does not write through links "
+                                 "(remove it or name another file)")
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"{what} {shown}: exists and is not a regular file")
+        parent = self.path.parent
+        try:
+            self._dir = tempfile.mkdtemp(prefix=f".{self.path.name[:40]}.", suffix=".moetrace-tmp", dir=parent)
+        except OSError as e:
+            raise UsageError(f"{what} {shown}: cannot write in {shown_name(parent)} ({e.strerror})") from None
+        self.tmp = Path(self._dir) / ("out" + self.path.suffix)   # the suffix: writers pick the format by it
+        self.done = False
+
+    def open(self, mode: str = "wb", **kw):
+        """The temporary file, created with O_CREAT|O_EXCL|O_NOFOLLOW (mode ``w``/``wb``)."""
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o666)
+        return os.fdopen(fd, mode, **kw)
+
+    def commit(self) -> Path:
+        """Rename the written file over the target (an empty file when nothing was written)."""
+        from .errors import UsageError
+
+        try:
+            if not os.path.lexists(self.tmp):
+                self.open().close()
+            st = os.lstat(self.tmp)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"{self.what} {shown_name(self.path)}: the temporary file was replaced")
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise UsageError(f"{self.what} {shown_name(self.path)}: cannot write ({e.strerror})") from None
+        self.done = True
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return self.path
+
+    def abort(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "AtomicOutput":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and not self.done:
+            self.commit()
+        elif exc_type is not None:
+            self.abort()
+
+
+def write_output(path: str | os.PathLike, data: str | bytes, what: str = "-o") -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` through :class:`AtomicOutput`."""
+    with AtomicOutput(path, what) as out:
+        with out.open("wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+    return out.path
+
+
+def shown_name(name) -> str:
+    """A file name as messages show it: control characters escaped (see errors.shown)."""
+    from .errors import shown
+
+    return shown(name)
 
 
 def output_options(f):
@@ -214,13 +319,14 @@ def emit_rows(r: Rows, fmt: str = "table", output: str | None = None, max_rows: 
 def emit(df: "pl.DataFrame", fmt: str = "table", output: str | None = None, max_rows: int = 50) -> None:
     if output:
         path = Path(output)
-        if path.suffix == ".parquet":
-            df.write_parquet(path)
-        elif path.suffix == ".csv":
-            df.write_csv(path)
-        else:
-            raise click.UsageError(f"-o {output}: use a .parquet or .csv file name")
-        click.echo(f"wrote {df.height} rows to {path}", err=True)
+        if path.suffix not in (".parquet", ".csv"):
+            raise click.UsageError(f"-o {shown_name(output)}: use a .parquet or .csv file name")
+        with AtomicOutput(path) as out:
+            if path.suffix == ".parquet":
+                df.write_parquet(out.tmp)
+            else:
+                df.write_csv(out.tmp)
+        click.echo(f"wrote {df.height} rows to {shown_name(path)}", err=True)
         return
     if fmt == "csv":
         sys.stdout.write(df.write_csv())

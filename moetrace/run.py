@@ -266,18 +266,20 @@ class Run(NotebookView):
         return read_shape(self.store, self.id)
 
     def _replay_opts(self, split="even", hardware="H200", fit_cost=True, rank_rows=True, stall_ms=0.0, overlap=0.0,
-                     passes=None, cost_model=None):
+                     passes=None, cost_model=None, cluster: ClusterSpec | None = None):
         from .replay.cost_fit import run_cost_model
         from .replay.results import ReplayOptions
         from .replay.strategies import MoveCost
 
-        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model)
+        # the cluster's all-to-all kernel, SMs and node limit choose the preset's dispatch/combine model
+        cost = run_cost_model(self.store, self.id, self._replay_shape, hardware.upper(), fit_cost, cost_model, cluster)
         return ReplayOptions(split=split, hardware=hardware.upper(), fit_cost=fit_cost, rank_rows=rank_rows,
                              move=MoveCost(stall_ns=stall_ms * 1e6, overlap=overlap), passes=passes, cost=cost)
 
-    def cost_model(self, hardware: str = "H200", fit_cost: bool = True):
-        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`)."""
-        return self._replay_opts(hardware=hardware, fit_cost=fit_cost).cost
+    def cost_model(self, hardware: str = "H200", fit_cost: bool = True, cluster: ClusterSpec | None = None):
+        """The cost model a replay of this run uses (:class:`moetrace.costmodel.step_cost.CostModel`;
+        ``cluster``: its all-to-all kernel, SMs and node limit)."""
+        return self._replay_opts(hardware=hardware, fit_cost=fit_cost, cluster=cluster).cost
 
     def plan(self, policy: str | None = None, *, cluster: ClusterSpec | None = None, options=None):
         """A placement plan: ``policy`` (``moetrace.placement.planners.PLANNERS``) fitted on the
@@ -310,7 +312,8 @@ class Run(NotebookView):
         (``.to_dict()`` is ``replay --json``)."""
         from .replay.judge import replay_run
 
-        return replay_run(self.store, self.id, self._replay_shape, self._replay_opts(**opts), plan, policy=policy,
+        return replay_run(self.store, self.id, self._replay_shape, self._replay_opts(cluster=cluster, **opts), plan,
+                          policy=policy,
                           cluster=cluster, fit_window=fit_window, in_sample=in_sample, write=write,
                           trace_steps=trace_steps, chrome_trace=chrome_trace, params=opts)
 
@@ -326,7 +329,8 @@ class Run(NotebookView):
 
         ps = self._replay_shape.plan_shape(cluster)
         return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
-                     self._replay_opts(**opts), max_moves=max_moves, write=write, static_window=static_window)
+                     self._replay_opts(cluster=cluster, **opts), max_moves=max_moves, write=write,
+                     static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
               cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None,
@@ -351,7 +355,7 @@ class Run(NotebookView):
         from .replay.sweep import plan_sweep
 
         return plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
-                          windows, self._replay_opts(**opts), cluster, write=write, sweep_id=sweep_id)
+                          windows, self._replay_opts(cluster=cluster, **opts), cluster, write=write, sweep_id=sweep_id)
 
     @property
     def hardware(self) -> str | None:

@@ -23,6 +23,7 @@ import re
 import stat
 import urllib.parse
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .errors import InputError, UsageError
@@ -62,17 +63,85 @@ def arrow_path(path: str | os.PathLike) -> str:
     return os.path.abspath(os.fspath(path))
 
 
+_UNIT_BYTES = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+#: largest memory size accepted (DuckDB takes the size as a 64-bit count of bytes)
+MAX_MEMORY_BYTES = 1 << 50
+
+
 def memory_limit(value: str | None, what: str = "--memory-limit") -> str | None:
     """Validate a DuckDB memory size ('8GB', '512MiB', '50%'); returns it normalised."""
     if value is None:
         return None
-    m = _SIZE_RE.match(str(value))
-    if not m or float(m.group(1)) <= 0:
-        raise UsageError(f"{what} {value!r} is not a size (examples: 8GB, 512MiB, 50%)")
+    m = _SIZE_RE.match(str(value)[:64])
+    if not m or len(str(value)) > 64 or float(m.group(1)) <= 0:
+        raise UsageError(f"{what} {excerpt(str(value), 40)!r} is not a size (examples: 8GB, 512MiB, 50%)")
     unit = (m.group(2) or "B").upper()
     unit = {"K": "KB", "M": "MB", "G": "GB", "T": "TB", "KIB": "KiB", "MIB": "MiB", "GIB": "GiB",
             "TIB": "TiB"}.get(unit, unit)
+    if unit == "%" and float(m.group(1)) > 100 or unit != "%" and float(m.group(1)) * _UNIT_BYTES[unit] > MAX_MEMORY_BYTES:
+        raise UsageError(f"{what} {excerpt(str(value), 40)!r} is larger than any memory (at most 1PiB or 100%)")
     return f"{m.group(1)}{unit}"
+
+
+def size_bytes(value: str) -> int:
+    """Bytes of a size :func:`memory_limit` accepts (a percentage of the physical memory)."""
+    norm = memory_limit(value)
+    assert norm is not None
+    m = _SIZE_RE.match(norm)
+    assert m is not None
+    unit = m.group(2) or "B"
+    if unit == "%":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 8 << 30
+        return int(total * float(m.group(1)) / 100)
+    return int(float(m.group(1)) * _UNIT_BYTES[unit])
+
+
+def _vm_data() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@contextmanager
+def heap_cap(extra: int):
+    """Let this process's heap (Linux ``RLIMIT_DATA``) grow by at most ``extra`` bytes while
+    the block runs. DuckDB's ``memory_limit`` governs its buffer manager only: a string
+    built by ``repeat('x', 2000000000)`` is allocated outside it, so ``moetrace sql`` also
+    caps the heap; past the cap an allocation fails and DuckDB reports "Out of Memory".
+    The soft limit only is lowered (never raised) and restored afterwards."""
+    try:
+        import resource
+    except ImportError:   # not POSIX: DuckDB's own limit only
+        yield
+        return
+    now = _vm_data()
+    if now is None or not hasattr(resource, "RLIMIT_DATA"):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = now + extra
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY:
+        cap = min(cap, soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 # ----------------------------------------------------------------------------- limits
@@ -121,7 +190,37 @@ LIMITS = {lim.name: lim for lim in (
                               "(safety_pickle.py)", 1 << 30),
     Limit("max_pickle_objects", "objects the value of one pickled dump reaches, shared references counted "
                                 "each time", 10_000_000),
+    Limit("max_container_items", "items of one dict or set in a pickled dump or a .pt file (a large one is "
+                                 "refused before it is built: hash-colliding keys make building it quadratic)",
+          1_000_000),
+    Limit("max_record_bytes", "bytes of one JSONL line or CSV header line, read with this bound", 16 << 20),
+    Limit("max_columns", "columns of one CSV, Parquet or JSONL input (keys of one JSONL object, and all its "
+                         "lines' keys together)", 16_384),
+    Limit("max_parquet_metadata_bytes", "bytes of a Parquet file's footer (schema, row groups, key-value "
+                                        "metadata), checked before it is parsed", 64 << 20),
+    Limit("max_decoded_bytes", "bytes one input Parquet row group decodes to (from its footer: values x width), "
+                               "or the whole file for readers that read it whole; at most this or "
+                               "max_inflate_ratio x the file's size, whichever is larger (default 256 MiB)",
+          256 << 20),
+    Limit("max_whole_input_bytes", "bytes of an input a reader takes whole (wide-routing JSONL, serving-API "
+                                   "responses; default: available memory / 8)",
+          lambda: max(64 << 20, _mem_available() // 8)),
+    Limit("max_text_records", "records kept from one text input: matched or malformed server-log lines, "
+                              "Prometheus samples (each costs about 2 KB once parsed)", 250_000),
+    Limit("max_yaml_bytes", "bytes of a YAML config (TensorRT-LLM EPLB), checked before it is parsed (the pure-"
+                            "Python parser takes about 2 KB and 0.1 ms per node)", 2 << 20),
 )}
+
+# the store's own bounds: what a reader lists and reads of a store folder (storage/files.py)
+LIMITS.update({lim.name: lim for lim in (
+    Limit("max_store_files", "entries of a store's partition folders (Parquet files and anything else) "
+                             "a reader lists; every listed file is opened by each query", 10_000),
+    Limit("max_store_partitions", "partition folders (run_id=<id>) of a store's tables a reader lists",
+          10_000),
+    Limit("max_footer_bytes", "bytes of one store file's Parquet footer (schema, statistics, key-value "
+                              "metadata), checked from the file's last 8 bytes before a reader parses it",
+          16 << 20),
+)})
 
 # --set values given to ingest (collect() installs them for the duration of a call)
 _OVERRIDES: dict[str, int] = {}
@@ -359,6 +458,97 @@ def check_npy_headers(path: str | os.PathLike) -> dict[str, tuple]:
         except (zipfile.BadZipFile, OSError, EOFError) as e:
             raise InputError(path, f"not a readable .npz (truncated or corrupt): {e}") from None
     return shapes
+
+
+# ----------------------------------------------------------------------------- tabular inputs
+def check_columns(path, n: int, what: str = "columns", position: str | None = None) -> None:
+    if n > limit("max_columns"):
+        raise limit_error(path, "max_columns", f"{n} {what}", position)
+
+
+def check_whole_input(path, size: int | None = None) -> int:
+    """Refuse an input a reader would take whole beyond ``max_whole_input_bytes``; its size."""
+    if size is None:
+        size = os.stat(path).st_size
+    if size > limit("max_whole_input_bytes"):
+        raise limit_error(path, "max_whole_input_bytes", f"a file of {size} bytes read whole")
+    return size
+
+
+def first_line(path, what: str = "header line") -> bytes:
+    """The first line of ``path`` (without its end), read with the ``max_record_bytes`` bound."""
+    cap = limit("max_record_bytes")
+    with open(path, "rb") as f:
+        line = f.readline(cap + 1)
+    if len(line) > cap:
+        raise limit_error(path, "max_record_bytes", f"a {what} longer than {cap} bytes", "line 1")
+    return line.rstrip(b"\r\n")
+
+
+def check_csv_header(path, delimiter: bytes = b",") -> None:
+    """A CSV's header line within ``max_record_bytes`` and its columns within ``max_columns``,
+    checked before a CSV reader allocates anything per column (a 10 MB header of a million
+    columns took 6 GB)."""
+    line = first_line(path)
+    n = line.count(delimiter) + 1
+    if n > limit("max_columns"):
+        import csv
+
+        try:   # quoted delimiters do not count
+            n = len(next(csv.reader([line.decode("utf-8", "replace")], delimiter=delimiter.decode())))
+        except (csv.Error, StopIteration):
+            pass
+        check_columns(path, n, "columns in the header line", "line 1")
+
+
+def check_parquet(path, whole: bool = False) -> None:
+    """A Parquet input checked from its footer before any data is decoded: the footer's
+    size (``max_parquet_metadata_bytes``, read from the file's last 8 bytes before the
+    footer is parsed), the columns (``max_columns``), and what a row group (``whole``: the
+    file) decodes to, each column's values x their width, against ``max_decoded_bytes``
+    (a 131 KB run-length-encoded file decoded to 2.7 GB)."""
+    import struct
+
+    size = os.stat(path).st_size
+    with open(path, "rb") as f:
+        if size < 12:
+            raise InputError(path, f"cannot parse: not a Parquet file ({size} bytes, too short)")
+        f.seek(size - 8)
+        tail = f.read(8)
+    if tail[4:] != b"PAR1":
+        raise InputError(path, "cannot parse: not a Parquet file (no PAR1 footer magic)")
+    meta_len = struct.unpack("<I", tail[:4])[0]
+    if meta_len > limit("max_parquet_metadata_bytes"):
+        raise limit_error(path, "max_parquet_metadata_bytes", f"a Parquet footer of {meta_len} bytes")
+    if meta_len > size - 12:
+        raise InputError(path, f"cannot parse: corrupt Parquet file, the footer claims {meta_len} bytes, the file has {size}")
+    import pyarrow.parquet as pq
+
+    try:
+        md = pq.read_metadata(arrow_path(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - arrow raises several kinds for a bad footer
+        raise InputError(path, f"cannot parse the Parquet footer: {excerpt(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, 120)}") from None
+    check_columns(path, md.num_columns, "Parquet columns")
+    names = md.schema.to_arrow_schema().names
+    if len(set(names)) != len(names):
+        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        raise InputError(path, f"column {excerpt(dup, 60)!r} appears more than once")
+    cap = max(limit("max_decoded_bytes"), min(size * limit("max_inflate_ratio"), limit("max_inflated_bytes")))
+    total = 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        n = 0
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            width = 8 if col.physical_type != "BOOLEAN" else 1
+            n += max(int(col.num_values) * width, int(col.total_uncompressed_size or 0))
+        total = total + n if whole else n
+        if total > cap:
+            which = "the file" if whole else f"row group {g}"
+            raise limit_error(path, "max_decoded_bytes", f"{which} decodes to about {total} bytes (declared in "
+                                                         f"the footer; the file has {size})")
 
 
 # ----------------------------------------------------------------------------- JSON

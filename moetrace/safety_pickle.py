@@ -15,8 +15,16 @@ input to :func:`pickle.load`. :func:`load_plain` reads one in three guarded step
    offset (:func:`scan`);
 3. the value is walked once to bound its depth (:data:`MAX_DEPTH`) and the number of
    objects reached through shared references (limit ``max_pickle_objects``: a memo-heavy
-   file of a few hundred bytes can reach 2^40), and to refuse a structure containing
-   itself, before anything else walks it.
+   file of a few hundred bytes can reach 2^40), the items of one dict or set (limit
+   ``max_container_items``), and to refuse a structure containing itself, before anything
+   else walks it.
+
+Before step 2 the bytes are checked for hash flooding (:func:`check_hash_flooding`):
+Python hashes an integer modulo 2^61-1, so keys k*(2^61-1) all collide and building a
+dict of 150,000 of them takes minutes (quadratic). Integers that wide are rare in a real
+dump (nanosecond timestamps stay below 2^61); more than :data:`MAX_WIDE_INTS` of them are
+refused before anything is built. The same check runs on the pickle inside a ``.pt``
+(``collect/_torchload.py``), whose ``weights_only`` loader builds dicts the same way.
 
 Any failure is an :class:`~moetrace.errors.InputError` (one line, exit 2).
 """
@@ -26,6 +34,7 @@ import io
 import os
 import pickle
 import pickletools
+import re
 from itertools import chain
 from pathlib import Path
 
@@ -57,6 +66,13 @@ _WHAT = {
 
 #: deepest nesting of containers accepted (a Flight Recorder dump nests 5 deep)
 MAX_DEPTH = 64
+#: integers of 2^61-1 or more in magnitude accepted in one pickle (their hashes can collide)
+MAX_WIDE_INTS = 1000
+_HASH_MOD = (1 << 61) - 1
+#: where such an integer may be: LONG1 of 8 bytes whose top byte is 0x1f..0xdf, LONG1 of
+#: more bytes, LONG4, or a text INT/LONG of 19+ digits (a match inside string data is
+#: possible: the opcodes are then listed to count for sure)
+_WIDE = re.compile(rb"\x8a\x08.{7}[\x1f-\xdf]|\x8a[\x09-\xff]|\x8b|[IL]-?\d{19,}", re.S)
 
 _PLAIN_SET = frozenset({type(None), bool, int, float, str, bytes, bytearray})
 _SEQ_SET = frozenset({list, tuple, set, frozenset})
@@ -109,11 +125,33 @@ def scan(data: bytes, path) -> int:
     return n
 
 
-def _check_tree(obj, path) -> None:
+def check_hash_flooding(data: bytes, path) -> None:
+    """Refuse a pickle with more than :data:`MAX_WIDE_INTS` integers of magnitude 2^61-1 or
+    more (module docstring), before it is unpickled. A byte search finds the candidates;
+    only when it finds many are the opcodes listed (nothing run) to count them exactly."""
+    if len(_WIDE.findall(data, 0)) <= MAX_WIDE_INTS:
+        return
+    n = 0
+    try:
+        for _op, arg, _pos in pickletools.genops(io.BytesIO(data)):
+            if isinstance(arg, int) and not isinstance(arg, bool) and abs(arg) >= _HASH_MOD - 1:
+                n += 1
+                if n > MAX_WIDE_INTS:
+                    raise InputError(path, f"refused: the pickle holds more than {MAX_WIDE_INTS} integers of 2^61 or "
+                                           "more, whose hashes can be made to collide (a dict of them takes "
+                                           "quadratic time to build); a real dump holds none")
+    except InputError:
+        raise
+    except (ValueError, EOFError, KeyError, IndexError, UnicodeDecodeError) as e:
+        raise InputError(path, f"not a readable pickle (truncated or corrupt): {excerpt(str(e), 100)}") from None
+
+
+def _check_tree(obj, path, opaque: tuple = ()) -> None:
     """Bound the depth and the objects reached (shared references counted each time they
     are reached: what any later walk of the value costs), refuse a container holding
     itself and anything not plain."""
     cap = limit("max_pickle_objects")
+    items = limit("max_container_items")
     seen = 0
     stack = [(iter((obj,)), None)]
     open_ids: set[int] = set()     # the containers on the current path
@@ -124,8 +162,10 @@ def _check_tree(obj, path) -> None:
             if seen > cap:
                 raise limit_error(path, "max_pickle_objects", f"a pickle reaching more than {cap} objects")
             t = type(o)
-            if t in _PLAIN_SET:
+            if t in _PLAIN_SET or opaque and isinstance(o, opaque):
                 continue
+            if t in (dict, set, frozenset) and len(o) > items:
+                raise limit_error(path, "max_container_items", f"a {t.__name__} of {len(o)} items")
             if t is dict:
                 children = chain.from_iterable(o.items())
             elif t in _SEQ_SET:
@@ -163,6 +203,7 @@ def load_plain(path: str | os.PathLike, data: bytes | None = None):
         raise limit_error(path, "max_pickle_bytes", f"a pickle of {len(data)} bytes")
     if not data:
         raise InputError(path, "file is empty")
+    check_hash_flooding(data, path)
     try:
         obj = PlainUnpickler(io.BytesIO(data)).load()
     except RecursionError:
@@ -173,3 +214,10 @@ def load_plain(path: str | os.PathLike, data: bytes | None = None):
         raise InputError(path, f"refused or unreadable pickle: {excerpt(str(e) or type(e).__name__, 100)}") from None
     _check_tree(obj, path)
     return obj
+
+
+def check_reachable(obj, path, opaque: tuple = ()) -> None:
+    """Bound a loaded value as step 3 says (depth, objects reached with shared references
+    counted each time, dict/set items, no cycle); instances of ``opaque`` (tensors) count
+    as one object and are not entered. For values another loader built (``.pt``)."""
+    _check_tree(obj, path, opaque)

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InputError
-from ..safety import check_regular_file, set_overrides
+from ..errors import InputError, shown
+from ..safety import check_csv_header, check_parquet, check_regular_file, set_overrides
 
 
 @dataclass
@@ -125,11 +125,22 @@ def registry() -> dict[str, Collector]:
 
 def _expand(paths: Sequence[str | Path]) -> list[tuple[Path, bool]]:
     """Files to read, each with whether it came from expanding a folder."""
+    from ..storage.paths import STORE_MARKER
+
     out: list[tuple[Path, bool]] = []
     for p in map(Path, paths):
         if not p.exists():
             raise InputError(p, "no such file or folder")
+        real = p.resolve()
+        for d in (real, *real.parents):   # a store's own files are no trace (one line, not a skip note)
+            if (d / STORE_MARKER).is_file():
+                what = "a moetrace store" if d == real else f"inside the moetrace store {shown(d)}"
+                raise InputError(p, f"is {what}; ingest reads trace files, not a store's own files")
         if p.is_dir():
+            inner = next((f.parent for f in p.rglob(STORE_MARKER) if f.is_file()), None)
+            if inner is not None:
+                raise InputError(p, f"holds the moetrace store {shown(inner)}; ingest reads trace files, not a "
+                                    "store's own files")
             files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
             if not files:
                 raise InputError(p, "folder holds no files")
@@ -147,6 +158,17 @@ def known_options() -> dict[str, str]:
         for k in c.options:
             out.setdefault(k, f"{c.name} collector option")
     return dict(sorted(out.items()))
+
+
+def precheck(path: Path) -> None:
+    """Bounds every collector shares, checked before any reads the file's data: a Parquet
+    file's footer, columns and decoded size; a CSV's header line and columns
+    (``safety.check_parquet`` / ``check_csv_header``; the limits in docs/hardening.md)."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        check_parquet(path)
+    elif name.endswith((".csv", ".tsv")):
+        check_csv_header(path, b"\t" if name.endswith(".tsv") else b",")
 
 
 def head(path: Path, n: int = 4096) -> bytes:
@@ -253,8 +275,16 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
                 on_warn(note)
         return validate_run(rd, options)
 
+    for fs in groups.values():
+        for f in fs:
+            precheck(f)
     for name, fs in groups.items():
-        for rd in registry()[name].collect(fs, options):
+        try:
+            rds = list(registry()[name].collect(fs, options))
+        except RecursionError:   # a collector's recursive walk of a crafted input
+            raise InputError(fs[0] if len(fs) == 1 else fs[0].parent,
+                             "input nested too deeply to process (a crafted or corrupt file)") from None
+        for rd in rds:
             rd = finish(rd, name, fs)
             if rd.two_pass is not None:
                 rd.two_pass = (lambda slow=rd.two_pass, name=name, fs=fs: finish(slow(), name, fs, warn=False))

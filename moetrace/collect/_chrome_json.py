@@ -33,6 +33,7 @@ from ..safety import (
 )
 from ._chrome_ts import TsTexts as _TsTexts
 from ._chrome_ts import dur_column, int_or_none, ts_column
+from ._gemm_shape import GEMM_OPS, gemm_out_n
 from ._launch_context import CONTEXT_CAT, keep_cpu_op
 from ._profile import CPU_SCHEMA, GPU_SCHEMA
 
@@ -51,6 +52,8 @@ class _Args(msgspec.Struct, gc=False):
     # process group of a collective (PyTorch puts it on NCCL kernels and record_param_comms ops)
     pg_name: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Name")
     pg_ranks: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Process Group Ranks")
+    # the op's input shapes (record_shapes=True): read only for GEMM-like ops (_gemm_shape)
+    input_dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(b""), name="Input Dims")
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -346,6 +349,7 @@ def _parse_file(path: Path, progress: bool, all_cpu_ops: bool = False) -> tuple[
     base_ns = int(base) if base is not None else 0
     gpu, launch, cpu = acc.gpu, acc.launch, acc.cpu
     gpu["pg_arg"], cpu["pg_arg"] = acc.gpu_pg, acc.cpu_pg
+    cpu["gemm_n"] = acc.cpu_n
     for ts_list, dur_list, idx, cols in ((acc.ts["gpu"], acc.gpu_dur, acc.gpu_idx, gpu),
                                          (acc.ts["cpu"], acc.cpu_dur, acc.cpu_idx, cpu)):
         starts = ts_column(ts_list, idx, base_ns, path)
@@ -391,6 +395,7 @@ class _Acc:
         self.gpu = {k: [] for k in GPU_SCHEMA}
         self.gpu_pg: list = []   # process group of each kept device event (None: not in the trace)
         self.cpu_pg: list = []
+        self.cpu_n: list = []    # output width N of a kept GEMM-like CPU op (None: not one, or no shapes)
         self.launch = {"correlation": [], "pid": [], "tid": []}
         self.cpu = {k: [] for k in CPU_SCHEMA}
         self.gpu_ts, self.gpu_dur, self.gpu_idx = [], [], []
@@ -417,7 +422,7 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
     ga, la, ca = g.append, lr.append, c.append
     code = (_CAT_CODE_ALL if all_cpu_ops else _CAT_CODE).get
     first = _COLL_FIRST
-    keep_ctx, ctx_at = keep_cpu_op, set()
+    keep_ctx, ctx_at, gemm_ops = keep_cpu_op, set(), GEMM_OPS
     for i, e in enumerate(evs):  # one pass: most events are dropped on their category
         k = code(e.cat)
         if k is None:
@@ -429,8 +434,8 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
                     or (n == "record_param_comms" and e.args is not None
                         and (len(e.args.pg_name) or len(e.args.pg_ranks)))):
                 ca((i, e))
-            elif e.ph == "X" and keep_ctx(n):  # or as launch context (vllm::moe_forward, ...)
-                ca((i, e))
+            elif e.ph == "X" and (keep_ctx(n) or (n in gemm_ops and e.args is not None and len(e.args.input_dims))):
+                ca((i, e))   # or as launch context (vllm::moe_forward, ...; a GEMM op with its shapes)
                 ctx_at.add(i)
         elif k == 1:
             la((i, e))
@@ -468,6 +473,8 @@ def _take(evs: list, b0: int, acc: _Acc, all_cpu_ops: bool = True) -> None:
         cpu_dur.extend([e.dur for _, e in c])
         cpu_idx.extend([b0 + i for i, _ in c])
         acc.cpu_pg.extend([_pg_of(e.args) for _, e in c])
+        acc.cpu_n.extend([gemm_out_n(e.name, bytes(e.args.input_dims)) if e.name in gemm_ops and e.args is not None
+                          else None for _, e in c])
 
 
 def _pg_of(args) -> str | None:

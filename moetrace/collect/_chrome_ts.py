@@ -23,7 +23,7 @@ def ts_to_ns(texts: list[bytes], base_ns: int, path: Path, offset: int) -> list[
         neg = s.startswith("-")
         body = s[1:] if neg else s
         ip, dot, fp = body.partition(".")
-        if ip.isdigit() and (not fp or fp.isdigit()):
+        if ip.isdigit() and len(ip) <= 24 and (not fp or fp.isdigit()):   # longer: checked below
             v = int(ip) * 1000 + int((fp + "000")[:3] or 0)
             if len(fp) > 3 and fp[3] >= "5":
                 v += 1

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from ..errors import InputError
+from ..safety import excerpt
+from ._compressed import plain_name
 
 if TYPE_CHECKING:   # polars is imported where a path needs it (start-up)
     import polars as pl
@@ -25,32 +27,24 @@ def _jsonl_batches(path: Path, batch_rows: int | None = None, meta: list | None 
     """The JSON objects of a JSONL file, :data:`BATCH_ROWS` lines at a time. Metadata
     records (``{"type": "meta", ...}``, :func:`._jsonl_meta.is_meta`) are skipped and, when
     ``meta`` is a list, appended to it as (line, record)."""
+    from ._json_stream import jsonl_objects
     from ._jsonl_meta import is_meta
 
     batch_rows = batch_rows or BATCH_ROWS
-    rows = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise InputError(path, f"invalid JSON: {e.msg}", f"line {i}") from None
-            if not isinstance(obj, dict):
-                raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
-            if is_meta(obj):
-                if meta is not None:
-                    meta.append((i, obj))
-                continue
-            for k in _INT_COLS.intersection(obj):
-                if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
-                    raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
-            rows.append(obj)
-            if len(rows) >= batch_rows:
-                yield _json_frame(path, rows)
-                rows = []
+    rows: list[dict] = []
+    # lines, keys and columns are bounded as they are read (safety.py limits)
+    for i, obj in jsonl_objects(path):
+        if is_meta(obj):
+            if meta is not None:
+                meta.append((i, obj))
+            continue
+        for k in _INT_COLS.intersection(obj):
+            if isinstance(obj[k], bool):  # JSON true/false would silently become 1/0
+                raise InputError(path, f"column {k!r} must be an integer, got {json.dumps(obj[k])}", f"line {i}")
+        rows.append(obj)
+        if len(rows) >= batch_rows:
+            yield _json_frame(path, rows)
+            rows = []
     if rows:
         yield _json_frame(path, rows)
 
@@ -72,12 +66,26 @@ def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
         if c not in _INT_COLS:
             continue
         s = df[c]
+        if s.dtype == pl.Boolean:   # true/false would silently become 1/0 (refused in JSONL too)
+            raise InputError(path, f"column {c!r} holds booleans, expected integers")
+        if isinstance(s.dtype, (pl.Struct, pl.List, pl.Array, pl.Object)):
+            raise InputError(path, f"column {c!r} must be integer, got {s.dtype}")
+        if isinstance(s.dtype, pl.Decimal):   # 3.5 must not become 3: refused like a float
+            i = _first_fraction(s)
+            if i is not None:
+                raise InputError(path, f"column {c!r} holds a non-integer value {s[i]}", _row(path, offset + i + 1))
         if s.dtype.is_float():
             bad = s.is_nan() | (s != s.round(0))
             if bad.any():
                 i = int(bad.arg_max())
                 raise InputError(path, f"column {c!r} holds a non-integer value {s[i]!r}", _row(path, offset + i + 1))
         elif not s.dtype.is_integer() and s.dtype != pl.Null:
+            if s.dtype == pl.String:   # decimal digits only: "0x10", "1e3", "1_000" are no counts
+                bad = ~s.str.contains(r"^\s*[+-]?[0-9]+\s*$") & s.is_not_null()
+                if bad.any():
+                    i = int(bad.arg_max())
+                    raise InputError(path, f"column {c!r} must be integer, got {excerpt(str(s[i]), 40)!r}",
+                                     _row(path, offset + i + 1))
             try:
                 df = df.with_columns(pl.col(c).cast(pl.Int64, strict=True))
                 continue
@@ -95,6 +103,16 @@ def _ints(df: pl.DataFrame, path: Path, offset: int = 0) -> pl.DataFrame:
     return df
 
 
+def _first_fraction(s: pl.Series) -> int | None:
+    """Index of the first decimal value of ``s`` with a fraction (None: none)."""
+    if not getattr(s.dtype, "scale", 0):
+        return None
+    for i, v in enumerate(s.to_list()):
+        if v is not None and v != v.to_integral_value():
+            return i
+    return None
+
+
 def _first_uncastable(s: pl.Series) -> int | None:
     """Index of the first non-null value of ``s`` that is no 64-bit integer (None: not found,
     or a type such as a list that has no per-value cast)."""
@@ -110,7 +128,7 @@ def _first_uncastable(s: pl.Series) -> int | None:
 def _row(path: Path, row: int) -> str:
     """Where data row ``row`` (1-based, the header not counted) is: in a CSV also its line
     (the header is line 1), so an editor's line number finds it."""
-    name = str(path).lower()
+    name = plain_name(path)
     if name.endswith((".parquet", ".jsonl", ".ndjson")):
         return f"row {row}"
     return f"row {row}, line {row + 1}"
@@ -130,7 +148,14 @@ def _parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[p
     from ..safety import arrow_path
 
     try:
-        it = pq.ParquetFile(arrow_path(path)).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        pf = pq.ParquetFile(arrow_path(path))
+        for f in pf.schema_arrow:
+            if pa.types.is_decimal256(f.type):   # polars panics on them; counts are integers
+                raise InputError(path, f"column {excerpt(f.name, 60)!r} is a 256-bit decimal ({f.type}); "
+                                       "write counts and ids as integers")
+        it = pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+    except InputError:
+        raise
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
@@ -156,9 +181,15 @@ def _frames(path: Path, meta: list | None = None) -> Iterator[pl.DataFrame]:
 
     if path.name.lower().endswith(".parquet"):
         for b in _parquet_batches(path):
-            yield pl.from_arrow(b)
+            try:
+                df = pl.from_arrow(b)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - polars panics (a decimal256 column) are BaseException
+                raise _parse_error(path, e) from None
+            yield df
         return
-    if path.name.lower().endswith((".jsonl", ".ndjson")):
+    if plain_name(path).endswith((".jsonl", ".ndjson")):
         it = _jsonl_batches(path, meta=meta)
     else:
         import pyarrow.csv as pacsv

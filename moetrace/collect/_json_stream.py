@@ -314,3 +314,56 @@ def _array(r: _Reader, rect: str, ndims: tuple[int, ...]) -> Iterator[tuple[int,
         r.pos += 1
         if r.peek() == ord("]"):
             r.fail("invalid JSON: trailing comma")
+
+
+# ----------------------------------------------------------------------------- JSON lines
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a JSONL file (inflated as it is read when it is gzip), each
+    line read with the ``max_record_bytes`` bound (a sparse 20 GB file of zeros is one
+    "line": it is refused after reading that many bytes, not read whole); blank lines skipped."""
+    from ..safety import limit, limit_error
+    from ._compressed import open_binary
+
+    cap = limit("max_record_bytes")
+    path = Path(path)
+    try:
+        fh = open_binary(path)
+    except OSError as e:
+        raise InputError(path, f"cannot read: {e.strerror}") from None
+    with fh:
+        i = 0
+        while True:
+            line = fh.readline(cap + 1)
+            if not line:
+                return
+            i += 1
+            if len(line) > cap and not line.endswith(b"\n"):
+                raise limit_error(path, "max_record_bytes", f"a line longer than {cap} bytes", f"line {i}")
+            if line.strip():
+                yield i, line
+
+
+def jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of a JSONL file: lines bounded as :func:`jsonl_lines` says,
+    each a JSON object of at most ``max_columns`` keys, all lines' keys together too (rows
+    of distinct keys would become that many columns); UTF-8 required."""
+    from ..safety import check_columns, json_loads
+
+    path = Path(path)
+    seen: set[str] = set()
+    last = None
+    for i, raw in jsonl_lines(path):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(path, f"not UTF-8 text ({e.reason})", f"line {i}") from None
+        obj = json_loads(path, text, f"line {i}")
+        if not isinstance(obj, dict):
+            raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
+        check_columns(path, len(obj), "keys in one object", f"line {i}")
+        keys = obj.keys()
+        if last is None or keys != last:
+            seen.update(keys)
+            check_columns(path, len(seen), "distinct keys over the lines", f"line {i}")
+            last = keys
+        yield i, obj

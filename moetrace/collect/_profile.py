@@ -136,12 +136,13 @@ def _host_events(ev: RankEvents) -> pl.DataFrame:
         coll.with_columns(pl.col("name").alias("coll_arg")),
         top.drop("_prev_end").with_columns(pl.lit(None, pl.Utf8).alias("coll_arg")),
     ])
-    if "pg_arg" not in out.columns:
-        out = out.with_columns(pl.lit(None, pl.Utf8).alias("pg_arg"))
+    for col, dtype in (("pg_arg", pl.Utf8), ("gemm_n", pl.Int64)):
+        if col not in out.columns:
+            out = out.with_columns(pl.lit(None, dtype).alias(col))
     return out.select(
         "name", pl.lit("host_op").alias("cat"), pl.lit(-1, pl.Int32).alias("device"),
         pl.col("tid").cast(pl.Int32, strict=False).fill_null(-1).alias("stream"), "start_ns", "end_ns",
-        pl.lit(None, pl.Int64).alias("correlation"), "coll_arg", "pg_arg",
+        pl.lit(None, pl.Int64).alias("correlation"), "coll_arg", "pg_arg", "gemm_n",
         pl.col("pid").alias("pid"), pl.col("tid").alias("tid"), pl.col("start_ns").alias("t"))
 
 
@@ -198,16 +199,22 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
     pts = pts.with_columns(ctx_ids.alias("_ctx"),
                            ctx_ids.map_elements(lambda c: moe_names[c], return_dtype=pl.Utf8, skip_nulls=True)
                            .alias("moe_context") if chains else pl.lit(None, pl.Utf8).alias("moe_context"))
-    # classify each distinct (name, category, collective, context[, stream]) once
-    key_cols = ["name", "cat", "coll", "_ctx"] + (["stream"] if classifier.uses_stream else [])
+    if classifier.num_experts is not None:
+        pts = _gemm_width(pts, all_cpu)
+    # classify each distinct (name, category, collective, context[, stream][, GEMM width]) once
+    key_cols = (["name", "cat", "coll", "_ctx"] + (["stream"] if classifier.uses_stream else [])
+                + (["gemm_n"] if classifier.num_experts is not None else []))
     keys = pts.select(key_cols).unique()
     dem = _DEMANGLED
     todo = [n for n in keys["name"].to_list() if n.startswith("_Z") and n not in dem]
     if todo:
         dem.update({n: n for n in todo})
         dem.update(demangle_all(todo))
-    how = [classifier.classify_how(dem.get(n, n), c, k, chains[x] if x is not None else (), st[0] if st else None)
-           for n, k, c, x, *st in keys.iter_rows()]
+    si = key_cols.index("stream") if "stream" in key_cols else None
+    ni = key_cols.index("gemm_n") if "gemm_n" in key_cols else None
+    how = [classifier.classify_how(dem.get(r[0], r[0]), r[2], r[1], chains[r[3]] if r[3] is not None else (),
+                                   None if si is None else r[si], None if ni is None else r[ni])
+           for r in keys.iter_rows()]
     norm = [normalize_name(dem.get(n, n)) for n in keys["name"].to_list()]
     keys = keys.with_columns(pl.Series("kind", [h[0] for h in how], pl.Utf8),
                              pl.Series("classified_by", [h[1] for h in how], pl.Utf8),
@@ -215,6 +222,8 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
                              pl.col("coll").map_elements(normalize_collective, return_dtype=pl.Utf8)
                              .alias("collective"))
     pts = pts.join(keys, on=key_cols, how="left", nulls_equal=True).drop("_ctx", "_launched")
+    if "gemm_n" in pts.columns:
+        pts = pts.drop("gemm_n")
     has_steps = fams["step"].height > 0
     if not has_steps:
         pts = pts.with_columns(pl.lit(0, pl.Int64).alias("step"))
@@ -225,6 +234,18 @@ def rank_part(ev: RankEvents, classifier: Classifier, host_mode: bool = False) -
         steps.append((0, int(pts["start_ns"].min()), int(pts["end_ns"].max()), True))
     return {"pts": pts, "has_steps": has_steps, "steps": steps, "host_mode": host_mode, "host_steps": host_steps,
             "clipped_ns": clipped, "no_launch": no_launch}
+
+
+def _gemm_width(pts: pl.DataFrame, all_cpu: pl.DataFrame) -> pl.DataFrame:
+    """Column ``gemm_n``: the output width N of the GEMM-like op each point is (a host op)
+    or was launched under (the innermost one on its thread), when the trace recorded
+    shapes (column ``gemm_n`` of the CPU ops; :mod:`._gemm_shape`); else null."""
+    if "gemm_n" in pts.columns:   # (host ops carry their own)
+        return pts
+    ops = all_cpu.filter(pl.col("gemm_n").is_not_null()) if "gemm_n" in all_cpu.columns else all_cpu.clear()
+    if ops.height == 0:
+        return pts.with_columns(pl.lit(None, pl.Int64).alias("gemm_n"))
+    return _enclosing(pts, ops.sort("start_ns"), ["pid", "tid"], "gemm_n", take="gemm_n")
 
 
 def step_windows(step_ranges: pl.DataFrame, pts: pl.DataFrame, host_mode: bool):

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
+from ._compressed import open_text, plain_head, plain_name
 
 _RESP = re.compile(rb'"routed_experts"\s*:\s*"')   # a serving-API response: base64 routed experts
 _LISTED = re.compile(rb'"routed_experts"\s*:\s*\[\s*\[\s*\[')   # a saved request: [tokens][layers][k] lists
@@ -31,8 +32,10 @@ def _npy_header(raw: bytes):
 def _is_responses(path: Path) -> bool:
     from . import head
 
-    h = head(path, 65536)
-    return path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and bool(_RESP.search(h) or _LISTED.search(h))
+    if not plain_name(path).endswith((".jsonl", ".ndjson", ".json")):
+        return False
+    h = plain_head(path, head(path, 65536))
+    return bool(_RESP.search(h) or _LISTED.search(h))
 
 
 def _responses(path: Path, options: dict, approx: set[str]) -> pa.Table:
@@ -43,9 +46,9 @@ def _responses(path: Path, options: dict, approx: set[str]) -> pa.Table:
     from ..safety import json_loads
 
     seqs = []
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open_text(path) as f:
         text = f.read()
-    docs = ([(1, json_loads(path, text))] if path.name.lower().endswith(".json") else
+    docs = ([(1, json_loads(path, text))] if plain_name(path).endswith(".json") else
             [(i, json_loads(path, line, f"line {i}")) for i, line in enumerate(text.splitlines(), 1) if line.strip()])
     for i, doc in docs:
         for j, item in enumerate(doc if isinstance(doc, list) else [doc]):

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..safety import check_regular_file, check_zip_members
+from ..safety_pickle import check_hash_flooding, check_reachable
 
 INSTALL_HINT = ("reading .pt dumps needs the 'torch' extra (torch is not installed): pip install 'moetrace[torch]' "
                 "(CPU-only build: pip install torch --index-url https://download.pytorch.org/whl/cpu)")
@@ -43,8 +44,9 @@ def load_pt(path: str | Path):
     with open(path, "rb") as f:
         if f.read(4) == PT_MAGIC:
             check_zip_members(path)  # declared sizes within max_inflate_ratio / max_inflated_bytes
+            _check_pickle_member(path)
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        obj = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # UnpicklingError, RuntimeError (truncated zip), EOFError, ...
         text = str(e)
         msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
@@ -55,6 +57,24 @@ def load_pt(path: str | Path):
                                    f"{what}; moetrace loads .pt files with torch.load(weights_only=True) only") from None
         msg = msg.split(". ")[0]
         raise InputError(path, f"cannot read torch file (truncated or not a torch.save archive): {msg}") from None
+    # nested lists shared through the pickle's memo are counted each time they are
+    # referenced (what turning them into an array costs): 5.7 KB reached 4.6 GB
+    check_reachable(obj, path, opaque=(torch.Tensor,))
+    return obj
+
+
+def _check_pickle_member(path: Path) -> None:
+    """The archive's ``data.pkl`` checked for hash flooding before torch unpickles it."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.filename.endswith("data.pkl"):
+                    with z.open(info) as m:
+                        check_hash_flooding(m.read(), path)
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise InputError(path, f"cannot read torch file (truncated or not a torch.save archive): {e}") from None
 
 
 def to_numpy(obj, path: str | Path, what: str, ndim: int | None = None) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..domain.run_bounds import OTHER_RANGES, range_problem, relation_problem
 from ..errors import InputError, UsageError
 from ..safety import SHAPE_MAX
 from ..storage import schema
@@ -79,13 +80,15 @@ def check_shape(values: dict, file=None, source: str = "option") -> None:
         if not 1 <= n <= SHAPE_MAX:
             raise _err(file, f"{name} = {n} is out of range (1..{SHAPE_MAX})")
         got[k] = n
-    E, k_, R, rpn, P = (got.get(x) for x in ("num_experts", "top_k", "num_ranks", "ranks_per_node", "num_slots"))
-    if E and k_ and k_ > E:
-        raise _err(file, f"top_k = {k_} is larger than the {E} experts (a token picks distinct experts)")
-    if R and rpn and rpn > R:
-        raise _err(file, f"ranks_per_node = {rpn} is larger than the {R} ranks")
-    if P and E and P < E:
-        raise _err(file, f"num_slots = {P} is smaller than the {E} experts (every expert needs a slot)")
+    why = relation_problem(got)   # the rule readers apply to a runs row too (domain/run_bounds.py)
+    for k in OTHER_RANGES if source == "run" and not why else ():
+        v = values.get(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            why = range_problem(k, v)
+            if why:
+                break
+    if why:
+        raise _err(file, why)
 
 
 def validate_run(rd, options: dict):

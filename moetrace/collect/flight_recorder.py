@@ -233,7 +233,13 @@ def _parse(path: Path, rank: int, notes: list[str]) -> tuple[list[dict], list[di
                 raise InputError(path, f"pg_status {excerpt(pg_id, 20)}.{key} = {v} is out of range")
             # -1: nothing yet (and always for last_started without TORCH_NCCL_ENABLE_TIMING)
             vals[key] = v if v is None or v >= 0 else None
-        status[g] = _gloo_status(vals, op_seq.get(g)) if g in op_seq else vals
+        if g in op_seq:
+            status[g] = _gloo_status(vals, op_seq[g])
+        else:
+            status[g] = _p2p_status(vals, [r for r in rows if r["grp"] == g])
+            if status[g] != vals:
+                notes.append(f"{path.name}: pg_status of group {excerpt(g, 40)} names a point-to-point operation "
+                             "(NCCL counts those apart, p2p_seq): read as the last collective before it")
     if unmapped:
         notes.append(f"{path.name}: pg_status of {unmapped} group id(s) with no entry left in the buffer (their "
                      "names are unknown): not kept")
@@ -271,6 +277,37 @@ def _gloo_status(vals: dict, op_seq: dict[int, int]) -> dict:
     for k, v in vals.items():
         at = [i for i in ids if v is not None and i <= v]
         out[k] = op_seq[at[-1]] if at else None
+    return out
+
+
+def _p2p_status(vals: dict, ents: list[dict]) -> dict:
+    """pg_status of an NCCL group in collective sequence ids. ProcessGroupNCCL numbers a
+    work by ``seqCollective_`` or, for a send / recv, by ``seqP2P_`` (``initWork``), and
+    ``workEnqueue`` / the watchdog store that number whatever the work was, so a value can
+    be a point-to-point id. The entries say which: when the group's last enqueued entry (by
+    record_id) is a point-to-point one with that p2p_seq_id, the last collective enqueued
+    is the collective_seq_id that entry recorded (seqCollective_ at its enqueue; 0: none
+    yet); when the last started / finished entry is a point-to-point one with that
+    p2p_seq_id, pg_status says nothing of collectives there (the entries' own states do):
+    NULL. A value that is no such id but the seq of a collective entry in that state stays
+    (a writer counting collectives only); any other value after a point-to-point entry is
+    not trusted: NULL."""
+    if not any(e["is_p2p"] for e in ents):
+        return vals
+    order = sorted(ents, key=lambda e: e["record_id"])
+    started = [e for e in order if e["state"] in ("started", "completed") or e["retired"]]
+    finished = [e for e in order if e["state"] == "completed" or e["retired"]]
+    out = dict(vals)
+    for key, pool in (("last_enqueued_collective", order), ("last_started_collective", started),
+                      ("last_completed_collective", finished)):
+        v = vals.get(key)
+        if v is None or not pool or not pool[-1]["is_p2p"]:
+            continue
+        last = pool[-1]
+        if last["p2p_seq"] == v:
+            out[key] = (last["seq"] or None) if key == "last_enqueued_collective" else None
+        elif not any(not e["is_p2p"] and e["seq"] == v for e in pool):
+            out[key] = None
     return out
 
 

@@ -30,6 +30,7 @@ from ..domain.hashing import sha256_files
 from ..errors import InputError
 from ..streams import Rereadable, prefetched
 from . import Collector, RunData, head, register
+from ._compressed import is_gzip, plain_name
 from ._generic_read import (
     _columns,
     _frames,
@@ -52,6 +53,8 @@ PROGRESS_ROWS = 8_000_000
 
 def _kind_of(path: Path, head: bytes) -> str | None:
     name = path.name.lower()
+    if is_gzip(path, head) and plain_name(path).endswith((".jsonl", ".ndjson")):
+        return "jsonl"   # (a gzip JSONL, read inflated)
     if name.endswith(".parquet") and head[:4] == b"PAR1":
         return "parquet"
     if name.endswith((".jsonl", ".ndjson")):
@@ -455,7 +458,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
         cols = set(first.columns)
         if set(LOAD_REQ) <= cols:
             frames.close()
-            if path.name.lower().endswith((".jsonl", ".ndjson")):   # every metadata line, not only the first batch's
+            if plain_name(path).endswith((".jsonl", ".ndjson")):   # every metadata line, not only the first batch's
                 meta = []
                 for _ in _jsonl_batches(path, meta=meta):
                     pass

@@ -62,7 +62,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
     jobs = _jobs(options, paths, total)
     parts: dict = {}
     if jobs > 1:
-        frames = _parse_parallel(paths, progress, jobs, Classifier(options.get("kernel_rules")), parts)
+        frames = _parse_parallel(paths, progress, jobs, Classifier(options.get("kernel_rules"), options.get("num_experts")), parts)
     else:
         frames = [_parse_frames(p, progress) for p in paths]
     parsed = [(p, info, RankEvents(rank=-1, gpu=g, launch=l, cpu=c, source=p.name, part=parts.get(i)))
@@ -200,7 +200,7 @@ def _parse_frames(path: Path, progress: bool):
     if only is not None:
         pg = {k: v.fill_null(only) for k, v in pg.items()}
     out = (info, frame(gpu, GPU_SCHEMA).with_columns(pg["gpu"]), frame(launch, LAUNCH_SCHEMA),
-           frame(cpu, CPU_SCHEMA).with_columns(pg["cpu"]))
+           frame(cpu, CPU_SCHEMA).with_columns(pg["cpu"], pl.Series("gemm_n", cpu["gemm_n"], pl.Int64)))
     cap = limit("max_name_bytes")
     for f in out[1:]:
         if "name" in f.columns and f.height:
@@ -226,7 +226,7 @@ def _one_run(items: list) -> bool:
 
 def _collect_run(items: list, options: dict) -> RunData:
     paths = [p for p, _, _ in items]
-    classifier = Classifier(options.get("kernel_rules"))
+    classifier = Classifier(options.get("kernel_rules"), options.get("num_experts"))
     ranks: list[RankEvents] = []
     bases, time_bases, world = set(), set(), set()
     seen: dict[int, str] = {}

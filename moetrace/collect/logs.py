@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from ..domain.hashing import sha256_files
 from ..errors import InputError
-from ..safety import check_regular_file, limit
+from ..safety import check_regular_file, limit, limit_error
 from . import Collector, RunData, register
 
 MARKERS = (b"EPLB step", b"[Expert Balancedness]", b"[EPLBManager]", b"Rearranged experts", b"Rearranging experts")
@@ -211,6 +211,7 @@ def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
     if year is None:
         year = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).year
     cap = limit("max_line_bytes")
+    records = limit("max_text_records")
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -237,6 +238,8 @@ def parse_file(path: Path, year: int | None = None) -> tuple[list[dict], dict]:
             _convert(row)
             row["file"], row["line"] = path.name, n
             rows.append(row)
+            if len(rows) + len(malformed) > records:
+                raise limit_error(path, "max_text_records", f"more than {records} parsed lines", f"line {n}")
     counts = {"lines": n, "matched": len(rows), "malformed": len(malformed),
               "unrelated": n - len(rows) - len(malformed) - len(too_long),
 

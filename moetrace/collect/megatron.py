@@ -26,6 +26,22 @@ Read from NVIDIA/Megatron-LM at d98e8a64 (2026-08-22):
   no such file (the layout users described for it, accepted as given): step =
   forward index, tokens per (layer, expert).
 
+Pipeline parallelism: both writers take ``layer`` from the module name
+``decoder.layers.<n>`` (``router_trace.py`` at 059f0f5c, ``activation_logging.py`` at
+191d70cf), and a pipeline stage builds only its own layers, numbered from 0
+(``TransformerBlock``; the global number is ``get_transformer_layer_offset`` + n + 1), so
+files of different stages share layer numbers. ``--set pp_size=P`` maps them: a file's
+rank (the record's ``rank``, the tokens-per-expert file's name; both
+``torch.distributed`` ranks) is in stage ``rank // (world / P)`` (the default rank order
+``tp-cp-ep-dp-pp`` of ``parallel_state.initialize_model_parallel`` at 00caa53a: the
+pipeline rank varies slowest; another ``order`` is not read), world = ``--set
+world_size=N`` or the highest rank + 1; stage s holds ``--set pp_layers=a,b,...`` layers
+(uneven first / last stages, ``--pipeline-model-parallel-layout``) or ``--layers / P``
+each, and its layer n is the model's layer offset(s) + n. With ``--layers L`` and no
+``pp_size``, layers that stop short of L are refused (the files are one stage's, or
+stages collide). Virtual pipeline stages (several model chunks per rank, each numbered
+from 0) cannot be told apart in these files.
+
 Every file given together is one run. A bad JSON line, a record whose lists disagree
 with ``num_tokens`` / ``topk``, a negative or huge expert id or count is refused with
 its line.
@@ -87,28 +103,16 @@ def _sniff(path: Path, h: bytes) -> bool:
 
 
 def _records(path: Path, meta: list):
-    """(line number, record) of a JSONL file, metadata records set aside."""
-    from ..safety import json_loads
+    """(line number, record) of a JSONL file, metadata records set aside (lines and keys
+    bounded as they are read: ``_json_stream.jsonl_objects``)."""
+    from ._json_stream import jsonl_objects
     from ._jsonl_meta import is_meta
 
-    try:
-        f = open(path, encoding="utf-8", errors="strict")
-    except OSError as e:
-        raise InputError(path, f"cannot read: {e.strerror}") from None
-    with f:
-        try:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                obj = json_loads(path, line, f"line {i}")
-                if not isinstance(obj, dict):
-                    raise InputError(path, f"expected a JSON object per line, got {type(obj).__name__}", f"line {i}")
-                if is_meta(obj):
-                    meta.append((i, obj))
-                    continue
-                yield i, obj
-        except UnicodeDecodeError as e:
-            raise InputError(path, f"not UTF-8 text ({e.reason})") from None
+    for i, obj in jsonl_objects(path):
+        if is_meta(obj):
+            meta.append((i, obj))
+            continue
+        yield i, obj
 
 
 def _int(obj: dict, key: str, path: Path, i: int, upper: int = 1 << 62) -> int:
@@ -138,6 +142,66 @@ def _int_array(v, path: Path, i: int, what: str, shape: tuple | None, upper: int
         bad = a.min() if a.min() < 0 else a.max()
         raise InputError(path, f"{what} holds {bad}, outside 0..{upper - 1}", f"line {i}")
     return a.astype(np.int64)
+
+
+class _Stages:
+    """Pipeline stages of ``--set pp_size=P``: a rank's stage and its first global layer."""
+
+    def __init__(self, options: dict, ranks: list[int], where: Path):
+        self.pp = int(options["pp_size"])
+        self.world_given = bool(options.get("world_size"))
+        world = int(options.get("world_size") or max(ranks) + 1)
+        if world % self.pp:
+            raise InputError(where, f"pp_size={self.pp} does not divide the world of {world} ranks "
+                                    f"({'--set world_size' if options.get('world_size') else 'highest rank + 1'}): "
+                                    "pass --set world_size=N (all ranks of the job)")
+        self.per_stage = world // self.pp
+        if options.get("pp_layers"):
+            try:
+                self.counts = [int(x) for x in str(options["pp_layers"]).split(",")]
+            except ValueError:
+                raise InputError(None, f"--set pp_layers={options['pp_layers']!r}: expected layers per stage, "
+                                       "e.g. 6,8,8,6") from None
+            if len(self.counts) != self.pp or min(self.counts) < 0:
+                raise InputError(None, f"--set pp_layers lists {len(self.counts)} stages, pp_size is {self.pp}")
+        elif options.get("num_layers") and int(options["num_layers"]) % self.pp == 0:
+            self.counts = [int(options["num_layers"]) // self.pp] * self.pp
+        else:
+            raise InputError(where, f"pp_size={self.pp} needs the layers of each stage: pass --layers L (a multiple "
+                                    "of pp_size: even stages) or --set pp_layers=a,b,... (one count per stage)")
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    def global_layer(self, rank: int, layer: int, path: Path, where: str) -> int:
+        s = rank // self.per_stage
+        if s >= self.pp:
+            raise InputError(path, f"rank {rank} is beyond {self.pp} stages x {self.per_stage} ranks: pass --set "
+                                   "world_size=N", where)
+        if layer >= self.counts[s]:
+            raise InputError(path, f"layer {layer} of rank {rank} (pipeline stage {s}) is beyond that stage's "
+                                   f"{self.counts[s]} layers: pass --set pp_layers=a,b,... (layers of each stage)",
+                             where)
+        return int(self.offsets[s]) + layer
+
+    def note(self) -> str:
+        return (f"layers mapped from pipeline-stage numbering: pp_size={self.pp}, {self.per_stage} ranks per stage "
+                f"(stage = rank // {self.per_stage}, Megatron's default rank order tp-cp-ep-dp-pp), stage offsets "
+                f"{self.offsets.tolist()}" + ("" if self.world_given else
+                                              "; world = highest rank + 1 (--set world_size=N when files are missing)"))
+
+
+def _stages(options: dict, ranks: list[int], where: Path) -> _Stages | None:
+    return _Stages(options, ranks, where) if options.get("pp_size") and int(options["pp_size"]) > 1 else None
+
+
+def _check_short(layers: np.ndarray, options: dict, paths: list[Path]) -> None:
+    """Without pp_size, layers that stop short of ``--layers`` are pipeline-stage numbers."""
+    L = options.get("num_layers")
+    if L and not options.get("pp_size") and layers.size and int(layers.max()) + 1 < int(L):
+        names = ", ".join(p.name for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        raise InputError(paths[0].parent if len(paths) > 1 else paths[0],
+                         f"layers 0..{int(layers.max())} in {names} but the model has {L} layers: Megatron numbers "
+                         "layers within a pipeline stage (decoder.layers.<n>); pass --set pp_size=P (and --set "
+                         "pp_layers=a,b,... for uneven stages)")
 
 
 def _trace(paths: list[Path], options: dict, approx: list, metas: dict) -> dict:
@@ -180,6 +244,7 @@ def _trace(paths: list[Path], options: dict, approx: list, metas: dict) -> dict:
     if not cols["expert"]:
         raise InputError(paths[0], "no decoder router-trace record with tokens" + (f" ({mtp} MTP records)" if mtp else ""))
     out = {c: np.concatenate(v) for c, v in cols.items()}
+    out["layer"] = _map_layers(out["layer"], out["src_rank"], options, paths, approx)
     if mtp:
         approx.append(f"{mtp} MTP router-trace records skipped (their layer numbers collide with decoder layers)")
     approx.append("Megatron router trace: token = position within the records of one (step, layer, rank) in file "
@@ -190,12 +255,34 @@ def _trace(paths: list[Path], options: dict, approx: list, metas: dict) -> dict:
     return out
 
 
+def _map_layers(layer: np.ndarray, rank: np.ndarray, options: dict, paths: list[Path], approx: list) -> np.ndarray:
+    """Global layer numbers of (stage-local layer, rank) pairs under ``pp_size``."""
+    st = _stages(options, np.unique(rank).tolist(), paths[0])
+    if st is None:
+        _check_short(layer, options, paths)
+        approx.append("Megatron layer = the module's decoder.layers.<n>: the model's layer when there is one "
+                      "pipeline stage (--set pp_size=P maps stage numbering)")
+        return layer
+    pairs, inv = np.unique(np.stack([rank, layer], axis=1), axis=0, return_inverse=True)
+    path_of = {}
+    for p in paths:   # the file a rank came from, for the message
+        r = _arrays.rank_in(p.stem)
+        if r is not None:
+            path_of.setdefault(r, p)
+    glob = np.array([st.global_layer(int(r), int(li), path_of.get(int(r), paths[0]), f"rank {int(r)}")
+                     for r, li in pairs], np.int64)
+    approx.append(st.note())
+    return glob[inv.ravel()]
+
+
 def _tpe(paths: list[Path], options: dict, approx: list, metas: dict) -> dict:
     ep = options.get("ep_size")
     ep = int(ep) if ep not in (None, "") else None
     acc: dict[tuple[int, int, int], np.ndarray] = {}
     el = set()
     mtp = 0
+    file_ranks = [_arrays.rank_in(p.stem) for p in paths]
+    stages = _stages(options, [r for r in file_ranks if r is not None] or [0], paths[0])
     for path in paths:
         r = _arrays.rank_in(path.stem)
         if r is None:
@@ -217,6 +304,8 @@ def _tpe(paths: list[Path], options: dict, approx: list, metas: dict) -> dict:
                 raise InputError(path, f"tpe has shape {list(a.shape)}, expected [micro-batches, local experts]",
                                  f"line {i}")
             el.add(a.shape[1])
+            if stages is not None:
+                layer = stages.global_layer(r, layer, path, f"line {i}")
             key = (step, layer, er)
             acc[key] = acc.get(key, 0) + a.sum(axis=0)
         metas[path] = meta
@@ -231,6 +320,10 @@ def _tpe(paths: list[Path], options: dict, approx: list, metas: dict) -> dict:
         layer.append(np.full(E_local, li, np.int64))
         expert.append(r * E_local + np.arange(E_local, dtype=np.int64))
         tokens.append(np.asarray(v, np.int64))
+    if stages is None:
+        _check_short(np.array([li for _, li, _ in acc], np.int64), options, paths)
+    else:
+        approx.append(stages.note())
     if mtp:
         approx.append(f"{mtp} MTP tokens-per-expert records skipped")
     approx.append(f"Megatron tokens per expert: expert = EP rank * {E_local} + local index (contiguous expert blocks); "
@@ -337,4 +430,4 @@ def _aggregate(step: np.ndarray, layer: np.ndarray, expert: np.ndarray):
 
 register(Collector("megatron", "Megatron-LM router traces (router_trace_rank{r}.jsonl), tokens-per-expert JSONL and "
                                "loads[layers, forwards, experts] arrays", _sniff, _collect, priority=17,
-                   options=("ep_size",)))
+                   options=("ep_size", "pp_size", "pp_layers", "world_size")))

@@ -253,7 +253,7 @@ def _collect(paths: list[Path], options: dict) -> list[RunData]:
 
 
 def _collect_run(paths: list[Path], options: dict) -> RunData:
-    classifier = Classifier(options.get("kernel_rules"))
+    classifier = Classifier(options.get("kernel_rules"), options.get("num_experts"))
     ranks: list[RankEvents] = []
     epochs = set()
     with tempfile.TemporaryDirectory(prefix="moetrace-nsys-") as td:

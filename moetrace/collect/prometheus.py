@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from ..domain.hashing import sha256_files
 from ..errors import InputError
-from ..safety import checked_int, limit, limit_error
+from ..safety import check_whole_input, checked_int, limit, limit_error
 from . import Collector, RunData, register
 from .logs import _TYPES, COLUMNS
 
@@ -126,8 +126,10 @@ def _ts_ns(text: str | None, path: Path, line: int) -> int | None:
 
 def parse(path: Path) -> list[dict]:
     """Samples of one scrape: [{name, labels, value, ts_ns, line}]."""
-    samples = []
+    samples: list[dict] = []
+    records = limit("max_text_records")
     try:
+        check_whole_input(path)
         raw = path.read_bytes()
     except OSError as e:
         raise InputError(path, f"cannot read: {e.strerror}") from None
@@ -151,6 +153,8 @@ def parse(path: Path) -> list[dict]:
             raise InputError(path, f"sample value {m['value'][:40]!r} is not a number", f"line {n}") from None
         samples.append({"name": m["name"], "labels": _labels(m["labels"], path, n), "value": value,
                         "ts_ns": _ts_ns(m["ts"], path, n), "line": n})
+        if len(samples) > records:
+            raise limit_error(path, "max_text_records", f"more than {records} samples", f"line {n}")
     if not samples:
         raise InputError(path, "no samples in the file")
     return samples

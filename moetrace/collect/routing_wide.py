@@ -44,9 +44,8 @@ import pyarrow.compute as pc
 from ..domain.hashing import sha256_files
 from ..errors import InputError
 from . import Collector, RunData, register, source_label
+from ._compressed import is_gzip, plain_head, plain_name, read_plain
 from ._routing_responses import (
-    _LISTED,
-    _RESP,
     _is_responses,
     _npy_header,
     _npy_requests,
@@ -69,7 +68,7 @@ _IPC_MAGIC = b"ARROW1"
 
 # ----------------------------------------------------------------------------- sniffing
 def _schema(path: Path, head: bytes) -> pa.Schema | None:
-    name = path.name.lower()
+    name = plain_name(path)
     try:
         if name.endswith(".parquet") and head[:4] == _PQ_MAGIC:
             import pyarrow.parquet as pq
@@ -84,6 +83,8 @@ def _schema(path: Path, head: bytes) -> pa.Schema | None:
                 return ipc.open_file(f).schema
         if name.endswith((".jsonl", ".ndjson")):
             from ._jsonl_meta import is_meta
+
+            head = plain_head(path, head)
 
             obj = None
             for line in head.split(b"\n")[:-1] or head.split(b"\n"):   # the first record that is not metadata
@@ -121,7 +122,7 @@ def _is_routed_npy(path: Path, head: bytes) -> bool:
 
 
 def _sniff(path: Path, head: bytes) -> bool:
-    if path.name.lower().endswith((".jsonl", ".ndjson", ".json")) and (_RESP.search(head) or _LISTED.search(head)):
+    if plain_name(path).endswith((".jsonl", ".ndjson", ".json")) and _is_responses(path):
         return True
     if _is_routed_npy(path, head):
         return True
@@ -136,8 +137,9 @@ def _read(path: Path, meta: list | None = None) -> pa.Table:
         if name.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            from ..safety import arrow_path
+            from ..safety import arrow_path, check_parquet
 
+            check_parquet(path, whole=True)   # read whole: the file's decoded size bounded
             return pq.read_table(arrow_path(path))
         if name.endswith(_ARROW_EXT):
             import pyarrow.ipc as ipc
@@ -163,13 +165,19 @@ def _read_jsonl(path: Path, meta: list | None = None) -> pa.Table:
 
     import pyarrow.json as pj
 
+    from ..safety import check_whole_input
     from ._jsonl_meta import is_meta
 
-    size = path.stat().st_size
-    opts = pj.ReadOptions(block_size=max(1 << 20, min(size + 1, 256 << 20)))
-    src = path
-    with open(path, "rb") as f:
-        data = f.read()
+    if is_gzip(path):
+        data = read_plain(path)          # inflated within the inflation limits
+        check_whole_input(path, len(data))
+        src: Path | io.BytesIO = io.BytesIO(data)
+    else:
+        check_whole_input(path)          # read whole
+        src = path
+        with open(path, "rb") as f:
+            data = f.read()
+    opts = pj.ReadOptions(block_size=max(1 << 20, min(len(data) + 1, 256 << 20)))
     if b"meta" in data or b"header" in data or b"config" in data:
         keep, found = [], []
         for i, line in enumerate(data.splitlines(keepends=True), 1):

@@ -276,11 +276,15 @@ def _csv_run(paths: list[Path], options: dict) -> RunData:
             raise InputError(p, "negative layer_id or expert_id")
         frames.append(df.with_columns(pl.lit(rank, pl.Int64).alias("src_rank")))
     df = pl.concat(frames)
+    rows_in = df.height
     df = df.group_by(["layer_id", "expert_id", "src_rank"]).agg(pl.col("count").sum())
+    dup = rows_in - df.height
     df = df.filter(pl.col("count") > 0).sort(["layer_id", "expert_id", "src_rank"])
     ranks = sorted({r for r in df["src_rank"].to_list() if r is not None})
     L, E = int(df["layer_id"].max()) + 1, int(df["expert_id"].max()) + 1
     approx = ["legacy SGLang CSV: aggregate counts over the recording, one pseudo-step (step 0)"]
+    if dup:   # the writer emits one row per (layer, expert); repeats are summed, and said
+        approx.append(f"{dup} repeated (layer_id, expert_id) row(s) of one rank's CSV were summed")
     if not options.get("num_layers"):
         approx.append("num_layers inferred from the highest layer_id")
     if not options.get("num_experts"):

@@ -101,6 +101,49 @@ def hardware_option(f=None, *, help="Cost model preset (fitted from spans when t
     return deco(f) if f is not None else deco
 
 
+#: the --kernel names (moetrace.costmodel.a2a.FAMILIES, listed here so --help needs no import of numpy)
+KERNEL_NAMES = ("normal", "low-latency", "deepep-v2", "hybrid-ep", "pplx", "nccl", "nvlink-one-sided", "uccl-normal",
+                "uccl-low-latency", "mori", "mori-low-latency")
+
+
+def _int_text(lo: int):
+    """click callback: an integer >= ``lo`` given as text (one-line UsageError otherwise)."""
+    def cb(ctx, param, value):
+        from ..errors import UsageError
+
+        if value is None:
+            return None
+        what = "positive" if lo > 0 else "non-negative"
+        try:
+            v = int(str(value).strip())
+        except ValueError:
+            raise UsageError(f"{param.opts[0]} must be a {what} integer, got {value!r}") from None
+        if v < lo:
+            raise UsageError(f"{param.opts[0]} must be a {what} integer, got {value!r}")
+        return v
+    return cb
+
+
+def kernel_options(f=None, *, kernel_help="default normal"):
+    """--kernel (the all-to-all family), --sms (the SMs it runs on) and --max-nodes-per-token
+    (node-limited routing): the inputs of the all-to-all model, for ``cost`` and the replays."""
+    def deco(g):
+        for o in reversed((
+                click.option("--kernel", default=None, type=click.Choice(list(KERNEL_NAMES)),
+                             help=f"All-to-all kernel family ({kernel_help}): normal / low-latency (DeepEP V1), "
+                                  "deepep-v2, hybrid-ep, pplx, nccl, nvlink-one-sided, uccl-normal, uccl-low-latency, "
+                                  "mori, mori-low-latency."),
+                click.option("--sms", default=None, callback=_int_text(1), metavar="N",
+                             help="SMs the all-to-all kernel runs on (default: the kernel's; DeepEP V1 24)."),
+                click.option("--max-nodes-per-token", default=None, callback=_int_text(0), metavar="N",
+                             help="Most nodes one token's experts may span (node-limited routing; default the "
+                                  "kernel's: 4 for DeepEP normal as DeepSeek-V3 routes, else no limit; 0: no "
+                                  "limit)."))):
+            g = o(g)
+        return g
+    return deco(f) if f is not None else deco
+
+
 def split_option(f):
     """--split: how an expert's tokens split over its replicas (replay.engine.SPLITS)."""
     return click.option("--split", type=LazyChoice(_splits), default="even", show_default=True,
@@ -163,7 +206,7 @@ def fit_steps_option(help: str):
 
 def chrome_trace_option(help: str):
     """--chrome-trace FILE: a Chrome/Perfetto trace, under one name in every command."""
-    return click.option("--chrome-trace", "chrome_trace", type=click.Path(dir_okay=False),
+    return click.option("--chrome-trace", "chrome_trace", type=click.Path(dir_okay=False), callback=check_out_path,
                         default=None, metavar="FILE", help=help)
 
 

@@ -6,6 +6,7 @@ import json
 import click
 
 from .. import open_store
+from ..errors import StoreError
 from ..output import Rows, emit, emit_rows, output_options
 from ..run import SKEW_BY
 from ._options import engine_options, engine_sql, out_dir_option, run_option
@@ -32,9 +33,11 @@ def _heavy_options(f):
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
 @click.option("--recompute", is_flag=True,
               help="Compute the per-(step, layer) views again even when the store holds them (and store the result).")
+@click.option("--no-save", is_flag=True,
+              help="Never write to the store: compute what is not stored, keep it for this report only.")
 @_heavy_options
 @engine_options
-def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit, engine, master, remote):
+def report(store, run_id, out, quiet, recompute, no_save, batch_steps, memory_limit, engine, master, remote):
     """Summarize a run: per-layer skew, tokens per expert, imbalance vs batch size, dummy
     steps, and every other section installed (replay, all-to-all exposure). Prints the
     summary tables and writes a self-contained report.html, report.md and PNGs.
@@ -50,6 +53,8 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit, engi
     `moetrace materialize`): the next report of the same run reads them instead, until the
     run, moetrace or the view SQL changes (then they are recomputed, said on stderr).
     With --engine spark they are computed on Spark (the same rows), then stored alike.
+    Storing them is a write (one transaction, after a crashed writer's leftovers are
+    recovered, as every writer does); with --no-save the report only reads the store.
     """
     from ..analyze.on_engine import compute_with
     from ..report.build import build_report
@@ -60,7 +65,7 @@ def report(store, run_id, out, quiet, recompute, batch_steps, memory_limit, engi
         engine = "duckdb"     # the stored analysis is read: no Spark session to start
     with engine_sql(st, engine, master, remote) as sql:
         rep = build_report(st, rid, out, batch_steps=batch_steps, memory_limit=memory_limit,
-                           progress=_progress, reuse=not recompute,
+                           progress=_progress, reuse=not recompute, save=not no_save,
                            compute=compute_with(sql) if sql is not None else None)
     if not quiet:
         click.echo(rep.terminal())
@@ -166,10 +171,16 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
         return
     from ..analyze.on_engine import compute_with
 
+    stored: list[str] = []
     with engine_sql(st, engine, master, remote) as sql:
         for r in runs:
-            before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
-                                          progress=_progress, compute=compute_with(sql) if sql is not None else None)
+            try:
+                before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
+                                              progress=_progress,
+                                              compute=compute_with(sql) if sql is not None else None)
+            except StoreError as e:   # one transaction per run: the runs before this one are stored
+                raise StoreError(_partly_stored(e, r.id, stored, store)) from None
+            stored.append(r.id)
             if before.fresh and not force:
                 click.echo(f"{after.line()}: kept")
             else:
@@ -177,6 +188,19 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
                 click.echo(f"run {r.id}: stored analysis {after.header['cache_id']} ({rows:,} rows, computed in "
                            f"{after.header['compute_s']:.1f} s" + (" on Spark" if sql is not None else "") + ")"
                            + (f"; replaced a stale one ({before.reason})" if before.status == "stale" else ""))
+
+
+def _partly_stored(error: Exception, run_id: str, stored: list[str], store: str) -> str:
+    """The one line of a materialize that failed at ``run_id`` after storing ``stored``
+    (each run's analysis is its own transaction: those stay stored, and are fresh, so a
+    rerun skips them and stores the rest)."""
+    msg = str(error)
+    if not stored:
+        return msg
+    msg = msg.replace("; nothing was written", "")
+    return (f"{msg}; run {run_id}'s analysis was not written, but {len(stored)} run(s) before it were stored "
+            f"({', '.join(stored[:5])}{' ...' if len(stored) > 5 else ''}): rerun `moetrace materialize {store}` "
+            f"to store the rest (stored runs are kept)")
 
 
 def register(cli):

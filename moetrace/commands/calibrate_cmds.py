@@ -8,7 +8,7 @@ import polars as pl
 from ..output import echo_json, emit, json_option, output_options
 from ..run import Store
 from ..units import percent
-from ._options import hardware_option, steps_range
+from ._options import SHAPE, hardware_option, steps_range
 
 _steps_range = steps_range
 
@@ -112,7 +112,7 @@ def basis_line(summary: dict) -> str:
               help="Without --judge-run: judge the fit run on its own held-out steps. blocks: alternate whole blocks "
                    "of --block steps (fit, judge, fit, ...); half: fit the first half, judge the second; none: "
                    "the fit only (in-sample). auto: blocks unless --judge-run or --judge-steps is given.")
-@click.option("--block", type=click.IntRange(1, None), default=None, metavar="N",
+@click.option("--block", type=click.IntRange(1, SHAPE), default=None, metavar="N",
               help="Steps per block of --held-out blocks (default: a quarter of the steps).")
 @click.option("--calibration-id", default=None, help="Id to store the cells under (default: generated).")
 @click.option("--no-store", is_flag=True, help="Do not write the calibration table.")

@@ -13,7 +13,9 @@ def check(store, quick):
     """List every file of STORE that cannot be read: truncated or garbage Parquet, a file
     with the wrong columns for its table or its own run_id column, a partition folder not
     named run_id=<id>, a file where a folder is expected, a run without its runs row, a
-    malformed journal. One line per file ("FILE: what is wrong"); nothing is changed,
+    malformed journal; a FIFO, device or symlink where a file or folder belongs, more files
+    or partitions than the limits allow, a footer past max_footer_bytes, runs values out of
+    range, an unreadable moetrace-store.json (docs/hardening.md). One line per file ("FILE: what is wrong"); nothing is changed,
     nothing is recovered. Exit code 0 when every file reads, 2 otherwise.
 
     Example:
@@ -36,7 +38,7 @@ def check(store, quick):
     for p in problems:
         click.echo(str(p))
     if problems:
-        click.echo(f"moetrace: error: {store}: {len(problems)} file(s) cannot be read", err=True)
+        click.echo(f"moetrace: error: {store}: {len(problems)} problem(s)", err=True)
         raise SystemExit(2)
     click.echo(f"{store}: every file reads", err=True)
 

@@ -8,10 +8,7 @@ import math
 import click
 
 from ..errors import UsageError
-
-#: the --kernel names (moetrace.costmodel.a2a.FAMILIES, listed here so --help needs no import of numpy)
-KERNEL_NAMES = ("normal", "low-latency", "deepep-v2", "hybrid-ep", "pplx", "nccl", "nvlink-one-sided", "uccl-normal",
-                "uccl-low-latency", "mori", "mori-low-latency")
+from ._options import kernel_options
 
 
 def _num(name: str, text, integer: bool = True):
@@ -48,13 +45,7 @@ def _table(rows) -> str:
 @click.option("--top-k", default="8", show_default=True, help="Experts per token (all-to-all mode).")
 @click.option("--num-experts", default="256", show_default=True, help="Routed experts in the model (normal kernels' "
                                                                       "deduplication).")
-@click.option("--kernel", default=None, type=click.Choice(list(KERNEL_NAMES)),
-              help="All-to-all kernel family: normal / low-latency (DeepEP V1), deepep-v2, hybrid-ep, pplx, nccl, "
-                   "nvlink-one-sided, uccl-normal, uccl-low-latency, mori, mori-low-latency.")
-@click.option("--sms", default=None, help="SMs the all-to-all kernel runs on (default: the kernel's; DeepEP V1 24).")
-@click.option("--max-nodes-per-token", default=None,
-              help="Most nodes one token's experts may span (node-limited routing; default the kernel's: 4 for "
-                   "DeepEP normal as DeepSeek-V3 routes, else no limit; 0: no limit).")
+@kernel_options(kernel_help="all-to-all mode")
 @click.option("--dispatch-dtype", default="fp8", show_default=True, type=click.Choice(["fp8", "bf16"]))
 @click.option("--combine-dtype", default="bf16", show_default=True, type=click.Choice(["fp8", "bf16"]))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (every term, the band and its source).")
@@ -109,12 +100,9 @@ def cost(hardware, hidden, intermediate, weight_dtype, experts, tokens_per_exper
             raise UsageError("--kernel and --tokens need --ep (all-to-all mode)")
         if tokens is None or kernel is None:
             raise UsageError("all-to-all mode needs --tokens and --kernel")
-        mnt = None
-        if max_nodes_per_token is not None:
-            mnt = 0 if str(max_nodes_per_token).strip() == "0" else _num("max-nodes-per-token", max_nodes_per_token)
         r = costmodel.comm_ns(hardware, hidden_v, _num("ep", ep), _num("ranks-per-node", ranks_per_node),
                               _num("tokens", tokens), _num("top-k", top_k), kernel, dispatch_dtype, combine_dtype,
-                              num_experts=_num("num-experts", num_experts), topk_groups=mnt, sms=_num("sms", sms))
+                              num_experts=_num("num-experts", num_experts), topk_groups=max_nodes_per_token, sms=sms)
         band_source = r.pop("band_source")
         if expert_mode:
             out["comm_band_measured"] = r.pop("band_measured")

@@ -13,6 +13,7 @@ from ._options import (
     fit_steps_option,
     hardware_option,
     ints_option,
+    kernel_options,
     policy_option,
     run_option,
     split_option,
@@ -211,20 +212,22 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
 @click.option("--max-moves", type=int, default=None, help="Drift: move-aware re-plans with at most K moves each.")
 @split_option
 @hardware_option
+@kernel_options
 @click.option("--no-fit", "no_fit", is_flag=True, help="Use the preset even when the run has expert_gemm spans.")
 @cost_model_option
 @move_options
 @chrome_trace_option(help="Write the predicted timeline of --trace-steps as a Chrome/Perfetto trace.")
 @click.option("--trace-steps", callback=steps_list, default=None, metavar="A:B|A,B",
               help="Steps for --chrome-trace (A:B or a comma list; default: the first judged).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Drift: imbalance-over-time PNG.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=check_out_path, help="Drift: imbalance-over-time PNG.")
 @click.option("--no-rank-rows", is_flag=True, help="Do not write replay_rank rows (large replays).")
 @json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
               help="Also run the timeline what-ifs: two micro-batches, attention/FFN disaggregation, NVLink domain "
                    "8/16/72 (table replay_whatif; `moetrace whatif` has their options; docs/explanation/timeline.md).")
 def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window, plan_id, in_sample, replan_every,
-           window, max_moves, split, hardware, no_fit, cost_model, stall_ms, move_overlap, passes, chrome_trace,
+           window, max_moves, split, hardware, kernel, sms, max_nodes_per_token, no_fit, cost_model, stall_ms,
+           move_overlap, passes, chrome_trace,
            trace_steps, plot, no_rank_rows, as_json, timeline_whatif):
     """Replay the run's recorded routing against a plan and predict per-rank loads,
     stragglers, all-to-all bytes and layer time, against the recorded placement on the
@@ -249,10 +252,11 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
     common = dict(split=split, hardware=hardware, fit_cost=not no_fit, stall_ms=stall_ms, overlap=move_overlap,
                   passes=passes, cost_model=cost_model)
     shape_kw = dict(ranks=ranks, replicas=replicas, groups=groups, nodes=nodes, ranks_per_node=rpn)
+    a2a = dict(kernel=kernel, sms=sms, max_nodes_per_token=max_nodes_per_token)   # the all-to-all model's inputs
     if replan_every:
         if not policy:
             raise click.UsageError("--replan-every needs --policy (the planner re-run at every re-plan)")
-        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw), max_moves=max_moves,
+        d = run.drift(policy, replan_every, window, cluster=ClusterSpec(**shape_kw, **a2a), max_moves=max_moves,
                       static_window=fit_window, **common)
         if plot:
             from ..report.plots import drift_from_dict
@@ -269,7 +273,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         raise InputError(None, f"--plan {plan_id} replays a stored plan as it is: {', '.join(given)} would be ignored")
     res = run.replay(plan_id, policy=policy, fit_window=fit_window, in_sample=in_sample,
                      rank_rows=not no_rank_rows, trace_steps=trace_steps if chrome_trace else None,
-                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw), **common)
+                     chrome_trace=chrome_trace, cluster=ClusterSpec(**shape_kw, **a2a), **common)
     wi = run.whatif(hardware=hardware) if timeline_whatif else None   # the timeline what-ifs (commands/timeline_cmds.py)
     if as_json:
         d = res.to_dict()
@@ -338,9 +342,10 @@ def _print_drift(d, plot):
 @cluster_options
 @split_option
 @hardware_option
+@kernel_options
 @cost_model_option
 @move_options
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write the decision plot (PNG).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, callback=check_out_path, help="Write the decision plot (PNG).")
 @click.option("--all-runs", is_flag=True,
               help="Sweep every run in the store (a run_id column; runs that cannot be swept are noted).")
 @click.option("--save", is_flag=True, help="Store every cell (replay_runs kind 'sweep', with its replay_layer rows).")
@@ -350,8 +355,9 @@ def _print_drift(d, plot):
               help="Judge the cells on an existing Dask cluster (e.g. tcp://host:8786); workers read the store "
                    "at the same path, results are written here.")
 @output_options
-def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, cost_model,
-          stall_ms, move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt, output):
+def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, nodes, rpn, split, hardware, kernel, sms,
+          max_nodes_per_token, cost_model, stall_ms, move_overlap, passes, plot, all_runs, save, workers, scheduler, fmt,
+          output):
     """The operator's decision table: replica budgets x re-plan intervals x fit windows,
     each judged on the same steps against the recorded placement, with net predicted time
     (moving experts charged), extra expert memory per rank, bytes moved per hour and a
@@ -370,7 +376,8 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
             ParameterSource.ENVIRONMENT:
         scheduler = None        # --workers given: a local cluster, whatever DASK_SCHEDULER_ADDRESS says
     kw = dict(replicas=replicas or [], intervals=intervals or [], windows=windows,
-              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn),
+              cluster=ClusterSpec(ranks=ranks, groups=groups, nodes=nodes, ranks_per_node=rpn, kernel=kernel, sms=sms,
+                                  max_nodes_per_token=max_nodes_per_token),
               split=split, hardware=hardware, stall_ms=stall_ms, overlap=move_overlap,
               passes=passes, write=save, workers=workers, scheduler=scheduler or None, cost_model=cost_model)
     if all_runs:

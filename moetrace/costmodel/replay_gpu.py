@@ -17,9 +17,13 @@ combine from its bytes. This module maps the one onto the other:
   ``latency + max(inter-node bytes / (eff_rdma x NIC), intra-node bytes / (eff_nvl x
   NVLink))`` on the rank's own bytes, the bottleneck link as DeepEP defines it. The
   replay counts BF16 activations per token; dispatch bytes are rescaled to the FP8
-  message (values + one FP32 scale per 128) and combine bytes to the BF16 message. A rank
-  that receives nothing (or a run without ``top_k``: no bytes at all) has no all-to-all
-  time;
+  message (values + one FP32 scale per 128) and combine bytes to the BF16 message. A
+  kernel given ``sms`` SMs cannot move bytes faster than ``sms x sm_gbps``: the link time
+  and that SM time combine as :func:`moetrace.costmodel.a2a.time_terms` does (P-norm). A
+  rank that receives nothing (or a run without ``top_k``: no bytes at all) has no
+  all-to-all time. The bytes are the replay's own (recorded routing, else estimated from
+  the counts), whatever the kernel's byte pattern or node limit (:func:`kernel_inputs`
+  says so);
 - **band** of a step time: the larger of the expert-GEMM band and the all-to-all band
   (a sum of terms each within its relative band is within the largest of them), each the
   costmodel's band for this GPU and kernel (:func:`moetrace.costmodel.band`): measured on
@@ -34,7 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import costmodel
-from .a2a import message_bytes
+from .a2a import SM_NORM, message_bytes
 from .gemm import GemmParams, expert_mlp_terms
 from .hardware import GPUS, gpu
 
@@ -45,6 +49,37 @@ _GRID = np.log(1.02)
 
 def _a2a_params(kernel: str) -> dict:
     return costmodel.regime_params(kernel)
+
+
+def kernel_inputs(hardware: str, kernel: str, sms: int | None = None,
+                  max_nodes_per_token: int | None = None) -> tuple[int | None, list[str]]:
+    """The SMs the all-to-all ``kernel`` runs on in a replay on ``hardware`` (None: not
+    SM-limited) and what the replay says about its inputs, one line each. Bad input:
+    :class:`moetrace.errors.UsageError` naming the option."""
+    from ..errors import UsageError
+    from .a2a import FAMILIES
+
+    if kernel not in FAMILIES:
+        raise UsageError(f"--kernel must be one of {', '.join(FAMILIES)}, got {kernel!r}")
+    fam, hw = FAMILIES[kernel], gpu(hardware)
+    if sms is not None and not 1 <= sms <= hw.sms:
+        raise UsageError(f"--sms must be within 1..{hw.sms} (the SMs of {hw.name}), got {sms}")
+    if max_nodes_per_token is not None and max_nodes_per_token < 0:
+        raise UsageError(f"--max-nodes-per-token must be a non-negative integer, got {max_nodes_per_token}")
+    used = (sms or fam["sms"]) if fam["sms"] is not None else None
+    notes = [f"all-to-all timed as {fam['what'].split(';')[0]}" + (f", on {used} SMs" if used else ", not SM-limited")
+             + (f" (--sms {sms} ignored: this kernel is not SM-limited)" if sms and used is None else "")
+             + ("" if fam["regime"] else f" (no published row of this family: {fam['params_from']} parameters, "
+                                        "band not validated)")]
+    limit = fam["max_nodes"] if max_nodes_per_token is None else (max_nodes_per_token or None)
+    bytes_from = ("the replay's dispatch bytes come from the run's routing (recorded per token, else estimated "
+                  "from its expert counts), deduplicated per receiving rank, whatever the kernel's byte pattern")
+    if limit is not None:
+        notes.append(f"node-limited routing ({limit} nodes per token) is not applied to the replayed traffic: "
+                     f"{bytes_from}; `moetrace cost --max-nodes-per-token` applies it to the model's estimate")
+    else:
+        notes.append(bytes_from)
+    return used, notes
 
 
 def known(hardware: str) -> bool:
@@ -191,6 +226,7 @@ def comm_ns(spec: dict, bytes_intra, bytes_inter) -> tuple[np.ndarray, np.ndarra
     shape = np.broadcast_shapes(intra.shape, inter.shape)
     idle = np.add(intra, inter) <= 0          # receives nothing: no all-to-all time
     c_inter, c_intra = p["eff_rdma"] * hw.rdma_Bps, p["eff_nvl"] * hw.nvlink_Bps
+    c_sm = _sm_Bps(spec, p)
     lat = p["latency_us"] * 1e3
     out = []
     for dtype in (spec["dispatch_dtype"], spec["combine_dtype"]):
@@ -200,7 +236,13 @@ def comm_ns(spec: dict, bytes_intra, bytes_inter) -> tuple[np.ndarray, np.ndarra
         t /= c_inter
         u = np.multiply(intra, scale)
         u /= c_intra
-        np.maximum(t, u, out=t)
+        if c_sm:        # the link and SM times combined as a2a.time_terms: (link^P + sm^P)^(1/P)
+            sm = np.add(inter, intra)
+            sm *= scale / c_sm
+            np.maximum(t, u, out=t)
+            t = np.power(np.power(t, SM_NORM) + np.power(sm, SM_NORM), 1.0 / SM_NORM)
+        else:
+            np.maximum(t, u, out=t)
         t *= 1e9
         np.add(lat, t, out=t)
         t[idle] = 0.0
@@ -218,6 +260,9 @@ def comm_received_ns(spec: dict, received, intra_per_token: float, inter_per_tok
     token = float(spec["token_bytes"])
     scale = sum(message_bytes(int(spec["hidden"]), d) / token for d in (spec["dispatch_dtype"], spec["combine_dtype"]))
     per = max(inter_per_token / (p["eff_rdma"] * hw.rdma_Bps), intra_per_token / (p["eff_nvl"] * hw.nvlink_Bps))
+    c_sm = _sm_Bps(spec, p)
+    if c_sm:                # both terms scale with the tokens received: the P-norm of the per-token times
+        per = (per ** SM_NORM + ((intra_per_token + inter_per_token) / c_sm) ** SM_NORM) ** (1.0 / SM_NORM)
     r = np.asarray(received)
     if not intra_per_token + inter_per_token > 0:      # no bytes per token: nobody has all-to-all time
         return np.zeros(r.shape)
@@ -225,6 +270,12 @@ def comm_received_ns(spec: dict, received, intra_per_token: float, inter_per_tok
     out += 2 * p["latency_us"] * 1e3
     out[r <= 0] = 0.0
     return out
+
+
+def _sm_Bps(spec: dict, p: dict) -> float:
+    """Bytes per second the kernel's SMs move (0: not SM-limited)."""
+    sms = spec.get("sms")
+    return float(sms) * p.get("sm_gbps", 0.0) * 1e9 if sms and p.get("sm_gbps", 0.0) > 0 else 0.0
 
 
 def band(hardware: str, kernel: str = "normal", weight_dtype: str = "fp8") -> tuple[float, str]:
@@ -249,13 +300,14 @@ def validated(hardware: str, kernel: str = "normal", weight_dtype: str = "fp8") 
             and costmodel.band(hardware, kernel)["validated"])
 
 
-def linear_terms(hardware: str, hidden: int, intermediate: int, weight_dtype: str = "fp8") -> dict:
+def linear_terms(hardware: str, hidden: int, intermediate: int, weight_dtype: str = "fp8",
+                 kernel: str = "normal") -> dict:
     """The GPU model's large-batch slopes as the linear model's terms (for display, the
     spans fit's base and weight moves): ns per token-expert at the achieved tensor rate,
     ns per expert read at the achieved HBM rate, the achieved NVLink and NIC bandwidths."""
     hw = gpu(hardware)
     r = costmodel.fitted()["regimes"]
-    gp, ap = r["gemm_grouped"]["params"], costmodel.regime_params("normal")
+    gp, ap = r["gemm_grouped"]["params"], costmodel.regime_params(kernel)
     flops = 2.0 * 3 * hidden * intermediate
     wbytes = 3.0 * hidden * intermediate * {"fp8": 1.0, "bf16": 2.0, "fp4": 0.53125}[weight_dtype]
     return {"a_ns": flops / (gp["eff_compute"] * hw.tensor_flops[weight_dtype if weight_dtype != "fp4" else "fp8"]) * 1e9,

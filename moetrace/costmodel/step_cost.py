@@ -26,7 +26,7 @@ used (:meth:`CostModel.describe`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -62,6 +62,9 @@ class CostModel:
     #: a hardware preset's GPU cost model (:mod:`.gpu_cost`: hardware, hidden, intermediate,
     #: weight dtype, kernel regime, message dtypes); None: the linear terms above time it
     gpu: dict | None = None
+    #: what the replay's answers say about the model's inputs (the all-to-all kernel, its
+    #: SMs, node-limited routing), one line each
+    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -143,28 +146,34 @@ def overlap_ns(work) -> np.ndarray:
 
 
 def preset(name: str, hidden: int | None = None, expert_bytes: int | None = None,
-           moe_intermediate: int | None = None, kernel: str = "normal") -> CostModel:
+           moe_intermediate: int | None = None, kernel: str | None = "normal", sms: int | None = None,
+           max_nodes_per_token: int | None = None) -> CostModel:
     """The GPU cost model of hardware ``name`` (:mod:`moetrace.costmodel`, fitted on
     published kernel measurements) for a model with ``hidden`` and ``expert_bytes`` (FP8
     weights: 3 matrices hidden x intermediate, one byte each), with its measured band.
-    ``a_ns``/``b_ns``/bandwidths are the model's large-batch slopes (display, weight moves)."""
+    ``kernel`` (None: ``normal``), ``sms`` and ``max_nodes_per_token`` as ``moetrace cost``
+    takes them: the kernel chooses the fitted all-to-all efficiencies, its SM limit and
+    band. ``a_ns``/``b_ns``/bandwidths are the model's large-batch slopes (display, weight moves)."""
     key = name.upper()
     if key not in PRESETS:
         raise KeyError(f"unknown hardware preset {name!r} (choose from {', '.join(PRESETS)})")
+    kernel = kernel or "normal"
+    used_sms, notes = gpu_cost.kernel_inputs(key, kernel, sms, max_nodes_per_token)
     hidden = hidden or DEFAULT_HIDDEN
     expert_bytes = expert_bytes or default_expert_bytes(hidden)
     inter = moe_intermediate or max(1, expert_bytes // (3 * hidden))   # FP8: 1 byte per weight
     spec = {"hardware": key, "hidden": int(hidden), "intermediate": int(inter), "weight_dtype": "fp8",
-            "kernel": kernel, "dispatch_dtype": "fp8", "combine_dtype": "bf16",
+            "kernel": kernel, "sms": used_sms, "dispatch_dtype": "fp8", "combine_dtype": "bf16",
             "token_bytes": int(hidden) * DEFAULT_DTYPE_BYTES}
-    lin = gpu_cost.linear_terms(key, int(hidden), int(inter))
+    lin = gpu_cost.linear_terms(key, int(hidden), int(inter), kernel=kernel)
     rel, src = gpu_cost.band(key, kernel)
+    on = f" on {used_sms} SMs" if used_sms else ""
     return CostModel(a_ns=lin["a_ns"], b_ns=lin["b_ns"], nvlink_Bps=lin["nvlink_Bps"],
                      internode_Bps=lin["internode_Bps"],
                      source=f"preset {key}: GPU cost model (moetrace.costmodel: grouped-GEMM roofline with tile "
-                            f"quantization, {kernel} all-to-all); {PRESETS[key]['source']}; hidden {hidden}, "
+                            f"quantization, {kernel} all-to-all{on}); {PRESETS[key]['source']}; hidden {hidden}, "
                             f"expert_bytes {expert_bytes}",
-                     rel_error=rel, rel_error_source=src, gpu=spec)
+                     rel_error=rel, rel_error_source=src, gpu=spec, notes=notes)
 
 
 def fit_expert_time(tokens, touched, duration_ns, base: CostModel) -> CostModel | None:

@@ -33,11 +33,18 @@ The order, first match wins (:data:`RULE_ORDER`):
    or gate range is the gate (``moe_other``), top-k / softmax / permute / gather /
    scatter / finalize kernels under any MoE range are ``moe_other``, and only then is a
    GEMM under an MoE or expert range an ``expert_gemm``;
-5. built-in ``stream`` rules (none ship: stream ids are not portable);
-6. default: ``compute_other``.
+5. shape: a kernel the context rules made an ``expert_gemm`` whose GEMM's output width N
+   equals the number of experts (``Classifier(num_experts=E)``, from ``--experts`` or
+   ``--model-config``; N from the shapes of the op it was launched under, recorded with
+   ``record_shapes=True``) is the router's gate GEMM, ``moe_other``, even with no router
+   range around it. (An expert GEMM whose own width happens to equal E would be taken
+   for the gate: the experts' widths are the hidden and intermediate sizes, which in
+   real models differ from E.)
+6. built-in ``stream`` rules (none ship: stream ids are not portable);
+7. default: ``compute_other``.
 
 :meth:`Classifier.classify_how` also says which step decided (``classified_by``:
-``category``, ``user``, ``name``, ``context``, ``stream``, ``default``).
+``category``, ``user``, ``name``, ``context``, ``shape``, ``stream``, ``default``).
 
 Kinds: ``dispatch``, ``combine``, ``a2a_other`` (notify, barrier of the all-to-all
 library), ``expert_gemm``, ``moe_other`` (the MoE layer's other work: the router's gate
@@ -202,7 +209,7 @@ def normalize_collective(text: str | None) -> str | None:
 
 MATCHES = ("name", "context", "stream")
 #: what decides, in order (first match wins); also the values of ``classified_by``
-RULE_ORDER = ("category", "user", "name", "context", "stream", "default")
+RULE_ORDER = ("category", "user", "name", "context", "shape", "stream", "default")
 
 
 @dataclass(frozen=True)
@@ -298,7 +305,9 @@ class Classifier:
     """Rules (user first, then built-in name, context and stream rules: :data:`RULE_ORDER`)
     with a cache per (name, collective, category, context, stream)."""
 
-    def __init__(self, extra_rules: str | Path | None = None):
+    def __init__(self, extra_rules: str | Path | None = None, num_experts: int | None = None):
+        #: experts per layer: a GEMM of this output width inside an MoE range is the gate
+        self.num_experts = int(num_experts) if num_experts else None
         user = read_rules_file(extra_rules) if extra_rules else []
         builtin = list(builtin_rules())
         fam = {m: [r for r in builtin if r.match == m] for m in MATCHES}
@@ -319,15 +328,20 @@ class Classifier:
         return self.classify_how(name, collective, category)[0]
 
     def classify_how(self, name: str, collective: str | None = None, category: str | None = None,
-                     context: tuple[str, ...] = (), stream: int | str | None = None) -> tuple[str, str]:
+                     context: tuple[str, ...] = (), stream: int | str | None = None,
+                     gemm_n: int | None = None) -> tuple[str, str]:
         """(kind, classified_by) of a kernel; ``context``: the names of the CPU ranges it
-        was launched under (innermost first), ``stream`` its stream id."""
+        was launched under (innermost first), ``stream`` its stream id, ``gemm_n`` the
+        output width of the GEMM op it was launched under (None: unknown)."""
         ctx = context if self.uses_context else ()
         st = (None if stream is None else str(stream)) if self.uses_stream else None
-        key = (name, collective, category, ctx, st)
+        gate = self.num_experts is not None and gemm_n == self.num_experts
+        key = (name, collective, category, ctx, st, gate)
         k = self._cache.get(key)
         if k is None:
             k = self._classify(name, collective, category, ctx, st)
+            if gate and k == ("expert_gemm", "context"):
+                k = ("moe_other", "shape")
             self._cache[key] = k
         return k
 

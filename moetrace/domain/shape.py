@@ -28,12 +28,19 @@ __all__ = ["SHAPE_MAX", "ClusterSpec", "PlanShape", "Shape", "Timing", "check_sh
 class ClusterSpec:
     """The cluster settings a plan, replay, drift or sweep is asked for; None = the run's
     own (its ranks, slots, groups, ranks per node), or derived from the others (``nodes``
-    gives ranks per node = ranks / nodes). ``replicas``: redundant slots per layer."""
+    gives ranks per node = ranks / nodes). ``replicas``: redundant slots per layer.
+
+    The all-to-all a hardware preset times (``moetrace.costmodel.a2a.FAMILIES``): ``kernel``
+    (None: DeepEP V1 ``normal``), the ``sms`` it runs on (None: the kernel's default) and
+    ``max_nodes_per_token`` (node-limited routing; None: the kernel's default, 0: no limit)."""
     ranks: int | None = None
     replicas: int | None = None
     groups: int | None = None
     nodes: int | None = None
     ranks_per_node: int | None = None
+    kernel: str | None = None
+    sms: int | None = None
+    max_nodes_per_token: int | None = None
 
 
 @dataclass

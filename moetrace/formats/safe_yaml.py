@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
-from ..safety import how_to_raise, limit
+from ..safety import how_to_raise, limit, limit_error
 
 
 def _expanded_size(root, cap: int, path) -> int:
@@ -57,7 +57,11 @@ def load(path: str | Path, text: str | None = None):
     path = Path(path)
     try:
         if text is None:
+            if path.stat().st_size > limit("max_yaml_bytes"):
+                raise limit_error(path, "max_yaml_bytes", f"a YAML file of {path.stat().st_size} bytes")
             text = path.read_text(encoding="utf-8")
+        elif len(text) > limit("max_yaml_bytes"):
+            raise limit_error(path, "max_yaml_bytes", f"a YAML document of {len(text)} characters")
         loader = yaml.SafeLoader(text)
         try:
             node = loader.get_single_node()

@@ -131,8 +131,10 @@ def export_plan(plan: Plan, path: str | Path, fmt: str = "sglang") -> Path:
 
 
 def _write(path: Path, text: str) -> Path:
+    from ..output import write_output
+
     try:
-        path.write_text(text)
+        write_output(path, text, "plan file")
     except OSError as e:
         raise InputError(path, f"cannot write: {e.strerror}") from None
     return path

@@ -553,5 +553,7 @@ def run(cfg: RefRunConfig, outdir: str | Path) -> dict:
         "hardware": cpu_name(),
         "files": sorted(p.name for p in out.iterdir()),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest) + "\n")
+    from ..output import write_output
+
+    write_output(out / MANIFEST, json.dumps(manifest) + "\n", "manifest")
     return manifest

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..costmodel import choose
 from ..costmodel import step_cost as costmod
-from ..domain.shape import Shape
+from ..domain.shape import ClusterSpec, Shape
 from ..placement.plan_store import recorded_plan
 from .calibrate import error_band, fit_from_cell_times, run_hardware
 from .calibrated_model import own_trace_model, stored_model
@@ -37,10 +37,12 @@ def fit_cost_from_store(store, run_id: str, base: costmod.CostModel, shape: Shap
                                  df["layer"].to_numpy(), df["rank"].to_numpy(), df["dur"].to_numpy(), base)
 
 
-def cost_model(store, run_id: str, shape: Shape, hardware: str = "H200", fit: bool = True) -> costmod.CostModel:
-    """The preset, or (with ``fit``) the model fitted from the run's expert_gemm spans. The
-    measured error band and the timed-pass fit come on top in :func:`run_cost_model`."""
-    model = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
+def cost_model(store, run_id: str, shape: Shape, hardware: str = "H200", fit: bool = True,
+               cluster: ClusterSpec | None = None) -> costmod.CostModel:
+    """The preset (with ``cluster``'s all-to-all kernel, SMs and node limit), or (with
+    ``fit``) the model fitted from the run's expert_gemm spans. The measured error band and
+    the timed-pass fit come on top in :func:`run_cost_model`."""
+    model = _preset(hardware, shape, cluster)
     if fit:
         model = fit_cost_from_store(store, run_id, model, shape) or model
     return model
@@ -50,18 +52,39 @@ def _cost(store, run_id, shape: Shape, opts) -> costmod.CostModel:
     return opts.cost if opts.cost is not None else cost_model(store, run_id, shape, opts.hardware, opts.fit_cost)
 
 
+def _preset(hardware: str, shape: Shape, cluster: ClusterSpec | None) -> costmod.CostModel:
+    c = cluster or ClusterSpec()
+    return costmod.preset(hardware, shape.hidden, shape.expert_bytes, kernel=c.kernel, sms=c.sms,
+                          max_nodes_per_token=c.max_nodes_per_token)
+
+
+def _kernel_note(cost: costmod.CostModel, cluster: ClusterSpec | None) -> costmod.CostModel:
+    """A model measured on the run (not the preset) times the all-to-all its own way: the
+    kernel options given then only name what they would have chosen, said in a note."""
+    c = cluster or ClusterSpec()
+    given = [f"{o} {v}" for o, v in (("--kernel", c.kernel), ("--sms", c.sms),
+                                      ("--max-nodes-per-token", c.max_nodes_per_token)) if v is not None]
+    if given and cost.gpu is None:
+        cost.notes = [*cost.notes, f"{', '.join(given)}: this replay is timed by the model measured on the run "
+                                   f"({cost.source.split(':')[0]}), not by the hardware preset these options "
+                                   "choose; --no-fit times it with the preset"]
+    return cost
+
+
 def run_cost_model(store, run_id: str, shape: Shape, hardware: str = "H200", fit: bool = True,
-                   cost_model_run: str | None = None) -> costmod.CostModel:
+                   cost_model_run: str | None = None, cluster: ClusterSpec | None = None) -> costmod.CostModel:
     """What the run facade passes in as ``ReplayOptions.cost``: the model ``calibrate``
     stored for this run (or, ``cost_model_run``, for that run) with its held-out band; else
     one fitted in memory on held-out blocks of the run's own trace; else the timed-pass fit
-    of :mod:`.calibrate`, else the spans fit, else the preset, carrying the error band of the newest out-of-sample calibration on the run's hardware."""
+    of :mod:`.calibrate`, else the spans fit, else the preset (with ``cluster``'s all-to-all
+    kernel, SMs and node limit), carrying the error band of the newest out-of-sample
+    calibration on the run's hardware."""
     stored = stored_model(store, run_id, cost_model_run) if (fit or cost_model_run) else None
     if stored is None and fit:
         stored = own_trace_model(store, run_id, hardware)
     if stored is not None:
-        return stored
-    base = costmod.preset(hardware, shape.hidden, shape.expert_bytes)
+        return _kernel_note(stored, cluster)
+    base = _preset(hardware, shape, cluster)
     fitted = (fit_from_cell_times(store, run_id, base) or fit_cost_from_store(store, run_id, base, shape)) if fit else None
     band = error_band(store, run_hardware(store, run_id) if fitted is not None else hardware)
-    return choose.choose(base, fitted, band)
+    return _kernel_note(choose.choose(base, fitted, band), cluster)

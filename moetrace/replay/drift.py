@@ -136,11 +136,13 @@ def drift(store, run_id: str, shape: Shape, policy: str, plan_shape: PlanShape, 
     notes = list(shape.notes) + _time_note(shape, timing) + [
         "drift replay uses aggregated expert_load (per-token routing not used)",
         f"baseline: the recorded placement ({recorded.policy}) on the same {T - window} steps, same cost model",
-        opts.move.describe()]
+        opts.move.describe()] + list(cost.notes)
     if shape.top_k is None:
         notes.append("top_k unknown (ingest with --top-k): no all-to-all bytes or time predicted (expert compute only)")
     elif not (mode == "counts"):
         notes.append("no per-token routing: dispatch bytes estimated")
+    layers_all: list = []   # the three replays' rows, appended as ONE transaction after the loop
+    runs_rows: list = []
     for k, strat in strategies.items():
         tables = {"l": []}
         rid = f"{base_id}-{k}"
@@ -159,6 +161,9 @@ def drift(store, run_id: str, shape: Shape, policy: str, plan_shape: PlanShape, 
                                opts.move, timing, policy)
             params = {"policy": policy, "every": every, "window": window, "max_moves": max_moves,
                       "split": opts.split, "static_window": list(static_window) if static_window else [0, window]}
-            store.append(run_id, {"replay_layer": tables["l"], "replay_runs": _runs_row(res, f"drift-{k}", params)})
+            layers_all += tables["l"]
+            runs_rows.append(_runs_row(res, f"drift-{k}", params))
+    if write:   # all three replays or none: a crash never leaves two of three replay_runs rows
+        store.append(run_id, {"replay_layer": layers_all, "replay_runs": runs_rows})
     return DriftResult(run_id, policy, every, window, max_moves, results, rids, ids[window:], cost, opts.move, timing,
                        rp.unrelabeled_moves if max_moves is None else None, notes)

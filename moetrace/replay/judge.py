@@ -199,7 +199,7 @@ def judge_plan(store, run_id: str, shape: Shape, plan: Plan, opts: ReplayOptions
                       (is_rec and mode == "counts"))
     notes += approximation_notes(blk_probe, opts.split, is_rec and mode == "counts", shape.has_routing,
                                  shape.top_k is not None)
-    notes += judged.notes + list(extra_notes)
+    notes += judged.notes + list(extra_notes) + list(cost.notes)
     if is_rec and "contiguous assumed" in (recorded.policy or ""):
         notes.append("no placement recorded for this run: its own layout is taken as contiguous (slot = expert)")
     if is_rec and mode == "routing":

@@ -157,12 +157,15 @@ def verdict(net_ns: float | None, recorded_ns: float | None, judged_steps: int, 
         return NOT_ENOUGH, "no predicted time per step (the counts aggregate many passes)"
     if judged_steps < min_steps:
         return NOT_ENOUGH, f"only {judged_steps} steps judged (fewer than {min_steps})"
-    band, src = error_band(cost)
+    eb = error_band(cost)
+    band, src = eb
     diff = (net_ns - recorded_ns) / recorded_ns if recorded_ns else 0.0
     d = f"{diff:+.1%}".replace("-", "−")
+    # a band carried over from other GPUs or kernels: said first, and only a difference beyond it decides
+    uv = f", a band {eb.unvalidated()}" if eb.unvalidated() else ""
     if abs(diff) <= band:
-        return NOT_ENOUGH, f"net {d} vs recorded, within the model's ±{band:.0%} error ({src})"
-    return (PAYS_OFF if diff < 0 else DOES_NOT), f"net {d} vs recorded, beyond the model's ±{band:.0%} error ({src})"
+        return NOT_ENOUGH, f"net {d} vs recorded, within the model's ±{band:.0%} error{uv} ({src})"
+    return (PAYS_OFF if diff < 0 else DOES_NOT), f"net {d} vs recorded, beyond the model's ±{band:.0%} error{uv} ({src})"
 
 
 def change_cost(prev: Plan, new: Plan, expert_bytes: int, cost: CostModel, mc: MoveCost) -> tuple[int, int, int, float, float]:

@@ -242,7 +242,7 @@ def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepR
     shape, J, cost, opts = job.shape, job.first, job.opts.cost, job.opts
     T, timing = shape.steps.size, shape.timing(opts.passes)
     band = costmod.error_band(cost)
-    notes = list(shape.notes) + _time_note(shape, timing) + job.described + [
+    notes = list(shape.notes) + _time_note(shape, timing) + job.described + list(cost.notes) + [
         f"every row judged on the same {T - J} steps (from step {int(shape.steps[J])}), after the largest fit window "
         f"{J}; static plans fitted on the `window` steps before them, re-plans on the trailing `window` steps",
         f"baseline: the recorded placement ({job.recorded_policy}) on those steps, same cost model "

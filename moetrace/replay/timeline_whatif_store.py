@@ -365,9 +365,9 @@ def chrome_trace(path, rep: WhatIfReport) -> Path:
     doc = {"traceEvents": ev, "displayTimeUnit": "ns",
            "otherData": {"generator": "moetrace whatif", "assumptions": o.assumptions,
                          "error_band": f"±{100 * rep.rel_error:.0f}% ({rep.rel_error_source})"}}
-    path = Path(path)
-    path.write_text(json.dumps(doc))
-    return path
+    from ..output import write_output
+
+    return write_output(path, json.dumps(doc), "trace")
 
 
 def latest(store, run_id: str):

@@ -65,6 +65,6 @@ def chrome_trace(path, predicted: PredictedSteps, plan_desc: str) -> Path:
             t0 += float(layer_ns[ti, li])
     doc = {"traceEvents": ev, "displayTimeUnit": "ns",
            "otherData": {"generator": "moetrace replay", "plan": plan_desc, "cost_model": cost_source}}
-    path = Path(path)
-    path.write_text(json.dumps(doc))
-    return path
+    from ..output import write_output
+
+    return write_output(path, json.dumps(doc), "trace")

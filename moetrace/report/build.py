@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..analyze import cache as analysis_cache
 from ..analyze import configure, drop_materialized
+from ..output import write_output
 from .base import ReportContext, Section
 
 
@@ -180,35 +181,39 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
         drop_materialized(store.con, cached)
     if md_out:
         report.md_path = out / "report.md"
-        report.md_path.write_text(render_markdown(report))
+        write_output(report.md_path, render_markdown(report), "report")
     if html_out:
         report.html_path = out / "report.html"
-        report.html_path.write_text(render_html(report))
+        write_output(report.html_path, render_html(report), "report")
     return report
 
 
 # ----------------------------------------------------------------------------- markdown
 def render_markdown(report: Report) -> str:
-    parts = [header_lines(report.run, report.run_notes, plain=False), ""]
+    """report.md: every text from the data made inert (:func:`~.base.md_safe`); the
+    anchors this function adds are its own HTML."""
+    from .base import md_safe
+
+    parts = [md_safe(header_lines(report.run, report.run_notes, plain=False)), ""]
     if len(report.sections) > 1:
-        parts.append("Contents: " + " · ".join(f"[{s.title}](#{s.key})" for s in report.sections))
+        parts.append("Contents: " + " · ".join(f"[{md_safe(s.title)}](#{s.key})" for s in report.sections))
         parts.append("")
     for s in report.sections:
         parts.append(f'<a id="{s.key}"></a>')
-        parts.append(f"## {s.title}")
+        parts.append(f"## {md_safe(s.title)}")
         parts.append("")
-        parts.append(s.markdown.rstrip())
+        parts.append(md_safe(s.markdown.rstrip()))
         parts.append("")
         for f in s.figures:
             rel = Path(f.path).name
-            parts.append(f"![{f.caption}]({rel})")
+            parts.append(f"![{md_safe(f.caption)}]({rel})")
             parts.append("")
-            parts.append(f"_{f.caption}_")
+            parts.append(f"_{md_safe(f.caption)}_")
             parts.append("")
         if s.notes:
             parts.append("**Notes**")
             parts.append("")
-            parts.extend(f"- {n}" for n in s.notes)
+            parts.extend(f"- {md_safe(n)}" for n in s.notes)
             parts.append("")
     return "\n".join(parts).rstrip() + "\n"
 
@@ -320,9 +325,11 @@ def _cells(row: str) -> list[str]:
     row = row.strip()
     if row.startswith("|"):
         row = row[1:]
-    if row.endswith("|"):
+    if row.endswith("|") and not row.endswith("\\|"):
         row = row[:-1]
-    return [c.strip() for c in row.split("|")]
+    # a cell's own "|" is written "\|" (base.md_table)
+    return [c.strip().replace("\x00", "|").replace("\x01", "\\")
+            for c in row.replace("\\\\", "\x01").replace("\\|", "\x00").split("|")]
 
 
 def _table(rows: list[str]) -> str:

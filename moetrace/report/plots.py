@@ -46,9 +46,19 @@ def save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _savefig(fig, path)
     return path
+
+
+def _savefig(fig, path: Path) -> None:
+    """Save and close ``fig`` through AtomicOutput (no write through a link at ``path``)."""
+    from ..output import AtomicOutput
+
+    try:
+        with AtomicOutput(path, "plot") as out:
+            fig.savefig(out.tmp, dpi=DPI)
+    finally:
+        plt.close(fig)
 
 
 def _apply_style(ax):
@@ -446,8 +456,7 @@ def decision(rows, path):
         place_labels(ax, [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], [p[3] for p in pts])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _savefig(fig, path)
     return path
 
 

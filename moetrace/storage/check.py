@@ -17,21 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
-_SAFE_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-_TXID_RE = re.compile(r"[0-9a-f]{12}")
-
-
-@dataclass(frozen=True)
-class Problem:
-    file: str
-    what: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.what}"
+from .files import LimitReached, Problem, footer_problem, marker_problem, walk
+from .paths import _TXID_RE, STORE_MARKER
 
 
 def _schema_problem(table: str, names: list[str], types: list, contract) -> str | None:
@@ -114,12 +103,12 @@ def _footer_columns(con, files) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def _quick_footers(root: Path, tables, con=None, cache: dict | None = None) -> set[Path]:
-    """The store's data files whose footers DuckDB reads and finds plainly right for their
-    table (one query over every footer, no pyarrow: a reader's start-up). A file
-    left out is not wrong: :func:`_check_file` reads it with pyarrow, which decides (and
-    names the problem); a footer DuckDB cannot read leaves every file to pyarrow."""
-    files = {f: t for t in tables for f in (root / t).glob("run_id=*/*.parquet")}
+def _quick_footers(files: dict[Path, str], tables, con=None, cache: dict | None = None) -> set[Path]:
+    """The store's data files ``files`` ({path: table}) whose footers DuckDB reads and finds
+    plainly right for their table (one query over every footer, no pyarrow: a reader's
+    start-up). A file left out is not wrong: :func:`_check_file` reads it with pyarrow,
+    which decides (and names the problem); a footer DuckDB cannot read leaves every file
+    to pyarrow."""
     if not files:
         return set()
     try:
@@ -149,18 +138,12 @@ def _quick_footers(root: Path, tables, con=None, cache: dict | None = None) -> s
 
 
 def _check_file(table: str, f: Path, contract, deep: bool, trusted: set[Path] | frozenset[Path] = frozenset()) -> str | None:
-    if f.is_symlink():
-        return "is a symlink; a store holds its own files only"
-    if not f.is_file():
-        return "is not a regular file (a folder or a device where a Parquet file is expected)"
-    try:
-        if f.stat().st_size < 12:
-            return f"is {f.stat().st_size} bytes, too short for a Parquet file (truncated)"
-    except OSError as e:
-        msg = " ".join(str(e).split())[:160] or type(e).__name__
-        return f"not a readable Parquet file (truncated or corrupt): {msg}"
-    if f in trusted and not deep:
-        return None
+    """Why the listed store file ``f`` cannot be read, else None: its size and footer
+    length first (:func:`.files.footer_problem`, from its last bytes), then its schema
+    (``trusted``: DuckDB found it right), ``deep``: every page."""
+    why = footer_problem(f)
+    if why or (f in trusted and not deep):
+        return why
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -181,83 +164,151 @@ def _check_file(table: str, f: Path, contract, deep: bool, trusted: set[Path] | 
 
 def scan(store: str | os.PathLike, deep: bool = False, quick: bool = False, con=None,
          cache: dict | None = None) -> list[Problem]:
-    """Every file of the store that a reader cannot read, in path order. ``quick``: the
-    footers DuckDB finds plainly right are not read again by pyarrow (:func:`_quick_footers`,
-    on the DuckDB connection ``con`` when given)."""
+    """Every thing in the store a reader cannot read, in path order: the marker, entries
+    that are not regular files in real folders (:func:`.files.walk`), more files or
+    partitions than the limits allow, unreadable files, ``runs`` rows whose values cannot
+    size anything and dense lists longer than their run's experts (:func:`content_problems`),
+    partitions without a runs row, and journals a writer would refuse. ``quick``: the
+    footers DuckDB finds plainly right are not read again by pyarrow
+    (:func:`_quick_footers`, on the DuckDB connection ``con`` when given)."""
     from . import schema
 
     root = Path(store)
     out: list[Problem] = []
+    why = marker_problem(root)
+    if why:
+        out.append(Problem(str(root / STORE_MARKER), why))
     tables = schema.load_all()
-    trusted = _quick_footers(root, tables, con, cache) if quick and not deep else set()
-    committed = set()
-    runs_dir = root / "runs"
-    for table in sorted(tables, key=lambda t: t != "runs"):
-        d = root / table
-        if not (d.exists() or d.is_symlink()):
-            continue
-        if not d.is_dir():
-            out.append(Problem(str(d), f"is a file where the folder of table {table!r} is expected"))
-            continue
-        for part in sorted(d.iterdir()):
-            if part.name.startswith("."):
-                continue
-            if not part.is_dir():
-                out.append(Problem(str(part), f"is a file where a partition folder run_id=<id> of table {table!r} "
-                                              "is expected"))
-                continue
-            if not part.name.startswith("run_id=") or not _SAFE_ID_RE.fullmatch(part.name[7:]):
-                out.append(Problem(str(part), "partition folder name is not run_id=<id> (letters, digits, . _ -)"))
-                continue
-            if table == "runs":
-                committed.add(part.name[7:])
-            elif runs_dir.is_dir() and part.name[7:] not in committed:
-                out.append(Problem(str(part), "has no runs row: an uncommitted or orphaned write, hidden from "
-                                              "every view (a crashed writer's journal, if any, is rolled back at "
-                                              "the next write)"))
-            for f in sorted(part.iterdir()):
-                if not f.name.endswith(".parquet"):
-                    continue
-                why = _check_file(table, f, tables[table], deep, trusted)
-                if why:
-                    out.append(Problem(str(f), why))
-    out += _journal_problems(root)
+    try:
+        listing = walk(root)
+    except LimitReached as e:
+        return out + [e.problem]
+    out += listing.problems
+    committed = set(listing.files.get("runs", {}))
+    has_runs = (root / "runs").is_dir()
+    files = {}
+    for table in sorted(listing.files, key=lambda t: t != "runs"):
+        for run, names in sorted(listing.files[table].items()):
+            if table != "runs" and has_runs and run not in committed:
+                out.append(Problem(str(root / table / f"run_id={run}"),
+                                   "has no runs row: an uncommitted or orphaned write, hidden from every view (a "
+                                   "crashed writer's journal, if any, is rolled back at the next write)"))
+            files.update({root / table / f"run_id={run}" / n: table for n in names})
+    trusted = _quick_footers(files, tables, con, cache) if quick and not deep else set()
+    readable: dict[Path, str] = {}
+    for f, table in files.items():
+        why = _check_file(table, f, tables[table], deep, trusted)
+        if why:
+            out.append(Problem(str(f), why))
+        else:
+            readable[f] = table
+    out += content_problems(readable, con)
+    out += _journal_problems(root, listing)
+    return sorted(out, key=lambda p: p.file)
+
+
+def content_problems(files: dict[Path, str], con=None) -> list[Problem]:
+    """What the footers of readable store files ``files`` ({path: table}) say a reader
+    must not use, before any value sizes an array: a ``runs`` file holds exactly one row
+    (a run's row), whose numbers are within their physical range and consistent
+    (:func:`moetrace.domain.run_bounds.runs_row_problem`); a dense ``expert_counts`` file
+    holds at most its rows x the run's experts list values (2^24 when unknown), so no list
+    is longer than a layer has experts."""
+    from ..domain.run_bounds import SHAPE_MAX, runs_row_problem
+    from ..safety import sql_literal
+    from .duck import duckdb
+
+    runs = [f for f, t in files.items() if t == "runs"]
+    dense = [f for f, t in files.items() if t == "expert_counts"]
+    if not runs and not dense:
+        return []
+    own = con is None
+    if own:
+        from .duck import connect, threads_setting
+
+        con = connect(threads_setting())
+    out: list[Problem] = []
+    experts: dict[str, int | None] = {}
+    try:
+        def listed(fs):
+            return "[" + ", ".join(sql_literal(f) for f in fs) + "]"
+
+        if runs:
+            nrows = dict(con.execute(f"SELECT file_name, num_rows FROM parquet_file_metadata({listed(runs)})")
+                         .fetchall())
+            one = [f for f in runs if nrows.get(str(f)) == 1]
+            out += [Problem(str(f), f"a runs file holds {nrows.get(str(f))} rows; a run's file holds its one row")
+                    for f in runs if f not in one]
+            if one:
+                cur = con.execute(f"SELECT * FROM read_parquet({listed(one)}, filename=true, union_by_name=true)")
+                names = [d[0] for d in cur.description]
+                for row in cur.fetchall():
+                    rec = dict(zip(names, row))
+                    why = runs_row_problem(rec)
+                    f = Path(rec["filename"])
+                    if why:
+                        out.append(Problem(str(f), f"runs row: {why}; a reader would size arrays by it"))
+                    else:
+                        experts[f.parent.name[7:]] = rec.get("num_experts")
+        if dense:
+            got = con.execute(
+                "WITH m AS (SELECT file_name, column_id, num_values, path_in_schema, row_group_id, "
+                f"row_group_num_rows FROM parquet_metadata({listed(dense)}) WHERE starts_with(path_in_schema, "
+                "'tokens')) SELECT file_name, path_in_schema, sum(num_values), sum(row_group_num_rows) FROM m "
+                "GROUP BY ALL").fetchall()
+            for name, col, values, rows in got:
+                f = Path(name)
+                e = experts.get(f.parent.name[7:]) or SHAPE_MAX
+                if values is not None and rows is not None and int(values) > int(rows) * e:
+                    out.append(Problem(name, f"expert_counts.{col.split(',')[0]} holds {int(values)} values in "
+                                             f"{int(rows)} rows, more than {e} per row (the run's experts)"))
+    except duckdb.Error as e:
+        out.append(Problem(str((runs or dense)[0].parent.parent.parent),
+                           f"cannot read the footers ({' '.join(str(e).split())[:160]})"))
+    finally:
+        if own:
+            con.close()
     return out
 
 
-def _journal_problems(root: Path) -> list[Problem]:
+def _journal_problems(root: Path, listing) -> list[Problem]:
+    """The transaction folders and journals a writer would refuse (:meth:`.Writer.journals`:
+    malformed, or naming a transaction the store holds committed), each one line."""
+    from .writer import _journal_problem, journal_conflict
+
     out = []
-    for name in (".txn", ".staging"):
+    for name in (".txn", ".staging", ".lock"):
         d = root / name
         if d.is_symlink():
             out.append(Problem(str(d), "is a symlink; refused by every writer"))
-        elif d.exists() and not d.is_dir():
+        elif name != ".lock" and d.exists() and not d.is_dir():
             out.append(Problem(str(d), "is a file where moetrace's transaction folder is expected"))
     txn = root / ".txn"
-    if txn.is_dir() and not txn.is_symlink():
-        for j in sorted(txn.iterdir()):
-            if not (j.name.endswith(".json") and _TXID_RE.fullmatch(j.name[:-5])):
-                continue
-            if j.is_symlink() or not j.is_file():
-                out.append(Problem(str(j), "journal is not a regular file"))
-                continue
-            try:
-                doc = json.loads(j.read_bytes()[: 64 << 20])
-            except (OSError, ValueError, RecursionError):
-                doc = None
-            if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
-                out.append(Problem(str(j), "malformed journal (not {\"files\": [...], \"commit_file\": ...})"))
-                continue
-            for rel in doc["files"]:
-                if not isinstance(rel, str):
-                    out.append(Problem(str(j), "malformed journal (an entry is not a path)"))
+    if not txn.is_dir() or txn.is_symlink():
+        return out
+    in_store = listing.rel()
+    for j in sorted(txn.iterdir()):
+        if not (j.name.endswith(".json") and _TXID_RE.fullmatch(j.name[:-5])):
+            continue
+        if j.is_symlink() or not j.is_file():
+            out.append(Problem(str(j), "journal is not a regular file"))
+            continue
+        try:
+            raw = j.read_bytes() if j.stat().st_size < (64 << 20) else b""
+            doc = json.loads(raw)
+        except (OSError, ValueError, RecursionError):
+            doc = None
+        why = _journal_problem(doc, j.name[:-5]) or journal_conflict(j.name[:-5], doc, in_store)
+        if why:
+            out.append(Problem(str(j), f"malformed journal ({why}); every writer refuses it"))
+            continue
+        for rel in doc["files"]:
+            parts = rel.split("/")
+            for k in range(1, len(parts)):
+                p = root.joinpath(*parts[:k])
+                if p.exists() and not p.is_dir():
+                    out.append(Problem(str(j), f"entry {rel[:80]!r}: {p} is a file where a folder is expected"))
                     break
-                parts = rel.split("/")
-                for k in range(1, len(parts)):
-                    p = root.joinpath(*parts[:k])
-                    if p.exists() and not p.is_dir():
-                        out.append(Problem(str(j), f"entry {rel[:80]!r}: {p} is a file where a folder is expected"))
-                        break
     return out
 
 
@@ -267,10 +318,29 @@ def first_problem(store: str | os.PathLike, con=None, cache: dict | None = None)
     root = Path(store)
     for p in scan(store, deep=False, quick=True, con=con, cache=cache):
         if "has no runs row" in p.what or Path(p.file).parent.name in (".txn", ".staging") \
-                or Path(p.file) in (root / ".txn", root / ".staging"):
-            continue   # journals are the writers' business (Store.journals refuses a bad one)
-        return p
+                or Path(p.file) in (root / ".txn", root / ".staging", root / ".lock", root / STORE_MARKER):
+            continue   # journals are the writers' business (a writer refuses a bad one, readers ignore
+        return p       # it); the marker is checked when the store is opened (an empty folder has none)
     return None
+
+
+def check_new_files(store: str | os.PathLike, rel_files: list[str], con=None) -> None:
+    """Raise StoreError (one line naming the file) when one of the data files ``rel_files``
+    (relative to the store, listed by :func:`.files.walk`) committed after the store was
+    checked has a footer or values a reader must not use (:func:`.files.footer_problem`,
+    :func:`content_problems`)."""
+    from ..errors import StoreError
+
+    root = Path(store)
+    ok: dict[Path, str] = {}
+    for rel in rel_files:
+        f = root / rel
+        why = footer_problem(f)
+        if why:
+            raise StoreError(f"{f}: {why}; `moetrace check {store}` lists every such file")
+        ok[f] = rel.split("/", 1)[0]
+    for p in content_problems(ok, con):
+        raise StoreError(f"{p}; `moetrace check {store}` lists every such file")
 
 
 def check_readable(store: str | os.PathLike, con=None, cache: dict | None = None) -> None:

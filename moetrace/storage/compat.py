@@ -49,7 +49,9 @@ def files_lacking(path: Path, table: str, column: str, scratch: Callable[[], duc
     """(files of ``table`` whose footer lacks ``column``, files of ``table``); a file
     whose footer cannot be read counts as lacking it (the view then coalesces, which
     is right either way)."""
-    files = list((path / table).glob("*/*.parquet"))  # what the view reads (paths.table_glob)
+    from .files import walk
+
+    files = walk(path, [table]).paths(table)  # what the view reads
     if not files:
         return 0, 0
     from .check import footer_columns
@@ -93,7 +95,9 @@ def file_versions(path: Path, table: str) -> set[str]:
     import pyarrow.parquet as pq
 
     out = set()
-    for f in (path / table).glob("run_id=*/*.parquet"):
+    from .files import walk
+
+    for f in walk(path, [table]).paths(table):
         try:
             meta = pq.read_schema(f).metadata or {}
         except (OSError, pa.ArrowException):

@@ -187,8 +187,9 @@ def dense_chunks(chunks: Iterable[pa.Table], num_experts: int) -> Iterator[pa.Ta
 # ----------------------------------------------------------------------------- reading
 def run_files(store, table: str, run_id: str) -> list[Path]:
     """The Parquet files of ``table`` in the partition of ``run_id``, in name order."""
-    d = Path(store.path) / table / f"run_id={run_id}"
-    return sorted(d.glob("*.parquet")) if d.is_dir() else []
+    from .files import walk
+
+    return walk(Path(store.path), [table]).paths(table, run_id)
 
 
 def row_group_steps(pf) -> list[tuple[int, int] | None]:

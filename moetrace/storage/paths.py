@@ -54,21 +54,6 @@ def table_glob(store: Path, table: str, relative: bool = False) -> str:
     return str(base / "*" / "*.parquet")
 
 
-def has_files(store: Path, table: str) -> bool:
-    """Whether ``table`` holds any file in the store at ``store``."""
-    d = store / table
-    return d.is_dir() and any(d.glob("run_id=*/*.parquet"))
-
-
-def run_ids(store: Path) -> list[str]:
-    """The ids of the runs of the store at ``store`` (a ``runs`` partition holding a file:
-    its ``runs`` row is renamed into place last), sorted."""
-    d = store / "runs"
-    if not d.is_dir():
-        return []
-    return sorted(p.name.split("=", 1)[1] for p in d.glob("run_id=*") if any(p.glob("*.parquet")))
-
-
 def sanitize_run_id(text: str) -> str:
     rid = _RUN_ID_RE.sub("_", text).strip("._-")
     return rid[:RUN_ID_MAX].rstrip("._-") or "run"

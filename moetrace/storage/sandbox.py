@@ -37,14 +37,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreError, UsageError
+from ..errors import StoreError, UsageError, shown
+from ..safety import heap_cap, size_bytes, sql_literal
 from ..safety import memory_limit as checked_size
-from ..safety import sql_literal
 
 #: DuckDB's memory cap for ``moetrace sql`` (``--memory-limit`` or MOETRACE_SQL_MEMORY_LIMIT)
 DEFAULT_MEMORY = "1GiB"
 #: cap on what DuckDB spills to its private temporary folder (MOETRACE_SQL_TEMP_LIMIT)
 DEFAULT_TEMP = "4GiB"
+#: how far the process's heap may grow while a query runs, as a multiple of its memory limit
+HEAP_FACTOR = 1.5
 #: rows per streamed Arrow batch
 BATCH_ROWS = 65536
 
@@ -194,7 +196,12 @@ class _Sink:
             store = Path(os.path.realpath(store_path))
             if real == store or store in real.parents:
                 raise UsageError(f"-o {output}: the file is inside the store {store_path}; write it elsewhere")
-            self._tmp = p.with_name(f".{p.name}.moetrace-tmp")
+            from ..output import AtomicOutput
+
+            # written in a private folder beside the target, renamed over it: no guessable
+            # temporary name another user could plant a symlink at
+            self._out = AtomicOutput(p)
+            self._tmp = self._out.tmp
 
     def add(self, batch) -> None:
         import polars as pl
@@ -219,7 +226,7 @@ class _Sink:
         assert self.output is not None
         if Path(self.output).suffix == ".csv":
             if self._fh is None:
-                self._fh = open(self._tmp, "wb")
+                self._fh = self._out.open("wb")
             df.write_csv(self._fh, include_header=self._first)
             return
         import pyarrow.parquet as pq
@@ -272,12 +279,10 @@ class _Sink:
             self._fh.close()
         if self.output:
             if not ok:
-                Path(self._tmp).unlink(missing_ok=True)
+                self._out.abort()
                 return
-            if self._writer is None and self._fh is None:   # no batch at all: an empty file with no columns
-                open(self._tmp, "wb").close()
-            os.replace(self._tmp, self.output)
-            click.echo(f"wrote {self.rows} rows to {self.output}", err=True)
+            self._out.commit()   # no batch at all: an empty file with no columns
+            click.echo(f"wrote {self.rows} rows to {shown(self.output)}", err=True)
             return
         if not ok:
             return
@@ -322,7 +327,8 @@ def run_streamed(con, query: str, *, fmt: str, output: str | None, store_path, p
                     raise UsageError(f"sql: refused by the sandbox: {msg} (read other Parquet files with "
                                      f"--allow-path DIR; --unsafe lifts the sandbox)") from None
                 if isinstance(e, duckdb.OutOfMemoryException) or "Out of Memory" in msg:
-                    raise UsageError(f"sql: the query needs more memory than --memory-limit allows: {msg}") from None
+                    raise UsageError(f"sql: the query needs more memory than --memory-limit allows: "
+                                     f"{msg.split(' Possible solutions')[0]}") from None
                 raise StoreError(f"SQL error: {msg}") from None
         ok = True
     finally:
@@ -339,15 +345,23 @@ def run_query(store, query: str, *, fmt: str, output: str | None, pretty: bool =
     elif allow:
         raise UsageError("--allow-path is for the sandbox; --unsafe already reads any file")
     tmp = tempfile.mkdtemp(prefix="moetrace-sql-")
+    limit = _size(memory_limit, "--memory-limit") if memory_limit else default_memory_limit()
     try:
-        con = store.connect(memory_limit=memory_limit)
+        con = store.connect(memory_limit=limit)
         try:
             if unsafe:
                 con.execute(f"SET temp_directory={sql_literal(tmp)}")
             else:
-                sandbox(con, store.path, list(allow), memory_limit=memory_limit, temp_dir=tmp)
-            return run_streamed(con, query, fmt=fmt, output=output, store_path=store.path, pretty=pretty,
-                                timeout=timeout)
+                sandbox(con, store.path, list(allow), memory_limit=limit, temp_dir=tmp)
+            # DuckDB's limit covers its buffer manager, not every string it builds: the
+            # process's heap may grow by HEAP_FACTOR x the limit while the query runs
+            with heap_cap(int(HEAP_FACTOR * size_bytes(limit))):
+                try:
+                    return run_streamed(con, query, fmt=fmt, output=output, store_path=store.path, pretty=pretty,
+                                        timeout=timeout)
+                except MemoryError:
+                    raise UsageError(f"sql: the query needs more memory than --memory-limit {limit} allows "
+                                     f"(the process may use {HEAP_FACTOR:g} x the limit)") from None
         finally:
             con.close()
     finally:

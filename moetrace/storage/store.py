@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
 from ..safety import sql_identifier, sql_literal
-from ..version import __version__
 from . import schema
 from .compat import file_versions, missing_column
-from .paths import STORE_FORMAT, STORE_MARKER, check_store_path, has_files, run_ids, table_glob
+from .files import has_files, run_ids, walk
+from .paths import STORE_MARKER, check_store_path, table_glob
 from .views import LazyViews, TableViews
 from .writer import Journal, Writer, WriteResult
 
@@ -106,11 +106,12 @@ class Store:
         self._footers: dict[str, Any] = {}    # check.footer_columns' cache: each footer read once per Store
         self._views_files: dict[str, tuple[str, ...]] | None = None
         self._readable = False
+        self._checked: set[str] = set()   # files (relative paths) checked before a view read them
         check_store_path(self.path)
         self.writer = Writer(self.path)
         self._views = TableViews(self.path, self._scratch, self._footers)
         marker = self.path / STORE_MARKER
-        if not marker.exists():
+        if not (marker.exists() or marker.is_symlink()):
             if not create:
                 if not self.path.exists():
                     raise StoreError(f"{self.path}: no such store")
@@ -127,26 +128,13 @@ class Store:
 
     def _check_format(self, marker: Path) -> None:
         """The marker names the store format: a store of a newer format (or a marker that
-        is not one) is refused with one line before anything reads its tables."""
-        import json
+        is not one: a FIFO, a symlink, a huge file) is refused with one line before anything
+        reads its tables (:func:`.files.marker_problem`)."""
+        from .files import marker_problem
 
-        try:
-            raw = b""
-            if marker.is_file():  # not a FIFO or device; a few KiB at most are read
-                with open(marker, "rb") as f:
-                    raw = f.read(1 << 16)
-            doc = json.loads(raw)
-            fmt = doc["moetrace_store_format"]
-            ok = isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= 1
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            ok, doc, fmt = False, None, None
-        if not ok:
-            raise StoreError(f"{marker}: not a moetrace store marker (expected JSON with an integer "
-                             f"moetrace_store_format); nothing was read")
-        if fmt > STORE_FORMAT:
-            by = str(doc.get("created_by", "a newer moetrace"))[:40]
-            raise StoreError(f"{self.path}: store format {fmt} (written by moetrace {by}); this moetrace "
-                             f"({__version__}) reads format {STORE_FORMAT} or older: upgrade moetrace to read it")
+        why = marker_problem(self.path)
+        if why:
+            raise StoreError(f"{marker}: {why}; nothing was read")
 
     # ------------------------------------------------------------------ writing (the writer's)
     def write_run(self, run: dict[str, Any], tables: dict[str, object], *, run_id: str | None = None,
@@ -214,6 +202,7 @@ class Store:
         return table_glob(self.path, table, relative)
 
     def has_files(self, table: str) -> bool:
+        self.check_readable()
         return has_files(self.path, table)
 
     def file_versions(self, table: str) -> set[str]:
@@ -233,6 +222,7 @@ class Store:
         remembering which files the store's own connection's views read."""
         if files is None:
             files = self.committed_files()
+        self._check_new(files, con)
         # the files the store's own connection's views read (a plain connection set by the
         # caller included: else refresh() would define every view again at every access)
         if self._con is None or con is self._con or con is getattr(self._con, "raw", None):
@@ -277,8 +267,23 @@ class Store:
         if not self._readable:
             from .check import check_readable
 
+            listed = set(walk(self.path).rel())
             check_readable(self.path, con if con is not None else self._scratch(), self._footers)
             self._readable = True
+            self._checked = listed
+
+    def _check_new(self, files: dict[str, tuple[str, ...]], con: Any) -> None:
+        """Files committed since :meth:`check_readable` ran (another writer's) are checked
+        before a view reads them: their footers' size and, for ``runs`` and
+        ``expert_counts``, the values that size arrays (:func:`.check.check_new_files`)."""
+        if not self._readable:
+            return
+        new = [f for fs in files.values() for f in fs if f not in self._checked]
+        if new:
+            from .check import check_new_files
+
+            check_new_files(self.path, new, con)
+            self._checked.update(new)
 
     def _scratch(self) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection for reads that need no view (footers, the runs files): the
@@ -403,8 +408,8 @@ class Store:
         from .duck import duckdb
 
         cols = schema.get("runs").columns
-        files = [f for part in sorted((self.path / "runs").glob("run_id=*")) for f in sorted(part.glob("*.parquet"))]
         self.check_readable()
+        files = walk(self.path, ["runs"]).paths("runs")
         if not files:
             return Rows([c.name for c in cols], [schema.DUCK_TYPES[c.type] for c in cols], [])
         con = self._scratch()
@@ -435,12 +440,10 @@ class Store:
         per list element, from the footers)."""
         from .duck import duckdb
 
-        parts = []
-        for t in (schema.load_all() if tables is None else tables):
-            d = self.path / t
-            if d.is_dir():
-                found = d.glob("run_id=*") if run_id is None else [p for p in [d / f"run_id={run_id}"] if p.is_dir()]
-                parts += [(p.name.split("=", 1)[1], t, list(p.glob("*.parquet"))) for p in found]
+        listing = walk(self.path, tables)
+        parts = [(run, t, [self.path / t / f"run_id={run}" / n for n in names])
+                 for t, by_run in listing.files.items() for run, names in sorted(by_run.items())
+                 if run_id is None or run == run_id]
         files = [str(f) for _, _, fs in parts for f in fs]
         dense = [str(f) for _, t, fs in parts if t == "expert_counts" for f in fs] if dense_as_expert_load else []
         nrows: dict[str, int] = {}
@@ -472,6 +475,7 @@ class Store:
         return out
 
     def run_ids(self) -> list[str]:
+        self.check_readable()   # a store a reader cannot read lists no runs: it is refused
         return run_ids(self.path)
 
     def run_row(self, run_id: str) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from ..safety import sql_identifier, sql_literal
 from ..version import __version__
 from . import schema
 from .compat import column_sql
-from .paths import has_files, table_glob
+from .files import has_files
+from .paths import table_glob
 
 if TYPE_CHECKING:
     import duckdb

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 from ..errors import SchemaError, StoreError
 from ..version import __version__
 from . import schema
+from .files import run_ids, walk
 from .paths import (
     _SAFE_ID_RE,
     _TXID_RE,
     RUN_ID_MAX,
     STORE_FORMAT,
     STORE_MARKER,
-    run_ids,
     sanitize_run_id,
 )
 
@@ -91,6 +91,31 @@ def _journal_problem(doc: Any, txid: str) -> str | None:
             return f"entry {f[:100]!r} is not <table>/run_id=<id>/part-{txid}.parquet"
     if commit is not None and commit not in files:
         return "commit_file is not one of its files"
+    # a writer lists its files in rename order and renames the commit file last: the runs
+    # row of a new run, else the header row of an append (Writer.HEADER_TABLES)
+    if commit is not None and commit != files[-1]:
+        return "commit_file is not its last file (a writer renames its commit file last)"
+    tables = [f.split("/")[0] for f in files]
+    for first in ("runs", *Writer.HEADER_TABLES):
+        if first in tables:
+            if commit is None or commit.split("/")[0] != first:
+                return f"it lists a {first} file that is not its commit file (a writer commits with that file)"
+            break
+    return None
+
+
+def journal_conflict(txid: str, doc: Journal, in_store: Iterable[str]) -> str | None:
+    """Why the journal ``doc`` of ``txid`` cannot be a crashed write, given the store's data
+    files ``in_store`` (paths relative to the store), else None. A writer puts its journal,
+    listing every file its transaction renames, in place before the first rename: a file
+    of ``txid`` in the store that the journal does not list belongs to a transaction that
+    committed without it (a planted or stale journal), and rolling the journal back would
+    remove part of a committed transaction."""
+    listed = set(doc["files"])
+    extra = sorted(f for f in in_store if _txid_of(f) == txid and f not in listed)
+    if extra:
+        return (f"it does not list {extra[0][:100]!r}, a file of its transaction in the store: that "
+                f"transaction was committed without this journal")
     return None
 
 
@@ -213,6 +238,13 @@ class Writer:
                 raise StoreError(f"{j}: malformed journal ({why}); nothing was changed; a moetrace "
                                  f"writer never writes this, remove the file after checking the store")
             out[txid] = doc
+        if out:
+            in_store = walk(self.path).rel()
+            for txid, doc in out.items():
+                why = journal_conflict(txid, doc, in_store)
+                if why:
+                    raise StoreError(f"{txn_dir / (txid + '.json')}: refused journal ({why}); nothing was "
+                                     f"changed; remove the file after checking the store")
         return out
 
     def _safe_unlink(self, rel: str) -> None:
@@ -284,25 +316,16 @@ class Writer:
 
     # ------------------------------------------------------------------ what readers see
     def _scan_files(self) -> dict[str, list[str]]:
-        """{table: [files]} of every contract table, paths relative to the store."""
-        out: dict[str, list[str]] = {}
-        for table in schema.load_all():
-            files: list[str] = []
-            with contextlib.suppress(OSError):
-                with os.scandir(self.path / table) as parts:
-                    for part in parts:
-                        if not part.name.startswith("run_id=") or not part.is_dir(follow_symlinks=False):
-                            continue
-                        with contextlib.suppress(OSError), os.scandir(part.path) as fs:
-                            files += [f"{table}/{part.name}/{f.name}" for f in fs if f.name.endswith(".parquet")]
-            if files:
-                out[table] = sorted(files)
-        return out
+        """{table: [files]} of every contract table, paths relative to the store: regular
+        files in real folders only (:func:`.files.walk`)."""
+        listing = walk(self.path)
+        return {t: listing.rel(t) for t in listing.files if listing.rel(t)}
 
     def _reader_journals(self) -> dict[str, tuple[list[str], str | None]]:
         """Pending journals as a reader sees them: {txid: (files, commit_file)}. A reader
-        never refuses or removes: a journal it cannot parse counts as an uncommitted
-        transaction with no known files (its txid's files are hidden)."""
+        never refuses or removes: a journal no writer writes (one it cannot parse, or that
+        breaks a writer's rules) is no pending write and is ignored (writers refuse it).
+        A writer renames a whole journal into place, so a reader never meets half of one."""
         out: dict[str, tuple[list[str], str | None]] = {}
         txn_dir = self.path / ".txn"
         if txn_dir.is_symlink() or not txn_dir.is_dir():
@@ -315,9 +338,7 @@ class Writer:
                 with contextlib.suppress(OSError, ValueError, RecursionError):
                     if j.is_file(follow_symlinks=False) and j.stat().st_size < (64 << 20):
                         doc = json.loads(Path(j.path).read_bytes())
-                if _journal_problem(doc, txid) or doc is None:
-                    out[txid] = ([], None)
-                else:
+                if doc is not None and not _journal_problem(doc, txid):
                     out[txid] = (doc["files"], doc["commit_file"])
         return out
 
@@ -334,6 +355,11 @@ class Writer:
         query. Files whose name carries no transaction id are always visible."""
         first = self._scan_files()
         pending = self._reader_journals()
+        # a journal naming a transaction the store holds committed (files of it it does not
+        # list) is no pending write: readers read that transaction, writers refuse the journal
+        listed = [f for fs in first.values() for f in fs]
+        pending = {x: (fs, c) for x, (fs, c) in pending.items()
+                   if not journal_conflict(x, {"files": fs, "commit_file": c}, listed)}
         committed = {x: files for x, (files, commit) in pending.items()
                      if commit and (self.path / commit).is_file()}
         last = self._scan_files()
