@@ -8,6 +8,8 @@ slot per rank, DeepSeek-V3 on 320 GPUs), one hour at 20 steps per second = 72,00
     python benchmarks/bench_fleet.py --size full
     python benchmarks/bench_fleet.py --size full --fraction 0.1   # 7,200 steps, extrapolated
     python benchmarks/bench_fleet.py --size medium   # the full shape, 2,400 steps (profiling, before/after)
+    python benchmarks/bench_fleet.py --size full --span day --fraction 0.0002 --engine spark
+        # a fleet-day's shape, 346 steps measured, the first report on Spark, extrapolated to the day
 
 Stages, each in a fresh process so its peak RSS is its own:
 
@@ -33,7 +35,11 @@ Stages, each in a fresh process so its peak RSS is its own:
 
 With ``--fraction f`` (or ``MOETRACE_FLEET_FRACTION``) only ``f × 72,000`` steps are
 generated; every time is then also given extrapolated linearly to the full run, and the
-result notes say so. ``--size medium`` (2,400 steps of the full shape) is extrapolated the
+result notes say so (EXTRAPOLATED). ``--span day`` makes the fraction a share of a fleet-day (24 hours, 1,728,000
+steps) and extrapolates to it; ``--engine spark`` computes the first report's analysis on Spark
+(``moetrace report --engine spark``, local JVM start included). The report stage is also given as
+a ratio to the layer_skew stage (goal: at most 2x), with the load average: judged only below
+load 1.5. ``--size medium`` (2,400 steps of the full shape) is extrapolated the
 same way, linearly to the fleet-hour's 72,000 steps. All data lives in a temporary folder under /tmp, deleted at the end.
 """
 from __future__ import annotations
@@ -66,6 +72,8 @@ SIZES = {
                  fit_steps=1000, duck_memory="4GB", skew_batch_steps=1000),
 }
 TOP_K = 8
+#: the first report's goal, as a multiple of the layer_skew stage, judged on a quiet machine only
+REPORT_GOAL, QUIET_LOAD = 2.0, 1.5
 TOKENS_PER_RANK = 128
 SIGMA = 0.6
 THREADS = 2
@@ -239,6 +247,14 @@ def _stage_replay(store: str, cfg: dict, q) -> None:
            "rss_quartiles": sampler.quartiles()})
 
 
+def _load1(line: str) -> float:
+    """The 1-minute load average of an :func:`_uptime` line (inf when unknown)."""
+    try:
+        return float(line.split("load average ")[1].split(",")[0])
+    except (IndexError, ValueError):
+        return float("inf")
+
+
 def _uptime() -> str:
     """The 1, 5 and 15-minute load averages, as ``uptime`` prints them."""
     try:
@@ -247,13 +263,13 @@ def _uptime() -> str:
         return "load average unknown"
 
 
-def _stage_report(store: str, outdir: str, q) -> None:
+def _stage_report(store: str, outdir: str, engine: str, q) -> None:
     """`moetrace report --quiet`: the user-facing command, whose per-(step, layer) views are
     computed in step batches (moetrace.analyze.materialize_layer_skew) and stored, or read
     from the store when a fresh copy is stored (moetrace.analyze.cache)."""
     from moetrace.cli import cli
 
-    args = ["report", store, "--quiet", "--out-dir", outdir]
+    args = ["report", store, "--quiet", "--out-dir", outdir] + (["--engine", "spark"] if engine == "spark" else [])
     load0 = _uptime()
     sampler = _RssSampler()
     t0 = time.perf_counter()
@@ -263,7 +279,12 @@ def _stage_report(store: str, outdir: str, q) -> None:
     secs = time.perf_counter() - t0
     pngs = len(list(Path(outdir).glob("*.png")))
     failed = (Path(outdir) / "report.md").read_text().count("(section failed)")
-    q.put({"seconds": secs, "peak_mib": peak_rss_mib(), "pngs": pngs, "failed": failed,
+    from moetrace.run import Store
+
+    st = Store(store)   # the stored analysis's own compute time (its header), the rest is drawing
+    got = st.rows("SELECT compute_s FROM analysis_cache ORDER BY created_at_ns DESC LIMIT 1", []).rows
+    st.close()
+    q.put({"analysis_s": float(got[0][0]) if got else float("nan"), "seconds": secs, "peak_mib": peak_rss_mib(), "pngs": pngs, "failed": failed,
            "rss_quartiles": sampler.quartiles(), "load_before": load0, "load_after": _uptime(),
            "stderr": err.getvalue().strip().splitlines()[-1:] or [""],
            "md": (Path(outdir) / "report.md").read_text()})
@@ -297,16 +318,20 @@ def _in_process(fn, *args, method: str = "spawn"):
 
 
 # ----------------------------------------------------------------------------- entry point
-def run(size: str = "small", fraction: float | None = None) -> list[dict]:
+def run(size: str = "small", fraction: float | None = None, engine: str = "duckdb", span: str = "hour") -> list[dict]:
     cfg = SIZES[size]
+    hours = 24 if span == "day" else 1        # a fleet-day: 24 hours of the run's shape
     if fraction is None:
         fraction = float(os.environ.get("MOETRACE_FLEET_FRACTION", "1"))
     if not 0 < fraction <= 1:
         raise ValueError("fraction must be in (0, 1]")
-    steps = max(cfg["chunk_steps"], int(round(cfg["steps"] * fraction)))
-    f = steps / cfg["steps"]
-    full_rows = cfg["layers"] * cfg["experts"] * cfg["steps"]
-    with heavy_lock("full" if size != "small" else size):   # medium is heavy too
+    steps = max(cfg["chunk_steps"], int(round(cfg["steps"] * hours * fraction)))
+    f = steps / (cfg["steps"] * hours)
+    # a fraction shorter than the fitting window: fit on its first half (the replay prints its args)
+    cfg = dict(cfg, fit_steps=min(cfg["fit_steps"], max(1, steps // 2)))
+    full_rows = cfg["layers"] * cfg["experts"] * cfg["steps"] * hours
+    # the heavy-job lock for what is heavy (medium's 2,400 steps and more), not a small fraction
+    with heavy_lock("full" if steps >= SIZES["medium"]["steps"] else "small"):
         tmp = Path(tempfile.mkdtemp(prefix="moetrace-bench-fleet-", dir="/tmp"))
         try:
             store = str(tmp / "st")
@@ -318,26 +343,31 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
             skew = _in_process(_stage_layer_skew, store, cfg, steps, str(tmp / "spill"), method=method)
             rep = _in_process(_stage_replay, store, cfg, method=method)
             total = time.perf_counter() - t_all
-            report = _in_process(_stage_report, store, str(tmp / "report"), method=method)
+            report = _in_process(_stage_report, store, str(tmp / "report"), engine, method=method)
             cache_bytes = sum(f.stat().st_size for d in Path(store).glob("cache_*") for f in d.rglob("*.parquet")) \
                 + sum(f.stat().st_size for f in (Path(store) / "analysis_cache").rglob("*.parquet"))
-            reused = _in_process(_stage_report, store, str(tmp / "report2"), method=method)
+            reused = _in_process(_stage_report, store, str(tmp / "report2"), "duckdb", method=method)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     rows = ing["rows"]
     shape = (f"{cfg['ranks']} ranks, {cfg['layers']} layers x {cfg['experts']} experts (+{cfg['redundant']} "
              f"redundant), {steps} steps")
-    part = "" if f == 1 else f" (measured on {f:.3g} of the {cfg['steps']}-step run)"
+    part = "" if f == 1 else f" (measured on {f:.3g} of the {cfg['steps'] * hours}-step {span})"
 
-    # --fraction, and --size medium (the full shape): linear in steps to the fleet-hour
-    hour = SIZES["full"]["steps"] if size != "small" else cfg["steps"]
+    # --fraction, and --size medium (the full shape): linear in steps to the fleet-hour (--span day: the day)
+    hour = (SIZES["full"]["steps"] if size != "small" else cfg["steps"]) * hours
     to_hour = hour / steps
 
     def extra(secs):
         if to_hour == 1:
             return ""
-        return (f"; extrapolated linearly to {hour:,} steps ({cfg['layers'] * cfg['experts'] * hour:,} rows): "
-                f"{secs * to_hour:,.0f} s")
+        return (f"; EXTRAPOLATED linearly (not measured) to the fleet-{span}'s {hour:,} steps "
+                f"({cfg['layers'] * cfg['experts'] * hour:,} rows): {secs * to_hour:,.0f} s")
+
+    load_now = os.getloadavg()[0]
+    ratio = report["seconds"] / skew["seconds"] if skew["seconds"] else float("nan")
+    judged = ("not judged" if max(load_now, _load1(report["load_before"])) >= QUIET_LOAD
+              else ("MET" if ratio <= REPORT_GOAL else "MISSED"))
 
     def q4(stage):
         return " / ".join("-" if v != v else f"{v:,.0f}" for v in stage.get("rss_quartiles", []))
@@ -380,6 +410,16 @@ def run(size: str = "small", fraction: float | None = None) -> list[dict]:
                      f"{report['pngs']} PNGs, {report['failed']} sections failed{extra(report['seconds'])}; "
                      f"{report['load_before']} before, {report['load_after']} after; stderr: {report['stderr'][0]!r}"),
         result(b, "report: peak RSS", report["peak_mib"], "MiB", notes=f"max RSS per quarter {q4(report)} MiB"),
+        result(b, "report / layer_skew", ratio, "x",
+               notes=f"first report ({engine}) over the layer_skew stage, same rows; goal <= {REPORT_GOAL:g}x: "
+                     f"{judged} (judged only below load {QUIET_LOAD}: {report['load_before']} before the report, "
+                     f"load {load_now:.2f} now, {os.cpu_count()} CPUs)"
+                     + ("; the report's time includes starting Spark (local JVM)" if engine == "spark" else "")),
+        result(b, "report analysis / layer_skew", report["analysis_s"] / skew["seconds"], "x",
+               notes=f"the first report's per-(step, layer) analysis alone ({report['analysis_s']:.1f} s, from the "
+                     f"stored header's compute_s; the rest of the report is drawing) over the layer_skew stage; "
+                     f"{judged.split(' ')[0] if judged == 'not judged' else 'judged by the whole report above'}"
+                     f"{'' if judged != 'not judged' else ' judged'} (load as above){extra(report['analysis_s'])}"),
         result(b, "report (cache reused): wall time", reused["seconds"], "s",
                notes=f"the same command again, reading the {cache_bytes / 2 ** 20:,.1f} MiB of stored per-(step, "
                      f"layer) results; {reused['pngs']} PNGs, {reused['failed']} sections failed, report.md "
@@ -399,9 +439,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=list(SIZES), default="small")
     ap.add_argument("--fraction", type=float, default=None, help="run this share of the steps and extrapolate")
+    ap.add_argument("--engine", choices=["duckdb", "spark"], default="duckdb",
+                    help="the first report's engine (moetrace report --engine)")
+    ap.add_argument("--span", choices=["hour", "day"], default="hour",
+                    help="the run --fraction is a share of, and times are extrapolated to: a fleet-hour or a fleet-day")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    rows = run(args.size, args.fraction)
+    rows = run(args.size, args.fraction, args.engine, args.span)
     if args.json:
         print(json.dumps(rows, indent=2))
         return

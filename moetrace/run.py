@@ -142,16 +142,17 @@ class Run(NotebookView):
                                progress=progress)
 
     def materialize(self, *, force: bool = False, batch_steps: int | None = None, memory_limit: str | None = None,
-                    progress=None) -> "tuple[CacheState, CacheState]":
+                    progress=None, compute=None) -> "tuple[CacheState, CacheState]":
         """Compute the run's per-(step, layer) analysis views once and store them in the store
         (:mod:`moetrace.analyze.cache`), unless a fresh copy is stored (``force``: anyway);
         the report, :meth:`skew` and :meth:`tokens_per_expert` then read the stored rows.
-        Returns the cache's state before and after."""
+        Returns the cache's state before and after. ``compute``: another engine computes
+        them (:func:`moetrace.analyze.on_engine.compute_with`: Spark)."""
         from .analyze.cache import store_run
         from .analyze.materialize import configure
 
         configure(self.store.con, memory_limit)
-        return store_run(self.store, self.id, batch_steps, force=force, progress=progress)
+        return store_run(self.store, self.id, batch_steps, force=force, progress=progress, compute=compute)
 
     def cache_state(self) -> "CacheState":
         """The run's stored analysis against its key now: fresh, stale (and why) or absent."""

@@ -289,7 +289,8 @@ def _stderr(line: str) -> None:
 
 def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEWS, con=None,
         progress: Callable[[str], None] | None = None, reuse: bool = True, save_new: bool = True,
-        target_rows: int | None = None, direct_below: int = 0) -> Materialized | None:
+        target_rows: int | None = None, direct_below: int = 0,
+        compute: Callable | None = None) -> Materialized | None:
     """The run's ``views`` on the connection, from the stored cache when its key matches,
     else computed (:func:`materialize_layer_skew`) and, with ``save_new`` and every cached
     view asked for, stored for the next caller. A key that no longer matches is said in
@@ -304,7 +305,10 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
     so dense rows stream through in one pass whatever their number (the TEMP tables hold
     the per-(step, layer) results, as the batches' would), while each batch costs two
     dozen statements that bind the chain of views again (a tiny run's start-up,
-    and 10M-100M-row runs' skew)."""
+    and 10M-100M-row runs' skew).
+
+    ``compute``: compute the views with ``compute(store, run_id, views, con)`` instead
+    (:func:`moetrace.analyze.on_engine.compute_with`: on Spark); stored the same way."""
     from .materialize import TARGET_BATCH_ROWS
 
     con = store.con if con is None else con
@@ -319,11 +323,14 @@ def use(store, run_id: str, batch_steps: int | None = None, *, views=CACHED_VIEW
     if st.status == "stale":
         say(f"moetrace: {st.line()}: recomputing" + ("" if full and save_new else
                                                      f" (`moetrace materialize {store.path} --run {run_id}` stores it)"))
-    if direct_below and batch_steps is None and not (full and save_new) \
+    if compute is not None:
+        m = compute(store, run_id, views, con)
+    elif direct_below and batch_steps is None and not (full and save_new) \
             and long_rows(store, run_id) < direct_below:
         return materialize_one_pass(store, run_id, views, con=con)
-    m = materialize_layer_skew(store, run_id, batch_steps, views=views, con=con, progress=progress,
-                               target_rows=target_rows or TARGET_BATCH_ROWS)
+    else:
+        m = materialize_layer_skew(store, run_id, batch_steps, views=views, con=con, progress=progress,
+                                   target_rows=target_rows or TARGET_BATCH_ROWS)
     if full and save_new:
         try:
             save(store, m, st.key, con=con)
@@ -344,10 +351,11 @@ def long_rows(store, run_id: str) -> int:
 
 
 def store_run(store, run_id: str, batch_steps: int | None = None, *, force: bool = False,
-              progress: Callable[[str], None] | None = None) -> tuple[CacheState, CacheState]:
+              progress: Callable[[str], None] | None = None,
+              compute: Callable | None = None) -> tuple[CacheState, CacheState]:
     """Compute and store the run's analysis unless a fresh one is stored (``force``: in any
     case); returns (the state before, the state after). A store that cannot be written is
-    a StoreError (nothing was written)."""
+    a StoreError (nothing was written). ``compute``: as for :func:`use` (Spark)."""
     from .materialize import drop_materialized
 
     before = state(store, run_id)
@@ -355,7 +363,8 @@ def store_run(store, run_id: str, batch_steps: int | None = None, *, force: bool
         return before, before
     if before.status == "stale" and progress is not None:
         progress(f"moetrace: {before.line()}: recomputing")
-    m = materialize_layer_skew(store, run_id, batch_steps, views=CACHED_VIEWS, progress=progress)
+    m = compute(store, run_id, CACHED_VIEWS, store.con) if compute is not None else \
+        materialize_layer_skew(store, run_id, batch_steps, views=CACHED_VIEWS, progress=progress)
     try:
         save(store, m, before.key)
     finally:

@@ -9,13 +9,15 @@ every query that joins them rescans the run. :func:`materialize_layer_skew` ther
 1. computes ``run_shape``, ``layer_placement`` and ``dense_rank_map`` of the run once
    (TEMP tables),
 2. walks the run's steps in batches of ``batch_steps`` consecutive steps (a power of two,
-   chosen from the run's row count unless given): for each batch it materializes the
-   batch's per-(step, layer) expert sums and rank lists (``expert_step_stats_long``,
-   ``rank_tokens_long``, ``dense_step_stats``) and appends the batch's rows of
-   ``layer_skew`` and ``tokens_per_expert``, the batch's merged windows of
-   ``skew_by_batch`` (windows of up to ``batch_steps`` steps lie inside one batch, because
-   batches start at multiples of ``batch_steps`` in step order) and the batch's rank
-   totals per layer,
+   chosen from the run's row count unless given), reading each batch's dense rows
+   (``expert_counts``) from the store once, into a TEMP table that shadows the table for
+   the batch: it materializes the batch's per-(step, layer) expert sums and rank lists
+   (``expert_step_stats_long``, ``rank_tokens_long``, ``dense_step_stats``) and appends
+   the batch's rows of ``layer_skew`` and ``tokens_per_expert``; from the same rows, with
+   numpy (analyze/one_pass.py), the batch's merged windows of ``skew_by_batch`` (windows
+   of up to ``batch_steps`` steps lie inside one batch, because batches start at
+   multiples of ``batch_steps`` in step order), its rank totals per layer and its part of
+   the token histogram and per-expert step bins,
 3. finishes ``skew_by_batch`` (windows longer than a batch merge the batches' rank totals)
    and ``skew_decomposition`` (its structural part sums the rank totals),
 
@@ -33,9 +35,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-# expert_load rows per batch when the batch size is not given: 7-8M rows keep a batch
-# near 1 GiB of DuckDB memory (measured on the fleet benchmark: 500 steps x 14,848 rows)
-TARGET_BATCH_ROWS = 8_000_000
+# expert_load rows per batch when the batch size is not given: the process's peak RSS
+# computing every stored view grows with the batch (fleet shape, 14,848 rows per step:
+# 1,241 MiB for a 400-step batch, 850 MiB for 256 steps, 740 MiB for 128 steps), so that
+# a report, drawing included, stays under 1 GiB
+TARGET_BATCH_ROWS = 4_000_000
 
 SHAPE_VIEWS = ("run_shape", "layer_placement", "dense_rank_map")   # no step filter: once per run
 HEAVY_VIEWS = ("layer_skew", "tokens_per_expert", "skew_by_batch", "skew_decomposition")
@@ -47,7 +51,7 @@ DISTRIBUTION_VIEWS = ("rank_totals", "expert_token_hist", "expert_step_bins")
 ALL_VIEWS = ("run_shape", "layer_placement") + HEAVY_VIEWS + DISTRIBUTION_VIEWS
 _CHUNK_VIEWS = ("expert_step_stats_long", "rank_tokens_long", "dense_step_stats")  # shadowed per batch
 _PRIVATE = ("_mt_steps", "_mt_rank_tot", "_mt_per_batch", "_mt_rank_rows", "_mt_suffix", "_mt_layer_steps",
-            "_mt_expert_rows", "_mt_hist", "_mt_bins")
+            "_mt_expert_rows", "_mt_hist")
 
 
 @dataclass
@@ -143,6 +147,24 @@ def _empty_like(con, name: str, view: str) -> None:
     con.execute(f'CREATE OR REPLACE TEMP TABLE "{name}" ({defs})')
 
 
+def _arrow(con, query: str):
+    """The rows of ``query`` as an Arrow table (DuckDB 2.0 and 1.x name it differently)."""
+    rel = con.sql(query)
+    fn = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table
+    return fn()
+
+
+def _insert(con, table: str, rows) -> None:
+    """Append the Arrow table ``rows`` (the columns of ``table``, in order) to TEMP ``table``."""
+    if rows.num_rows == 0:
+        return
+    con.register("_mt_arrow", rows)
+    try:
+        con.execute(f'INSERT INTO temp."{table}" SELECT * FROM _mt_arrow')
+    finally:
+        con.unregister("_mt_arrow")
+
+
 def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *,
                            views=HEAVY_VIEWS, con=None, progress: Callable[[str], None] | None = None,
                            target_rows: int = TARGET_BATCH_ROWS) -> Materialized:
@@ -157,6 +179,9 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
     expert_load rows (about :data:`TARGET_BATCH_ROWS` rows per batch). ``progress`` gets a
     line of text now and then when the run takes more than one batch.
     """
+    # numpy and Arrow: imported for batched views only (a small run takes materialize_one_pass)
+    from .one_pass import DenseExperts, rank_windows
+
     con = store.con if con is None else con
     views = tuple(v for v in HEAVY_VIEWS + DISTRIBUTION_VIEWS if v in set(views) | {"layer_skew"})
     rank_totals = bool({"skew_by_batch", "skew_decomposition", "rank_totals"} & set(views))
@@ -199,15 +224,14 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                         "row_number() OVER (PARTITION BY layer ORDER BY step) - 1 AS ord, "
                         "count(*) OVER (PARTITION BY layer) AS steps FROM step_layers WHERE run_id = ?", [run_id])
             con.execute("CREATE OR REPLACE TEMP TABLE _mt_hist (layer INTEGER, tokens BIGINT, pairs BIGINT)")
-            con.execute("CREATE OR REPLACE TEMP TABLE _mt_bins (layer INTEGER, bin BIGINT, expert INTEGER, "
-                        "tokens BIGINT)")
-            made += ["_mt_layer_steps", "_mt_hist", "_mt_bins"]
+            made += ["_mt_layer_steps", "_mt_hist"]
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_per_batch (layer INTEGER, w BIGINT, batch BIGINT, "
                     "mx DOUBLE, total DOUBLE)")
         # per-(layer, rank) suffix buckets for the windows of the last w steps (see 25_skew_by_batch.sql)
         con.execute("CREATE OR REPLACE TEMP TABLE _mt_suffix (layer INTEGER, rank BIGINT, k BIGINT, tokens DOUBLE)")
         made += ["_mt_rank_tot", "_mt_per_batch", "_mt_suffix"]
         top_level = min(K, _pow2_at_most(n)) if n else 1      # highest window merged inside a batch
+        dense = DenseExperts()
 
         # 2. the batches
         last_report = time.perf_counter()
@@ -216,6 +240,11 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
             hi = steps[(c + 1) * K] if (c + 1) * K < n else None
             rng = "step >= ?" + (" AND step < ?" if hi is not None else "")
             args = [run_id, lo] + ([hi] if hi is not None else [])
+            # the batch's dense rows read once: a TEMP table shadowing expert_counts for the
+            # batch's queries (the views' list functions and the numpy below all read it)
+            if set(views) - {"layer_skew"}:
+                con.execute(f'CREATE OR REPLACE TEMP TABLE expert_counts AS SELECT * FROM {db}.expert_counts '
+                            f"WHERE run_id = ? AND {rng}", args)
             # shared inputs of several views: computed once per batch (layer_skew alone reads
             # them once anyway, so it skips the copy)
             for v in (_CHUNK_VIEWS if set(views) - {"layer_skew"} else ()):
@@ -227,33 +256,25 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                 if v in views:
                     con.execute(f'INSERT INTO temp."{v}" SELECT * FROM {db}."{v}" WHERE run_id = ? AND {rng}', args)
             if rank_totals:
-                # the batch's rank rows (the rank_load_sparse view reads the batch's rank lists)
-                con.execute(f"CREATE OR REPLACE TEMP TABLE _mt_rank_rows AS SELECT * FROM {db}.rank_load_sparse")
-                con.execute("INSERT INTO _mt_rank_tot SELECT ?, layer, rank, sum(tokens) FROM _mt_rank_rows "
-                            "GROUP BY layer, rank", [c])
-            if "skew_by_batch" in views:
-                con.execute(f"INSERT INTO _mt_suffix SELECT r.layer, r.rank, CAST(ceil(log2({n} - s.ord)) AS BIGINT), "
-                            "sum(r.tokens) FROM _mt_rank_rows r JOIN _mt_steps s ON s.step = r.step GROUP BY ALL")
-                # windows of 1, 2, 4, ... top_level steps, merged exactly as the view merges them
-                con.execute(f"""
-                    INSERT INTO _mt_per_batch
-                    WITH RECURSIVE merged(layer, w, batch, rank, tokens) AS (
-                        SELECT r.layer, CAST(1 AS BIGINT), s.ord, r.rank, r.tokens
-                        FROM _mt_rank_rows r JOIN _mt_steps s ON s.step = r.step
-                        UNION ALL
-                        SELECT layer, w * 2, batch // 2, rank, sum(tokens)
-                        FROM merged WHERE w * 2 <= {top_level}
-                        GROUP BY layer, w, batch // 2, rank
-                    )
-                    SELECT layer, w, batch, max(tokens), sum(tokens) FROM merged
-                    WHERE batch < {n} // w GROUP BY layer, w, batch""")
-            if expert_rows:   # the batch's (step, layer, expert) tokens, read once for both views
+                # the batch's rank rows (both layouts) as arrays: windows, rank totals, suffix buckets
+                rows = _arrow(con, f"SELECT r.layer, s.ord, r.ranks, r.tokens FROM {db}.rank_tokens_by_step r "
+                                   "JOIN _mt_steps s ON s.step = r.step")
+                win, tot, suf = rank_windows(rows, len(steps[c * K:(c + 1) * K]), c * K, n, top_level, c)
+                _insert(con, "_mt_rank_tot", tot)
+                if "skew_by_batch" in views:
+                    _insert(con, "_mt_suffix", suf)
+                    _insert(con, "_mt_per_batch", win)
+            if expert_rows:   # dense rows: from the batch's lists (numpy); long rows: summed per expert
+                bin_of = "CAST(o.ord * least(o.steps, 300) // o.steps AS BIGINT) AS bin"
+                dense_rows = _arrow(con, f"SELECT c.layer, {bin_of}, c.tokens FROM temp.expert_counts c "
+                                         "JOIN _mt_layer_steps o ON o.layer = c.layer AND o.step = c.step")
+                _insert(con, "_mt_hist", dense.add(dense_rows))
+                del dense_rows
                 con.execute("CREATE OR REPLACE TEMP TABLE _mt_expert_rows AS SELECT layer, step, expert, tokens "
-                            f"FROM {db}.expert_tokens WHERE run_id = ? AND {rng}", args)
+                            f"FROM {db}.expert_tokens_long WHERE run_id = ? AND {rng}", args)
                 con.execute("INSERT INTO _mt_hist SELECT layer, tokens, count(*) FROM _mt_expert_rows GROUP BY ALL")
-                con.execute("INSERT INTO _mt_bins SELECT e.layer, CAST(o.ord * least(o.steps, 300) // o.steps AS BIGINT), "
-                            "e.expert, CAST(sum(e.tokens) AS BIGINT) FROM _mt_expert_rows e "
-                            "JOIN _mt_layer_steps o ON o.layer = e.layer AND o.step = e.step GROUP BY ALL")
+                dense.add_long(_arrow(con, f"SELECT e.layer, {bin_of}, e.expert, e.tokens FROM _mt_expert_rows e "
+                                           "JOIN _mt_layer_steps o ON o.layer = e.layer AND o.step = e.step"))
                 _drop(con, ["_mt_expert_rows"])
             now = time.perf_counter()
             if progress is not None and m.batches > 1 and (now - last_report >= 5 or c + 1 == m.batches):
@@ -264,7 +285,7 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
                 progress(f"moetrace: per-(step, layer) views of run {run_id}: batch {c + 1}/{m.batches} "
                          f"({done_steps:,} of {n:,} steps, {m.rows:,} expert_load rows) "
                          f"{el:.0f} s elapsed, ~{eta:.0f} s left")
-        _drop(con, _CHUNK_VIEWS)
+        _drop(con, _CHUNK_VIEWS + ("expert_counts",))
         made = [t for t in made if t not in _CHUNK_VIEWS]
 
         # 3. what spans batches
@@ -340,17 +361,20 @@ def materialize_layer_skew(store, run_id: str, batch_steps: int | None = None, *
             con.execute("CREATE OR REPLACE TEMP TABLE expert_token_hist AS SELECT CAST(? AS VARCHAR) AS run_id, layer, "
                         "tokens, CAST(sum(pairs) AS BIGINT) AS pairs FROM _mt_hist GROUP BY layer, tokens", [run_id])
             made.append("expert_token_hist")
-        if "expert_step_bins" in views:
-            con.execute("CREATE OR REPLACE TEMP TABLE expert_step_bins AS SELECT CAST(? AS VARCHAR) AS run_id, b.layer, "
-                        "b.bin, b.expert, CAST(sum(b.tokens) AS BIGINT) AS tokens, CAST(least(n.steps, 300) AS BIGINT) "
-                        "AS bins, CAST(n.steps AS BIGINT) AS steps FROM _mt_bins b JOIN (SELECT layer, any_value(steps) "
-                        "AS steps FROM _mt_layer_steps GROUP BY layer) n USING (layer) GROUP BY b.layer, b.bin, b.expert, "
-                        "n.steps", [run_id])
+        if "expert_step_bins" in views:   # the bins summed over the batches (numpy): one row each
+            steps_of = dict(con.execute("SELECT layer, any_value(steps) FROM _mt_layer_steps GROUP BY layer").fetchall())
+            con.register("_mt_arrow", dense.bin_rows(steps_of))
+            try:
+                con.execute("CREATE OR REPLACE TEMP TABLE expert_step_bins AS "
+                            "SELECT CAST(? AS VARCHAR) AS run_id, * FROM _mt_arrow", [run_id])
+            finally:
+                con.unregister("_mt_arrow")
             made.append("expert_step_bins")
+        del dense
         _drop(con, _PRIVATE)
         made = [t for t in made if t not in _PRIVATE]
     except BaseException:
-        _drop(con, list(made) + list(_CHUNK_VIEWS) + list(_PRIVATE))
+        _drop(con, list(made) + list(_CHUNK_VIEWS) + ["expert_counts"] + list(_PRIVATE))
         raise
     finally:
         con.execute(f"SET preserve_insertion_order={'true' if str(prev_order).lower() in ('true', '1') else 'false'}")

@@ -36,7 +36,8 @@ def _heavy_options(f):
 @click.option("--no-save", is_flag=True,
               help="Never write to the store: compute what is not stored, keep it for this report only.")
 @_heavy_options
-def report(store, run_id, out, quiet, recompute, no_save, batch_steps, memory_limit):
+@engine_options
+def report(store, run_id, out, quiet, recompute, no_save, batch_steps, memory_limit, engine, master, remote):
     """Summarize a run: per-layer skew, tokens per expert, imbalance vs batch size, dummy
     steps, and every other section installed (replay, all-to-all exposure). Prints the
     summary tables and writes a self-contained report.html, report.md and PNGs.
@@ -51,14 +52,21 @@ def report(store, run_id, out, quiet, recompute, no_save, batch_steps, memory_li
     The per-(step, layer) results are stored in the store (tables cache_*, see
     `moetrace materialize`): the next report of the same run reads them instead, until the
     run, moetrace or the view SQL changes (then they are recomputed, said on stderr).
+    With --engine spark they are computed on Spark (the same rows), then stored alike.
     Storing them is a write (one transaction, after a crashed writer's leftovers are
     recovered, as every writer does); with --no-save the report only reads the store.
     """
+    from ..analyze.on_engine import compute_with
     from ..report.build import build_report
 
     st = open_store(store)
-    rep = build_report(st, st.resolve_run(run_id), out, batch_steps=batch_steps, memory_limit=memory_limit,
-                       progress=_progress, reuse=not recompute, save=not no_save)
+    rid = st.resolve_run(run_id)
+    if engine == "spark" and not recompute and st.run(rid).cache_state().fresh:
+        engine = "duckdb"     # the stored analysis is read: no Spark session to start
+    with engine_sql(st, engine, master, remote) as sql:
+        rep = build_report(st, rid, out, batch_steps=batch_steps, memory_limit=memory_limit,
+                           progress=_progress, reuse=not recompute, save=not no_save,
+                           compute=compute_with(sql) if sql is not None else None)
     if not quiet:
         click.echo(rep.terminal())
     pngs = len(rep.figures)
@@ -168,7 +176,8 @@ def _skew_table(rows: Rows, nruns: int) -> Rows:
 @click.option("--status", "status_only", is_flag=True, help="Only say, per run, whether its stored results are fresh.")
 @click.option("--clear", is_flag=True, help="Remove the stored results (of --run, else of every run).")
 @_heavy_options
-def materialize(store, run_id, force, status_only, clear, batch_steps, memory_limit):
+@engine_options
+def materialize(store, run_id, force, status_only, clear, batch_steps, memory_limit, engine, master, remote):
     """Compute each run's per-(step, layer) analysis views (layer_skew, tokens_per_expert,
     skew_by_batch, skew_decomposition, run_shape, layer_placement and the report's
     whole-run distributions) once and store them in the store, so that `moetrace report`,
@@ -187,7 +196,8 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
     key) and cache_<view>, under each run's partition, written as one transaction. The key
     is the moetrace and DuckDB versions, a hash of the views' SQL and a fingerprint of the
     run's input files: when it no longer matches (the run re-ingested, moetrace upgraded,
-    a view changed) the results are recomputed.
+    a view changed) the results are recomputed. With --engine spark they are computed on
+    Spark (the same rows), then stored alike.
     """
     st = open_store(store)
     if clear:
@@ -199,24 +209,29 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
     if not runs:
         click.echo("no runs")
         return
-    stored: list[str] = []
-    for r in runs:
-        if status_only:
+    if status_only:
+        for r in runs:
             click.echo(r.cache_state().line())
-            continue
-        try:
-            before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
-                                          progress=_progress)
-        except StoreError as e:   # one transaction per run: the runs before this one are stored
-            raise StoreError(_partly_stored(e, r.id, stored, store)) from None
-        stored.append(r.id)
-        if before.fresh and not force:
-            click.echo(f"{after.line()}: kept")
-        else:
-            rows = sum(json.loads(after.header["rows_json"]).values())
-            click.echo(f"run {r.id}: stored analysis {after.header['cache_id']} ({rows:,} rows, computed in "
-                       f"{after.header['compute_s']:.1f} s)" + (f"; replaced a stale one ({before.reason})"
-                                                                if before.status == "stale" else ""))
+        return
+    from ..analyze.on_engine import compute_with
+
+    stored: list[str] = []
+    with engine_sql(st, engine, master, remote) as sql:
+        for r in runs:
+            try:
+                before, after = r.materialize(force=force, batch_steps=batch_steps, memory_limit=memory_limit,
+                                              progress=_progress,
+                                              compute=compute_with(sql) if sql is not None else None)
+            except StoreError as e:   # one transaction per run: the runs before this one are stored
+                raise StoreError(_partly_stored(e, r.id, stored, store)) from None
+            stored.append(r.id)
+            if before.fresh and not force:
+                click.echo(f"{after.line()}: kept")
+            else:
+                rows = sum(json.loads(after.header["rows_json"]).values())
+                click.echo(f"run {r.id}: stored analysis {after.header['cache_id']} ({rows:,} rows, computed in "
+                           f"{after.header['compute_s']:.1f} s" + (" on Spark" if sql is not None else "") + ")"
+                           + (f"; replaced a stale one ({before.reason})" if before.status == "stale" else ""))
 
 
 @click.command("tokens")

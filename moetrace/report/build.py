@@ -137,7 +137,8 @@ def _failed(mod, exc: BaseException) -> Section:
 
 def build_report(store, run_id: str | None = None, outdir: str | Path | None = None, *, html_out: bool = True,
                  md_out: bool = True, cache: bool = True, batch_steps: int | None = None,
-                 memory_limit: str | None = None, progress=None, reuse: bool = True, save: bool = True) -> Report:
+                 memory_limit: str | None = None, progress=None, reuse: bool = True, save: bool = True,
+                 compute=None) -> Report:
     """Build every section for ``run_id`` (the store's only run when None) into ``outdir``.
 
     With ``cache`` the per-(step, layer) analysis views (layer_skew, tokens_per_expert,
@@ -150,6 +151,8 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
     tables, dropped afterwards): bounded memory on fleet-size runs, one pass instead of one
     per query, none when stored. DuckDB's memory is capped at ``memory_limit`` (default
     :func:`moetrace.analyze.default_memory_limit`). ``progress`` gets progress lines.
+    ``compute``: another engine computes the views when they are not stored (Spark:
+    :func:`moetrace.analyze.on_engine.compute_with`); they are stored the same way.
     """
     rid = store.resolve_run(run_id)
     run = store.run_row(rid)
@@ -162,8 +165,8 @@ def build_report(store, run_id: str | None = None, outdir: str | Path | None = N
         raise UsageError(f"{out}: cannot create the report folder ({e.strerror})") from None
     ctx = ReportContext(store=store, run_id=rid, run=run, outdir=out)
     configure(store.con, memory_limit)
-    cached = analysis_cache.use(store, rid, batch_steps, progress=progress, reuse=reuse, save_new=save) \
-        if cache else None
+    cached = analysis_cache.use(store, rid, batch_steps, progress=progress, reuse=reuse, save_new=save,
+                                compute=compute) if cache else None
     try:
         # after the views are shadowed: the caveats read layer_placement, which scans expert_load
         report = Report(run_id=rid, run=run, outdir=out, run_notes=run_notes(run) + shape_caveats(store, rid, run))
