@@ -66,6 +66,30 @@ def scan_commands(folder: Path = COMMANDS_DIR) -> dict[str, tuple[str, str]]:
     return index
 
 
+def _where(ctx, e: MoetraceError) -> str:
+    """"store st, run r: " in front of an input error that names no file: the store and run
+    the command was asked about (kept by the STORE and --run callbacks)."""
+    from .errors import InputError
+
+    if not isinstance(e, InputError) or e.file is not None:
+        return ""
+    store, run = ctx.meta.get("moetrace.store"), ctx.meta.get("moetrace.run")
+    text = str(e)
+    parts = [f"store {store}" if store and f"store {store}" not in text else None,
+             f"run {run}" if run and f"run {run}" not in text and f"run {run!r}" not in text else None]
+    parts = [p for p in parts if p]
+    return ", ".join(parts) + ": " if parts else ""
+
+
+def _error_text(e: MoetraceError) -> str:
+    """The error as printed: one line, except a SQL error pointing into the query, whose
+    "LINE n: ..." and caret lines stay under it as DuckDB aligned them (each line escaped)."""
+    text = str(e)
+    if text.startswith("SQL error") and "\nLINE " in text:
+        return "\n".join(one_line(x) for x in text.split("\n"))
+    return one_line(e)
+
+
 class MoetraceGroup(click.Group):
     """Loads command modules on demand and turns MoetraceError into a one-line message
     and its exit code (2 for bad input)."""
@@ -102,7 +126,7 @@ class MoetraceGroup(click.Group):
         try:
             return super().invoke(ctx)
         except MoetraceError as e:
-            click.echo(f"moetrace: error: {one_line(e)}", err=True)
+            click.echo(f"moetrace: error: {_where(ctx, e)}{_error_text(e)}", err=True)
             ctx.exit(e.exit_code)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
             raise
@@ -229,7 +253,7 @@ class MoetraceGroup(click.Group):
 #: what another placement would do, write it up; the rest are tools
 SECTIONS = (
     ("Ingest and the store", ("ingest", "runs", "tables", "catalog", "check")),
-    ("Analysis", ("skew", "sql", "kernels", "exposure", "waits", "hang")),
+    ("Analysis", ("skew", "tokens", "sql", "kernels", "exposure", "waits", "hang")),
     ("Replay and planning", ("replay", "sweep", "plan", "whatif", "calibrate", "cost")),
     ("Reports", ("report", "materialize")),
     ("Tools: make data", ("synth", "capture", "refrun")),

@@ -94,10 +94,12 @@ class InputError(MoetraceError):
         self.file = str(file) if file is not None else None
         self.message = message
         self.position = position
-        where = shown(self.file) if self.file is not None else "<input>"
+        # no file: the message names what it is about (a run, a plan, an option); the CLI
+        # puts the store and run it was asked about in front (cli.MoetraceGroup.invoke)
+        where = shown(self.file) if self.file is not None else ""
         if position:
-            where = f"{where} ({position})"
-        super().__init__(f"{where}: {message}")
+            where = f"{where} ({position})" if where else position
+        super().__init__(f"{where}: {message}" if where else message)
 
 
 class SchemaError(InputError):

@@ -49,6 +49,9 @@ def json_option(f=None, *, help="Print the summary as JSON."):
     """--json (the command's function gets ``as_json``) with --pretty to indent it; print with
     :func:`echo_json`."""
     def deco(g):
+        params = getattr(g, "__click_params__", None)
+        if params:   # the command's own --json summary replaces output_options' alias
+            params[:] = [p for p in params if p.name != "json_alias"]
         return click.option("--json", "as_json", is_flag=True, help=help)(pretty_option(g))
     return deco(f) if f is not None else deco
 
@@ -72,6 +75,36 @@ def check_out_path(ctx, param, value):
         for check in OUT_PATH_CHECKS:
             check(value, opt)
     return value
+
+
+def _json_alias(ctx, param, value):
+    if value:
+        ctx.meta["moetrace.json"] = True
+    return value
+
+
+def _resolve_format(ctx, param, value):
+    """--format, with --json its alias: None (not given) is table, or json under --json."""
+    if ctx.meta.get("moetrace.json"):
+        if value not in (None, "json"):
+            raise click.BadParameter(f"--json and --format {value} ask for two formats; give one")
+        return "json"
+    return value or "table"
+
+
+def _wide(ctx, param, value):
+    if value:
+        ctx.meta["moetrace.wide"] = True
+    return value
+
+
+def wide_option(f):
+    """--wide: a table shows every column, however wide (read by :func:`render_table`)."""
+    if any(getattr(p, "name", None) == "wide" for p in getattr(f, "__click_params__", ())):
+        return f
+    return click.option("--wide", is_flag=True, expose_value=False, callback=_wide,
+                        help="Show every column of a table, however wide the terminal (default: the columns "
+                             "that fit $COLUMNS; --format csv/json always give all).")(f)
 
 
 class AtomicOutput:
@@ -159,11 +192,16 @@ def shown_name(name) -> str:
 
 
 def output_options(f):
-    """Add --format, -o/--out (FILE) and --pretty to a command (its function gets ``fmt`` and
-    ``output``)."""
+    """Add --format table|csv|json (``--json`` its alias, unless the command has its own
+    ``--json`` summary), --wide, -o/--out (FILE) and --pretty to a command (its function
+    gets ``fmt`` and ``output``)."""
     f = pretty_option(f)
-    f = click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
-                     help="How to print rows.")(f)
+    f = wide_option(f)
+    if not any(getattr(p, "name", None) in ("as_json", "json") for p in getattr(f, "__click_params__", ())):
+        f = click.option("--json", "json_alias", is_flag=True, is_eager=True, expose_value=False,
+                         callback=_json_alias, help="Same as --format json.")(f)
+    f = click.option("--format", "fmt", type=click.Choice(FORMATS, case_sensitive=False), default=None,
+                     show_default="table", callback=_resolve_format, help="How to print rows.")(f)
     f = click.option("-o", "--out", "--output", "output", type=click.Path(dir_okay=False), default=None,
                      callback=check_out_path, help="Write rows to FILE (.parquet or .csv) instead of printing them.")(f)
     return f
@@ -186,18 +224,98 @@ def echo_json(obj) -> None:
     click.echo(dumps(obj))
 
 
-def render_table(df: "pl.DataFrame", max_rows: int = 50, float_precision: int = 4) -> str:
-    import polars as pl
+def term_width() -> int:
+    """The width a table or a line of prose must fit: ``$COLUMNS``, else the terminal's,
+    else 120 (output piped to a file)."""
+    import shutil
 
+    return max(40, shutil.get_terminal_size((120, 24)).columns)
+
+
+def _is_wide() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.meta.get("moetrace.wide"))
+
+
+def _num_text(v: float, whole: bool) -> str:
+    """A float as a person reads it: a whole-number column as integers (1735, not
+    1735.0000), a value already rounded to at most 4 decimals as it is (0.152, not 0.1520),
+    else 4 significant digits; no exponent from 1000 up (193886, not 1.939e+05)."""
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if whole or abs(v) >= 1000:
+        return f"{v:.0f}"
+    if v == 0:
+        return "0"
+    if round(v, 4) == v:          # already rounded (a query's round(x, 3)): as it is, no padding
+        return f"{v:.4f}".rstrip("0").rstrip(".")
+    return f"{v:.4g}"
+
+
+def _text(v, whole: bool) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return _num_text(v, whole)
+    t = str(v) if not isinstance(v, str) else v
+    t = " ".join(t.split()) if not t.isprintable() else t
+    return t if len(t) <= 60 else t[:59] + "…"
+
+
+def table_text(columns: list[str], rows: list[tuple], max_rows: int = 50) -> str:
+    """Rows as a Markdown-style table a person reads: numbers as :func:`_num_text` says,
+    at most ``max_rows`` (first and last half), and unless ``--wide`` only the leading
+    columns that fit :func:`term_width`; the columns left out are named on the last lines
+    (``--wide`` or ``--format csv/json`` give them). The one table renderer of the CLI."""
+    if not columns:
+        return "(no columns)"
+    whole = []
+    for i in range(len(columns)):
+        vals = [r[i] for r in rows if isinstance(r[i], float) and math.isfinite(r[i])]
+        whole.append(bool(vals) and all(v == int(v) and abs(v) < 2**53 for v in vals))
+    half = max_rows // 2
+    shown: list = list(rows) if len(rows) <= max_rows else list(rows[:half]) + [None] + list(rows[-half:])
+    cells = [["…"] * len(columns) if r is None else [_text(v, w) for v, w in zip(r, whole)] for r in shown]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(columns)]
+    keep = len(columns)
+    if not _is_wide():
+        limit = term_width()
+        while keep > 1 and 1 + sum(w + 3 for w in widths[:keep]) > limit:
+            keep -= 1
+
+    def line(vals):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(vals[:keep], widths[:keep])) + " |"
+    out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths[:keep]) + "|"] + [line(c) for c in cells]
+    if len(rows) > max_rows:
+        out.append(f"({len(rows)} rows; first and last shown)")
+    if keep < len(columns):
+        import textwrap
+
+        left = columns[keep:]
+        out += textwrap.wrap(f"({len(left)} more column(s): {', '.join(left)}; --wide or --format csv shows them)",
+                             term_width(), break_on_hyphens=False)
+    return "\n".join(out)
+
+
+def render_table(df: "pl.DataFrame", max_rows: int = 50, float_precision: int | None = None) -> str:
+    """``df`` as :func:`table_text` prints it."""
     if df.width == 0:
         return "(no columns)"
-    with pl.Config(tbl_rows=max_rows, tbl_cols=-1, fmt_str_lengths=60, float_precision=float_precision,
-                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, tbl_formatting="ASCII_MARKDOWN",
-                   tbl_width_chars=250):
-        text = str(df)
-    if df.height > max_rows:
-        text += f"\n({df.height} rows; first and last shown)"
-    return text
+    return table_text(list(df.columns), df.rows(), max_rows)
+
+
+def echo_wrapped(text: str, indent: str = "", hang: str = "    ", err: bool = False) -> None:
+    """One line of prose, wrapped to :func:`term_width` (continuation lines indented by
+    ``indent + hang``); words are never split."""
+    import textwrap
+
+    lines = textwrap.wrap(text, term_width(), initial_indent=indent, subsequent_indent=indent + hang,
+                          break_long_words=False, break_on_hyphens=False) or [indent]
+    click.echo("\n".join(lines), err=err)
 
 
 #: DuckDB result types and the polars types a query's frame has for them (``Store.sql``: Arrow,
@@ -246,59 +364,9 @@ class Rows:
         return Rows(list(first.columns), types, [r for p in parts for r in p.rows])
 
 
-def _cell(value, typ: str) -> str | None:
-    """``value`` as polars prints it in :func:`render_table`, or None when this does not
-    know for sure (the caller lets polars print the table)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value) if typ not in ("FLOAT", "DOUBLE") and abs(value) < 2 ** 63 else None
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return f"{value:.4f}" if abs(value) < 1e10 else None    # polars writes large ones as 1.0000e15
-    if isinstance(value, str):
-        return value if len(value) <= 60 and value.isascii() and value.isprintable() else None
-    return None
-
-
-def render_rows(r: Rows, max_rows: int = 50) -> str | None:
-    """:func:`render_table` of ``r.to_polars()``, without polars; None where it is not sure
-    to print the same text (a type or value it does not know, a table wider than 250
-    characters: the caller lets polars print it)."""
-    if not r.columns:
-        return "(no columns)"
-    if any(t not in _FAST_TYPES for t in r.types) or max_rows % 2:
-        return None
-    shown = r.rows if len(r.rows) <= max_rows else r.rows[:max_rows // 2] + [None] + r.rows[-(max_rows // 2):]
-    cells = []
-    for row in shown:
-        if row is None:
-            cells.append(["..."] * len(r.columns))
-            continue
-        line = []
-        for v, t in zip(row, r.types):
-            c = _cell(v, t)
-            if c is None:
-                return None
-            line.append(c)
-        cells.append(line)
-    if not all(h.isascii() and h.isprintable() and len(h) <= 60 for h in r.columns):
-        return None
-    widths = [max([len(h)] + [len(line[i]) for line in cells]) for i, h in enumerate(r.columns)]
-    if 1 + sum(w + 3 for w in widths) > 250:
-        return None
-    def fmt(vals):
-        return "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
-    out = [fmt(r.columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(line) for line in cells]
-    text = "\n".join(out)
-    if len(r.rows) > max_rows:
-        text += f"\n({len(r.rows)} rows; first and last shown)"
-    return text
+def render_rows(r: Rows, max_rows: int = 50) -> str:
+    """:func:`render_table` of ``r.to_polars()``, without polars (a command's start-up)."""
+    return table_text(list(r.columns), list(r.rows), max_rows)
 
 
 def emit_rows(r: Rows, fmt: str = "table", output: str | None = None, max_rows: int = 50) -> None:
@@ -306,10 +374,8 @@ def emit_rows(r: Rows, fmt: str = "table", output: str | None = None, max_rows: 
     (a table or JSON of plain values); otherwise, and for CSV and files, through polars."""
     if not output:
         if fmt == "table":
-            text = render_rows(r, max_rows)
-            if text is not None:
-                click.echo(text)
-                return
+            click.echo(render_rows(r, max_rows))
+            return
         elif fmt == "json" and all(t in _FAST_TYPES for t in r.types):
             click.echo(dumps(r.dicts()))
             return
@@ -334,3 +400,41 @@ def emit(df: "pl.DataFrame", fmt: str = "table", output: str | None = None, max_
         click.echo(dumps(df.to_dicts()))
     else:
         click.echo(render_table(df, max_rows=max_rows))
+
+
+class Progress:
+    """A progress bar on stderr (click's), for a command that can run longer than a few
+    seconds: call it with (done, total); silent when stderr is not a terminal (a pipe, a
+    log file, a test). Use as a context manager (the bar is closed on exit)."""
+
+    def __init__(self, label: str):
+        self.label, self.bar, self.shown = label, None, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
+            self.bar.__enter__()
+        self.bar.update(done - self.shown)
+        self.shown = done
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def times_in_ms(df: "pl.DataFrame") -> "pl.DataFrame":
+    """A table's ``*_ns`` columns as ``*_ms`` (nanoseconds are what the store keeps; a
+    person reads 191.9 ms, not 191896325): for terminal tables, never for csv/json."""
+    import polars as pl
+
+    from .units import ns_to_ms
+
+    ns = [c for c in df.columns if c.endswith("_ns") and df.schema[c].is_numeric()]
+    return df.with_columns([(pl.col(c).cast(pl.Float64) * ns_to_ms(1.0)).alias(c[:-3] + "_ms") for c in ns]) \
+        .select([c[:-3] + "_ms" if c in ns else c for c in df.columns])
+

@@ -362,7 +362,7 @@ class Run(NotebookView):
         from .replay.fanout import cooccurrence_over
         from .replay.load import read_load_total
 
-        shape = self._replay_shape
+        shape = self._replay_shape.with_cluster(cluster)
         co = partial(cooccurrence_over, self.store, self.id, shape) if shape.has_routing else None
         return make_run_plan(self.store, self.id, shape, partial(read_load_total, self.store, self.id, shape),
                              policy, cluster, options, read_cooccurrence=co)
@@ -382,9 +382,9 @@ class Run(NotebookView):
         from .replay.judge import replay_run
 
         ro = self._replay_opts(cluster=cluster, **opts)
-        return replay_run(self.store, self.id, self._replay_shape, ro, plan, policy=policy, cluster=cluster,
-                          fit_window=fit_window, in_sample=in_sample, write=write, trace_steps=trace_steps,
-                          chrome_trace=chrome_trace, params=opts)
+        return replay_run(self.store, self.id, self._replay_shape.with_cluster(cluster), ro, plan, policy=policy,
+                          cluster=cluster, fit_window=fit_window, in_sample=in_sample, write=write,
+                          trace_steps=trace_steps, chrome_trace=chrome_trace, params=opts)
 
     def drift(self, policy: str, every: int, window: int | None = None, *, cluster: ClusterSpec | None = None,
               max_moves: int | None = None, static_window: tuple[int, int] | None = None, write: bool = True,
@@ -396,14 +396,15 @@ class Run(NotebookView):
         Returns a :class:`moetrace.replay.drift.DriftResult`."""
         from .replay.drift import drift
 
-        ps = self._replay_shape.plan_shape(cluster)
-        return drift(self.store, self.id, self._replay_shape, policy, ps, every, window or every,
+        shape = self._replay_shape.with_cluster(cluster)
+        ps = shape.plan_shape(cluster)
+        return drift(self.store, self.id, shape, policy, ps, every, window or every,
                      self._replay_opts(cluster=cluster, **opts), max_moves=max_moves, write=write,
                      static_window=static_window)
 
     def sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
               cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None,
-              workers: int | None = None, scheduler: str | None = None, **opts):
+              workers: int | None = None, scheduler: str | None = None, progress=None, **opts):
         """The operator's decision table: replica budgets x re-plan intervals x fit windows,
         judged on the same steps against the recorded placement: net time, extra memory per
         rank, moved bytes per hour, verdict (``cluster``: ranks, groups, nodes, ranks per node;
@@ -415,7 +416,7 @@ class Run(NotebookView):
         :class:`moetrace.replay.sweep.SweepResult` (``.frame()``, ``.rows``, ``.notes``)."""
         return sweep_runs(self.store, [self.id], policy, replicas=replicas, intervals=intervals, windows=windows,
                           cluster=cluster, write=write, sweep_id=sweep_id, workers=workers, scheduler=scheduler,
-                          **opts)[0][0]
+                          progress=progress, **opts)[0][0]
 
     def plan_sweep(self, policy: str = "eplb", replicas=(0, 16, 32, 64), intervals=(), windows=None, *,
                    cluster: ClusterSpec | None = None, write: bool = False, sweep_id: str | None = None, **opts):
@@ -423,8 +424,9 @@ class Run(NotebookView):
         :class:`moetrace.replay.sweep.SweepJob`; :func:`sweep_runs` judges them)."""
         from .replay.sweep import plan_sweep
 
-        return plan_sweep(self.store, self.id, self._replay_shape, policy, list(replicas), list(intervals),
-                          windows, self._replay_opts(cluster=cluster, **opts), cluster, write=write, sweep_id=sweep_id)
+        return plan_sweep(self.store, self.id, self._replay_shape.with_cluster(cluster), policy, list(replicas),
+                          list(intervals), windows, self._replay_opts(cluster=cluster, **opts), cluster, write=write,
+                          sweep_id=sweep_id)
 
     @property
     def hardware(self) -> str | None:
@@ -468,11 +470,12 @@ register_facade(Run, _clear_store_cache)
 
 
 def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = None, scheduler: str | None = None,
-               **kw) -> tuple[list, list[str]]:
+               progress=None, **kw) -> tuple[list, list[str]]:
     """The one sweep entry point: the sweep of every run in ``run_ids`` (keyword arguments
     as :meth:`Run.plan_sweep`), its cells judged in this process, or as independent tasks
     on a local Dask cluster of ``workers`` processes / the existing one at ``scheduler``
     (:mod:`moetrace.replay.distributed`); each stored sweep is written here, once per run.
+    ``progress(done, total)`` is told the cells judged so far (in this process).
     Returns (one :class:`moetrace.replay.sweep.SweepResult` per run that can be swept,
     notes naming the runs that cannot and why). All runs refused: the first run's error."""
     from .errors import InputError
@@ -489,7 +492,13 @@ def sweep_runs(store, run_ids, policy: str = "eplb", *, workers: int | None = No
     if workers is None and scheduler is None:
         from .replay.sweep import finish_sweep, run_sweep_cells
 
-        return [finish_sweep(store, job, run_sweep_cells(store, job)) for job in jobs], skipped
+        total, done = sum(len(j.cells) for j in jobs), [0]
+
+        def tick():
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], total)
+        return [finish_sweep(store, job, run_sweep_cells(store, job, done=tick)) for job in jobs], skipped
     from .replay import distributed
 
     with distributed.client_for(workers, scheduler) as client:

@@ -65,3 +65,23 @@ def share_text(share: float) -> str:
 def gib(nbytes: float) -> float:
     """Bytes in GiB (2^30 bytes)."""
     return nbytes / 2**30
+
+
+# ----------------------------------------------------------------------------- verdict words
+#: the words every answer uses for "a plan against the recorded placement" (replay, drift,
+#: sweep, the report): one comparison, one word
+PAYS_OFF, DOES_NOT, NOT_ENOUGH = "pays off", "does not pay off", "not enough evidence"
+
+
+def compare_word(x_ns: float | None, ref_ns: float | None, band: float) -> tuple[str, float | None]:
+    """The one word for "``x`` against ``ref``" under a model whose times carry ±``band``
+    (a share): :data:`PAYS_OFF` when ``x`` is faster by more than the band,
+    :data:`DOES_NOT` when slower by more, :data:`NOT_ENOUGH` within it or unknown; with the
+    relative difference. Replay, drift, sweep and the report all say their comparisons
+    with it, so the same comparison reads the same everywhere."""
+    if x_ns is None or ref_ns is None or not ref_ns:
+        return NOT_ENOUGH, None
+    diff = (x_ns - ref_ns) / ref_ns
+    if abs(diff) <= band:
+        return NOT_ENOUGH, diff
+    return (PAYS_OFF if diff < 0 else DOES_NOT), diff

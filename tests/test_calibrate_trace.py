@@ -294,8 +294,8 @@ def test_replay_of_a_run_with_its_own_trace_uses_that_model_and_says_so(gpu_stor
     assert json.loads(r.output)["error_band"]["rel"] == pytest.approx(band)
     r = runner.invoke(cli, ["sweep", str(st), "--run", "eng", "--policy", "eplb-global", "--replicas", "0,4"])
     assert r.exit_code == 0, r.output
-    assert "same cost model (fitted on this run's trace, steps 0–3, 8–11" in r.output
-    assert f"model's ±{band:.0%} error (layer-time error {100 * band:.1f}% measured on held-out steps" in r.output
+    assert "same cost model (fitted on this run's trace, steps 0–3, 8–11" in " ".join(r.output.split())   # notes wrap
+    assert f"model's ±{band:.0%} error (layer-time error {100 * band:.1f}% measured on held-out steps" in " ".join(r.output.split())
     # --no-fit: the preset, not the trace's model; --cost-model names a run without one: refused
     r = runner.invoke(cli, ["replay", str(st), "--run", "eng", "--policy", "eplb-global", "--no-fit", "--json",
                             "--no-rank-rows"])

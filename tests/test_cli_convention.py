@@ -156,3 +156,48 @@ def test_renamed_options_shown_by_their_new_name(runner, cli, argv):
     out = runner.invoke(cli, argv).output
     new = {"report": "--out-dir", "plan": "--export", "whatif": "--chrome-trace"}[argv[0]]
     assert new in out
+
+
+def test_rows_hardware_run_and_examples_mean_one_thing_everywhere(cli):
+    """Every command that prints rows takes --format table|csv|json with --json its alias and
+    --wide; every --hardware is the one choice list; every --run chooses one run (dest
+    run_id / fit_run, a help that says its default); every help example is one command per
+    line (click re-wraps an example without its \\b marker into one paragraph)."""
+    from moetrace.commands._options import LazyChoice, _hardware_presets
+
+    problems = []
+    for name, cmd in _commands(cli):
+        ctx = click.Context(cmd, info_name=name)
+        opts = {n: p for p in cmd.params if isinstance(p, click.Option) for n in p.opts}
+        if "-o" in opts or "--out" in opts:          # a rows command (output_options)
+            fmt = opts.get("--format")
+            if fmt is None or not isinstance(fmt.type, click.Choice) \
+                    or set(fmt.type.choices) != {"table", "csv", "json"}:
+                problems.append(f"{name}: a rows command takes --format table|csv|json")
+            if "--json" not in opts:
+                problems.append(f"{name}: --json (an alias of --format json) missing")
+            if "--wide" not in opts:
+                problems.append(f"{name}: --wide missing")
+        hw = opts.get("--hardware")
+        if hw is not None and not (isinstance(hw.type, LazyChoice)
+                                   and list(hw.type.choices) == _hardware_presets()):
+            problems.append(f"{name}: --hardware must be the one preset choice list (_options.hardware_option)")
+        run = opts.get("--run")
+        if run is not None and "default" not in (run.help or ""):
+            problems.append(f"{name}: --run's help must say what it is without --run")
+        text = cmd.get_help(ctx)
+        example = text.split("Example:", 1)[1].split("Options:", 1)[0] if "Example:" in text else ""
+        for line in example.splitlines():
+            if line.count("moetrace ") > 1:
+                problems.append(f"{name}: one command per example line: {line.strip()[:80]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_json_is_an_alias_of_format_json(cli):
+    cli.load_all()
+    cmd = cli.commands["runs"]
+    assert cmd.make_context("runs", ["st", "--json"]).params["fmt"] == "json"
+    assert cmd.make_context("runs", ["st"]).params["fmt"] == "table"
+    assert cmd.make_context("runs", ["st", "--format", "csv"]).params["fmt"] == "csv"
+    with pytest.raises(click.BadParameter):
+        cmd.make_context("runs", ["st", "--json", "--format", "csv"])

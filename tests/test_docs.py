@@ -193,7 +193,7 @@ def _bash_commands(text: str) -> list[str]:
 def _run(commands: list[str], cwd: Path) -> str:
     (cwd / "sample_traces").symlink_to(REPO / "sample_traces")
     script = f'moetrace() {{ "{sys.executable}" -m moetrace "$@"; }}\nset -e\n' + "\n".join(commands) + "\n"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120"}   # the pages show a 120-column terminal
     res = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"{commands}\n{res.stderr[-3000:]}"
     return res.stdout

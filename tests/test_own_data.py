@@ -145,7 +145,7 @@ def test_the_readme_own_data_section_runs_word_for_word(tmp_path):
     part = readme.split("## Steps", 1)[1].split("\n## ", 1)[0]
     block, shown = re.findall(r"```(?:bash)?\n(.*?)```", part, re.S)[:2]
     script = f'moetrace() {{ "{sys.executable}" -m moetrace "$@"; }}\nset -e\n' + block
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env = {**os.environ, "PYTHONPATH": str(repo), "COLUMNS": "120"}    # the page shows a 120-column terminal
     res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     for line in shown.splitlines():

@@ -27,15 +27,16 @@ def keep_figures(monkeypatch):
         real_close(f)
 
 
-def _row(replicas, every, net, moved_gib_h, verdict="not enough evidence", mem=None):
+def _row(replicas, every, net, moved_gib, verdict="not enough evidence", mem=None):
     return SimpleNamespace(skipped=None, net_ms=net, recorded_ms=3.6388, replan_every=every, replicas=replicas,
                            window=50, verdict=verdict, extra_mem_gib_per_rank=mem if mem is not None else
-                           0.1641 * (replicas > 0), moved_gib_per_hour=moved_gib_h)
+                           0.1641 * (replicas > 0), moved_gib=moved_gib, judged_steps=150)
 
 
-#: the demo's sweep (moetrace sweep --replicas 0,32 --replan-every 25,50 --window 50): net ms per step
-DEMO_SWEEP = [_row(0, None, 3.2719, 0.0), _row(0, 25, 3.4898, 1006424.58), _row(0, 50, 3.3366, 443416.30),
-              _row(32, None, 3.2486, 0.0), _row(32, 25, 3.5519, 1113820.83), _row(32, 50, 3.3861, 483457.91)]
+#: the demo's sweep (moetrace sweep --replicas 0,32 --replan-every 25,50 --window 50): net ms per step,
+#: GiB moved in all over the 150 judged steps
+DEMO_SWEEP = [_row(0, None, 3.2719, 34.41), _row(0, 25, 3.4898, 180.76), _row(0, 50, 3.3366, 95.20),
+              _row(32, None, 3.2486, 38.92), _row(32, 25, 3.5519, 200.10), _row(32, 50, 3.3861, 101.55)]
 
 
 def test_decision_plot_labels_inside_apart_units_and_range(tmp_path, keep_figures):
@@ -65,12 +66,13 @@ def test_decision_plot_labels_inside_apart_units_and_range(tmp_path, keep_figure
             assert box.x0 - 0.5 <= b.x0 and b.x1 <= box.x1 + 0.5 and box.y0 - 0.5 <= b.y0 and b.y1 <= box.y1 + 0.5
         for a, b in itertools.combinations(bbs, 2):
             assert not a.overlaps(b), (a, b)
-    # 1.11e6 GiB per hour = 1.06 PiB per hour (2**20 GiB in a PiB): the unit says PiB, ticks below 2
+    # the operator's units: GiB per plan change (every 25 steps over 150 judged steps: 6 changes,
+    # 200.10 / 6 = 33.35 GiB each; a static plan changes once: 38.92 GiB), GiB per rank
     right = axes[1]
-    assert "PiB per hour" in right.get_xlabel()
-    assert right.get_xlim()[1] < 2 and right.get_xlim()[1] > 1113820.83 / 2**20
-    # 0.1641 GiB per rank = 168 MiB
-    assert "(MiB)" in axes[0].get_xlabel() and axes[0].get_xlim()[1] > 0.1641 * 1024
+    assert right.get_xlabel() == "expert weights moved per plan change (GiB)"
+    xs = sorted(round(float(x), 2) for line in right.lines for x in line.get_xdata() if line.get_marker() == "o")
+    assert xs == sorted(round(v, 2) for v in (34.41, 180.76 / 6, 95.20 / 3, 38.92, 200.10 / 6, 101.55 / 3))
+    assert axes[0].get_xlabel() == "extra expert memory per rank (GiB)" and axes[0].get_xlim()[1] > 0.1641
 
 
 def test_units_scale_to_the_number():

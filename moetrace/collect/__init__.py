@@ -179,6 +179,33 @@ def head(path: Path, n: int = 4096) -> bytes:
         raise InputError(path, f"cannot read: {e.strerror}") from None
 
 
+#: the format names a user types, as the collector that reads them (the generic collector
+#: reads CSV, JSON Lines and Parquet expert loads)
+FORMAT_ALIASES = {"csv": "generic", "jsonl": "generic", "ndjson": "generic", "parquet": "generic"}
+
+
+def _collect_as(name: str, files: list[Path], options: dict, chosen: bool):
+    """The runs collector ``name`` reads from ``files``; when ``--format`` chose a collector
+    and it cannot read a file, the error says which format the file looks like."""
+    try:
+        yield from registry()[name].collect(files, options)
+    except InputError as e:
+        if not chosen:
+            raise
+        looks = None
+        for f in files:
+            try:
+                looks = detect(f).name
+            except InputError:
+                continue
+            if looks != name:
+                break
+        if looks is None or looks == name:
+            raise
+        raise InputError(e.file, f"{e.message}; the file looks like {looks}: use --format {looks} (or leave "
+                                 f"--format out)", e.position) from None
+
+
 def detect(path: Path) -> Collector:
     h = head(path)
     if not h:
@@ -217,8 +244,10 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
     skipped: list[Path] = []
     if format:
         reg = registry()
+        format = FORMAT_ALIASES.get(format.lower(), format)
         if format not in reg:
-            raise InputError(None, f"unknown --format {format!r} (known: {', '.join(reg)})")
+            raise InputError(None, f"--format {format!r} is not a known format: use one of "
+                                   f"{', '.join(list(reg) + list(FORMAT_ALIASES))}, or leave --format out to detect it")
         for f in files:
             if not head(f, 1):
                 raise InputError(f, "file is empty")
@@ -280,7 +309,7 @@ def collect(paths: Sequence[str | Path], format: str | None = None, options: dic
             precheck(f)
     for name, fs in groups.items():
         try:
-            rds = list(registry()[name].collect(fs, options))
+            rds = list(_collect_as(name, fs, options, chosen=bool(format)))
         except RecursionError:   # a collector's recursive walk of a crafted input
             raise InputError(fs[0] if len(fs) == 1 else fs[0].parent,
                              "input nested too deeply to process (a crafted or corrupt file)") from None

@@ -81,23 +81,42 @@ def int_list(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
 
 
+def _said(key: str):
+    """click callback: keep the value in ``ctx.meta`` (shared by every context of one
+    command line), so that an error without a file can name the store and run it was
+    about (:meth:`moetrace.cli.MoetraceGroup.invoke`)."""
+    def cb(ctx, param, value):
+        if value is not None:
+            ctx.meta[f"moetrace.{key}"] = value
+        return value
+    return cb
+
+
 def store_argument(f):
     """The STORE positional argument every store command takes first."""
-    return click.argument("store", type=click.Path(file_okay=False))(f)
+    return click.argument("store", type=click.Path(file_okay=False), callback=_said("store"))(f)
 
 
-def run_option(f=None, *, help="Run id (default: the store's only run)."):
-    """--run RUN_ID."""
+#: what --run means in every command: one run of the store, by id; left out, the store's
+#: only run (a command that can show every run, ``skew``, shows them all when it is left out)
+RUN_HELP = "Run id (default: the store's only run)."
+
+
+def run_option(f=None, *, help=RUN_HELP):
+    """--run RUN_ID: one run of the store, in every command."""
     def deco(g):
-        return click.option("--run", "run_id", default=None, metavar="RUN_ID", help=help)(g)
+        return click.option("--run", "run_id", default=None, metavar="RUN_ID", callback=_said("run"), help=help)(g)
     return deco(f) if f is not None else deco
 
 
-def hardware_option(f=None, *, help="Cost model preset (fitted from spans when the run has them)."):
-    """--hardware, a choice of the cost model's presets (H100, H200, ...)."""
+def hardware_option(f=None, *, help="Cost model preset (fitted from spans when the run has them).",
+                    required: bool = False):
+    """--hardware, one choice list in every command (``cost``, ``replay``, ``sweep``, ...):
+    the cost model's presets (H100, H200, ...), any case; default H200 unless ``required``."""
     def deco(g):
-        return click.option("--hardware", type=LazyChoice(_hardware_presets, case_sensitive=False), default="H200",
-                            show_default=True, callback=lambda ctx, p, v: v.upper() if v else v, help=help)(g)
+        return click.option("--hardware", type=LazyChoice(_hardware_presets, case_sensitive=False),
+                            default=None if required else "H200", required=required, show_default=not required,
+                            callback=lambda ctx, p, v: v.upper() if v else v, help=help)(g)
     return deco(f) if f is not None else deco
 
 

@@ -28,7 +28,7 @@ def _heavy_options(f):
 
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@run_option(help="Run to report on (needed when the store holds several).")
+@run_option
 @out_dir_option(help="Folder for report.html, report.md and the PNGs (default ./moetrace-report-RUN).")
 @click.option("--quiet", is_flag=True, help="Do not print the summary tables, only where the files went.")
 @click.option("--recompute", is_flag=True,
@@ -78,9 +78,23 @@ def report(store, run_id, out, quiet, recompute, no_save, batch_steps, memory_li
         click.get_current_context().exit(1)
 
 
+#: the skew table a terminal shows: the columns that say which layer and which rank, first
+_SKEW_FIRST = ("run_id", "step", "layer", "layers", "imbalance_mean", "imbalance", "imbalance_p99", "balancedness",
+               "efficiency_mean", "efficiency", "worst_layer", "worst_layer_imbalance", "straggler_rank_mode",
+               "straggler_rank", "hottest_expert_mode", "hottest_expert", "gini_mean", "gini", "steps")
+
+
+def _skew_table(rows: Rows, nruns: int) -> Rows:
+    """Skew rows in the terminal's column order (run_id only when several runs)."""
+    first = [c for c in _SKEW_FIRST if c in rows.columns and (c != "run_id" or nruns > 1)]
+    order = first + [c for c in rows.columns if c not in first and (c != "run_id" or nruns > 1)]
+    idx = [rows.columns.index(c) for c in order]
+    return Rows(order, [rows.types[i] for i in idx], [tuple(r[i] for i in idx) for r in rows.rows])
+
+
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@run_option(help="Only this run (default: every run).")
+@run_option(help="Run id (default: every run of the store, one run_id column when there are several).")
 @click.option("--by", type=click.Choice(SKEW_BY), default="layer", show_default=True,
               help="layer: distribution over steps per layer; run: one line per run; step: every (step, layer).")
 @_heavy_options
@@ -119,7 +133,17 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
     else:   # DuckDB's rows, printed without polars (a command's start-up)
         parts = [r.skew_rows(by, batch_steps=batch_steps, memory_limit=memory_limit, progress=_progress)
                  for r in runs]
-        emit_rows(Rows.concat([p for p in parts if p.height] or parts[:1]), fmt, output)
+        rows = Rows.concat([p for p in parts if p.height] or parts[:1])
+        table = fmt == "table" and not output
+        emit_rows(_skew_table(rows, len(runs)) if table else rows, fmt, output)
+        if table and by == "layer":
+            from ..analyze.glance import skew_sentence
+            from ..output import echo_wrapped
+
+            for r, p in zip(runs, parts):
+                said = skew_sentence(st, r.id, p.dicts())
+                if said:
+                    echo_wrapped(said)
     from ..domain.shape import gap_notes
 
     for r in runs:   # a null column always has its reason next to it
@@ -131,9 +155,23 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
                 click.echo(f"run {r.id}: {line}")
 
 
+#: the skew table a terminal shows: the columns that say which layer and which rank, first
+_SKEW_FIRST = ("run_id", "step", "layer", "layers", "imbalance_mean", "imbalance", "imbalance_p99", "balancedness",
+               "efficiency_mean", "efficiency", "worst_layer", "worst_layer_imbalance", "straggler_rank_mode",
+               "straggler_rank", "hottest_expert_mode", "hottest_expert", "gini_mean", "gini", "steps")
+
+
+def _skew_table(rows: Rows, nruns: int) -> Rows:
+    """Skew rows in the terminal's column order (run_id only when several runs)."""
+    first = [c for c in _SKEW_FIRST if c in rows.columns and (c != "run_id" or nruns > 1)]
+    order = first + [c for c in rows.columns if c not in first and (c != "run_id" or nruns > 1)]
+    idx = [rows.columns.index(c) for c in order]
+    return Rows(order, [rows.types[i] for i in idx], [tuple(r[i] for i in idx) for r in rows.rows])
+
+
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
-@run_option(help="Only this run (default: every run).")
+@run_option(help="Run id (default: every run of the store).")
 @click.option("--force", is_flag=True, help="Compute and store again even when the stored results are fresh.")
 @click.option("--status", "status_only", is_flag=True, help="Only say, per run, whether its stored results are fresh.")
 @click.option("--clear", is_flag=True, help="Remove the stored results (of --run, else of every run).")
@@ -196,6 +234,31 @@ def materialize(store, run_id, force, status_only, clear, batch_steps, memory_li
                            + (f"; replaced a stale one ({before.reason})" if before.status == "stale" else ""))
 
 
+@click.command("tokens")
+@click.argument("store", type=click.Path(file_okay=False, exists=True))
+@run_option
+@click.option("--by", type=click.Choice(["expert", "layer", "step"]), default="expert", show_default=True,
+              help="expert: each expert's tokens over the run, most loaded first; layer: the per-expert "
+                   "distribution of a step, per layer; step: every (step, layer).")
+@click.option("--top", type=int, default=None, help="Only the first N rows (--by expert: the N most loaded experts).")
+@output_options
+def tokens(store, run_id, by, top, fmt, output):
+    """Tokens per expert: how many token-expert assignments each expert got, its share, and
+    per layer the spread over experts in a step (views expert_load, tokens_per_expert).
+
+    Example:
+
+    \b
+        moetrace tokens demo --top 10
+        moetrace tokens demo --by layer
+    """
+    from ..analyze.glance import tokens_table
+
+    st = open_store(store)
+    run = st.run(run_id)
+    emit(tokens_table(st, run.id, by, top), fmt, output)
+
+
 def _partly_stored(error: Exception, run_id: str, stored: list[str], store: str) -> str:
     """The one line of a materialize that failed at ``run_id`` after storing ``stored``
     (each run's analysis is its own transaction: those stay stored, and are fresh, so a
@@ -213,3 +276,4 @@ def register(cli):
     cli.add_command(report)
     cli.add_command(skew)
     cli.add_command(materialize)
+    cli.add_command(tokens)

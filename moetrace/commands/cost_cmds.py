@@ -8,7 +8,7 @@ import math
 import click
 
 from ..errors import UsageError
-from ._options import kernel_options
+from ._options import hardware_option, kernel_options
 
 
 def _num(name: str, text, integer: bool = True):
@@ -30,7 +30,7 @@ def _table(rows) -> str:
 
 
 @click.command("cost")
-@click.option("--hardware", required=True, help="GPU: H800, H100, H200, H20, B200, B300, GB200, MI300X, MI355X.")
+@hardware_option(help="GPU whose published kernel measurements the model uses.", required=True)
 @click.option("--hidden", required=True, help="Model hidden size.")
 @click.option("--intermediate", default=None, help="Expert intermediate size (expert MLP mode).")
 @click.option("--weight-dtype", default="fp8", show_default=True, type=click.Choice(["fp8", "bf16", "fp4"]),

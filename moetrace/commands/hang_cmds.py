@@ -29,6 +29,7 @@ def hang(store, run_id, by, fmt, output):
 
     Example:
 
+    \b
         moetrace ingest sample_traces/flight_recorder --store st
         moetrace hang st
         moetrace hang st --by rank

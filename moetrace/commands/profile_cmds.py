@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import open_store
-from ..output import emit, output_options
+from ..output import emit, output_options, times_in_ms
 from ._options import engine_options, engine_sql, run_option
 
 
@@ -78,8 +78,19 @@ def exposure(store, run_id, by, engine, master, remote, fmt, output):
     if by == "straggler" and df.height == 0:
         click.echo(f"run {run.id}: stragglers need at least two ranks with combine spans in a step")
         return
-    emit(df, fmt, output, max_rows=200)
-    if fmt == "table" and not output:
+    if by == "rank" and {"exposed_ns", "dispatch_exposed_ns", "combine_exposed_ns"} <= set(df.columns):
+        import polars as pl
+
+        # exposed time in neither a dispatch nor a combine (other all-to-all kinds), so the
+        # parts add up to exposed_ns in every row
+        df = df.with_columns(other_exposed_ns=pl.col("exposed_ns") - pl.col("dispatch_exposed_ns")
+                             - pl.col("combine_exposed_ns"))
+        cols = df.columns
+        df = df.select(cols[:cols.index("combine_exposed_ns") + 1] + ["other_exposed_ns"]
+                       + [c for c in cols[cols.index("combine_exposed_ns") + 1:] if c != "other_exposed_ns"])
+    table = fmt == "table" and not output
+    emit(times_in_ms(df) if table else df, fmt, output, max_rows=200)
+    if table:
         msg = t.hook_mode_message()
         if msg:
             click.echo("\n" + msg)

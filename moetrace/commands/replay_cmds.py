@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import click
 
-from ..output import check_out_path, echo_json, emit, json_option, output_options
+from ..output import (
+    Progress,
+    check_out_path,
+    echo_json,
+    echo_wrapped,
+    emit,
+    json_option,
+    output_options,
+)
 from ..replay.results import load_answer, load_lines, replay_extra_lines
+from ..replay.strategies import fastest_text
 from ..run import ClusterSpec, Store
 from ..units import gib
 from ._options import (
@@ -82,57 +91,62 @@ move_options = _stack(
                  help="Passes per recorded step when the counts aggregate a recording (times per pass)."))
 
 
+def _say(line: str) -> None:
+    """A line of an answer, wrapped to the terminal (continuations indented under it)."""
+    echo_wrapped(line.lstrip(" "), indent=line[:len(line) - len(line.lstrip(" "))])
+
+
 def _print_changes(j, indent="  "):
     if not j.changes:
         return
     c0 = j.changes[0]
     be = [c.break_even_steps for c in j.changes]
-    click.echo(f"{indent}moves: {j.moved_experts} expert copies, {gib(j.moved_bytes):.2f} GiB "
+    _say(f"{indent}moves: {j.moved_experts} expert copies, {gib(j.moved_bytes):.2f} GiB "
                f"({gib(sum(c.bytes_inter for c in j.changes)):.2f} GiB inter-node) in {len(j.changes)} change(s), "
                f"charged {sum(c.charged_ns for c in j.changes) / 1e6:.3f} ms in all")
     if j.gross_step_ns is None:
-        click.echo(f"{indent}break-even: no time per step to weigh the moves against")
+        _say(f"{indent}break-even: no time per step to weigh the moves against")
     elif len(j.changes) == 1:
-        click.echo(f"{indent}break-even: " + (f"{c0.break_even_steps:.1f} steps (the plan serves {c0.served_steps})"
+        _say(f"{indent}break-even: " + (f"{c0.break_even_steps:.1f} steps (the plan serves {c0.served_steps})"
                                               if c0.break_even_steps is not None else
                                               "never (the plan gains nothing per step)"))
     else:
         ok = [b for b in be if b is not None]
-        click.echo(f"{indent}break-even per re-plan: " + ", ".join("never" if b is None else f"{b:.1f}" for b in be[:12])
+        _say(f"{indent}break-even per re-plan: " + ", ".join("never" if b is None else f"{b:.1f}" for b in be[:12])
                    + (" ..." if len(be) > 12 else "") + f" steps ({sum(c.pays_back for c in j.changes)} of "
                    f"{len(be)} pay back within the steps they serve)" + ("" if ok else ""))
 
 
 def _print_replay(res):
     j, s = res.judged, res.judged.summary
-    click.echo(f"replay {res.replay_id} of run {res.run_id}: {res.plan_desc}; split {res.split}")
-    click.echo(f"  judged on {res.judged_on}")
+    _say(f"replay {res.replay_id} of run {res.run_id}: {res.plan_desc}; split {res.split}")
+    _say(f"  judged on {res.judged_on}")
     la = load_answer(j)
     if la is not None:
         for line in load_lines(la):
-            click.echo(line)
+            _say(line)
     und = f"; {s.undefined_cells} (step, layer) with no tokens left out" if s.undefined_cells else ""
     rec = "" if j.kind == "recorded" else f" vs {j.recorded.mean_imbalance:.3f} recorded"
     if s.mean_imbalance is None:
-        click.echo(f"  no (step, layer) routed any token{und}")
+        _say(f"  no (step, layer) routed any token{und}")
     else:
         eff = f", efficiency {s.mean_efficiency:.3f}" if s.mean_efficiency is not None else ""
-        click.echo(f"  {j.steps.size} steps x {j.plan.num_layers} layers: mean max/mean rank tokens "
+        _say(f"  {j.steps.size} steps x {j.plan.num_layers} layers: mean max/mean rank tokens "
                    f"{s.mean_imbalance:.3f}{rec}, p99 {s.p99_text()}{eff}{und}")
-    click.echo("  modelled time (cost model, with its band):")
-    click.echo(f"  {res.headline()}")
+    _say("  modelled time (cost model, with its band):")
+    _say(f"  {res.headline()}")
     _print_changes(j)
     if j.kind != "recorded":
-        click.echo(f"  time verdict: {j.verdict}: {j.verdict_reason}")
-    click.echo(f"  cost model: {res.cost.source.split(':')[0]}; time error band ±{res.error_band[0]:.0%} "
+        _say(f"  time verdict: {j.verdict}: {j.verdict_reason}")
+    _say(f"  cost model: {res.cost.source.split(':')[0]}; time error band ±{res.error_band[0]:.0%} "
                f"({res.error_band[1]}); {res.move.describe()}")
     if res.nodes_per_token_max is not None:
-        click.echo(f"  per-token routing: exact dispatch bytes; nodes per token mean "
+        _say(f"  per-token routing: exact dispatch bytes; nodes per token mean "
                    f"{res.nodes_per_token_mean:.2f}, max {res.nodes_per_token_max}")
     for line in replay_extra_lines(res):
         click.echo(line)
     for n in res.notes:
-        click.echo(f"  note: {n}")
+        _say(f"  note: {n}")
 
 
 
@@ -299,7 +313,7 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         if as_json:
             echo_json(d.to_dict())
             return
-        _print_drift(d, plot)
+        _print_drift(d, plot, fit_window)
         return
     if plan_id and (fit_window or any(v is not None for v in shape_kw.values())):
         given = [f"--{k.replace('_', '-')}" for k, v in shape_kw.items() if v is not None]
@@ -327,43 +341,44 @@ def replay(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_windo
         print_whatif(wi)
 
 
-def _print_drift(d, plot):
-    click.echo(f"drift replay of run {d.run_id}: {d.policy}, re-plan every {d.every} from the last {d.window} steps; "
-               f"judged on {d.steps.size} steps against the recorded placement")
+def _print_drift(d, plot, fit_window=None):
+    fitted = (f"steps [{fit_window[0]}, {fit_window[1]})" if fit_window else f"the {d.window} steps before them")
+    first = f" (steps {int(d.steps[0])}-{int(d.steps[-1])})" if d.steps.size else ""
+    _say(f"drift replay of run {d.run_id}: {d.policy}, re-plan every {d.every} from the last {d.window} steps; "
+         f"judged on {d.steps.size} steps{first} against the recorded placement; the static plan fitted on {fitted}")
     st = d.results["static"]
-    click.echo(f"  plan: {st.plan.describe()}")
+    _say(f"  plan: {st.plan.describe()}")
     from ..costmodel.step_cost import error_band
 
     band, src = error_band(d.cost)
-    click.echo(f"  time error band ±{band:.0%} ({src}): a predicted difference within it is not a win")
+    _say(f"  time error band ±{band:.0%} ({src}): a predicted difference within it is not a win")
     unit = "pass" if d.timing.per_pass else "step"
     rec_ms = f"{st.recorded_step_ns / 1e6:.3f} ms" if st.recorded_step_ns is not None else "no time"
-    click.echo(f"  recorded mean imbalance {st.recorded.mean_imbalance:.3f}  predicted MoE time/{unit} {rec_ms}")
+    _say(f"  recorded mean imbalance {st.recorded.mean_imbalance:.3f}  predicted MoE time/{unit} {rec_ms}")
     for k, j in d.results.items():
         s = j.summary
         t = (f"gross {j.gross_step_ns / 1e6:.3f} ms, net {j.net_step_ns / 1e6:.3f} ms ({j.vs_recorded()})"
              if j.gross_step_ns is not None else "no time per step")
-        click.echo(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_text()}  {t}  moved "
+        _say(f"  {k:<7} mean imbalance {s.mean_imbalance:.3f}  p99 {s.p99_text()}  {t}  moved "
                    f"{j.moved_experts} experts ({gib(j.moved_bytes):.2f} GiB)  [{d.replay_ids[k]}]")
         la = load_answer(j)
         if la is not None:
-            click.echo(f"          load (exact): {la.verdict}: {la.reason}")
+            _say(f"          load (exact): {la.verdict}: {la.reason}")
         if k != "oracle":
             _print_changes(j, "          ")
-        click.echo(f"          time verdict: {j.verdict}: {j.verdict_reason}")
-    f = d.fastest()
-    click.echo(f"  fastest net: {f.kind if f else 'none'}" + (" (the oracle is a bound, not a plan)" if f else ""))
+        _say(f"          time verdict: {j.verdict}: {j.verdict_reason}")
+    _say("  " + fastest_text({k: j.net_step_ns for k, j in d.results.items()}, band))
     if d.unrelabeled_moves is not None:
-        click.echo(f"  re-plans' ranks renamed to keep experts in place: {d.results['replan'].moved_experts} moves "
+        _say(f"  re-plans' ranks renamed to keep experts in place: {d.results['replan'].moved_experts} moves "
                    f"instead of {d.unrelabeled_moves} with the planner's own numbering")
-    click.echo("  stale plan by age quartile: " + ", ".join(f"{x:.3f}" for x in d.static_by_age_quartile()))
+    _say("  stale plan by age quartile: " + ", ".join(f"{x:.3f}" for x in d.static_by_age_quartile()))
     ra = d.replan_by_age()
-    click.echo("  re-planned plan by steps since re-plan: " + ", ".join(
+    _say("  re-planned plan by steps since re-plan: " + ", ".join(
         f"{a}: {x:.3f}" for a, x in zip(ra["age"], ra["mean_imbalance"])))
     for n in d.notes:
-        click.echo(f"  note: {n}")
+        _say(f"  note: {n}")
     if plot:
-        click.echo(f"  wrote {plot}")
+        _say(f"  wrote {plot}")
 
 
 @click.command()
@@ -426,22 +441,47 @@ def sweep(store, run_id, policy, replicas, intervals, windows, ranks, groups, no
         import polars as pl
 
         st = Store(store)
-        results, skipped = sweep_runs(st, st.run_ids(), policy, **kw)
+        with Progress("sweep: judging cells") as bar:
+            results, skipped = sweep_runs(st, st.run_ids(), policy, progress=bar, **kw)
         df = pl.concat([r.frame(brief=fmt in (None, "table") and not output).select(
             pl.lit(r.run_id).alias("run_id"), pl.all()) for r in results], how="diagonal_relaxed")
         notes = skipped + [f"{r.run_id}: {n}" for r in results for n in r.notes]
     else:
-        res = Store(store).run(run_id).sweep(policy, **kw)
+        with Progress("sweep: judging cells") as bar:
+            res = Store(store).run(run_id).sweep(policy, progress=bar, **kw)
         if plot:
             from ..report.plots import decision as decision_plot
 
             decision_plot(res.rows, plot)
             click.echo(f"wrote {plot}", err=True)
         df, notes = res.frame(brief=fmt in (None, "table") and not output), res.notes
+    if fmt in (None, "table") and not output:
+        df = _sweep_table(df)
     if fmt in (None, "table"):
         for n in notes:
-            click.echo(f"note: {n}", err=True)
+            echo_wrapped(f"note: {n}", err=True)
     emit(df, fmt, output)
+
+
+#: the sweep's terminal table: the columns that answer "which budget and interval, and does
+#: it pay off", first (a narrow terminal keeps these); the rest follow (--wide shows them)
+_SWEEP_COLUMNS = {"replicas": "replicas", "replan_every": "every", "window": "window", "net_ms": "net_ms",
+                  "net_vs_rec_%": "vs_rec_%", "time verdict": "time verdict", "straggler_tok": "straggler_tok",
+                  "load (exact)": "load (exact)", "extra_GiB_per_rank": "GiB/rank", "moved_GiB": "moved_GiB",
+                  "replan_GiB_per_h": "replan_GiB/h", "rec_straggler_tok": "rec_straggler_tok",
+                  "imbalance": "imbalance", "recorded_ms": "recorded_ms", "break_even_steps": "break_even_steps"}
+
+
+def _sweep_table(df):
+    """The decision table as a terminal shows it: key columns first, short names, the
+    static plan's interval said as "static"."""
+    import polars as pl
+
+    first = [c for c in _SWEEP_COLUMNS if c in df.columns]
+    df = df.select(first + [c for c in df.columns if c not in _SWEEP_COLUMNS])
+    if "replan_every" in df.columns:
+        df = df.with_columns(pl.col("replan_every").cast(pl.Utf8).fill_null("static"))
+    return df.rename({c: _SWEEP_COLUMNS[c] for c in first})
 
 
 def register(cli):

@@ -35,6 +35,7 @@ def waits(store, run_id, by, shift_steps, fmt, output):
 
     Example:
 
+    \b
         moetrace waits st --by matrix
         moetrace waits st --shift-steps even --by instance
     """

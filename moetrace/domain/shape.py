@@ -69,8 +69,10 @@ def check_shape(shape: PlanShape, num_experts: int, policy: str | None = None) -
     if S < num_experts:
         raise InputError(None, f"{S} slots cannot hold {num_experts} experts (--replicas must be >= 0)")
     if policy != "one-per-rank" and S % R:
-        raise InputError(None, f"{S} slots ({S - num_experts} redundant, --replicas) do not divide evenly over "
-                               f"--ranks {R}")
+        first = (-num_experts) % R
+        fits = ", ".join(str(first + i * R) for i in range(3))
+        raise InputError(None, f"--replicas {S - num_experts}: {S} slots ({num_experts} experts + {S - num_experts} "
+                               f"redundant) do not divide evenly over --ranks {R}; use --replicas {fits}, …")
     if policy == "eplb":
         if shape.num_groups is None:
             raise InputError(None, "hierarchical EPLB needs the model's expert group count, which this run does not "
@@ -179,6 +181,21 @@ class Shape:
         held = min(int(self.steps.size), STREAMED_STEPS) if streamed else int(self.steps.size)
         check_replay_memory(S, held, int(self.layers.size))
         return ps
+
+    def with_cluster(self, cluster: ClusterSpec | None) -> "Shape":
+        """This shape, or where the run records no rank count and ``cluster`` gives one
+        (``--ranks N``), a copy on N ranks: the recorded placement is then taken as
+        contiguous over them (slot = expert), said in :attr:`notes`."""
+        from dataclasses import replace
+
+        if self.num_ranks is not None or cluster is None or not cluster.ranks:
+            return self
+        R = int(cluster.ranks)
+        note = (f"the run records no rank count: --ranks {R} used, and the recorded placement taken as "
+                f"contiguous over {R} ranks")
+        notes = [n for n in self.notes if "rank count unknown" not in n] + [note]
+        return replace(self, num_ranks=R, ranks_from="--ranks", num_slots=self.num_slots or self.num_experts,
+                       notes=notes)
 
     def describe(self) -> str:
         return (f"{self.num_ranks or '?'} ranks ({self.ranks_from or 'unknown'}), "

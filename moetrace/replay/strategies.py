@@ -35,14 +35,12 @@ from ..domain.shape import PlanShape, Timing
 from ..placement.moves import move_copies, replan
 from ..placement.planners import Plan, make_plan
 from ..placement.relabel import relabel
+from ..units import DOES_NOT, NOT_ENOUGH, PAYS_OFF, compare_word  # noqa: F401  (the verdict words live in units)
 from .accumulate import LoadAccumulator, LoadTotals, SummaryAccumulator
 from .engine import Block, LayerMetrics, Summary, layer_metrics, ordered_map, reuse_freed_memory
 
 #: fewer judged steps than this cannot carry a verdict
 MIN_JUDGED_STEPS = 10
-
-PAYS_OFF, DOES_NOT, NOT_ENOUGH = "pays off", "does not pay off", "not enough evidence"
-
 
 @dataclass
 class MoveCost:
@@ -164,15 +162,30 @@ def verdict(net_ns: float | None, recorded_ns: float | None, judged_steps: int, 
         return NOT_ENOUGH, "no predicted time per step (the counts aggregate many passes)"
     if judged_steps < min_steps:
         return NOT_ENOUGH, f"only {judged_steps} steps judged (fewer than {min_steps})"
-    eb = error_band(cost)
-    band, src = eb
-    diff = (net_ns - recorded_ns) / recorded_ns if recorded_ns else 0.0
-    d = f"{diff:+.1%}".replace("-", "−")
-    # a band carried over from other GPUs or kernels: said first, and only a difference beyond it decides
-    uv = f", a band {eb.unvalidated()}" if eb.unvalidated() else ""
-    if abs(diff) <= band:
-        return NOT_ENOUGH, f"net {d} vs recorded, within the model's ±{band:.0%} error{uv} ({src})"
-    return (PAYS_OFF if diff < 0 else DOES_NOT), f"net {d} vs recorded, beyond the model's ±{band:.0%} error{uv} ({src})"
+    eb = error_band(cost)          # its full source is said once per answer, with the cost model
+    band = eb[0]
+    word, _ = compare_word(net_ns, recorded_ns, band)
+    d = f"{(net_ns - recorded_ns) / recorded_ns if recorded_ns else 0.0:+.1%}".replace("-", "−")
+    where = "within" if word == NOT_ENOUGH else "beyond"
+    unval = eb.unvalidated() if hasattr(eb, "unvalidated") else None
+    return word, f"net {d} vs recorded, {where} the model's ±{band:.0%} band" + (f" ({unval})" if unval else "")
+
+
+def fastest_text(nets: dict[str, float | None], band: float, bound: tuple[str, ...] = ("oracle",)) -> str:
+    """"fastest net: static" when it beats every other plan by more than ±``band``, else
+    what the band allows one to say ("static and replan within the ±10% band: no predicted
+    winner"); ``bound`` (the oracle) is left out: a bound, not a plan."""
+    known = {k: v for k, v in nets.items() if v is not None and k not in bound}
+    if not known:
+        return "fastest net: none (no predicted time per step)"
+    best = min(known, key=lambda k: known[k])
+    tied = [k for k, v in known.items() if k != best and compare_word(known[best], v, band)[0] == NOT_ENOUGH]
+    if tied:
+        return (f"fastest net: {best} predicted, but {', '.join(tied)} within the ±{band:.0%} band of it: "
+                "no predicted winner")
+    if len(known) == 1:
+        return f"fastest net: {best} (the only plan with a time)"
+    return f"fastest net: {best}, beyond the ±{band:.0%} band of the others"
 
 
 def change_cost(prev: Plan, new: Plan, expert_bytes: int, cost: CostModel, mc: MoveCost) -> tuple[int, int, int, float, float]:

@@ -224,7 +224,10 @@ def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
         None if j.net_step_ns is None else (j.net_step_ns / j.recorded_step_ns - 1) * 100,
         j.moved_experts, j.moved_bytes / 2**30,
         sum(c.bytes for c in j.changes[1:]) / 2**30 / hours if hours > 0 else None,
-        float(np.median(be)) if be else None, j.verdict, j.verdict_reason)
+        float(np.median(be)) if be else None, j.verdict,
+        # a row of --format csv/json stands alone: its reason carries the band's source (the
+        # terminal table says it once, in the notes)
+        j.verdict_reason + (f" ({costmod.error_band(m.cost)[1]})" if "band" in j.verdict_reason else ""))
     mc = job.opts.move
     if mc.layers_per_step:
         sb = [c.break_even_steps for c in scheduled_changes(j.changes, shape.layers.size, mc.stall_ns,
@@ -235,10 +238,16 @@ def sweep_cell(m: _InMemory, job: SweepJob, cell: SweepCell) -> SweepCellResult:
     return SweepCellResult(cell.index, row, j, layer_tbls)
 
 
-def run_sweep_cells(store, job: SweepJob, cells: list[SweepCell] | None = None) -> list[SweepCellResult]:
-    """Judge ``cells`` (default all of the job's) in this process."""
+def run_sweep_cells(store, job: SweepJob, cells: list[SweepCell] | None = None, done=None) -> list[SweepCellResult]:
+    """Judge ``cells`` (default all of the job's) in this process; ``done()`` is called
+    after each cell (a progress bar)."""
     m = sweep_context(store, job)
-    return [sweep_cell(m, job, c) for c in (job.cells if cells is None else cells)]
+    out = []
+    for c in (job.cells if cells is None else cells):
+        out.append(sweep_cell(m, job, c))
+        if done is not None:
+            done()
+    return out
 
 
 def finish_sweep(store, job: SweepJob, results: list[SweepCellResult]) -> SweepResult:

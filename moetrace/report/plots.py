@@ -42,9 +42,31 @@ def figure(width: float = 8.0, height: float = 4.0):
     return fig, ax
 
 
+def fit_titles(fig) -> None:
+    """Wrap every axes title (and the figure's) to the width it has, so none is clipped:
+    the characters that fit the axes at the title's font size, words never split."""
+    import textwrap
+
+    fig_w = fig.get_figwidth()
+    for ax in fig.axes:
+        title = ax.title
+        text = title.get_text()
+        if not text:
+            continue
+        width_in = fig_w * ax.get_position().width
+        chars = max(20, int(width_in * 72 / (0.55 * title.get_fontsize())))
+        lines = [w for part in text.split("\n") for w in (textwrap.wrap(part, chars, break_long_words=False) or [""])]
+        title.set_text("\n".join(lines))
+    if getattr(fig, "_suptitle", None) is not None and fig._suptitle.get_text():
+        st = fig._suptitle
+        chars = max(20, int(fig_w * 72 / (0.55 * st.get_fontsize())))
+        st.set_text("\n".join(textwrap.wrap(st.get_text(), chars, break_long_words=False)))
+
+
 def save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fit_titles(fig)
     fig.tight_layout()
     _savefig(fig, path)
     return path
@@ -69,7 +91,7 @@ def _apply_style(ax):
 
 
 def bars(path, labels, values, *, title: str, xlabel: str, ylabel: str, ref_line: float | None = None,
-         ref_label: str | None = None, highlight: int | None = None, errors=None, color: str = "#4C72B0",
+         ref_label: str | None = None, highlight: int | None = None, errors=None, color: str | None = None,
          width: float | None = None, annotate: bool = False):
     """Vertical bars, one per label; ``highlight`` (an index, a list of indices, or "max")
     draws those bars in red. "max" marks every bar tied for the largest value, so two equal
@@ -78,9 +100,9 @@ def bars(path, labels, values, *, title: str, xlabel: str, ylabel: str, ref_line
     fig, ax = figure(width or min(14.0, max(6.0, 0.22 * n + 3)), 4.0)
     _apply_style(ax)
     x = np.arange(n)
-    colors = [color] * n
+    colors = [color or KIND_COLORS["measured"]] * n
     for i in highlighted(values, highlight):
-        colors[i] = "#C44E52"
+        colors[i] = KIND_COLORS["highlight"]
     ax.bar(x, values, color=colors, yerr=errors, capsize=2 if errors is not None else 0, width=0.8)
     if ref_line is not None:
         ax.axhline(ref_line, color="black", linestyle="--", linewidth=1, label=ref_label)
@@ -160,7 +182,7 @@ def heatmap(path, matrix: np.ndarray, *, title: str, xlabel: str, ylabel: str, c
     if groups:
         edges = [g[0] for g in groups] + [cols]
         for e in edges[1:-1]:
-            ax.axvline(e - 0.5, color="#00E5FF", linewidth=1.1, alpha=1.0)
+            ax.axvline(e - 0.5, color=KIND_COLORS["boundary"], linewidth=1.1, alpha=1.0)
         top = ax.secondary_xaxis("top")
         step = max(1, int(np.ceil(len(groups) / 16)))
         centers = [(edges[i] + edges[i + 1] - 1) / 2 for i in range(len(groups))]
@@ -169,7 +191,7 @@ def heatmap(path, matrix: np.ndarray, *, title: str, xlabel: str, ylabel: str, c
         top.tick_params(length=0)
         if mark_group is not None and 0 <= mark_group < len(groups):
             lo, hi = edges[mark_group] - 0.5, edges[mark_group + 1] - 0.5
-            ax.axvspan(lo, hi, fill=False, edgecolor="#00FF7F", linewidth=1.8)
+            ax.axvspan(lo, hi, fill=False, edgecolor=KIND_COLORS["window"], linewidth=1.8)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -230,10 +252,32 @@ def plateau(path, series, *, title: str, xlabel: str, ylabel: str):
     return _finish(fig, ax, path, title, xlabel, ylabel, legend_right=bool(series))
 
 
-#: one colour per span kind, the same in every figure
+#: the one palette: one colour per kind, the same in every figure (the report's sections
+#: and the replay plots take their colours here, never a literal of their own)
 KIND_COLORS = {"expert_gemm": "#4C72B0", "attention": "#55A868", "compute_other": "#8C8C8C",
                "dispatch": "#DD8452", "combine": "#C44E52", "a2a_other": "#937860", "comm_other": "#8172B3",
-               "memcpy": "#DA8BC3", "memset": "#CCB974", "idle": "#FFFFFF"}
+               "memcpy": "#DA8BC3", "memset": "#CCB974", "idle": "#FFFFFF",
+               # all-to-all time no compute hid, and the part compute hid
+               "exposed": "#1F1F5C", "hidden": "#B8B8B8",
+               # bars of a measured quantity, and the one the text calls out (the worst layer, the straggler)
+               "measured": "#4C72B0", "highlight": "#C44E52", "reference": "#000000",
+               # lines drawn over a heatmap: an expert-group boundary, a marked step window
+               "boundary": "#00E5FF", "window": "#00FF7F"}
+#: how a caption names each colour of :data:`KIND_COLORS`
+COLOR_NAMES = {"#4C72B0": "blue", "#55A868": "green", "#8C8C8C": "grey", "#DD8452": "orange", "#C44E52": "red",
+               "#937860": "brown", "#8172B3": "purple", "#DA8BC3": "pink", "#CCB974": "olive", "#FFFFFF": "white",
+               "#1F1F5C": "dark blue", "#B8B8B8": "light grey", "#000000": "black", "#00E5FF": "cyan",
+               "#00FF7F": "bright green"}
+
+
+def color_of(kind: str) -> str:
+    """The palette's colour of ``kind``."""
+    return KIND_COLORS[kind]
+
+
+def color_name(kind: str) -> str:
+    """The word a caption uses for the colour of ``kind`` ("orange")."""
+    return COLOR_NAMES[KIND_COLORS[kind]]
 
 
 def stacked(path, labels, parts: dict[str, np.ndarray], *, title: str, xlabel: str, ylabel: str,
@@ -399,11 +443,22 @@ def drift_from_dict(d: dict, path):
                  by_age=d.get("replan_by_age"), oracle_mean=d.get("oracle", {}).get("mean_imbalance"))
 
 
+def _extra_gib(r) -> float:
+    return float(r.extra_mem_gib_per_rank or 0.0)
+
+
+def _gib_per_replan(r) -> float:
+    """GiB moved per plan change: a static plan changes once (from the recorded placement), a
+    re-planned one once per ``replan_every`` judged steps (the first included)."""
+    changes = 1 if r.replan_every is None else max(1, -(-int(r.judged_steps) // int(r.replan_every)))
+    return float(r.moved_gib or 0.0) / changes
+
+
 def decision(rows, path):
     """The operator's decision table (``moetrace sweep``): net predicted time per step
     against extra expert memory per rank (left) and against weights moved per hour (right),
     one marker per row labelled with its budget, window and verdict, the recorded placement
-    as a dashed line. Units scale to the numbers (µs/ms, KiB..PiB), no offset ("1e6") on an
+    as a dashed line. In the operator's units (ms per step, GiB per plan change), no offset ("1e6") on an
     axis; the time axis spans the values (from 0 it flattened differences of a few percent);
     labels sit inside the axes and never on each other (:func:`place_labels`)."""
     ok = [r for r in rows if r.skipped is None and r.net_ms is not None]
@@ -412,22 +467,19 @@ def decision(rows, path):
     axes = fig.subplots(1, 2)
     rec = next((r.recorded_ms for r in ok), None)
     times = [r.net_ms for r in ok] + ([rec] if rec is not None else [])
-    tname, tdiv = time_unit(1e6 * max(times)) if times else ("ms", 1e6)
-    tscale = 1e6 / tdiv                     # ms -> the chosen unit
+    tname, tscale = "ms", 1.0               # the operator's unit: ms per step, whatever the size
     groups: dict[str, list] = {}
     for r in ok:
         groups.setdefault("static" if r.replan_every is None else f"re-plan every {r.replan_every}", []).append(r)
     order = sorted(groups, key=lambda g: (g != "static", int(g.rsplit(" ", 1)[1]) if g != "static" else 0))
-    panels = ((axes[0], "extra_mem_gib_per_rank", "extra expert memory per rank ({u})", ""),
-              (axes[1], "moved_gib_per_hour", "expert weights moved ({u} per hour of predicted time)", "/h"))
-    for ax, xkey, xlabel, _per in panels:
+    panels = ((axes[0], _extra_gib, "extra expert memory per rank (GiB)"),
+              (axes[1], _gib_per_replan, "expert weights moved per plan change (GiB)"))
+    for ax, xof, xlabel in panels:
         _apply_style(ax)
-        xb = [2**30 * (getattr(r, xkey) or 0.0) for r in ok]
-        uname, udiv = byte_unit(max(xb, default=0.0))
         pts = []
         for i, name in enumerate(order):
             rs = groups[name]
-            xs = [2**30 * (getattr(r, xkey) or 0.0) / udiv for r in rs]
+            xs = [xof(r) for r in rs]
             ys = [r.net_ms * tscale for r in rs]
             ax.plot(xs, ys, "o", color=f"C{i}", label=name, zorder=3)
             pts += [(x, y, f"+{r.replicas}, w{r.window}: {r.verdict}", f"C{i}") for x, y, r in zip(xs, ys, rs)]
@@ -442,7 +494,7 @@ def decision(rows, path):
         for a in (ax.xaxis, ax.yaxis):
             a.set_major_formatter(matplotlib.ticker.ScalarFormatter(useOffset=False))
             a.get_major_formatter().set_scientific(False)
-        ax.set_xlabel(xlabel.format(u=uname))
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(f"net predicted MoE time per step ({tname})")
         ax._moetrace_points = pts
     axes[0].set_title("replica budget: net time vs memory")
@@ -468,7 +520,7 @@ def predicted_vs_measured(path, measured: np.ndarray, predicted: np.ndarray, mar
     _apply_style(ax)
     m, p, s = np.asarray(measured, float), np.asarray(predicted, float), np.asarray(marked, bool)
     ax.scatter(m[~s], p[~s], s=12, alpha=0.6, label="rank")
-    ax.scatter(m[s], p[s], s=18, alpha=0.8, color="#DD8452", label=marked_label)
+    ax.scatter(m[s], p[s], s=18, alpha=0.8, color=KIND_COLORS["highlight"], label=marked_label)
     lo = max(min(m.min(), max(p.min(), 1e-3)) * 0.8, 1e-3)
     hi = max(m.max(), p.max()) * 1.2
     ax.plot([lo, hi], [lo, hi], color="k", lw=0.8, label="predicted = measured")

@@ -72,6 +72,19 @@ def _refuse(what: str) -> UsageError:
                       f"(--unsafe lifts it)")
 
 
+def sql_error_text(e: Exception, most: int = 300) -> str:
+    """DuckDB's error message with its first part on one line (at most ``most`` characters)
+    and, when it points into the query, its "LINE n: ..." line and the caret line under it
+    kept as DuckDB aligned them (folded onto one line the caret points at nothing)."""
+    text = str(e)
+    head, sep, tail = text.partition("\nLINE ")
+    out = " ".join(head.split())[:most]
+    if sep:
+        lines = ("LINE " + tail).splitlines()[:2]
+        out += "\n" + "\n".join(x.rstrip() for x in lines)
+    return out
+
+
 def check_statement(query: str) -> None:
     """Refuse anything but one SELECT / EXPLAIN [ANALYZE] SELECT statement."""
     import duckdb
@@ -79,7 +92,7 @@ def check_statement(query: str) -> None:
     try:
         stmts = duckdb.extract_statements(query)
     except duckdb.Error as e:
-        raise StoreError(f"SQL error: {' '.join(str(e).split())[:300]}") from None
+        raise StoreError(f"SQL error: {sql_error_text(e)}") from None
     if len(stmts) != 1:
         raise _refuse(f"{len(stmts)} statements given" if stmts else "no statement given")
     kind = stmts[0].type.name
@@ -329,7 +342,7 @@ def run_streamed(con, query: str, *, fmt: str, output: str | None, store_path, p
                 if isinstance(e, duckdb.OutOfMemoryException) or "Out of Memory" in msg:
                     raise UsageError(f"sql: the query needs more memory than --memory-limit allows: "
                                      f"{msg.split(' Possible solutions')[0]}") from None
-                raise StoreError(f"SQL error: {msg}") from None
+                raise StoreError(f"SQL error: {sql_error_text(e)}") from None
         ok = True
     finally:
         sink.close(ok)

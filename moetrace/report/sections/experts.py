@@ -147,9 +147,9 @@ def build(ctx: ReportContext) -> Section | None:
         counts[0] += max(missing, 0)  # experts without rows received 0 tokens
         centers = (np.arange(nb + 1) + 0.5) * width
         fig, ax = plots.figure(8, 4)
-        ax.bar(centers[:nb], counts[:nb], width=width * 0.95, color="#4C72B0")
+        ax.bar(centers[:nb], counts[:nb], width=width * 0.95, color=plots.color_of("measured"))
         if counts[nb]:
-            ax.bar(centers[nb], counts[nb], width=width * 0.95, color="#C44E52",
+            ax.bar(centers[nb], counts[nb], width=width * 0.95, color=plots.color_of("highlight"),
                    label=f"{nb * width:.0f} or more (busiest 0.1%)")
         bound_shown = bound <= top * 1.1 and not whole
         if bound_shown:

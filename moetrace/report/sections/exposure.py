@@ -15,11 +15,18 @@ from ...units import ms_text
 from ..base import Figure, ReportContext, Section, md_table
 
 ORDER = 40
-LANES = [("compute", COMPUTE_KINDS, "#8C8C8C",
-          "grey = compute kernels on any stream"),
-         ("dispatch", ("dispatch",), "#4C72B0", "blue = dispatch"),
-         ("combine", ("combine",), "#DD8452", "orange = combine"),
-         ("a2a other", ("a2a_other",), "#55A868", "green = notify/barrier kernels")]
+def _lanes():
+    """(label, kinds, colour, caption words) per timeline lane, in the palette's colours."""
+    from ..plots import color_name, color_of
+
+    return [("compute", COMPUTE_KINDS, color_of("compute_other"),
+             f"{color_name('compute_other')} = compute kernels on any stream"),
+            ("dispatch", ("dispatch",), color_of("dispatch"), f"{color_name('dispatch')} = dispatch"),
+            ("combine", ("combine",), color_of("combine"), f"{color_name('combine')} = combine"),
+            ("a2a other", ("a2a_other",), color_of("a2a_other"),
+             f"{color_name('a2a_other')} = notify/barrier kernels")]
+
+
 MAX_TIMELINE_RANKS = 8
 
 
@@ -113,7 +120,7 @@ def _timeline(ctx: ReportContext, t=None) -> Figure | None:
     t0 = spans["start_ns"].min()
     ranks = sorted(spans["rank"].unique().to_list())
     present = set(spans["kind"].unique().to_list())
-    lanes = [ln for ln in LANES if present.intersection(ln[1])]   # only the kinds this step has
+    lanes = [ln for ln in _lanes() if present.intersection(ln[1])]   # only the kinds this step has
     fig, ax = plots.figure(11.0, 1.0 + 0.18 * (len(lanes) + 1) * len(ranks))
     yt, yl = [], []
     for ri, r in enumerate(ranks):
@@ -156,8 +163,8 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
     hid = per["overlapped_ns"].to_numpy() / 1e6
     exp = per["exposed_ns"].to_numpy() / 1e6
     # a legend entry only for a series with bars
-    ax.bar(x, exp, color="#C44E52", label="exposed" if exp.any() else None)
-    ax.bar(x, hid, bottom=exp, color="#8C8C8C", alpha=0.6, label="hidden behind compute" if hid.any() else None)
+    ax.bar(x, exp, color=plots.color_of("exposed"), label="exposed" if exp.any() else None)
+    ax.bar(x, hid, bottom=exp, color=plots.color_of("hidden"), label="hidden behind compute" if hid.any() else None)
     top = float((exp + hid).max()) if per.height else 0.0
     ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)   # the bars' sticky edges would clip the tallest one
     ax.set_xticks(x)
@@ -170,7 +177,8 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
     if exp.any() or hid.any():
         ax.legend(fontsize=8)
     path = plots.save(fig, ctx.outdir / f"exposure_layers_{rid_safe(ctx.run_id)}.png")
-    what = " and ".join(w for w, v in (("exposed (red)", exp.any()), ("hidden (grey)", hid.any())) if v)
+    what = " and ".join(w for w, v in ((f"exposed ({plots.color_name('exposed')})", exp.any()),
+                                       (f"hidden ({plots.color_name('hidden')})", hid.any())) if v)
     return Figure(path, f"{what[0].upper() + what[1:] if what else 'No'} all-to-all time per layer, summed over ranks, "
                         "steps, micro-batches and kinds"
                         + ("; layer numbers inferred from order, not annotated." if inferred else "."))
@@ -178,8 +186,10 @@ def _layer_bars(ctx: ReportContext, groups: pl.DataFrame) -> Figure | None:
 
 def layer_bars_what(exposed: bool, hidden: bool) -> str:
     """What the per-layer bars draw, as the title says it: only the series that have bars."""
+    from ..plots import color_name
+
     if exposed and hidden:
-        return "exposed (red) vs hidden behind compute (grey)"
+        return f"exposed ({color_name('exposed')}) vs hidden behind compute ({color_name('hidden')})"
     if exposed:
         return "all exposed (none hidden behind compute)"
     return "all hidden behind compute (none exposed)" if hidden else "none recorded"

@@ -204,6 +204,11 @@ def fastest_sentence(deployable: pl.DataFrame) -> str:
     if b["ratio"] >= 1.0:
         return ("No stored replay is faster net than the recorded placement on the same steps; the closest is "
                 + what + scope + "." + verdict)
+    from ...units import NOT_ENOUGH
+
+    if b["verdict"] == NOT_ENOUGH:   # the word replay, drift and sweep use for the same comparison
+        return ("Lowest predicted net time against the recorded placement on the same steps, not a predicted win "
+                "(the difference is within the model's band, or too few steps): " + what + scope + "." + verdict)
     return "Fastest net against the recorded placement on the same steps: " + what + scope + "." + verdict
 
 

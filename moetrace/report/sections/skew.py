@@ -88,13 +88,16 @@ def build(ctx: ReportContext) -> Section | None:
         p99 = layers["imbalance_p99"].fill_null(float("nan")).to_numpy()
         worst_i = int(np.nanargmax(means))
         err = np.vstack([np.zeros_like(means), np.nan_to_num(p99 - means)])
+        whiskers = bool(err.max() > 0)     # one step (or a p99 equal to the mean): no whisker is drawn
+        bar_is = "mean over steps" if int(layers["steps"].max() or 0) > 1 else "its one step"
         figs.append(Figure(plots.bars(
             out / "skew_layer_imbalance.png", layers["layer"].to_list(), np.nan_to_num(means, nan=0.0),
-            title="Rank imbalance per layer (bar: mean over steps, whisker: p99)", xlabel="MoE layer",
-            ylabel="max / mean rank tokens (×)", ref_line=1.0, ref_label="perfect balance (1.0×)",
-            highlight=worst_i, errors=err if err.max() > 0 else None),
-            "Per-layer imbalance: the busiest rank's tokens over the mean rank's, mean over steps (bar) and "
-            "p99 (whisker). 1.0 is perfect balance; the worst layer is in red."))
+            title=f"Rank imbalance per layer (bar: {bar_is}" + (", whisker: p99)" if whiskers else ")"),
+            xlabel="MoE layer", ylabel="max / mean rank tokens (×)", ref_line=1.0,
+            ref_label="perfect balance (1.0×)", highlight=worst_i, errors=err if whiskers else None),
+            f"Per-layer imbalance: the busiest rank's tokens over the mean rank's, {bar_is} (bar)"
+            + (" and p99 (whisker)" if whiskers else "") + ". 1.0 is perfect balance; the worst layer is in "
+            f"{plots.color_name('highlight')}."))
         wl = int(layers["layer"][worst_i])
         rl = _mean_rank_tokens(ctx, wl)
         strag = ctx.sql("SELECT straggler_rank, count(*) AS steps FROM layer_skew WHERE run_id = ? AND layer = ? "
