@@ -155,20 +155,6 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
                 click.echo(f"run {r.id}: {line}")
 
 
-#: the skew table a terminal shows: the columns that say which layer and which rank, first
-_SKEW_FIRST = ("run_id", "step", "layer", "layers", "imbalance_mean", "imbalance", "imbalance_p99", "balancedness",
-               "efficiency_mean", "efficiency", "worst_layer", "worst_layer_imbalance", "straggler_rank_mode",
-               "straggler_rank", "hottest_expert_mode", "hottest_expert", "gini_mean", "gini", "steps")
-
-
-def _skew_table(rows: Rows, nruns: int) -> Rows:
-    """Skew rows in the terminal's column order (run_id only when several runs)."""
-    first = [c for c in _SKEW_FIRST if c in rows.columns and (c != "run_id" or nruns > 1)]
-    order = first + [c for c in rows.columns if c not in first and (c != "run_id" or nruns > 1)]
-    idx = [rows.columns.index(c) for c in order]
-    return Rows(order, [rows.types[i] for i in idx], [tuple(r[i] for i in idx) for r in rows.rows])
-
-
 @click.command()
 @click.argument("store", type=click.Path(file_okay=False, exists=True))
 @run_option(help="Run id (default: every run of the store).")
