@@ -28,6 +28,10 @@ if XDIST_WORKER:
                  "MOETRACE_DUCKDB_THREADS"):
         os.environ.setdefault(_var, "1")
 
+# Tables and prose fit the terminal's width; the tests read them at the 120 columns the docs
+# show, whatever terminal (or none) the suite runs under.
+os.environ["COLUMNS"] = "120"
+
 #: fixtures several modules take, and the xdist group of those modules' tests (with their
 #: module-scoped ones): one worker builds the fixture once. two_runs_template: a session
 #: fixture of this conftest; forked_ranks (tests/helpers/forked_ranks.py): the reference-run

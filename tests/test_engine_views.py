@@ -360,7 +360,8 @@ def test_skew_prints_the_dp_balance_line(refrun_store, runner, cli):
     s = st.sql("SELECT * FROM dp_balance_summary WHERE run_id = ?", [rid]).row(0, named=True)
     r = invoke(runner, cli, "skew", st.path, "--by", "run")
     assert r.exit_code == 0, r.output
-    line = next(ln for ln in r.output.splitlines() if "attention-DP balance" in ln)
+    said = " ".join(r.output.split())   # the line is wrapped to the terminal: read it as one
+    line = said[said.index("attention-DP balance"):]
     assert f"{s['balance_mean']:.3f} mean over 8 steps" in line and "tokens-proportional estimate" in line
     r = invoke(runner, cli, "skew", st.path, "--by", "run", "--format", "json")
     json.loads(r.output)          # json stays one parseable table

@@ -86,4 +86,5 @@ def test_units_read_as_written_by_hand():
     assert percent(0.12345) == 12.3 and percent(0.12345, 2) == 12.35 and percent(None) is None
     assert share_text(0.0001) == "<0.1%" and share_text(0.5) == "50.0%" and share_text(0.0) == "0.0%"
     assert json.dumps(ClusterSpec().__dict__) == json.dumps(
-        {"ranks": None, "replicas": None, "groups": None, "nodes": None, "ranks_per_node": None})
+        {"ranks": None, "replicas": None, "groups": None, "nodes": None, "ranks_per_node": None,
+         "kernel": None, "sms": None, "max_nodes_per_token": None})

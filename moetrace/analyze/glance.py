@@ -34,7 +34,8 @@ def skew_sentence(store, run_id: str, layer_rows: list[dict]) -> str | None:
     text = f"run {run_id}: layer {layer} is the most skewed (max/mean {worst['imbalance_mean']:.2f} on average)"
     if rank is None:
         return text + "."
-    text += f"; its straggler is rank {rank} ({n} of {len(ranks)} steps)"
+    where = {"recorded": ", recorded placement", "contiguous": ", ranks contiguous: no placement recorded"}
+    text += f"; its straggler is rank {rank} ({n} of {len(ranks)} steps{where.get(str(worst.get('placement_source')), '')})"
     if len(steps) >= 4:
         h = len(steps) // 2
         (a, _), (b, _) = _mode(ranks[:h]), _mode(ranks[h:])

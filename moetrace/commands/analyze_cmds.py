@@ -7,7 +7,7 @@ import click
 
 from .. import open_store
 from ..errors import StoreError
-from ..output import Rows, emit, emit_rows, output_options
+from ..output import Rows, echo_wrapped, emit, emit_rows, output_options
 from ..run import SKEW_BY
 from ._options import engine_options, engine_sql, out_dir_option, run_option
 
@@ -138,7 +138,6 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
         emit_rows(_skew_table(rows, len(runs)) if table else rows, fmt, output)
         if table and by == "layer":
             from ..analyze.glance import skew_sentence
-            from ..output import echo_wrapped
 
             for r, p in zip(runs, parts):
                 said = skew_sentence(st, r.id, p.dicts())
@@ -152,7 +151,7 @@ def skew(store, run_id, by, batch_steps, memory_limit, engine, master, remote, f
         if fmt == "table" and not output and by != "step":   # csv/json and the per-step dump stay one table
             line = r.dp_balance_line()
             if line:
-                click.echo(f"run {r.id}: {line}")
+                echo_wrapped(f"run {r.id}: {line}")
 
 
 @click.command()

@@ -18,7 +18,9 @@ from ..replay.strategies import fastest_text
 from ..run import ClusterSpec, Store
 from ..units import gib
 from ._options import (
+    SHAPE,
     chrome_trace_option,
+    finite_float,
     fit_steps_option,
     hardware_option,
     ints_option,
@@ -79,7 +81,7 @@ move_options = _stack(
     click.option("--move-overlap", type=click.FloatRange(0, 1), default=0.0, show_default=True,
                  help="Share of the weight transfer hidden behind compute: 0 = synchronous engine (the step "
                       "waits for it), e.g. 0.9 for an asynchronous one."),
-    click.option("--layers-per-step", type=click.IntRange(min=1), default=None, metavar="N",
+    click.option("--layers-per-step", type=click.IntRange(1, SHAPE), default=None, metavar="N",
                  help="The engine moves N layers per step (TensorRT-LLM layer_updates_per_iter, SGLang chunked "
                       "rebalance): each plan change is spread over steps, and its break-even is given under that "
                       "schedule too (default: every layer at once)."),
@@ -267,7 +269,7 @@ def plan(store, run_id, policy, ranks, replicas, groups, nodes, rpn, fit_window,
               help="Which copy of a replicated expert takes its tokens, for the load answer: even (every copy an "
                    "equal share), least-loaded (per step, water-filled onto the lightest copies' ranks, a min-max "
                    "split like DeepSeek's LPLB), or both side by side.")
-@click.option("--balance-tolerance", type=click.FloatRange(0, 10), default=None, metavar="F",
+@click.option("--balance-tolerance", type=finite_float(0, 10), default=None, metavar="F",
               help="Policy cooccurrence: a rank may carry up to (1 + F) x the mean load (default 0.1).")
 @json_option(help="Print the summary object as JSON.")
 @click.option("--timeline-whatif", is_flag=True,
